@@ -1,0 +1,267 @@
+"""Reading corpora: ``.jsonl``, ``.jsonl.zst`` (streamed), ``.parquet`` and ``.txt`` → documents.
+
+Every document carries its file and 1-based line (or row) number, so bad input is reported as
+``path:line: reason``. Documents are produced in a deterministic order (sorted, deduplicated paths; file
+order within a file) and each has a resumable position ``(file_index, next_record_index)``.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zstandard
+
+from schemas.config import SourceConfig
+
+__all__ = ["Document", "BadRecordError", "resolve_paths", "detect_format", "iter_documents"]
+
+
+class BadRecordError(ValueError):
+    """One input record (or a whole file) is unusable. ``str(e)`` is ``file:line: reason``."""
+
+    def __init__(self, file: str, line: int, reason: str):
+        self.file, self.line, self.reason = file, line, reason
+        where = f"{file}:{line}" if line > 0 else file
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class Document:
+    """A document's text, where it came from, and the resume position just after it."""
+
+    text: str
+    file: str
+    line: int  # 1-based line (jsonl/txt) or row (parquet) of the record
+    file_index: int  # index into resolve_paths(source)
+    next_record: int  # records of this file consumed once this document is taken
+
+
+def resolve_paths(source: SourceConfig) -> list[str]:
+    """Expand the source's paths/globs into a sorted, deduplicated file list.
+
+    Raises:
+        BadRecordError: a pattern matches nothing (names the pattern and the source).
+    """
+    files: set[str] = set()
+    for pattern in source.paths:
+        if glob.has_magic(pattern):
+            matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+            if not matched:
+                raise BadRecordError(pattern, 0, f"no file matches this pattern (source '{source.name}')")
+            files.update(matched)
+        else:
+            if not os.path.exists(pattern):
+                raise BadRecordError(pattern, 0, f"no such file (source '{source.name}')")
+            if os.path.isdir(pattern):
+                raise BadRecordError(pattern, 0, f"is a directory; give files or a glob (source '{source.name}')")
+            files.add(pattern)
+    return sorted(files)
+
+
+def detect_format(path: str, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        return fmt
+    for ext, name in ((".jsonl.zst", "jsonl.zst"), (".jsonl", "jsonl"), (".json", "jsonl"),
+                      (".parquet", "parquet"), (".txt", "txt")):
+        if path.endswith(ext):
+            return name
+    raise BadRecordError(path, 0, "cannot tell the format from the extension; set the source's `format`")
+
+
+def _open_lines(path: str, fmt: str) -> Iterator[bytes]:
+    """Raw lines (bytes, with newline) of a plain or zstd-compressed text file."""
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed in finally
+    except OSError as e:
+        raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
+    try:
+        if fmt == "jsonl.zst":
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            stream = io.BufferedReader(reader, buffer_size=1 << 20)
+        else:
+            stream = raw
+        try:
+            yield from stream
+        except zstandard.ZstdError as e:
+            raise BadRecordError(path, 0, f"corrupt zstd stream: {e}") from e
+    finally:
+        raw.close()
+
+
+def _decode(path: str, line_no: int, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecordError(
+            path, line_no, f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})"
+        ) from e
+
+
+def _text_of(record: object, source: SourceConfig, path: str, line: int) -> str:
+    if not isinstance(record, dict):
+        raise BadRecordError(path, line, f"expected a JSON object, got {type(record).__name__}")
+    if source.template is not None:
+        try:
+            text = source.template.format_map(record)
+        except KeyError as e:
+            fields = ", ".join(sorted(map(str, record))) or "none"
+            raise BadRecordError(
+                path, line, f"missing field {e.args[0]!r} used by the template (fields present: {fields})"
+            ) from None
+        except (ValueError, IndexError) as e:
+            raise BadRecordError(path, line, f"template {source.template!r} failed: {e}") from None
+    else:
+        if source.text_field not in record:
+            fields = ", ".join(sorted(map(str, record))) or "none"
+            raise BadRecordError(
+                path, line, f"missing text field {source.text_field!r} (fields present: {fields})"
+            )
+        text = record[source.text_field]
+        if not isinstance(text, str):
+            raise BadRecordError(
+                path, line, f"field {source.text_field!r} is {type(text).__name__}, expected a string"
+            )
+    if not text.strip():
+        raise BadRecordError(path, line, "empty document")
+    return text
+
+
+def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
+    """(record index, line, text or BadRecordError) for a jsonl file; record index = 0-based line index."""
+    seen_content = False
+    for idx, data in enumerate(_open_lines(path, fmt)):
+        if data.strip():
+            seen_content = True
+        if idx < start:
+            continue
+        line = idx + 1
+        if not data.strip():
+            continue  # blank lines between records are tolerated
+        try:
+            text = _decode(path, line, data)
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise BadRecordError(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
+            yield idx, line, _text_of(record, source, path, line)
+        except BadRecordError as e:
+            yield idx, line, e
+    if not seen_content:
+        yield -1, 0, BadRecordError(path, 0, "file is empty")
+
+
+def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
+    """Records of a text file: the whole file, blank-line paragraphs, or lines."""
+    lines: list[tuple[int, str]] = []
+    bad: BadRecordError | None = None
+    for idx, data in enumerate(_open_lines(path, "txt")):
+        try:
+            lines.append((idx + 1, _decode(path, idx + 1, data)))
+        except BadRecordError as e:
+            bad = bad or e
+            lines.append((idx + 1, ""))
+    if not any(s.strip() for _, s in lines):
+        yield -1, 0, bad or BadRecordError(path, 0, "file is empty")
+        return
+    mode = source.txt_split
+    if mode == "file":
+        if start == 0:
+            yield 0, 1, bad if bad else "".join(s for _, s in lines)
+        return
+    # group into records: each line, or runs of non-blank lines
+    records: list[tuple[int, list[tuple[int, str]]]] = []
+    if mode == "line":
+        records = [(n, [(n, s)]) for n, s in lines if s.strip() or _bad_line(bad, n)]
+    else:
+        current: list[tuple[int, str]] = []
+        for n, s in lines:
+            if s.strip() or _bad_line(bad, n):
+                current.append((n, s))
+            elif current:
+                records.append((current[0][0], current))
+                current = []
+        if current:
+            records.append((current[0][0], current))
+    for ridx, (first, group) in enumerate(records):
+        if ridx < start:
+            continue
+        bad_here = bad if bad is not None and any(n == bad.line for n, _ in group) else None
+        yield ridx, first, bad_here if bad_here else "".join(s for _, s in group).strip("\n")
+
+
+def _bad_line(bad: BadRecordError | None, n: int) -> bool:
+    return bad is not None and bad.line == n
+
+
+def _parquet_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError with its own message
+        raise BadRecordError(path, 0, f"cannot read parquet: {e}") from e
+    if pf.metadata.num_rows == 0:
+        yield -1, 0, BadRecordError(path, 0, "file is empty (0 rows)")
+        return
+    names = pf.schema_arrow.names
+    if source.template is None and source.text_field not in names:
+        raise BadRecordError(
+            path, 0, f"missing text column {source.text_field!r} (columns: {', '.join(names)})"
+        )
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        if row + batch.num_rows <= start:
+            row += batch.num_rows
+            continue
+        for rec in batch.to_pylist():
+            if row >= start:
+                try:
+                    yield row, row + 1, _text_of(rec, source, path, row + 1)
+                except BadRecordError as e:
+                    yield row, row + 1, e
+            row += 1
+
+
+def iter_documents(
+    source: SourceConfig,
+    *,
+    start_file: int = 0,
+    start_record: int = 0,
+    files: list[str] | None = None,
+) -> Iterator[Document | BadRecordError]:
+    """Stream a source's documents from a resume position; bad records are yielded, not raised.
+
+    Args:
+        source: the source config.
+        start_file: index into the resolved file list to start from.
+        start_record: records of that file already consumed.
+        files: the resolved file list (default: :func:`resolve_paths`).
+
+    Yields:
+        :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
+        A file that cannot be opened at all yields a single error with line 0.
+    """
+    files = resolve_paths(source) if files is None else files
+    for fi in range(start_file, len(files)):
+        path = files[fi]
+        first = start_record if fi == start_file else 0
+        try:
+            fmt = detect_format(path, source.format)
+            if fmt in ("jsonl", "jsonl.zst"):
+                records = _jsonl_records(path, fmt, source, first)
+            elif fmt == "parquet":
+                records = _parquet_records(path, source, first)
+            else:
+                records = _txt_records(path, source, first)
+            for idx, line, item in records:
+                if isinstance(item, BadRecordError):
+                    yield item
+                else:
+                    yield Document(text=item, file=path, line=line, file_index=fi, next_record=idx + 1)
+        except BadRecordError as e:
+            yield e

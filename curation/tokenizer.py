@@ -1,0 +1,88 @@
+"""Tokenizers: load a local HF tokenizer (directory or tokenizer.json) or train a byte-level BPE.
+
+Training is deterministic for a given document sequence and settings (test: two trainings give
+byte-identical ``tokenizer.json``). The fingerprint of a tokenizer is the sha256 of its
+``tokenizer.json``; it is written into every manifest and checked against models and shards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from schemas.manifest import atomic_write_text, sha256_file
+
+__all__ = ["LoadedTokenizer", "load_tokenizer", "train_bpe_tokenizer", "tokenizer_json_path"]
+
+
+@dataclass
+class LoadedTokenizer:
+    """A ``tokenizers.Tokenizer`` with the facts the pipeline needs."""
+
+    tokenizer: Tokenizer
+    path: str  # the tokenizer.json it was loaded from
+    eos_id: int
+    vocab_size: int  # including added/special tokens: every id is < vocab_size
+    fingerprint: str  # sha256 of tokenizer.json
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def tokenizer_json_path(path: str) -> str:
+    """``path`` itself if it is a file, else ``path/tokenizer.json``."""
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(candidate):
+            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
+        return candidate
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    return path
+
+
+def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedTokenizer:
+    """Load a tokenizer.json (or a directory holding one); ``eos_token`` must be in its vocabulary."""
+    json_path = tokenizer_json_path(path)
+    try:
+        tok = Tokenizer.from_file(json_path)
+    except Exception as e:  # tokenizers raises a plain Exception with the serde message
+        raise ValueError(f"{json_path}: not a valid tokenizer.json ({e})") from e
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(
+            f"{json_path}: EOS token {eos_token!r} is not in the vocabulary; set tokenizer.eos_token"
+        )
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return LoadedTokenizer(tok, json_path, eos_id, vocab, sha256_file(json_path))
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    min_frequency: int = 2,
+    eos_token: str = "<|endoftext|>",
+    save_to: str,
+) -> LoadedTokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it (atomically) to ``save_to``.
+
+    The EOS token gets id 0. Byte-level means every string is encodable (no unknown token).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(save_to)), exist_ok=True)
+    atomic_write_text(save_to, tok.to_str(pretty=True))
+    return load_tokenizer(save_to, eos_token=eos_token)

@@ -1,0 +1,275 @@
+"""Validated job configs: pydantic models, YAML files, ``--set a.b=c`` overrides, ``--print-config``.
+
+Every job section is a pydantic model that forbids unknown keys, so a typo is an error naming the key.
+Jobs call :func:`parse_job_config` with their top-level model and embedded default::
+
+    cfg = parse_job_config(PrepareConfig, description="...", default=PrepareConfig.demo)
+
+which understands ``--config FILE.yaml``, repeated ``--set key.path=value`` (values parsed as YAML, list
+items addressed by index: ``--set sources.0.text_field=body``), and ``--print-config`` (prints the
+resolved config as YAML and exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "StrictModel",
+    "SourceConfig",
+    "TokenizerConfig",
+    "PrepareConfig",
+    "apply_override",
+    "load_config",
+    "parse_job_config",
+    "DEMO_ROOT",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+#: Where the embedded demo writes its corpus and outputs (relative to the working directory).
+DEMO_ROOT = os.path.join("runs", "demo")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key (and the file)."""
+
+
+class StrictModel(BaseModel):
+    """Base for config sections: unknown keys are errors, defaults are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# prepare
+# ------------------------------------------------------------------------------------------------
+InputFormat = Literal["auto", "jsonl", "jsonl.zst", "parquet", "txt"]
+
+
+class SourceConfig(StrictModel):
+    """One named input source: files + how to get a document's text out of a record."""
+
+    name: str = Field(description="source label stored in every sequence's `source` column")
+    paths: list[str] = Field(description="files or glob patterns (sorted, deduplicated)")
+    format: InputFormat = Field("auto", description="input format; auto = from the file extension")
+    text_field: str = Field("text", description="JSON/parquet field holding the text")
+    template: str | None = Field(
+        None, description="Python format template joining several fields, e.g. '{question}\\n{answer}'"
+    )
+    txt_split: Literal["file", "blank_line", "line"] = Field(
+        "blank_line", description=".txt files: one document per file, per blank-line paragraph, or per line"
+    )
+    max_documents: int | None = Field(None, ge=1, description="stop after this many documents")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v or not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError(f"source name {v!r} must be non-empty and use only letters, digits, '-', '_', '.'")
+        return v
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one path or glob is required")
+        return v
+
+
+class TokenizerConfig(StrictModel):
+    """A local tokenizer (directory or tokenizer.json) or one trained on the fly from the inputs."""
+
+    path: str | None = Field(None, description="HF tokenizer directory or tokenizer.json; None = train one")
+    vocab_size: int = Field(4096, ge=260, le=2**20, description="vocabulary size when training")
+    min_frequency: int = Field(2, ge=1, description="BPE merge min frequency when training")
+    eos_token: str = Field("<|endoftext|>", description="token appended after every document")
+    train_max_documents: int = Field(200_000, ge=1, description="documents used to train the tokenizer")
+
+
+class PrepareConfig(StrictModel):
+    """Config of ``jobs/prepare.py``: corpora → packed candidate shards + validation shards."""
+
+    sources: list[SourceConfig] = Field(description="candidate-pool sources")
+    validation: list[SourceConfig] = Field(default_factory=list, description="target/validation sources")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    output_dir: str = Field(description="writes candidates/, validation/, tokenizer/ under it")
+    seq_len: int = Field(128, ge=2, le=1 << 20, description="L: tokens per packed sequence")
+    seed: int = Field(0, description="seeds the within-part sequence shuffle")
+    sequences_per_part: int = Field(
+        2048, ge=1, description="sequences per resumable part (one MDS subdirectory, shuffled within)"
+    )
+    shard_size_limit: int = Field(1 << 26, ge=1 << 12, description="MDS shard size limit in bytes")
+    skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
+    progress: bool = Field(True, description="show a progress bar")
+    demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
+
+    @field_validator("sources")
+    @classmethod
+    def _sources(cls, v: list[SourceConfig]) -> list[SourceConfig]:
+        if not v:
+            raise ValueError("at least one source is required")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PrepareConfig:
+        for group in ("sources", "validation"):
+            names = [s.name for s in getattr(self, group)]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"{group}: duplicate source names {dup}")
+        return self
+
+    @classmethod
+    def demo_default(cls, root: str = DEMO_ROOT) -> PrepareConfig:
+        """The embedded default: the generated domain-shift demo corpus (see ``curation.demo``)."""
+        raw = os.path.join(root, "raw")
+        return cls(
+            sources=[
+                SourceConfig(name="target", paths=[os.path.join(raw, "target.jsonl")], template="{question}\n{answer}"),
+                SourceConfig(name="general", paths=[os.path.join(raw, "general.jsonl")]),
+                SourceConfig(name="noise", paths=[os.path.join(raw, "noise.jsonl")]),
+            ],
+            validation=[
+                SourceConfig(
+                    name="target_val", paths=[os.path.join(raw, "target_val.jsonl")], template="{question}\n{answer}"
+                )
+            ],
+            tokenizer=TokenizerConfig(path=None, vocab_size=2048),
+            output_dir=os.path.join(root, "data"),
+            seq_len=128,
+            sequences_per_part=1024,
+            demo=True,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# loading machinery
+# ------------------------------------------------------------------------------------------------
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = e.get("input")
+        shown = "" if e["type"] in ("missing",) or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {key}: {msg}{shown}")
+    return f"invalid config ({origin}):\n" + "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; ``value`` is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key.path=value")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e})") from e
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {key}: '{where}' is not an index of a list of {len(node)} items")
+            idx = int(part)
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is a value, not a section")
+
+
+def load_config(
+    model: type[M],
+    *,
+    path: str | None = None,
+    overrides: Sequence[str] = (),
+    default: Callable[[], M] | None = None,
+) -> M:
+    """Resolve a config: YAML file (or the embedded default) + overrides, validated.
+
+    Raises:
+        ConfigError: naming the file and the offending key(s).
+    """
+    origin = path or "embedded default"
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    elif default is not None:
+        data = default().model_dump(mode="json")
+    else:
+        data = {}
+    for o in overrides:
+        apply_override(data, o)
+    if overrides:
+        origin += " + --set " + " ".join(overrides)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, origin)) from None
+
+
+def config_to_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (default: the embedded default)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set seq_len=256 --set sources.0.text_field=body (repeatable)",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def parse_job_config(
+    model: type[M],
+    *,
+    description: str,
+    default: Callable[[], M] | None = None,
+    argv: Sequence[str] | None = None,
+    parser: argparse.ArgumentParser | None = None,
+) -> tuple[M, argparse.Namespace]:
+    """Parse a job's command line into a validated config (exits 2 with the message on a config error)."""
+    parser = parser or argparse.ArgumentParser(description=description)
+    add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.print_config:
+        sys.stdout.write(config_to_yaml(cfg))
+        raise SystemExit(0)
+    return cfg, args

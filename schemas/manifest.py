@@ -1,0 +1,166 @@
+"""Run manifests: the JSON file written next to every output directory (DESIGN.md §5).
+
+A manifest records what produced the directory (schema version, resolved config, tokenizer and model
+fingerprints), what it holds (per-source counts) and which shards are finished, so that a rerun skips
+finished work and never writes a shard twice. Saved atomically (write to a temporary file, then
+``os.replace``), so a kill never leaves a half-written manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.shards import SCHEMA_VERSION
+
+__all__ = [
+    "MANIFEST_NAME",
+    "BadRecord",
+    "SourceCounts",
+    "ShardRecord",
+    "Manifest",
+    "sha256_file",
+    "atomic_write_text",
+]
+
+MANIFEST_NAME = "manifest.json"
+#: At most this many bad records are listed individually; all are counted.
+MAX_LISTED_BAD_RECORDS = 200
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BadRecord(_Strict):
+    """One input record that was skipped (``skip_bad_records``) with the reason."""
+
+    source: str
+    file: str
+    line: int = Field(description="1-based line (or row) number; 0 when the whole file is bad")
+    reason: str
+
+
+class SourceCounts(_Strict):
+    """Counts for one named source; ``+`` merges two counts."""
+
+    documents: int = 0
+    tokens: int = 0
+    sequences: int = 0
+    bad_records: int = 0
+    dropped_tokens: int = Field(0, description="remainder tokens that did not fill a last sequence")
+    kept_tokens: int = Field(0, description="tokens with loss_mask=1 (selected-token shards)")
+
+    def __add__(self, other: SourceCounts) -> SourceCounts:
+        return SourceCounts(**{k: getattr(self, k) + getattr(other, k) for k in type(self).model_fields})
+
+
+class ShardRecord(_Strict):
+    """A finished shard group (an MDS subdirectory with its own index.json)."""
+
+    name: str = Field(description="subdirectory, relative to the output directory")
+    source: str | None = None
+    part: int = 0
+    samples: int
+    tokens: int
+    complete: bool = True
+    state: dict[str, Any] = Field(default_factory=dict, description="producer state after this shard (resume)")
+
+
+class Manifest(_Strict):
+    """Manifest of one output directory."""
+
+    schema_version: str = SCHEMA_VERSION
+    kind: str = Field(description="shard spec name: candidate, scored or selected")
+    job: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    tokenizer_fingerprint: str | None = None
+    model_fingerprints: dict[str, str] = Field(default_factory=dict)
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    sources: dict[str, SourceCounts] = Field(default_factory=dict)
+    bad_records: list[BadRecord] = Field(default_factory=list)
+    shards: list[ShardRecord] = Field(default_factory=list)
+    complete: bool = False
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    # --- persistence -------------------------------------------------------------------------
+    @classmethod
+    def path_in(cls, directory: str) -> str:
+        return os.path.join(directory, MANIFEST_NAME)
+
+    @classmethod
+    def load(cls, directory: str) -> Manifest:
+        """Load ``directory/manifest.json``; errors name the file."""
+        path = cls.path_in(directory)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read manifest ({e})") from e
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"{path}: schema_version {data.get('schema_version')!r} is not the supported {SCHEMA_VERSION!r}"
+            )
+        try:
+            return cls.model_validate(data)
+        except Exception as e:  # pydantic.ValidationError: keep its field paths, add the file
+            raise ValueError(f"{path}: invalid manifest: {e}") from e
+
+    @classmethod
+    def load_if_exists(cls, directory: str) -> Manifest | None:
+        return cls.load(directory) if os.path.exists(cls.path_in(directory)) else None
+
+    def save(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = self.path_in(directory)
+        atomic_write_text(path, self.model_dump_json(indent=2))
+        return path
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def counts(self, source: str) -> SourceCounts:
+        return self.sources.setdefault(source, SourceCounts())
+
+    def add_bad_record(self, record: BadRecord) -> None:
+        self.counts(record.source).bad_records += 1
+        if len(self.bad_records) < MAX_LISTED_BAD_RECORDS:
+            self.bad_records.append(record)
+
+    def completed(self) -> set[str]:
+        return {s.name for s in self.shards if s.complete}
+
+    def totals(self) -> SourceCounts:
+        total = SourceCounts()
+        for c in self.sources.values():
+            total = total + c
+        return total
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes (tokenizer fingerprints)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

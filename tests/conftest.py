@@ -1,0 +1,36 @@
+"""Shared fixtures: paths to ../shared/data (skipped with a reason when absent) and small corpora."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` next to the checkout; tests using it skip when it is absent (a user's clone)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real-data test needs ../shared/data next to the checkout ({SHARED_DATA} is absent)")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def gpt2_tokenizer(shared_data: Path) -> str:
+    return str(shared_data / "tokenizer_gpt2" / "gpt2_tokenizer.json")
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONHASHSEED", "0")
