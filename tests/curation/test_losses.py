@@ -1,0 +1,128 @@
+"""token_losses, target_valid, model_logits and batch normalisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from curation.losses import TokenBatch, as_token_batch, model_logits, target_valid, token_losses
+
+
+def _hand_nll(row: list[float], target: int) -> float:
+    return -(row[target] - math.log(sum(math.exp(x) for x in row)))
+
+
+def test_token_losses_matches_hand_computed_cross_entropy():
+    # b=1, L=3, V=3: position n is predicted from logits[:, n-1].
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [5.0, -1.0, 0.5]]])
+    tokens = torch.tensor([[2, 0, 1]])
+    losses, valid = token_losses(logits, tokens)
+    assert losses.dtype == torch.float32 and losses.shape == (1, 3)
+    assert valid.tolist() == [[False, True, True]]
+    # position 1: target 0 under [1, 2, 3] -> 2 + log(1 + e^-1 + e^-2) = 2.40760596...
+    assert losses[0, 1].item() == pytest.approx(2.4076059644, abs=1e-6)
+    assert losses[0, 1].item() == pytest.approx(_hand_nll([1.0, 2.0, 3.0], 0), abs=1e-6)
+    # position 2: target 1 under uniform logits -> log 3
+    assert losses[0, 2].item() == pytest.approx(math.log(3.0), abs=1e-6)
+    assert losses[0, 0].item() == 0.0  # position 0 predicts nothing
+
+
+def test_padding_positions_are_invalid_zero_and_not_read():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5)
+    logits[1, 2] = float("nan")  # logits at a padded context position predict a padded target only
+    tokens = torch.tensor([[1, 2, 3, 4], [0, 1, -100, -100]])  # out-of-range ids at padding
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    losses, tv = token_losses(logits, tokens, valid)
+    assert tv.tolist() == [[False, True, True, True], [False, True, False, False]]
+    assert losses[1, 2:].tolist() == [0.0, 0.0]
+    assert torch.isfinite(losses).all()
+    expected = torch.nn.functional.cross_entropy(logits[0, :3], tokens[0, 1:], reduction="none")
+    torch.testing.assert_close(losses[0, 1:], expected)
+
+
+def test_bf16_logits_give_float32_losses_equal_to_upcast_computation():
+    torch.manual_seed(1)
+    logits = (torch.randn(2, 6, 11) * 4).to(torch.bfloat16)
+    tokens = torch.randint(0, 11, (2, 6))
+    losses, _ = token_losses(logits, tokens)
+    assert losses.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, 11), tokens[:, 1:].reshape(-1), reduction="none"
+    ).view(2, 5)
+    torch.testing.assert_close(losses[:, 1:], ref, rtol=0, atol=1e-6)
+
+
+def test_chunking_does_not_change_values_or_gradients():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 7, 13, requires_grad=True)
+    tokens = torch.randint(0, 13, (3, 7))
+    full, _ = token_losses(logits, tokens)
+    chunked, _ = token_losses(logits, tokens, chunk_elements=13 * 4)  # 4 rows per chunk
+    torch.testing.assert_close(full, chunked, rtol=0, atol=0)
+    (g_full,) = torch.autograd.grad(full.sum(), logits)
+    (g_chunk,) = torch.autograd.grad(chunked.sum(), logits)
+    torch.testing.assert_close(g_full, g_chunk)
+    assert g_full[:, -1].abs().sum() == 0  # the last logits predict nothing
+
+
+def test_shape_and_dtype_errors():
+    with pytest.raises(ValueError, match="shape"):
+        token_losses(torch.randn(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        token_losses(torch.randn(2, 4, 5), torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="bool"):
+        target_valid(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+
+
+def test_target_valid_does_not_modify_input():
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    out = target_valid(torch.zeros(1, 3, dtype=torch.long), valid)
+    assert out.tolist() == [[False, True, True]] and valid.all()
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 7)
+
+    def forward(self, x):
+        return self.emb(x)
+
+
+class _HFLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 7)
+        self.seen_mask = None
+
+    def forward(self, input_ids=None, attention_mask=None):
+        self.seen_mask = attention_mask
+        return type("Out", (), {"logits": self.emb(input_ids)})()
+
+
+def test_model_logits_plain_and_hf_like_modules():
+    tokens = torch.tensor([[1, 2, 3]])
+    plain = _Plain()
+    torch.testing.assert_close(model_logits(plain, tokens), plain.emb(tokens))
+    hf = _HFLike()
+    torch.testing.assert_close(model_logits(hf, tokens, torch.ones(1, 3, dtype=torch.bool)), hf.emb(tokens))
+    assert hf.seen_mask is None  # all valid: no mask passed
+    model_logits(hf, tokens, torch.tensor([[True, True, False]]))
+    assert hf.seen_mask.tolist() == [[1, 1, 0]]
+
+
+def test_as_token_batch_forms():
+    t = torch.zeros(1, 2, dtype=torch.long)
+    v = torch.ones(1, 2, dtype=torch.bool)
+    assert as_token_batch(t).tokens is t
+    b = as_token_batch((t, v, v))
+    assert b.valid is v and b.mask is v
+    m = as_token_batch({"input_ids": t, "attention_mask": torch.ones(1, 2, dtype=torch.long), "loss_mask": v})
+    assert m.valid.dtype == torch.bool and m.mask is v
+    assert as_token_batch(TokenBatch(t)).valid is None
+    with pytest.raises(TypeError):
+        as_token_batch(3)
