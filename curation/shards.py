@@ -9,9 +9,11 @@ removed before being written again, so no sample is ever written twice.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,7 +22,9 @@ import numpy as np
 from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSpec, validate_shard_dir
 
-__all__ = ["write_part", "merge_part_indexes", "remove_incomplete_parts", "open_shards", "read_column"]
+__all__ = [
+    "write_part", "merge_part_indexes", "remove_incomplete_parts", "ShardReader", "open_shards", "read_column",
+]
 
 
 def write_part(
@@ -87,13 +91,65 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     return removed
 
 
-def open_shards(path: str, spec: ShardSpec | str | None = None):
-    """A ``streaming.LocalDataset`` over an MDS directory, validated against ``spec`` first."""
-    from streaming import LocalDataset
+class ShardReader:
+    """Random access to the samples of a local MDS directory, zstd shards decompressed in memory.
 
+    ``streaming.LocalDataset`` only reads uncompressed shards and ``StreamingDataset`` decompresses to disk
+    through shared memory; this reader needs neither (a small LRU of decompressed shards), so training
+    loaders, tests and workers can index any sample deterministically.
+    """
+
+    def __init__(self, path: str, *, cache_shards: int = 4):
+        from streaming.base.format import reader_from_json
+
+        with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+        self.path = path
+        self.shards = [reader_from_json(path, None, s) for s in index["shards"]]
+        self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache_shards = cache_shards
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def _shard_bytes(self, i: int) -> bytes:
+        if i in self._cache:
+            self._cache.move_to_end(i)
+            return self._cache[i]
+        from streaming.base.compression import decompress
+
+        shard = self.shards[i]
+        raw = os.path.join(self.path, shard.raw_data.basename)
+        if os.path.exists(raw):
+            with open(raw, "rb") as f:
+                data = f.read()
+        else:
+            with open(os.path.join(self.path, shard.zip_data.basename), "rb") as f:
+                data = decompress(shard.compression, f.read())
+        self._cache[i] = data
+        if len(self._cache) > self._cache_shards:
+            self._cache.popitem(last=False)
+        return data
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        idx = int(idx)
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {self.path} ({len(self)} samples)")
+        i = bisect.bisect_right(self._ends, idx)
+        local = idx - (self._ends[i - 1] if i else 0)
+        data = self._shard_bytes(i)
+        begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
+        return self.shards[i].decode_sample(data[begin:end])
+
+
+def open_shards(path: str, spec: ShardSpec | str | None = None) -> ShardReader:
+    """A :class:`ShardReader` over an MDS directory, validated against ``spec`` first."""
     if spec is not None:
         validate_shard_dir(path, spec)
-    return LocalDataset(local=path)
+    return ShardReader(path)
 
 
 def read_column(path: str, column: str) -> list[Any]:

@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
-from schemas.shards import CANDIDATE, SCHEMA_VERSION, SCORED, SELECTED, ShardSchemaError, token_dtype, validate_shard_dir
+from schemas.shards import (
+    CANDIDATE,
+    SCHEMA_VERSION,
+    SCORED,
+    SELECTED,
+    ShardSchemaError,
+    token_dtype,
+    validate_shard_dir,
+)
 
 
 def _write(path, columns, samples):

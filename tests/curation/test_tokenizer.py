@@ -1,0 +1,33 @@
+import pytest
+
+from curation.tokenizer import load_tokenizer, train_bpe_tokenizer
+from schemas.manifest import sha256_file
+
+TEXTS = [f"The quick brown fox {i} jumps over {i * 7} lazy dogs. 12 + {i} = {12 + i}." for i in range(300)]
+
+
+def test_training_is_deterministic(tmp_path):
+    a = train_bpe_tokenizer(iter(TEXTS), vocab_size=400, save_to=str(tmp_path / "a" / "tokenizer.json"))
+    b = train_bpe_tokenizer(iter(TEXTS), vocab_size=400, save_to=str(tmp_path / "b" / "tokenizer.json"))
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert a.fingerprint == b.fingerprint == sha256_file(a.path)
+    assert a.eos_id == 0 and a.vocab_size == 400
+    ids = a.encode_batch(["héllo wörld ✓"])[0]
+    assert a.tokenizer.decode(ids) == "héllo wörld ✓"  # byte-level: no unknown tokens
+    assert max(ids) < a.vocab_size
+
+
+def test_load_directory_and_eos_check(tmp_path):
+    t = train_bpe_tokenizer(iter(TEXTS), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    again = load_tokenizer(str(tmp_path / "tok"))
+    assert again.fingerprint == t.fingerprint
+    with pytest.raises(ValueError, match=r"EOS token '</s>' is not in the vocabulary"):
+        load_tokenizer(str(tmp_path / "tok"), eos_token="</s>")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_gpt2_tokenizer(gpt2_tokenizer):
+    tok = load_tokenizer(gpt2_tokenizer)
+    assert tok.eos_id == 50256 and tok.vocab_size == 50257
+    assert tok.encode_batch(["Hello world"])[0] == [15496, 995]
