@@ -92,7 +92,16 @@ def test_excess_loss_is_float32_from_fp16_reference():
 
 @pytest.mark.parametrize(
     ("gamma", "n", "k"),
-    [(0.5, 5, 3), (0.5, 3, 2), (0.25, 2, 1), (0.6, 10, 6), (0.01, 3, 1), (1.0, 7, 7), (0.3, 0, 0), (0.49, 2, 1)],
+    [
+        (0.5, 5, 3),
+        (0.5, 3, 2),
+        (0.25, 2, 1),
+        (0.6, 10, 6),
+        (0.01, 3, 1),
+        (1.0, 7, 7),
+        (0.3, 0, 0),
+        (0.49, 2, 1),
+    ],
 )
 def test_num_selected_rounds_half_up_with_minimum_one(gamma, n, k):
     assert num_selected(gamma, n) == k

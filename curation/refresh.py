@@ -1,0 +1,242 @@
+"""Reference refresh (BLADE's inner problem) and the RHO-1 static reference (DESIGN.md §2).
+
+``refresh_reference`` starts from a *copy* of the proxy ``u`` (synchronisation, ``w_0 ← u``), or of
+the previous reference for the ``blade-nosync`` ablation, and takes ``K`` AdamW steps on
+
+    L_val(w) + λ · L_train(α, w),
+
+where ``L_val`` is the mean token loss on a validation batch and ``L_train`` the α-masked mean
+loss on a recent candidate batch with its current selection. ``train_static_reference`` is the same
+loop with ``λ = 0`` started from the base model (RHO-1's reference, trained once a priori).
+
+The proxy and its optimizer are never touched: the reference is a deep copy with its own AdamW.
+
+Pure torch: no ray, no composer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curation.losses import TokenBatch, as_token_batch, model_logits, token_losses
+from curation.selection import masked_mean
+
+__all__ = [
+    "RefreshResult",
+    "refresh_reference",
+    "train_static_reference",
+]
+
+
+@dataclass
+class RefreshResult:
+    """Outcome of :func:`refresh_reference` / :func:`train_static_reference`.
+
+    Attributes:
+        model: the new reference ``w̃`` (its own module, in eval mode, no gradients kept).
+        optimizer_state: the reference AdamW ``state_dict()`` after the last step, to carry into the
+            next refresh (``blade-nosync``) or to checkpoint.
+        val_losses: ``L_val(w)`` before each step (length ``K``).
+        train_losses: ``L_train(α, w)`` before each step (length ``K``; empty when ``λ = 0``).
+        objectives: ``L_val + λ L_train`` before each step (length ``K``).
+        grad_norms: total gradient norm before clipping at each step (length ``K``).
+    """
+
+    model: nn.Module
+    optimizer_state: dict[str, Any]
+    val_losses: list[float] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    objectives: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Number of optimizer steps taken (``K``)."""
+        return len(self.objectives)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The reference weights (``model.state_dict()``)."""
+        return self.model.state_dict()
+
+
+def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBatch:
+    try:
+        return as_token_batch(next(it))
+    except StopIteration:
+        raise ValueError(f"{what} ran out after {step} of {steps} refresh steps") from None
+
+
+def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool) -> Tensor:
+    batch = batch.to(device)
+    losses, valid = token_losses(model_logits(model, batch.tokens, batch.valid), batch.tokens, batch.valid)
+    if use_mask and batch.mask is not None:
+        alpha = batch.mask
+        if alpha.shape != valid.shape:
+            raise ValueError(
+                f"candidate mask has shape {tuple(alpha.shape)}, tokens have {tuple(valid.shape)}"
+            )
+        alpha = alpha & valid if alpha.dtype == torch.bool else alpha.float() * valid
+        return masked_mean(losses, alpha)
+    return masked_mean(losses, valid)
+
+
+def refresh_reference(
+    proxy: nn.Module,
+    val_batches: Iterable[Any],
+    cand_batches: Iterable[Any] | None,
+    *,
+    steps: int,
+    lam: float = 1.0,
+    lr: float = 8e-5,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    grad_clip: float | None = 1.0,
+    previous: nn.Module | Mapping[str, Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+) -> RefreshResult:
+    """Compute a new reference ``w̃`` by ``K = steps`` AdamW steps from ``w_0``.
+
+    ``w_0`` is a deep copy of ``proxy`` (BLADE: synchronisation), or, when ``previous`` is given,
+    the proxy's architecture loaded with ``previous``'s weights (``blade-nosync``: the reference
+    continues from its last weights). Each step draws one validation batch and (when ``λ ≠ 0``)
+    one candidate batch and minimises ``L_val(w) + λ · masked_mean(ℓ(w), α)``; gradients are
+    clipped to ``grad_clip`` (total L2 norm) before the step. Defaults are the paper's
+    (η_w = 8e-5, weight decay 0.01, λ = 1, clipping 1.0, constant LR).
+
+    Batches may be :class:`~curation.losses.TokenBatch`, token tensors, ``(tokens, valid, mask)``
+    tuples or mappings (see :func:`~curation.losses.as_token_batch`); a candidate batch's ``mask``
+    is its current selection α over loss positions (``None``: all valid tokens).
+
+    ``proxy`` is not modified (parameters, buffers, gradients, train/eval mode), and its optimizer
+    is not involved. The reference gets a fresh AdamW unless ``optimizer_state`` (from a previous
+    :class:`RefreshResult`) is given.
+
+    Args:
+        proxy: the proxy model ``u`` (HF causal LM or a module returning logits).
+        val_batches: iterable of validation batches (at least ``steps`` of them).
+        cand_batches: iterable of candidate batches with selections; may be ``None`` if ``lam == 0``.
+        steps: ``K``; 0 returns a copy of ``w_0`` unchanged.
+        lam: ``λ``, weight of the candidate term.
+        lr: ``η_w``.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+        previous: start from these weights (module or state dict) instead of the proxy's.
+        optimizer_state: AdamW state to resume from.
+
+    Returns:
+        A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
+
+    Raises:
+        ValueError: on bad settings or when an iterator runs out before ``steps`` batches.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps (K) must be an int >= 0, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if not lam >= 0:
+        raise ValueError(f"lam (λ) must be >= 0, got {lam!r}")
+    if grad_clip is not None and not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip!r}")
+    if lam != 0 and cand_batches is None and steps > 0:
+        raise ValueError("cand_batches is required when lam != 0")
+
+    if isinstance(previous, nn.Module):
+        ref = copy.deepcopy(previous)
+    else:
+        ref = copy.deepcopy(proxy)
+        if previous is not None:
+            ref.load_state_dict(previous)
+    ref.zero_grad(set_to_none=True)
+    ref.train()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if optimizer_state is not None:
+        opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
+        for group in opt.param_groups:  # this call's settings win over the carried ones
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    try:
+        device = next(ref.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    result = RefreshResult(model=ref, optimizer_state={})
+    val_it = iter(val_batches)
+    cand_it = iter(cand_batches) if (cand_batches is not None and lam != 0) else None
+    with torch.inference_mode(False), torch.enable_grad():
+        for step in range(steps):
+            vb = _next_batch(val_it, "val_batches", step, steps)
+            opt.zero_grad(set_to_none=True)
+            l_val = _mean_loss(ref, vb, device, use_mask=False)
+            objective = l_val
+            if cand_it is not None:
+                cb = _next_batch(cand_it, "cand_batches", step, steps)
+                l_train = _mean_loss(ref, cb, device, use_mask=True)
+                objective = l_val + lam * l_train
+                result.train_losses.append(float(l_train.detach()))
+            objective.backward()
+            if grad_clip:
+                norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            else:
+                norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.detach().float().norm() for p in params if p.grad is not None])
+                )
+            opt.step()
+            result.val_losses.append(float(l_val.detach()))
+            result.objectives.append(float(objective.detach()))
+            result.grad_norms.append(float(norm))
+    opt.zero_grad(set_to_none=True)
+    ref.eval()
+    result.optimizer_state = opt.state_dict()
+    return result
+
+
+def train_static_reference(
+    base_model: nn.Module,
+    val_batches: Iterable[Any],
+    *,
+    steps: int,
+    lr: float = 8e-5,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    grad_clip: float | None = 1.0,
+) -> RefreshResult:
+    """RHO-1's reference: a copy of ``base_model`` trained a priori on validation data.
+
+    The same loop as :func:`refresh_reference` with ``λ = 0`` (validation loss only), run once
+    before training; the ``rho1`` policy never refreshes it. ``base_model`` is not modified.
+
+    Args:
+        base_model: the model the proxy starts from.
+        val_batches: iterable of at least ``steps`` validation batches.
+        steps: number of AdamW steps ``N``.
+        lr: learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+
+    Returns:
+        A :class:`RefreshResult` holding the static reference.
+    """
+    return refresh_reference(
+        base_model,
+        val_batches,
+        None,
+        steps=steps,
+        lam=0.0,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        grad_clip=grad_clip,
+    )
