@@ -91,7 +91,12 @@ def _documents(source: SourceConfig, skip_bad: bool, **pos) -> Iterator[Document
         files = sorted(set(files))
     else:
         files = resolve_paths(source)
+    at_start = pos.get("start_file", 0) == 0 and pos.get("start_record", 0) == 0
+    to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
     for item in iter_documents(source, files=files, **pos):
+        if to_skip:
+            to_skip -= isinstance(item, Document)
+            continue
         if isinstance(item, BadRecordError) and not skip_bad:
             raise item
         yield item

@@ -68,7 +68,8 @@ class SourceConfig(StrictModel):
     txt_split: Literal["file", "blank_line", "line"] = Field(
         "blank_line", description=".txt files: one document per file, per blank-line paragraph, or per line"
     )
-    max_documents: int | None = Field(None, ge=1, description="stop after this many documents")
+    skip_documents: int = Field(0, ge=0, description="skip the first N documents (e.g. a held-out slice)")
+    max_documents: int | None = Field(None, ge=1, description="stop after this many documents (after skipping)")
 
     @field_validator("name")
     @classmethod

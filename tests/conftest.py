@@ -34,3 +34,22 @@ def write_jsonl(path: Path, rows: list) -> Path:
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--all", action="store_true", default=False,
+        help="also run tests marked slow or ray (CI and README's test command use this)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Plain `pytest` is the fast CPU subset; `pytest --all` (or an explicit -m) runs everything."""
+    if config.getoption("--all") or config.getoption("markexpr"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("slow") or item.get_closest_marker("ray") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

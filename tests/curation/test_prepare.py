@@ -285,3 +285,14 @@ def test_real_corpus_with_gpt2_tokenizer(tmp_path, shared_data, gpt2_tokenizer):
     gsm = [res.tokenizer.tokenizer.decode(r["tokens"].tolist()) for r in rows if r["source"] == "gsm8k"]
     assert sum("####" in text for text in gsm) > len(gsm) // 2  # GSM8K answers end with "#### n"
     assert Manifest.load(res.dirs["validation"]).sources["aqua"].documents == 254
+
+
+def test_skip_documents_makes_a_disjoint_slice(tmp_path, corpus):
+    sources, texts = corpus
+    held = sources[1].model_copy(update={"name": "held", "max_documents": 30})
+    pool = sources[1].model_copy(update={"skip_documents": 30})
+    res = prep.prepare(_cfg(tmp_path, [pool], validation=[held], sequences_per_part=3))
+    m, v = Manifest.load(res.dirs["candidates"]), Manifest.load(res.dirs["validation"])
+    assert v.sources["held"].documents == 30 and m.sources["zst"].documents == len(texts["zst"]) - 30
+    ids = res.tokenizer.encode_batch(texts["zst"][30:])
+    assert m.sources["zst"].tokens == sum(len(i) + 1 for i in ids)
