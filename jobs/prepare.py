@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from curation.corpus import BadRecordError
 from curation.prepare import prepare
