@@ -105,23 +105,32 @@ def token_losses(
     tokens = tokens.to(logits.device)
     out_valid = target_valid(tokens, None if valid is None else valid.to(logits.device))
     b, length, vocab = logits.shape
-    losses = torch.zeros((b, length), dtype=torch.float32, device=logits.device)
     if length < 2 or b == 0:
-        return losses, out_valid
+        return torch.zeros((b, length), dtype=torch.float32, device=logits.device), out_valid
 
     tv = out_valid[:, 1:]
-    targets = torch.where(tv, tokens[:, 1:], torch.zeros((), dtype=tokens.dtype, device=tokens.device))
-    flat_logits = logits[:, :-1].reshape(-1, vocab)
-    flat_targets = targets.reshape(-1).long()
-    rows = max(1, chunk_elements // max(vocab, 1))
-    pieces = [
-        F.cross_entropy(flat_logits[i : i + rows].float(), flat_targets[i : i + rows], reduction="none")
-        for i in range(0, flat_logits.shape[0], rows)
-    ]
-    nll = torch.cat(pieces).view(b, length - 1)
+    zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
+    targets = torch.where(tv, tokens[:, 1:], zero).long()
+    nll = torch.empty((b, length - 1), dtype=torch.float32, device=logits.device)
+    # Blocks of whole sequences (or of positions within one sequence when a sequence alone is over
+    # budget), so that neither the float32 upcast nor the reshape of the strided slice
+    # `logits[:, :-1]` ever copies more than `chunk_elements` logits.
+    per_seq = (length - 1) * vocab
+    if per_seq <= chunk_elements:
+        rows = max(1, chunk_elements // max(per_seq, 1))
+        blocks = [(slice(i, i + rows), slice(0, length - 1)) for i in range(0, b, rows)]
+    else:
+        cols = max(1, chunk_elements // max(vocab, 1))
+        blocks = [(slice(i, i + 1), slice(j, j + cols)) for i in range(b) for j in range(0, length - 1, cols)]
+    for rs, cs in blocks:
+        block = logits[rs, :-1][:, cs]
+        piece = F.cross_entropy(
+            block.reshape(-1, vocab).float(), targets[rs, cs].reshape(-1), reduction="none"
+        )
+        nll[rs, cs] = piece.view(block.shape[:2])
     # torch.where (not multiplication) so that a non-finite logit at an invalid position stays out.
     nll = torch.where(tv, nll, torch.zeros((), dtype=nll.dtype, device=nll.device))
-    losses = torch.cat([losses[:, :1], nll], dim=1)
+    losses = torch.cat([torch.zeros((b, 1), dtype=nll.dtype, device=nll.device), nll], dim=1)
     return losses, out_valid
 
 

@@ -61,11 +61,13 @@ def test_chunking_does_not_change_values_or_gradients():
     logits = torch.randn(3, 7, 13, requires_grad=True)
     tokens = torch.randint(0, 13, (3, 7))
     full, _ = token_losses(logits, tokens)
-    chunked, _ = token_losses(logits, tokens, chunk_elements=13 * 4)  # 4 rows per chunk
-    torch.testing.assert_close(full, chunked, rtol=0, atol=0)
     (g_full,) = torch.autograd.grad(full.sum(), logits)
-    (g_chunk,) = torch.autograd.grad(chunked.sum(), logits)
-    torch.testing.assert_close(g_full, g_chunk)
+    # blocks of 2 sequences, blocks of 4 positions within a sequence, and 1 logit row at a time
+    for chunk in (6 * 13 * 2, 13 * 4, 1):
+        chunked, _ = token_losses(logits, tokens, chunk_elements=chunk)
+        torch.testing.assert_close(full, chunked, rtol=0, atol=0)
+        (g_chunk,) = torch.autograd.grad(chunked.sum(), logits)
+        torch.testing.assert_close(g_full, g_chunk)
     assert g_full[:, -1].abs().sum() == 0  # the last logits predict nothing
 
 

@@ -1,0 +1,145 @@
+"""Benchmark: cost of Δ + top-γ selection relative to one forward pass (goal < 2%, DESIGN.md §6).
+
+    python jobs/bench_selection.py                      # small Llama, batch 8 × 512, this machine
+    python jobs/bench_selection.py --device cuda --json # on a GPU, machine-readable
+
+Builds a small Llama from a config (no download), times in one process, median of repeats:
+
+* ``forward``: ``model(input_ids).logits`` under ``inference_mode`` (the pass the trainer runs
+  anyway);
+* ``delta+select``: ``excess_loss(ℓ(u), ℓ(w̃))`` with ``ℓ(w̃)`` in float16 as read from a scored
+  shard, then ``select_top_fraction`` over the whole batch: the work BLADE adds per step;
+* ``token_losses`` (reported for information): per-token float32 cross entropy from the logits,
+  which replaces the mean cross entropy a plain trainer computes anyway.
+
+The headline ratio is ``delta+select / forward``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from curation.losses import token_losses
+from curation.selection import excess_loss, select_top_fraction
+
+GOAL = 0.02
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--gamma", type=float, default=0.6)
+    p.add_argument("--repeats", type=int, default=5, help="timed forward passes (median)")
+    p.add_argument("--select-repeats", type=int, default=101, help="timed Δ + selection runs (median)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+    )
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+
+    with torch.inference_mode():
+        logits = model(input_ids=tokens).logits
+        t_forward = _median_seconds(lambda: model(input_ids=tokens).logits, args.repeats, 1, device)
+        t_losses = _median_seconds(lambda: token_losses(logits, tokens, valid), args.repeats, 1, device)
+        proxy_losses, target_valid = token_losses(logits, tokens, valid)
+        # a reference that differs from the proxy, stored at the scored-shard precision
+        ref_losses = (proxy_losses + torch.randn(proxy_losses.shape, generator=gen).to(device)).half()
+        mask = select_top_fraction(excess_loss(proxy_losses, ref_losses), target_valid, args.gamma)
+
+        def delta_select() -> torch.Tensor:
+            return select_top_fraction(excess_loss(proxy_losses, ref_losses), target_valid, args.gamma)
+
+        t_select = _median_seconds(delta_select, args.select_repeats, 5, device)
+
+    ratio = t_select / t_forward
+    result = {
+        "device": str(device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads},
+        "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        "gamma": args.gamma,
+        "kept": int(mask.sum()),
+        "valid": int(target_valid.sum()),
+        "forward_ms": round(t_forward * 1e3, 3),
+        "delta_select_ms": round(t_select * 1e3, 4),
+        "token_losses_ms": round(t_losses * 1e3, 3),
+        "delta_select_over_forward": ratio,
+        "token_losses_over_forward": t_losses / t_forward,
+        "goal": GOAL,
+        "ok": ratio < GOAL,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"small Llama ({result['params_millions']}M params, {args.dtype}) on {device}, "
+            f"{torch.get_num_threads()} threads, batch {args.batch} × {args.seq_len}, γ = {args.gamma}"
+        )
+        print(f"  forward pass            {result['forward_ms']:10.3f} ms  (median of {args.repeats})")
+        print(
+            f"  Δ + selection           {result['delta_select_ms']:10.4f} ms  (median of {args.select_repeats})"
+        )
+        print(f"  token_losses (info)     {result['token_losses_ms']:10.3f} ms  (median of {args.repeats})")
+        print(
+            f"(Δ + selection) / forward = {ratio:.4%}  (goal < {GOAL:.0%}: {'ok' if result['ok'] else 'MISSED'}); "
+            f"token_losses / forward = {result['token_losses_over_forward']:.2%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
