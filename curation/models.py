@@ -1,0 +1,135 @@
+"""Causal LMs from a :class:`~schemas.train_config.ModelConfig`, and their weights as safetensors.
+
+Everything is local: a model is built from a HF config dict (random init, seeded) or loaded from a
+local directory (``local_files_only``); ``trust_remote_code`` is off unless the config asks.
+Weights travel as safetensors (no pickle). No ray, no composer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from schemas.train_config import ModelConfig
+
+__all__ = [
+    "build_causal_lm",
+    "model_vocab_size",
+    "weights_fingerprint",
+    "save_weights",
+    "load_weights",
+    "cpu_state_dict",
+    "check_vocab",
+]
+
+
+def build_causal_lm(cfg: ModelConfig) -> nn.Module:
+    """An ``AutoModelForCausalLM`` described by ``cfg`` (float32, train mode).
+
+    Raises:
+        ValueError: the config dict is not a known model type, or ``cfg.path`` is not a model directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.hf_config is not None:
+        data = dict(cfg.hf_config)
+        model_type = data.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **data)
+        except ValueError as e:
+            raise ValueError(f"model.hf_config: {e}") from e
+        # Seed only the initialisation, without disturbing the caller's global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    else:
+        assert cfg.path is not None
+        if not os.path.isdir(cfg.path):
+            raise ValueError(f"model.path {cfg.path!r} is not a local model directory")
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code, torch_dtype=torch.float32
+        )
+    if cfg.weights is not None:
+        load_weights(model, cfg.weights)
+    model.train()
+    return model
+
+
+def model_vocab_size(model: nn.Module) -> int:
+    """Rows of the model's input embedding (ids it can embed)."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def check_vocab(model: nn.Module, vocab_size: int, *, what: str, setting: str = "model") -> None:
+    """Fail clearly when a tokenizer/shard vocabulary of ``vocab_size`` ids does not fit the model.
+
+    Args:
+        model: the causal LM.
+        vocab_size: ids the data can contain (from a shard manifest or a tokenizer).
+        what: where ``vocab_size`` comes from (a file), named in the message.
+        setting: the config key of the model, named in the message.
+
+    Raises:
+        ValueError: when the model embeds fewer ids than the data holds.
+    """
+    n = model_vocab_size(model)
+    if n < vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: {what} has vocab_size {vocab_size} but the model ({setting}) embeds only {n} ids; "
+            f"set {setting}.hf_config.vocab_size >= {vocab_size} or use the model's tokenizer"
+        )
+
+
+def cpu_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Detached CPU copies of a model's (or state dict's) tensors, tied weights stored once per name."""
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+
+
+def _dedupe_shared(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    # safetensors refuses tensors sharing storage (tied embeddings): clone each one separately.
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
+
+
+def save_weights(model: nn.Module | Mapping[str, Tensor], path: str, *, metadata: dict[str, str] | None = None) -> str:
+    """Write the weights as one safetensors file (atomically). Returns ``path``."""
+    from safetensors.torch import save_file
+
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    save_file(_dedupe_shared(sd), tmp, metadata=metadata)
+    os.replace(tmp, path)
+    return path
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a safetensors file into ``model`` (strict: names and shapes must match).
+
+    Raises:
+        ValueError: naming the file on missing/unexpected keys or shape mismatches.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise ValueError(f"weights file {path} does not exist")
+    sd = load_file(path, device="cpu")
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not fit the model: {e}") from e
+
+
+def weights_fingerprint(model: nn.Module | Mapping[str, Tensor]) -> str:
+    """sha256 over the names, shapes, dtypes and bytes of the weights (for manifests)."""
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        v = sd[k].detach().to("cpu").contiguous()
+        h.update(f"{k}:{tuple(v.shape)}:{v.dtype}".encode())
+        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    return h.hexdigest()

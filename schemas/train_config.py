@@ -1,0 +1,266 @@
+"""Validated configs of the training jobs (``jobs/train.py``, ``jobs/replay.py``) and of the scorer.
+
+No torch here: models are described by a Hugging Face config dict (built locally, nothing from a
+hub) or a local directory.
+
+Defaults, scaled down from the paper (DESIGN.md §2) for the embedded demo (tiny Llama trained from
+scratch on ≈2250 sequences of 128 tokens on a CPU):
+
+=================== ========================== ======================================================
+setting             paper (1.1B–7B CPT)        demo default (why)
+=================== ========================== ======================================================
+γ                   0.6                        0.6 (a fraction: independent of scale)
+τ                   1000 steps                 30 (≈ 1/5 of the 150-step run, like 1000 of 5000)
+K                   300                        9 (keeps the paper's K/τ = 0.3)
+λ                   1                          1
+η_u = η_w           8e-5 (2e-5 for 7B)         1e-3 (a 0.4M-parameter model from random init needs a
+                                               larger step than continual pre-training of 1B+)
+AdamW wd / clip     0.01 / 1.0, constant LR    0.01 / 1.0, constant LR
+batch               512 × 2048 tokens          16 × 128 tokens
+proxy steps         5000                       150 (≈ 1 pass over the demo pool)
+warm-up W           (not given)                30 steps (= τ: the proxy must know the pool first)
+refresh batch       (not given)                4 validation + 4 candidate sequences per refresh step
+                                               (b/4 each: a refresh step costs ≈ ½ a proxy step,
+                                               so K/τ = 0.3 adds ≈ 0.15 of a step; see
+                                               jobs/bench_training.py)
+=================== ========================== ======================================================
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from schemas.config import DEMO_ROOT, StrictModel
+
+__all__ = [
+    "POLICY_CHOICES",
+    "DataConfig",
+    "ModelConfig",
+    "SelectionConfig",
+    "OptimConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "TrainConfig",
+    "ReplayConfig",
+    "ScorerConfig",
+    "demo_model_config",
+]
+
+#: Selection policies (curation.policies.POLICY_NAMES; repeated here because schemas/ has no torch).
+POLICY_CHOICES = ("full", "random", "rho1", "blade", "blade-nosync")
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "amp_bf16"]
+
+
+class ModelConfig(StrictModel):
+    """A causal LM: built from a HF config dict (random init) or loaded from a local directory."""
+
+    hf_config: dict[str, Any] | None = Field(
+        None, description="HF config as a dict with 'model_type' (e.g. llama); the model is built with random init"
+    )
+    path: str | None = Field(None, description="local HF model directory (config.json + weights); no hub access")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from `path` (off unless asked)")
+    init_seed: int = Field(0, ge=0, description="seed of the random initialisation (hf_config)")
+    weights: str | None = Field(None, description="safetensors file loaded over the built model (e.g. a final proxy)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError("set exactly one of model.hf_config (build from a config) or model.path (local directory)")
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError("model.hf_config needs a 'model_type' key (e.g. llama)")
+        return self
+
+
+def demo_model_config(vocab_size: int = 2048, *, hidden: int = 64, layers: int = 2, seq_len: int = 128) -> ModelConfig:
+    """The tiny Llama of the demo (≈0.4M parameters at vocab 2048, tied embeddings)."""
+    return ModelConfig(
+        hf_config={
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 8 // 3 // 8 * 8 + 8,
+            "num_hidden_layers": layers,
+            "num_attention_heads": max(1, hidden // 16),
+            "num_key_value_heads": max(1, hidden // 16),
+            "max_position_embeddings": seq_len,
+            "tie_word_embeddings": True,
+            "attention_dropout": 0.0,
+        }
+    )
+
+
+class DataConfig(StrictModel):
+    """Where the shards are (written by ``jobs/prepare.py``)."""
+
+    candidates: str = Field(description="candidate-shard directory (MDS + manifest.json)")
+    validation: str = Field(description="validation-shard directory (the target set)")
+    tokenizer: str | None = Field(
+        None, description="tokenizer.json (or directory); when set, its fingerprint must match the shard manifests"
+    )
+    scored: str | None = Field(
+        None, description="scored-shard directory with ref_loss for the stream; None = in-process reference"
+    )
+
+
+class SelectionConfig(StrictModel):
+    """Token selection (DESIGN.md §2). See the module docstring for paper vs demo defaults."""
+
+    policy: Literal["full", "random", "rho1", "blade", "blade-nosync"] = Field("blade", description="selection policy")
+    gamma: float = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
+    warmup_steps: int = Field(30, ge=0, description="W: proxy steps on all tokens before the first refresh")
+    tau: int = Field(30, ge=1, description="τ: proxy steps per episode (between refreshes)")
+    refresh_steps: int = Field(9, ge=0, description="K: reference steps per refresh (paper 300 for τ = 1000)")
+    lam: float = Field(1.0, ge=0, description="λ: weight of the masked candidate loss in the refresh objective")
+    ref_lr: float | None = Field(None, gt=0, description="η_w; None = the proxy's optim.lr")
+    ref_weight_decay: float = Field(0.01, ge=0)
+    ref_grad_clip: float | None = Field(1.0, ge=0)
+    refresh_batch_size: int | None = Field(
+        None, ge=1, description="sequences per validation and per candidate batch of a refresh step; None = b/4"
+    )
+    refresh_candidate_batches: int = Field(
+        8, ge=1, description="recent trained batches (with their masks) the refresh cycles through for L_train"
+    )
+    rho1_steps: int = Field(30, ge=0, description="rho1: steps of the static reference on validation data")
+    reference_weights: str | None = Field(
+        None, description="rho1: safetensors of an already trained static reference (skips its training)"
+    )
+    seed: int = Field(0, ge=0, description="seed of the random policy's scores")
+    score_batch_size: int | None = Field(None, ge=1, description="sequences per reference scoring forward; None = b")
+    score_lookahead: int | None = Field(
+        None, ge=1, description="steps scored at once by the in-process reference; None = the rest of the episode"
+    )
+    offload_reference: bool = Field(
+        True, description="keep the reference on CPU between refreshes (it only scores right after a refresh)"
+    )
+
+    @field_validator("gamma")
+    @classmethod
+    def _gamma(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):
+            raise ValueError(f"gamma must be in (0, 1], got {v!r}")
+        return v
+
+
+class OptimConfig(StrictModel):
+    """Proxy optimizer: AdamW, constant LR, gradient clipping (the paper's)."""
+
+    lr: float = Field(1e-3, gt=0, description="η_u (paper 8e-5 for 1.1B continual pre-training)")
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, ge=0, description="max total gradient norm; None = off")
+
+
+class EvalConfig(StrictModel):
+    """Validation loss / perplexity on the validation shards."""
+
+    interval: int = Field(25, ge=1, description="evaluate every this many proxy steps (and at the end)")
+    batch_size: int = Field(16, ge=1)
+    max_batches: int | None = Field(None, ge=1, description="cap on validation batches per evaluation; None = all")
+
+
+class CheckpointConfig(StrictModel):
+    """Composer checkpoints (BLADE state included) and automatic resume."""
+
+    interval: int = Field(25, ge=1, description="save every this many proxy steps (and at the end)")
+    keep: int = Field(2, ge=-1, description="checkpoints to keep (-1 = all)")
+    resume: bool = Field(True, description="resume from output_dir/checkpoints/latest-rank0.pt when present")
+
+
+class TrainConfig(StrictModel):
+    """Config of ``jobs/train.py``: one policy, candidate shards → trained proxy + selected-token shards."""
+
+    data: DataConfig
+    model: ModelConfig
+    selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    output_dir: str = Field(description="checkpoints/, selected/, logs/, summary.json, plots/, final/")
+    batch_size: int = Field(16, ge=1, description="b: sequences per proxy step (the candidate batch)")
+    microbatch_size: int | None = Field(
+        None, ge=1, description="sequences per forward/backward; None = b (selection is then per microbatch)"
+    )
+    max_steps: int = Field(150, ge=1, description="proxy steps")
+    seed: int = Field(0, ge=0, description="candidate-stream seed")
+    device: Device = "auto"
+    precision: Precision = "fp32"
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
+    write_selected: bool = Field(True, description="write selected-token shards to output_dir/selected")
+    distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
+    progress_bar: bool = True
+    plots: bool = True
+
+    @model_validator(mode="after")
+    def _checks(self) -> TrainConfig:
+        if self.microbatch_size is not None and self.microbatch_size > self.batch_size:
+            raise ValueError(f"microbatch_size ({self.microbatch_size}) must be <= batch_size ({self.batch_size})")
+        return self
+
+    @property
+    def refresh_batch_size(self) -> int:
+        return self.selection.refresh_batch_size or max(1, self.batch_size // 4)
+
+    @classmethod
+    def demo_default(cls, root: str = DEMO_ROOT, *, policy: str = "blade") -> TrainConfig:
+        """The embedded default: demo shards from ``python jobs/prepare.py`` under ``root/data``."""
+        data = os.path.join(root, "data")
+        return cls(
+            data=DataConfig(
+                candidates=os.path.join(data, "candidates"),
+                validation=os.path.join(data, "validation"),
+                tokenizer=os.path.join(data, "tokenizer", "tokenizer.json"),
+            ),
+            model=demo_model_config(2048),
+            selection=SelectionConfig(policy=policy),
+            output_dir=os.path.join(root, "train", policy),
+        )
+
+
+class ReplayConfig(StrictModel):
+    """Config of ``jobs/replay.py``: train another model (size) on selected-token shards (BLADE-Tr)."""
+
+    selected: str = Field(description="selected-token shard directory written by jobs/train.py")
+    validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation")
+    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest")
+    model: ModelConfig
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    output_dir: str
+    batch_size: int = Field(16, ge=1)
+    microbatch_size: int | None = Field(None, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over the selected-token shards")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (None = epochs)")
+    shuffle: bool = Field(False, description="False replays in training order (the order BLADE trained in)")
+    seed: int = Field(0, ge=0)
+    device: Device = "auto"
+    precision: Precision = "fp32"
+    threads: int | None = Field(None, ge=1)
+    progress_bar: bool = True
+
+    @classmethod
+    def demo_default(cls, root: str = DEMO_ROOT) -> ReplayConfig:
+        """Replay the demo BLADE run's selected tokens into a wider and deeper Llama."""
+        data = os.path.join(root, "data")
+        return cls(
+            selected=os.path.join(root, "train", "blade", "selected"),
+            validation=os.path.join(data, "validation"),
+            tokenizer=os.path.join(data, "tokenizer", "tokenizer.json"),
+            model=demo_model_config(2048, hidden=96, layers=3),
+            output_dir=os.path.join(root, "replay", "blade-wide"),
+        )
+
+
+class ScorerConfig(StrictModel):
+    """A reference scorer (curation.scorer.ReferenceScorer): one model, loaded once."""
+
+    model: ModelConfig
+    weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")
+    device: Device = "auto"
+    batch_size: int = Field(16, ge=1, description="sequences per scoring forward")
+    autocast_bf16: bool = Field(True, description="bf16 autocast on CUDA (ignored on CPU)")
