@@ -1,0 +1,532 @@
+"""Exact online BLADE as a Composer ``Algorithm`` (DESIGN.md §2, §3 "exact" mode).
+
+One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``blade-nosync``):
+
+* ``AFTER_DATALOADER`` (full batch of proxy step ``t``): when the schedule says so
+  (``t = W, W+τ, ...``) refresh the reference synchronously with the core
+  :func:`~curation.refresh.refresh_reference` (through the policy: ``blade`` restarts from ``u``,
+  ``blade-nosync`` continues); then attach ``ℓ(w̃)`` of this batch as ``batch["ref_loss"]``. The
+  scores come from scored shards when ``data.scored`` is set (written by the Ray engine), else
+  from the in-process reference, which pre-computes the scores of the coming steps of the episode
+  right after a refresh and is then moved off the training device (the paper's offloading).
+  Also writes ``kept_total`` (the number of tokens that will be kept) for the loss normaliser.
+* ``AFTER_FORWARD`` (each microbatch): ``ℓ(u)`` from the logits the forward pass already computed
+  (no second proxy forward; the per-token losses are cached and reused by the loss), scores and
+  ``select_top_fraction`` through the policy, and ``batch["loss_mask"] = α`` before the loss.
+  Warm-up steps keep every valid token.
+* ``BATCH_END``: the batch's selection becomes :attr:`BladeAlgorithm.last` (read by the shard
+  writer and stats callbacks), and joins the recent batches the next refresh uses for
+  ``L_train(α, w)``.
+
+Selection is over the whole candidate batch, except under microbatching
+(``microbatch_size < batch_size``), where it is per microbatch (like per-rank selection in
+data-parallel training: the mask must exist before each microbatch's backward pass). The loss is
+still normalised by the whole batch's kept tokens.
+
+Checkpoints: :meth:`BladeAlgorithm.state_dict` holds the reference weights and (``blade-nosync``)
+its optimizer state, the schedule, the reference version, the next step, the recent batches'
+masks, the refresh log and the global RNG states (restored at ``FIT_START``: Composer skips its
+own RNG restore when a dataset resumes itself mid-epoch). Only tensors and plain Python values,
+so the checkpoint loads with ``torch.load(weights_only=True)``. Pre-computed scores are not saved:
+they are recomputed from the restored reference for the rest of the episode, step by step as in an
+uninterrupted run, so resuming gives the same masks bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from torch import Tensor, nn
+
+from curation.models import load_weights
+from curation.policies import RefreshMode, get_policy, train_static_reference
+from curation.schedule import WARMUP_EPISODE, Schedule
+from curation.scorer import ReferenceScorer, ScoredShards
+from curation.selection import num_selected
+from curation.stats import param_distance
+from curation.stream import CandidateStream
+from schemas.train_config import ModelConfig, ScorerConfig, SelectionConfig
+from training.data import StreamBatches, TokenRows
+
+__all__ = ["BladeAlgorithm", "SelectionRecord"]
+
+
+@dataclass
+class SelectionRecord:
+    """What one proxy step trained on (CPU numpy, full batch).
+
+    Attributes:
+        step: proxy step.
+        episode: schedule episode (-1 during warm-up).
+        ref_version: reference version that scored it (-1: none).
+        tokens: ``(b, L)`` token ids.
+        mask: ``(b, L)`` bool α (kept loss positions).
+        valid: ``(b, L)`` bool validity of loss positions.
+        scores: ``(b, L)`` float32 policy scores (Δ for excess-loss policies; NaN when unscored).
+        sources: one label per row.
+        sample_ids: ``(b,)`` candidate ids.
+        distance: ``‖u − w‖₂`` after the step (``None`` when not measured).
+    """
+
+    step: int
+    episode: int
+    ref_version: int
+    tokens: np.ndarray
+    mask: np.ndarray
+    valid: np.ndarray
+    scores: np.ndarray
+    sources: list[str]
+    sample_ids: np.ndarray
+    distance: float | None = None
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def n_valid(self) -> int:
+        return int(self.valid.sum())
+
+
+@dataclass
+class _Pending:
+    step: int
+    episode: int
+    ref_version: int
+    selecting: bool
+    expected_kept: list[int]
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    rows_done: int = 0
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_meta": [str(np_state[0]), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    meta = state["numpy_meta"]
+    np.random.set_state((meta[0], state["numpy_keys"].numpy().astype(np.uint32), meta[1], meta[2], meta[3]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+class BladeAlgorithm(Algorithm):
+    """Online token selection for one policy; see the module docstring.
+
+    Args:
+        selection: the selection section of the config.
+        stream_data: the training stream (the reference reads the coming batches from it).
+        validation: validation rows (the refresh's ``L_val`` and the RHO-1 reference).
+        model_config: the proxy's model config (recorded with the reference scorer).
+        max_steps: proxy steps of the run.
+        batch_size: ``b``.
+        microbatch_size: sequences per forward/backward (``None`` = ``b``).
+        ref_lr: ``η_w`` (the proxy's LR unless the selection config sets one).
+        refresh_batch_size: sequences per validation and per candidate batch of a refresh step.
+        scored: scored shards to take ``ℓ(w̃)`` from (no in-process reference then).
+        distance_interval: measure ``‖u − w‖`` every this many steps.
+        timing: synchronise CUDA around timed phases (benchmarks).
+    """
+
+    def __init__(
+        self,
+        *,
+        selection: SelectionConfig,
+        stream_data: StreamBatches,
+        validation: TokenRows,
+        model_config: ModelConfig,
+        max_steps: int,
+        batch_size: int,
+        microbatch_size: int | None = None,
+        ref_lr: float,
+        refresh_batch_size: int,
+        scored: ScoredShards | None = None,
+        distance_interval: int = 1,
+        timing: bool = False,
+    ) -> None:
+        self.cfg = selection
+        self.policy = get_policy(selection.policy)
+        self.stream_data = stream_data
+        self.validation = validation
+        self.model_config = model_config
+        self.max_steps = max_steps
+        self.batch_size = batch_size
+        self.microbatch_size = microbatch_size or batch_size
+        self.ref_lr = ref_lr
+        self.refresh_batch_size = refresh_batch_size
+        self.scored = scored
+        self.distance_interval = distance_interval
+        self.timing = timing
+        self.schedule = Schedule(selection.warmup_steps, selection.tau, max_steps)
+        self.uses_reference = self.policy.needs_reference
+        self.in_process = self.uses_reference and scored is None
+
+        self.scorer: ReferenceScorer | None = None
+        self.ref_version = WARMUP_EPISODE
+        self.ref_opt_state: dict[str, Any] | None = None
+        self.score_cache: dict[int, np.ndarray] = {}
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=selection.refresh_candidate_batches)
+        self.refresh_log: list[dict[str, Any]] = []
+        self.timers: dict[str, float] = {"select": 0.0, "score": 0.0, "refresh": 0.0, "distance": 0.0}
+        self.counts: dict[str, int] = {"score_steps": 0, "refreshes": 0, "selected_steps": 0}
+        self.last: SelectionRecord | None = None
+        self.next_step = 0
+        self._pending: _Pending | None = None
+        self._loaded_reference: dict[str, Tensor] | None = None
+        self._loaded_rng: dict[str, Any] | None = None
+        self._train_device = torch.device("cpu")
+        val_n = len(validation)
+        if val_n == 0:
+            raise ValueError(f"{validation.path}: the validation set is empty")
+        # Deterministic validation batches per refresh version (and for the RHO-1 reference).
+        self._val_stream = CandidateStream(val_n, refresh_batch_size, seed=selection.seed + 1)
+        self._static_stream = CandidateStream(val_n, refresh_batch_size, seed=selection.seed + 2)
+
+    def __repr__(self) -> str:
+        return f"BladeAlgorithm(policy={self.policy.name!r})"
+
+    # --- Composer hooks ----------------------------------------------------------------------
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.FIT_START, Event.AFTER_DATALOADER, Event.AFTER_FORWARD, Event.BATCH_END)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.FIT_START:
+            self._fit_start(state)
+        elif event == Event.AFTER_DATALOADER:
+            self._before_step(state)
+        elif event == Event.AFTER_FORWARD:
+            self._select(state)
+        elif event == Event.BATCH_END:
+            self._after_step(state)
+
+    # --- fit start: reference set-up, resume checks ------------------------------------------
+    def _proxy(self, state: State) -> nn.Module:
+        return _unwrap(state.model).model
+
+    def _fit_start(self, state: State) -> None:
+        proxy = self._proxy(state)
+        self._train_device = next(proxy.parameters()).device
+        step = int(state.timestamp.batch)
+        if step != self.next_step:
+            raise ValueError(
+                f"BLADE state is at step {self.next_step} but the trainer is at step {step}: "
+                "the checkpoint and the algorithm state disagree"
+            )
+        if self._loaded_rng is not None:
+            _set_rng_state(self._loaded_rng)
+            self._loaded_rng = None
+        if not self.in_process:
+            return
+        if self._loaded_reference is not None:
+            self._set_reference(self._build_reference_module(proxy, self._loaded_reference), self.ref_version)
+            self._loaded_reference = None
+        elif self.policy.refresh_mode is RefreshMode.STATIC:
+            self._train_static(proxy)
+
+    def _build_reference_module(self, proxy: nn.Module, weights: dict[str, Tensor]) -> nn.Module:
+        module = copy.deepcopy(proxy).to("cpu")
+        module.load_state_dict(weights, strict=True)
+        return module
+
+    def _set_reference(self, module: nn.Module, version: int) -> None:
+        if self.scorer is None:
+            cfg = ScorerConfig(model=self.model_config, device="cpu",
+                               batch_size=self.cfg.score_batch_size or self.batch_size)
+            self.scorer = ReferenceScorer(cfg, model=module)
+        else:
+            self.scorer.model = module.eval()
+            for p in module.parameters():
+                p.requires_grad_(False)
+        self.scorer.version = version
+        self.ref_version = version
+        self.score_cache.clear()
+        if self.cfg.offload_reference:
+            self.scorer.to("cpu")
+        else:
+            self.scorer.to(self._train_device)
+
+    def _train_static(self, proxy: nn.Module) -> None:
+        with self._timed("refresh"):
+            if self.cfg.reference_weights is not None:
+                module = copy.deepcopy(proxy)
+                load_weights(module, self.cfg.reference_weights)
+                self._set_reference(module.to("cpu"), 0)
+                return
+            result = train_static_reference(
+                proxy, self._val_batches(self._static_stream, version=0, steps=self.cfg.rho1_steps),
+                steps=self.cfg.rho1_steps,
+                lr=self.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+            )
+        self.refresh_log.append(self._refresh_entry(0, 0, result))
+        self._set_reference(result.model, 0)
+
+    # --- before each step: refresh, reference scores, kept count -----------------------------
+    def _before_step(self, state: State) -> None:
+        batch = state.batch
+        step = int(batch["step"])
+        if step != int(state.timestamp.batch):
+            raise RuntimeError(f"data stream is at step {step} but the trainer at {int(state.timestamp.batch)}")
+        warm = self.schedule.is_warmup(step)
+        episode = self.schedule.episode(step)
+        if self.in_process and self.policy.refreshes and self.schedule.refresh_due(step):
+            self._refresh(state, step, episode)
+        version = WARMUP_EPISODE
+        if self.uses_reference and not warm:
+            version = self.schedule.reference_version(step, refreshed=self.policy.refreshes)
+            batch["ref_loss"] = torch.from_numpy(self._ref_losses(step, batch, version))
+        selecting = not warm
+        gamma = self.policy.effective_gamma(self.cfg.gamma) if selecting else 1.0
+        valid = self._valid(batch)
+        expected = [
+            num_selected(gamma, int(valid[i : i + self.microbatch_size].sum()))
+            for i in range(0, valid.shape[0], self.microbatch_size)
+        ]
+        batch["kept_total"] = int(sum(expected))
+        self._pending = _Pending(step, episode, version, selecting, expected)
+
+    @staticmethod
+    def _valid(batch: dict[str, Any]) -> Tensor:
+        tokens = batch["tokens"]
+        v = batch.get("valid")
+        v = torch.ones(tokens.shape, dtype=torch.bool) if v is None else v.bool().cpu().clone()
+        v[:, 0] = False
+        return v
+
+    def _ref_losses(self, step: int, batch: dict[str, Any], version: int) -> np.ndarray:
+        if self.scored is not None:
+            tokens, ref, episodes = self.scored.read(step)
+            if not np.array_equal(tokens.astype(np.int64), batch["tokens"].numpy()):
+                raise ValueError(
+                    f"{self.scored.path}: the scored sequences of step {step} are not the candidate stream's"
+                )
+            if (episodes != version).any():
+                raise ValueError(
+                    f"{self.scored.path}: step {step} was scored by reference version {int(episodes[0])}, "
+                    f"the schedule needs version {version} (stale scores)"
+                )
+            return ref
+        if step not in self.score_cache:
+            self._precompute(step)
+        for old in [s for s in self.score_cache if s < step]:
+            del self.score_cache[old]
+        return self.score_cache.pop(step)
+
+    def _precompute(self, step: int) -> None:
+        """Score the coming steps of the episode with the reference, then offload it."""
+        assert self.scorer is not None, "no reference to score with"
+        episode = self.schedule.episode(step)
+        end = self.schedule.warmup + (episode + 1) * self.schedule.tau
+        if self.cfg.score_lookahead is not None:
+            end = min(end, step + self.cfg.score_lookahead)
+        end = min(end, self.max_steps)
+        with self._timed("score"):
+            self.scorer.to(self._train_device)
+            for t in range(step, max(end, step + 1)):
+                # One step per forward call, so a resumed run scores exactly the same batches.
+                self.score_cache[t] = self.scorer(self.stream_data.batch(t)["tokens"])
+                self.counts["score_steps"] += 1
+            if self.cfg.offload_reference:
+                self.scorer.to("cpu")
+
+    def _refresh(self, state: State, step: int, episode: int) -> None:
+        proxy = self._proxy(state)
+        for p in proxy.parameters():  # Composer zeroes them (set_to_none) before the step anyway
+            p.grad = None
+        continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
+        previous = None
+        if continue_mode and self.scorer is not None and self.ref_version >= 0:
+            previous = {k: v.to(self._train_device) for k, v in self.scorer.model.state_dict().items()}
+        elif self.scorer is not None:
+            self.scorer.model = None  # blade: the old reference is not needed any more
+        self.score_cache.clear()
+        with self._timed("refresh"):
+            result = self.policy.refresh(
+                proxy,
+                self._val_batches(self._val_stream, version=episode, steps=self.cfg.refresh_steps),
+                self._cand_batches(steps=self.cfg.refresh_steps),
+                previous=previous,
+                optimizer_state=self.ref_opt_state if continue_mode else None,
+                steps=self.cfg.refresh_steps,
+                lam=self.cfg.lam,
+                lr=self.ref_lr,
+                weight_decay=self.cfg.ref_weight_decay,
+                grad_clip=self.cfg.ref_grad_clip,
+            )
+        self.ref_opt_state = result.optimizer_state if continue_mode else None
+        self.counts["refreshes"] += 1
+        self.refresh_log.append(self._refresh_entry(step, episode, result))
+        self._set_reference(result.model, episode)
+
+    def _refresh_entry(self, step: int, version: int, result: Any) -> dict[str, Any]:
+        return {
+            "step": step, "version": version, "steps": result.steps,
+            "val_loss_first": result.val_losses[0] if result.val_losses else None,
+            "val_loss_last": result.val_losses[-1] if result.val_losses else None,
+            "objective_first": result.objectives[0] if result.objectives else None,
+            "objective_last": result.objectives[-1] if result.objectives else None,
+        }
+
+    def _val_batches(self, stream: CandidateStream, *, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
+        for k in range(steps):
+            ids = stream.batch_ids(version * steps + k)
+            yield {"tokens": torch.stack([self.validation[int(i)]["tokens"] for i in ids])}
+
+    def _cand_batches(self, *, steps: int) -> Iterator[dict[str, Tensor]]:
+        """Rows of the recent trained batches with their masks, cycled, ``refresh_batch_size`` at a time."""
+        if not self.recent or steps == 0 or self.cfg.lam == 0:
+            return iter(())
+        tokens = torch.cat([self.stream_data.batch(s)["tokens"] for s, _ in self.recent])
+        masks = torch.cat([torch.from_numpy(m.astype(bool)) for _, m in self.recent])
+        n, rb = tokens.shape[0], self.refresh_batch_size
+
+        def gen() -> Iterator[dict[str, Tensor]]:
+            for k in range(steps):
+                idx = torch.arange(k * rb, (k + 1) * rb) % n
+                yield {"tokens": tokens[idx], "mask": masks[idx]}
+
+        return gen()
+
+    # --- after the forward pass: select ------------------------------------------------------
+    def _select(self, state: State) -> None:
+        pending = self._pending
+        assert pending is not None, "AFTER_FORWARD without AFTER_DATALOADER"
+        with self._timed("select"):
+            batch = state.batch
+            model = _unwrap(state.model)
+            losses, valid = model.token_losses(state.outputs, batch)
+            proxy_losses = losses.detach()
+            rows = proxy_losses.shape[0]
+            offset = pending.rows_done
+            if not pending.selecting:
+                mask = valid
+                scores = torch.full(valid.shape, math.nan, dtype=torch.float32, device=valid.device)
+            else:
+                gen = None
+                if self.policy.needs_generator:
+                    seed = int(np.random.SeedSequence([self.cfg.seed, pending.step, offset]).generate_state(1)[0])
+                    gen = torch.Generator().manual_seed(seed)
+                mask, scores = self.policy.select(
+                    proxy_losses, valid, self.cfg.gamma, ref_losses=batch.get("ref_loss"), generator=gen
+                )
+            k_expected = pending.expected_kept[len(pending.parts)]
+            assert int(mask.sum()) == k_expected, (int(mask.sum()), k_expected)
+            batch["loss_mask"] = mask
+            pending.parts.append({
+                "tokens": batch["tokens"].detach().cpu().numpy(),
+                "mask": mask.cpu().numpy(),
+                "valid": valid.cpu().numpy(),
+                "scores": scores.float().cpu().numpy(),
+                "sources": list(batch["source"]),
+                "sample_ids": batch["sample_id"].cpu().numpy(),
+            })
+            pending.rows_done += rows
+
+    # --- after the step ----------------------------------------------------------------------
+    def _after_step(self, state: State) -> None:
+        pending = self._pending
+        assert pending is not None and pending.parts, "BATCH_END without a selection"
+        parts = pending.parts
+        rec = SelectionRecord(
+            step=pending.step, episode=pending.episode, ref_version=pending.ref_version,
+            tokens=np.concatenate([p["tokens"] for p in parts]), mask=np.concatenate([p["mask"] for p in parts]),
+            valid=np.concatenate([p["valid"] for p in parts]), scores=np.concatenate([p["scores"] for p in parts]),
+            sources=[s for p in parts for s in p["sources"]],
+            sample_ids=np.concatenate([p["sample_ids"] for p in parts]),
+        )
+        if self.scorer is not None and self.scorer.model is not None and pending.step % self.distance_interval == 0:
+            with self._timed("distance"):
+                rec.distance = param_distance(self._proxy(state), self.scorer.model)
+        self.recent.append((pending.step, rec.mask.astype(np.uint8)))
+        self.counts["selected_steps"] += int(pending.selecting)
+        self.last = rec
+        self.next_step = pending.step + 1
+        self._pending = None
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        if self.timing and self._train_device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.timing and self._train_device.type == "cuda":
+                torch.cuda.synchronize()
+            self.timers[name] += time.perf_counter() - start
+
+    # --- checkpoint state --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        reference = None
+        if self.scorer is not None and self.scorer.model is not None:
+            reference = {k: v.detach().to("cpu").clone() for k, v in self.scorer.model.state_dict().items()}
+        elif self._loaded_reference is not None:
+            reference = self._loaded_reference
+        recent_steps = [s for s, _ in self.recent]
+        return {
+            "repr": repr(self),
+            "policy": self.policy.name,
+            "schedule": self.schedule.to_dict(),
+            "gamma": float(self.cfg.gamma),
+            "next_step": int(self.next_step),
+            "ref_version": int(self.ref_version),
+            "reference": reference,
+            "ref_optimizer": self.ref_opt_state,
+            "recent_steps": torch.tensor(recent_steps, dtype=torch.int64),
+            "recent_masks": (torch.from_numpy(np.stack([m for _, m in self.recent])) if self.recent else None),
+            "refresh_log": list(self.refresh_log),
+            "timers": dict(self.timers),
+            "counts": dict(self.counts),
+            "rng": _rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("policy") != self.policy.name:
+            raise ValueError(
+                f"checkpoint was written by policy {state.get('policy')!r}, this run uses {self.policy.name!r}"
+            )
+        if state.get("schedule") != self.schedule.to_dict() or float(state.get("gamma", -1)) != float(self.cfg.gamma):
+            raise ValueError(
+                f"checkpoint schedule {state.get('schedule')} / gamma {state.get('gamma')} differ from this run's "
+                f"{self.schedule.to_dict()} / {self.cfg.gamma}: resume with the same selection settings"
+            )
+        self.next_step = int(state["next_step"])
+        self.ref_version = int(state["ref_version"])
+        self._loaded_reference = state.get("reference")
+        self.ref_opt_state = state.get("ref_optimizer")
+        self.recent.clear()
+        masks = state.get("recent_masks")
+        for i, s in enumerate(state["recent_steps"].tolist()):
+            self.recent.append((int(s), masks[i].numpy().copy()))
+        self.refresh_log = list(state.get("refresh_log", []))
+        self.timers.update(state.get("timers", {}))
+        self.counts.update(state.get("counts", {}))
+        self._loaded_rng = state.get("rng")
+        self.score_cache.clear()

@@ -1,0 +1,334 @@
+"""Composer callbacks of a BLADE run: selected-token shard writer, selection statistics, JSON log.
+
+* :class:`SelectedShardWriter` writes exactly what each proxy step trained on (``tokens``,
+  ``loss_mask``, ``score`` = Δ as float16, ``source``, ``step``, ``episode``) as selected-token
+  shards, one part per ``flush_every`` steps, with a manifest (per-source counts incl. kept tokens,
+  completion records). Its state (finished parts + rows not yet flushed) is in the checkpoint; on
+  resume, parts written after that checkpoint are removed first, so no step is written twice.
+* :class:`SelectionStats` logs kept fraction per source, Δ quantiles, ‖u − w‖ and the validation
+  loss, and accumulates what the run summary needs (also checkpointed).
+* :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger, LoggerDestination
+
+from curation.policies import ScoreKind
+from curation.shards import merge_part_indexes, write_part
+from curation.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
+from schemas.manifest import Manifest, ShardRecord, SourceCounts
+from schemas.shards import SELECTED, token_dtype
+from training.algorithm import BladeAlgorithm, SelectionRecord
+
+__all__ = ["SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger", "part_name"]
+
+#: Δ quantile levels logged per step.
+LOGGED_QUANTILES = (0.1, 0.5, 0.9)
+
+
+def part_name(first: int, stop: int) -> str:
+    """Name of the part holding steps ``first ≤ t < stop``."""
+    return f"steps-{first:09d}-{stop:09d}"
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    # Δ beyond the float16 range would become inf; clip (it only affects |Δ| > 65504 nats).
+    return np.clip(x, -65504.0, 65504.0).astype(np.float16)
+
+
+class SelectedShardWriter(Callback):
+    """Write the trained-on tokens of every step as selected-token shards.
+
+    Args:
+        out_dir: output directory (parts ``steps-<first>-<stop>/``, merged ``index.json``, ``manifest.json``).
+        algorithm: the BLADE algorithm whose :attr:`~BladeAlgorithm.last` selection is written.
+        vocab_size: tokenizer vocabulary (token column dtype).
+        seq_len: ``L``.
+        max_steps: the run's last step + 1 (the final part is flushed there).
+        flush_every: steps per part.
+        manifest_fields: ``config``, ``tokenizer_fingerprint``, ``model_fingerprints``, ``extra`` of the manifest.
+    """
+
+    def __init__(
+        self, out_dir: str, *, algorithm: BladeAlgorithm, vocab_size: int, seq_len: int, max_steps: int,
+        flush_every: int, manifest_fields: dict[str, Any] | None = None,
+    ) -> None:
+        self.out_dir = out_dir
+        self.algorithm = algorithm
+        self.vocab_size = vocab_size
+        self.max_steps = max_steps
+        self.flush_every = flush_every
+        self.dtype = np.dtype(token_dtype(vocab_size))
+        fields = manifest_fields or {}
+        self.manifest = Manifest(kind=SELECTED.name, job="train", vocab_size=vocab_size, seq_len=seq_len, **fields)
+        self.pending: list[dict[str, Any]] = []
+        self.pending_counts: dict[str, SourceCounts] = {}
+        self.resumed = False
+
+    # --- events ------------------------------------------------------------------------------
+    def fit_start(self, state: State, logger: Logger) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        on_disk = Manifest.load_if_exists(self.out_dir)
+        if not self.resumed and on_disk is not None and on_disk.shards:
+            raise ValueError(
+                f"{self.out_dir}: holds selected-token shards of an earlier run but there is no checkpoint to "
+                "resume from; use a new output_dir or delete this one"
+            )
+        keep = {r.name for r in self.manifest.shards}
+        for entry in sorted(os.listdir(self.out_dir)):
+            # Parts written after the checkpoint this run resumes from (or half-written ones) go first.
+            if entry.startswith("steps-") and (entry.endswith(".tmp") or entry not in keep):
+                shutil.rmtree(os.path.join(self.out_dir, entry))
+        self._publish()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        rec = self.algorithm.last
+        assert rec is not None
+        self._add(rec)
+        if (rec.step + 1) % self.flush_every == 0 or rec.step + 1 >= self.max_steps:
+            self.flush()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.flush()
+        self.manifest.complete = int(state.timestamp.batch) >= self.max_steps
+        self._publish()
+
+    # --- rows --------------------------------------------------------------------------------
+    def _add(self, rec: SelectionRecord) -> None:
+        kept_rows = rec.mask.sum(axis=1)
+        scores = _f16(rec.scores)
+        for i in range(rec.tokens.shape[0]):
+            src = rec.sources[i]
+            self.pending.append({
+                "tokens": rec.tokens[i].astype(self.dtype),
+                "loss_mask": rec.mask[i].astype(np.uint8),
+                "score": scores[i],
+                "source": src,
+                "step": int(rec.step),
+                "episode": int(rec.episode),
+            })
+            c = self.pending_counts.setdefault(src, SourceCounts())
+            c.sequences += 1
+            c.tokens += int(rec.tokens.shape[1])
+            c.kept_tokens += int(kept_rows[i])
+
+    def flush(self) -> None:
+        """Write the pending rows as one part and record it (no-op when nothing is pending)."""
+        if not self.pending:
+            return
+        first, last = self.pending[0]["step"], self.pending[-1]["step"]
+        name = part_name(first, last + 1)
+        n = write_part(os.path.join(self.out_dir, name), SELECTED, self.pending, vocab_size=self.vocab_size)
+        tokens = sum(int(r["tokens"].shape[0]) for r in self.pending)
+        kept = sum(int(r["loss_mask"].sum()) for r in self.pending)
+        self.manifest.shards.append(ShardRecord(
+            name=name, samples=n, tokens=tokens, state={"first_step": first, "stop_step": last + 1, "kept_tokens": kept},
+        ))
+        for src, c in self.pending_counts.items():
+            self.manifest.sources[src] = self.manifest.counts(src) + c
+        self.pending, self.pending_counts = [], {}
+        self._publish()
+
+    def _publish(self) -> None:
+        parts = [r.name for r in self.manifest.shards if r.complete]
+        if parts:
+            merge_part_indexes(self.out_dir, parts)
+        self.manifest.save(self.out_dir)  # after the index: the manifest never lists a part the index lacks
+
+    # --- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        p = self.pending
+        return {
+            "manifest": self.manifest.model_dump(mode="json"),
+            "pending_counts": {k: v.model_dump() for k, v in self.pending_counts.items()},
+            "pending": None if not p else {
+                "tokens": torch.from_numpy(np.stack([r["tokens"].astype(np.int64) for r in p])),
+                "loss_mask": torch.from_numpy(np.stack([r["loss_mask"] for r in p])),
+                "score": torch.from_numpy(np.stack([r["score"] for r in p])),
+                "source": [r["source"] for r in p],
+                "step": torch.tensor([r["step"] for r in p], dtype=torch.int64),
+                "episode": torch.tensor([r["episode"] for r in p], dtype=torch.int64),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manifest = Manifest.model_validate(state["manifest"])
+        self.pending_counts = {k: SourceCounts(**v) for k, v in state["pending_counts"].items()}
+        self.pending = []
+        p = state.get("pending")
+        if p is not None:
+            for i in range(len(p["source"])):
+                self.pending.append({
+                    "tokens": p["tokens"][i].numpy().astype(self.dtype),
+                    "loss_mask": p["loss_mask"][i].numpy(),
+                    "score": p["score"][i].numpy(),
+                    "source": p["source"][i],
+                    "step": int(p["step"][i]),
+                    "episode": int(p["episode"][i]),
+                })
+        self.resumed = True
+
+
+class SelectionStats(Callback):
+    """Per-step selection metrics to the Composer logger, and the data of the run summary.
+
+    Args:
+        algorithm: the BLADE algorithm.
+        edges: Δ histogram bin edges.
+    """
+
+    def __init__(self, algorithm: BladeAlgorithm, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES) -> None:
+        self.algorithm = algorithm
+        self.edges = tuple(edges)
+        self.has_delta = algorithm.policy.score_kind is ScoreKind.EXCESS_LOSS
+        self.steps: list[dict[str, Any]] = []
+        self.val: list[dict[str, float]] = []
+        self.histograms: dict[int, Histogram] = {}
+        self.valid: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        rec = self.algorithm.last
+        assert rec is not None
+        metrics: dict[str, float] = {}
+        entry: dict[str, Any] = {"step": rec.step, "episode": rec.episode, "kept": rec.n_kept, "valid": rec.n_valid}
+        loss = (state.total_loss_dict or {}).get("loss/train/total")
+        if loss is not None:
+            entry["loss"] = float(loss)
+        mask, valid = torch.from_numpy(rec.mask), torch.from_numpy(rec.valid)
+        scores = torch.from_numpy(rec.scores)
+        if self.has_delta and rec.ref_version >= 0:
+            st = batch_stats(scores, valid, mask, rec.sources, edges=self.edges)
+            prev = self.histograms.get(rec.episode)
+            self.histograms[rec.episode] = st.histogram if prev is None else prev + st.histogram
+            entry["delta_quantiles"] = {str(q): v for q, v in st.quantiles.items()}
+            for q in LOGGED_QUANTILES:
+                metrics[f"blade/delta_q{int(q * 100):02d}"] = st.quantiles[q]
+            counts = st.counts
+        else:
+            from curation.stats import SourceCounts as BatchCounts
+
+            counts = BatchCounts.from_batch(mask, valid, rec.sources)
+        for src, n in counts.valid.items():
+            self.valid[src] = self.valid.get(src, 0) + n
+            self.kept[src] = self.kept.get(src, 0) + counts.kept.get(src, 0)
+        entry["kept_fraction"] = counts.kept_fraction()
+        for src, frac in entry["kept_fraction"].items():
+            metrics[f"blade/kept_fraction/{src}"] = frac
+        metrics["blade/kept_tokens"] = float(rec.n_kept)
+        metrics["blade/episode"] = float(rec.episode)
+        if rec.distance is not None:
+            entry["param_distance"] = rec.distance
+            metrics["blade/param_distance"] = rec.distance
+        self.steps.append(entry)
+        logger.log_metrics(metrics)
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        metrics = state.eval_metrics.get("eval") or next(iter(state.eval_metrics.values()), {})
+        if "TokenLoss" not in metrics:
+            return
+        loss = float(metrics["TokenLoss"].compute())
+        step = int(state.timestamp.batch)
+        if self.val and self.val[-1]["step"] == step:
+            return
+        self.val.append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50.0))})
+
+    def summary_data(self) -> dict[str, Any]:
+        """Everything the run summary needs (JSON-ready)."""
+        alg = self.algorithm
+        return {
+            "policy": alg.policy.name,
+            "steps": self.steps,
+            "validation": self.val,
+            "tokens": {"valid": dict(self.valid), "kept": dict(self.kept)},
+            "delta_histograms": {str(e): h.to_dict() for e, h in sorted(self.histograms.items())},
+            "refreshes": list(alg.refresh_log),
+            "timers": dict(alg.timers),
+            "counts": dict(alg.counts),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": json.dumps(self.steps),
+            "val": json.dumps(self.val),
+            "histograms": json.dumps({str(e): h.to_dict() for e, h in self.histograms.items()}),
+            "valid": dict(self.valid),
+            "kept": dict(self.kept),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = json.loads(state["steps"])
+        self.val = json.loads(state["val"])
+        self.histograms = {int(e): Histogram.from_dict(h) for e, h in json.loads(state["histograms"]).items()}
+        self.valid = dict(state["valid"])
+        self.kept = dict(state["kept"])
+
+
+class ValidationCurve(Callback):
+    """Validation loss after each evaluation (runs without :class:`SelectionStats`, e.g. replay)."""
+
+    def __init__(self) -> None:
+        self.points: list[dict[str, float]] = []
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        metrics = state.eval_metrics.get("eval", {})
+        if "TokenLoss" in metrics:
+            step = int(state.timestamp.batch)
+            if not self.points or self.points[-1]["step"] != step:
+                self.points.append({"step": step, "loss": float(metrics["TokenLoss"].compute())})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"points": json.dumps(self.points)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.points = json.loads(state["points"])
+
+
+class JSONLinesLogger(LoggerDestination):
+    """Write every logged metric (and the hyperparameters) as one JSON object per line.
+
+    Args:
+        path: the ``.jsonl`` file (appended to, so a resumed run continues it).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._file.write(json.dumps(obj, default=_jsonable) + "\n")
+        self._file.flush()
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._write({"hyperparameters": hyperparameters})
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self._write({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
+
+    def close(self, state: State, logger: Logger) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, int | float | str | bool) or v is None:
+        return v
+    return str(v)

@@ -1,0 +1,274 @@
+"""Data for the trainer: the candidate stream consumed by step, validation batches, replay of
+selected-token shards, and the checks that the data fits the model.
+
+Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
+
+* ``tokens``: ``(b, L)`` int64; ``loss_mask`` (optional): ``(b, L)`` bool over loss positions;
+* ``source``: list of source labels; ``step``: proxy step (candidate stream); ``sample_id``;
+* ``kept_total`` / ``rows_total``: written on the full batch by :func:`annotate_batch` so the
+  loss is normalised over the whole batch's kept tokens under microbatching.
+
+The training loader (:class:`StreamBatches`) yields one pre-collated batch per proxy step from
+:class:`curation.stream.StreamReader`, starting at any step. Composer saves its position in the
+checkpoint (``state_dict``/``load_state_dict``: the dataset resumes itself, nothing is replayed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from curation.stream import StreamReader
+from schemas.manifest import Manifest
+from schemas.shards import ShardSchemaError, validate_shard_dir
+
+__all__ = [
+    "ShardDirInfo",
+    "shard_dir_info",
+    "check_tokenizer",
+    "StreamBatches",
+    "TokenRows",
+    "collate_rows",
+    "annotate_batch",
+    "make_data_spec",
+    "split_batch",
+    "stream_loader",
+    "rows_loader",
+    "check_token_range",
+]
+
+
+@dataclass(frozen=True)
+class ShardDirInfo:
+    """What a shard directory's manifest says about it."""
+
+    path: str
+    kind: str
+    vocab_size: int
+    seq_len: int | None
+    tokenizer_fingerprint: str | None
+    manifest: Manifest
+
+
+def shard_dir_info(path: str, spec: str) -> ShardDirInfo:
+    """Validate ``path`` against the shard ``spec`` and read its manifest.
+
+    Raises:
+        ShardSchemaError: wrong columns/encodings (names directory, shard and column), or no manifest.
+    """
+    validate_shard_dir(path, spec)
+    if not os.path.exists(Manifest.path_in(path)):
+        raise ShardSchemaError(f"{path}: no manifest.json (not written by this project's jobs)")
+    m = Manifest.load(path)
+    if m.vocab_size is None:
+        raise ShardSchemaError(f"{Manifest.path_in(path)}: manifest has no vocab_size")
+    return ShardDirInfo(path, m.kind, m.vocab_size, m.seq_len, m.tokenizer_fingerprint, m)
+
+
+def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str | None:
+    """All directories must come from one tokenizer (and from ``tokenizer`` when given).
+
+    Returns:
+        The common tokenizer fingerprint (``None`` when no manifest records one).
+
+    Raises:
+        ValueError: naming the two files whose tokenizers differ.
+    """
+    from curation.tokenizer import tokenizer_json_path
+    from schemas.manifest import sha256_file
+
+    known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
+    if tokenizer is not None:
+        path = tokenizer_json_path(tokenizer)
+        known.insert(0, (path, sha256_file(path)))
+    for where, fp in known[1:]:
+        if fp != known[0][1]:
+            raise ValueError(
+                f"tokenizer mismatch: {where} was written with tokenizer sha256 {fp[:12]}…, "
+                f"but {known[0][0]} has {known[0][1][:12]}…"
+            )
+    return known[0][1] if known else None
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Token ids must be < the model's vocabulary (else the embedding lookup fails obscurely)."""
+    top = int(tokens.max()) if tokens.size else 0
+    if top >= vocab_size:
+        raise ValueError(f"{where}: token id {top} is out of range for the model's vocabulary of {vocab_size}")
+
+
+# ------------------------------------------------------------------------------------------------
+# training stream
+# ------------------------------------------------------------------------------------------------
+class StreamBatches(IterableDataset):
+    """One batch per proxy step ``start_step ≤ t < stop_step`` of the candidate stream.
+
+    Args:
+        reader: the candidate stream and shards.
+        stop_step: the step after the last one (``max_steps``).
+        model_vocab: the model's vocabulary (token ids are checked against it).
+    """
+
+    def __init__(self, reader: StreamReader, stop_step: int, *, model_vocab: int | None = None) -> None:
+        super().__init__()
+        self.reader = reader
+        self.start_step = 0
+        self.stop_step = stop_step
+        self.model_vocab = model_vocab
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """The collated batch of ``step`` (also used by the reference to pre-compute scores)."""
+        sb = self.reader.read(step)
+        if self.model_vocab is not None:
+            check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+        return {
+            "tokens": torch.from_numpy(sb.tokens.astype(np.int64)),
+            "sample_id": torch.from_numpy(sb.sample_ids),
+            "source": list(sb.sources),
+            "step": int(step),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for t in range(self.start_step, self.stop_step):
+            yield self.batch(t)
+
+    # Composer's dataset resumption protocol (state.dataset_state): resume by step, replay nothing.
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        b = self.reader.stream.batch_size
+        done = num_samples // b if from_beginning else self.start_step + num_samples // b
+        return {"step": int(done), "stream": self.reader.stream.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("stream") != self.reader.stream.to_dict():
+            raise ValueError(
+                f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
+                f"{self.reader.stream.to_dict()} (same candidates, batch_size and seed are needed to resume)"
+            )
+        self.start_step = int(state["step"])
+
+
+def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """Write ``kept_total`` and ``rows_total`` on a full batch (before Composer splits it).
+
+    ``kept_total`` counts ``loss_mask`` positions that are valid loss positions (position 0 and
+    invalid tokens never count); without a mask, every valid loss position. The BLADE algorithm
+    overwrites it once it knows what it will keep.
+    """
+    tokens = batch["tokens"]
+    b, length = tokens.shape
+    valid = batch.get("valid")
+    v = torch.ones((b, length), dtype=torch.bool) if valid is None else valid.bool().cpu().clone()
+    v[:, 0] = False
+    mask = batch.get("loss_mask")
+    kept = v if mask is None else (mask.bool().cpu() & v)
+    batch["kept_total"] = int(kept.sum())
+    batch["rows_total"] = int(b)
+    return batch
+
+
+def _num_samples(batch: dict[str, Any]) -> int:
+    return int(batch["tokens"].shape[0])
+
+
+def _num_tokens(batch: dict[str, Any]) -> int:
+    return int(batch["tokens"].numel())
+
+
+def split_batch(batch: dict[str, Any], microbatch_size: int | float) -> list[dict[str, Any]]:
+    """Split a batch dict into consecutive microbatches of ``microbatch_size`` rows.
+
+    Same order as Composer's default split (the BLADE algorithm counts kept tokens per microbatch
+    on that basis), but a batch shorter than a microbatch (the last validation batch) is one
+    microbatch without a warning. Tensors and lists are sliced by row; other values are copied.
+    """
+    rows = int(batch["tokens"].shape[0])
+    mb = int(microbatch_size)
+    if mb <= 0:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size!r}")
+    out = []
+    for start in range(0, rows, mb):
+        part = {}
+        for k, v in batch.items():
+            part[k] = v[start : start + mb] if isinstance(v, torch.Tensor | list | tuple) else v
+        out.append(part)
+    return out
+
+
+def make_data_spec(dataloader: Any):
+    """A Composer ``DataSpec`` for our batch dicts (annotated for whole-batch loss normalisation)."""
+    from composer.core import DataSpec
+
+    return DataSpec(
+        dataloader,
+        batch_transforms=annotate_batch,
+        split_batch=split_batch,
+        get_num_samples_in_batch=_num_samples,
+        get_num_tokens_in_batch=_num_tokens,
+    )
+
+
+def stream_loader(dataset: StreamBatches) -> DataLoader:
+    """The training DataLoader: batches are pre-collated by step, read in the main process."""
+    return DataLoader(dataset, batch_size=None, num_workers=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# row datasets: validation shards, selected-token shards
+# ------------------------------------------------------------------------------------------------
+class TokenRows(Dataset):
+    """Map-style rows of an MDS directory: ``tokens`` (+ ``loss_mask`` when ``use_mask``).
+
+    Args:
+        path: shard directory.
+        spec: shard spec to validate against (``candidate``, ``selected``, ...).
+        use_mask: read the ``loss_mask`` column (selected-token shards: replay honours it).
+        model_vocab: check token ids against the model's vocabulary.
+    """
+
+    def __init__(self, path: str, spec: str, *, use_mask: bool = False, model_vocab: int | None = None) -> None:
+        from curation.shards import open_shards
+
+        self.path = path
+        self.use_mask = use_mask
+        self.model_vocab = model_vocab
+        self.dataset = open_shards(path, spec)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.dataset[int(i)]
+        tokens = np.asarray(row["tokens"])
+        if self.model_vocab is not None:
+            check_token_range(tokens, self.model_vocab, f"{self.path} (sample {i})")
+        out: dict[str, Any] = {"tokens": torch.from_numpy(tokens.astype(np.int64)), "source": str(row.get("source", ""))}
+        if self.use_mask:
+            out["loss_mask"] = torch.from_numpy(np.asarray(row["loss_mask"]).astype(bool))
+        return out
+
+
+def collate_rows(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack rows into a batch dict."""
+    out: dict[str, Any] = {"tokens": torch.stack([x["tokens"] for x in items]), "source": [x["source"] for x in items]}
+    if "loss_mask" in items[0]:
+        out["loss_mask"] = torch.stack([x["loss_mask"] for x in items])
+    return out
+
+
+def rows_loader(
+    rows: TokenRows, *, batch_size: int, shuffle: bool = False, seed: int = 0, max_batches: int | None = None,
+    drop_last: bool = False,
+) -> DataLoader:
+    """A DataLoader over :class:`TokenRows` (optionally only the first ``max_batches`` batches)."""
+    dataset: Dataset = rows
+    if max_batches is not None:
+        dataset = torch.utils.data.Subset(rows, range(min(len(rows), max_batches * batch_size)))
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
+                      collate_fn=collate_rows, drop_last=drop_last, num_workers=0)

@@ -1,0 +1,120 @@
+"""The masked-loss ComposerModel around any HF ``AutoModelForCausalLM``.
+
+Batches are dicts (see :mod:`training.data`): ``tokens`` ``(b, L)`` int64, optional ``valid``
+``(b, L)`` bool (real tokens; ``None`` = all), optional ``loss_mask`` ``(b, L)`` bool (α over
+loss positions, aligned with ``tokens``: position ``n`` is the loss of predicting ``tokens[n]``;
+``None`` = every valid position), plus non-tensor fields (``source``, ``step``, ...).
+
+The loss is the mean over kept positions, ``Σ α ℓ / Σ α``, with the denominator taken over the
+*whole* batch even when Composer splits it into microbatches: Composer multiplies each microbatch
+loss by ``rows_mb / rows_batch``, so a microbatch returns ``Σ_mb α ℓ / K · rows_batch / rows_mb``
+where ``K`` (``batch["kept_total"]``) and ``rows_batch`` (``batch["rows_total"]``) are written on
+the full batch before the split (:func:`training.data.annotate_batch`). The sum over microbatches
+is then exactly the full-batch masked mean (test: equal gradients).
+
+The forward pass returns the logits; :meth:`MaskedCausalLM.token_losses` computes the per-token
+losses once (with the graph) and caches them in the outputs, so the BLADE algorithm's selection and
+the loss share one cross-entropy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from composer.models import ComposerModel
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from curation.losses import model_logits, token_losses
+from curation.selection import masked_mean
+
+__all__ = ["MaskedCausalLM", "LMOutputs", "TokenLoss", "TokenPerplexity", "kept_mask"]
+
+
+class LMOutputs(dict):
+    """Forward outputs: ``logits``, and ``losses``/``valid`` once computed (a dict, so Composer can move it)."""
+
+
+def kept_mask(batch: dict[str, Any], valid: Tensor) -> Tensor:
+    """α of a batch: ``loss_mask & valid`` (all valid positions when the batch has no mask)."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return valid
+    mask = mask.to(valid.device)
+    if mask.shape != valid.shape:
+        raise ValueError(f"loss_mask has shape {tuple(mask.shape)}, tokens have {tuple(valid.shape)}")
+    return mask.bool() & valid
+
+
+class MaskedCausalLM(ComposerModel):
+    """A causal LM trained on the mean loss of its kept tokens.
+
+    Args:
+        model: an HF causal LM (``forward(input_ids=...) → .logits``) or any module mapping tokens to logits.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.train_metrics = {"TokenLoss": TokenLoss()}
+        self.val_metrics = {"TokenLoss": TokenLoss(), "TokenPerplexity": TokenPerplexity()}
+
+    # --- forward / loss ----------------------------------------------------------------------
+    def forward(self, batch: dict[str, Any]) -> LMOutputs:
+        return LMOutputs(logits=model_logits(self.model, batch["tokens"], batch.get("valid")))
+
+    def token_losses(self, outputs: LMOutputs, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """Per-token float32 losses (with graph) and validity; computed once per forward."""
+        if outputs.get("losses") is None:
+            losses, valid = token_losses(outputs["logits"], batch["tokens"], batch.get("valid"))
+            outputs["losses"], outputs["valid"] = losses, valid
+        return outputs["losses"], outputs["valid"]
+
+    def loss(self, outputs: LMOutputs, batch: dict[str, Any]) -> Tensor:
+        losses, valid = self.token_losses(outputs, batch)
+        alpha = kept_mask(batch, valid)
+        kept_total = batch.get("kept_total")
+        if kept_total is None:  # no microbatch bookkeeping: the plain masked mean
+            return masked_mean(losses, alpha)
+        rows_total = int(batch["rows_total"])
+        scale = rows_total / losses.shape[0]  # undone by Composer's rows_mb / rows_total
+        total = torch.where(alpha, losses, torch.zeros((), device=losses.device)).sum()
+        return total * (scale / max(int(kept_total), 1))
+
+    # --- metrics -----------------------------------------------------------------------------
+    def get_metrics(self, is_train: bool = False) -> dict[str, Metric]:
+        return self.train_metrics if is_train else self.val_metrics
+
+    def eval_forward(self, batch: dict[str, Any], outputs: Any | None = None) -> LMOutputs:
+        return outputs if outputs is not None else self.forward(batch)
+
+    def update_metric(self, batch: dict[str, Any], outputs: LMOutputs, metric: Metric) -> None:
+        with torch.no_grad():
+            losses, valid = self.token_losses(outputs, batch)
+            metric.update(losses.detach(), kept_mask(batch, valid))
+
+
+class TokenLoss(Metric):
+    """Mean token loss over kept (or valid) positions, accumulated over batches."""
+
+    full_state_update = False
+
+    def __init__(self, dist_sync_on_step: bool = False) -> None:
+        super().__init__(dist_sync_on_step=dist_sync_on_step)
+        self.add_state("sum_loss", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, losses: Tensor, mask: Tensor) -> None:
+        self.sum_loss += torch.where(mask, losses.double(), 0.0).sum()
+        self.count += mask.sum()
+
+    def compute(self) -> Tensor:
+        return (self.sum_loss / self.count.clamp(min=1)).float()
+
+
+class TokenPerplexity(TokenLoss):
+    """``exp`` of :class:`TokenLoss`."""
+
+    def compute(self) -> Tensor:
+        return torch.exp(super().compute())

@@ -1,0 +1,305 @@
+"""Wiring of a training run and of a replay run (what ``jobs/train.py`` and ``jobs/replay.py`` call).
+
+``output_dir`` of a training run::
+
+    config.yaml                 resolved config
+    checkpoints/                Composer checkpoints (BLADE state included); latest-rank0.pt → newest
+    selected/                   selected-token shards (MDS) + manifest.json
+    logs/metrics.jsonl          every logged metric, one JSON object per line
+    summary.json, plots/*.png   run summary
+    final/model.safetensors     the trained proxy (+ final/config.json)
+
+A rerun with the same ``output_dir`` resumes from ``checkpoints/latest-rank0.pt`` (loaded with
+``weights_only=True``) and ends with the same outputs as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from curation.models import build_causal_lm, check_vocab, model_vocab_size, save_weights, weights_fingerprint
+from curation.scorer import ScoredShards, resolve_device
+from curation.stream import StreamReader
+from schemas.manifest import Manifest, atomic_write_text
+from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
+from training.algorithm import BladeAlgorithm
+from training.callbacks import JSONLinesLogger, SelectedShardWriter, SelectionStats, ValidationCurve
+from training.checkpoint import latest_checkpoint, weights_only_loading
+from training.data import (
+    StreamBatches,
+    TokenRows,
+    check_tokenizer,
+    make_data_spec,
+    rows_loader,
+    shard_dir_info,
+    stream_loader,
+)
+from training.model import MaskedCausalLM
+from training.summary import write_summary
+
+__all__ = ["TrainRun", "build_training", "train", "build_replay", "replay"]
+
+
+@dataclass
+class TrainRun:
+    """A wired, not yet started training (or replay) run."""
+
+    trainer: Any  # composer.Trainer
+    model: MaskedCausalLM
+    output_dir: str
+    algorithm: BladeAlgorithm | None = None
+    stats: SelectionStats | None = None
+    writer: SelectedShardWriter | None = None
+    resumed_from: str | None = None
+    manifest_extra: dict[str, Any] | None = None
+
+
+def _every(interval: int, last: int, event_name: str):
+    from composer.core import Event
+
+    event = Event(event_name)
+
+    def due(state: Any, ev: Any) -> bool:
+        b = int(state.timestamp.batch)
+        return ev == event and b > 0 and (b % interval == 0 or b >= last)
+
+    return due
+
+
+def _optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def _common_algorithms(cfg: OptimConfig) -> list[Any]:
+    if not cfg.grad_clip:
+        return []
+    from composer.algorithms import GradientClipping
+
+    return [GradientClipping(clipping_type="norm", clipping_threshold=cfg.grad_clip)]
+
+
+def _build_model(model_cfg: ModelConfig, vocab_size: int, where: str) -> nn.Module:
+    hf = build_causal_lm(model_cfg)
+    check_vocab(hf, vocab_size, what=where, setting="model")
+    return hf
+
+
+def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
+    if path is None:
+        return None
+    from composer.core import Evaluator
+
+    rows = TokenRows(path, "candidate", model_vocab=model_vocab)
+    loader = rows_loader(rows, batch_size=eval_cfg.batch_size, max_batches=eval_cfg.max_batches)
+    return Evaluator(label="eval", dataloader=make_data_spec(loader), metric_names=["TokenLoss", "TokenPerplexity"])
+
+
+def _resume_path(output_dir: str, resume: bool) -> str | None:
+    folder = os.path.join(output_dir, "checkpoints")
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        return None
+    if not resume:
+        raise ValueError(
+            f"{folder} holds checkpoints of an earlier run; set checkpoint.resume=true to continue it, "
+            "or use a new output_dir"
+        )
+    return latest
+
+
+def build_training(
+    cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False
+) -> TrainRun:
+    """Check the data against the model and wire the Composer trainer for ``cfg``.
+
+    Raises:
+        ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
+        ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
+    """
+    from composer import Trainer
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    if cfg.precision != "fp32" and device.type != "cuda":
+        raise ValueError(f"precision {cfg.precision!r} needs a CUDA device (device resolves to {device.type})")
+    cand = shard_dir_info(cfg.data.candidates, "candidate")
+    val = shard_dir_info(cfg.data.validation, "candidate")
+    infos = [cand, val]
+    if cfg.data.scored is not None:
+        infos.append(shard_dir_info(cfg.data.scored, "scored"))
+    fingerprint = check_tokenizer(infos, cfg.data.tokenizer)
+    if cand.seq_len is not None and val.seq_len is not None and cand.seq_len != val.seq_len:
+        raise ValueError(f"seq_len differs: {cand.path} has {cand.seq_len}, {val.path} has {val.seq_len}")
+
+    hf = _build_model(cfg.model, max(i.vocab_size for i in infos), Manifest.path_in(cand.path))
+    vocab = model_vocab_size(hf)
+    model = MaskedCausalLM(hf)
+    reader = StreamReader.open(cfg.data.candidates, batch_size=cfg.batch_size, seed=cfg.seed)
+    stream_data = StreamBatches(reader, cfg.max_steps, model_vocab=vocab)
+    validation = TokenRows(cfg.data.validation, "candidate", model_vocab=vocab)
+    scored = ScoredShards(cfg.data.scored, reader.stream) if cfg.data.scored is not None else None
+
+    algorithm = BladeAlgorithm(
+        selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
+        max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
+        ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
+        scored=scored, distance_interval=cfg.distance_interval, timing=timing,
+    )
+    stats = SelectionStats(algorithm)
+    extra = {
+        "stream": reader.stream.to_dict(),
+        "policy": cfg.selection.policy,
+        "schedule": algorithm.schedule.to_dict(),
+        "gamma": cfg.selection.gamma,
+        "candidates": os.path.abspath(cfg.data.candidates),
+    }
+    writer = None
+    cbs: list[Any] = [stats]
+    if cfg.write_selected:
+        writer = SelectedShardWriter(
+            os.path.join(cfg.output_dir, "selected"), algorithm=algorithm, vocab_size=cand.vocab_size,
+            seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
+            flush_every=cfg.checkpoint.interval,
+            manifest_fields={
+                "config": cfg.model_dump(mode="json"), "tokenizer_fingerprint": fingerprint,
+                "model_fingerprints": {"initial_proxy": weights_fingerprint(hf)}, "extra": extra,
+            },
+        )
+        cbs.append(writer)
+    cbs.extend(callbacks)
+
+    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
+                                                                                  sort_keys=False))
+    with weights_only_loading():
+        trainer = Trainer(
+            model=model,
+            train_dataloader=make_data_spec(stream_loader(stream_data)),
+            max_duration=f"{cfg.max_steps}ba",
+            optimizers=_optimizer(model, cfg.optim),
+            algorithms=[algorithm, *_common_algorithms(cfg.optim)],
+            callbacks=cbs,
+            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl")), *loggers],
+            eval_dataloader=_evaluator(cfg.data.validation, cfg.eval, vocab),
+            eval_interval=_every(cfg.eval.interval, cfg.max_steps, "batch_end"),
+            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
+            save_interval=_every(cfg.checkpoint.interval, cfg.max_steps, "batch_checkpoint"),
+            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
+            save_overwrite=True,
+            load_path=resume,
+            run_name="train",
+            device=device.type if device.type != "cuda" else "gpu",
+            precision=cfg.precision,
+            device_train_microbatch_size=cfg.microbatch_size or cfg.batch_size,
+            accumulate_train_batch_on_tokens=False,
+            progress_bar=cfg.progress_bar,
+            log_to_console=False,
+            seed=cfg.seed,
+        )
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
+                    writer=writer, resumed_from=resume, manifest_extra=extra)
+
+
+def _finish(run: TrainRun, model_cfg: ModelConfig, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    hf = run.model.model
+    final = os.path.join(run.output_dir, "final")
+    save_weights(hf, os.path.join(final, "model.safetensors"))
+    hf.config.to_json_file(os.path.join(final, "config.json"))
+    out = {"final_weights": os.path.join(final, "model.safetensors")}
+    if run.stats is not None:
+        summary, pngs = write_summary(run.output_dir, run.stats.summary_data(), extra=extra, plots=plots)
+        out.update(summary=summary, plots=pngs)
+    return out
+
+
+def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = False) -> dict[str, Any]:
+    """Run (or resume) a training run; returns the output paths."""
+    run = build_training(cfg, callbacks=callbacks, timing=timing)
+    try:
+        run.trainer.fit()
+    finally:
+        run.trainer.close()
+    extra = {"resumed_from": run.resumed_from, "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
+             "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
+    out = _finish(run, cfg.model, cfg.plots, extra)
+    out["selected"] = extra["selected_dir"]
+    out["run"] = run
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# replay (BLADE-Tr): another model trained on selected-token shards
+# ------------------------------------------------------------------------------------------------
+def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRun:
+    """Wire a plain masked-loss Composer trainer on selected-token shards (the mask is honoured)."""
+    from composer import Trainer
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    sel = shard_dir_info(cfg.selected, "selected")
+    infos = [sel] + ([shard_dir_info(cfg.validation, "candidate")] if cfg.validation else [])
+    check_tokenizer(infos, cfg.tokenizer)
+    hf = _build_model(cfg.model, max(i.vocab_size for i in infos), Manifest.path_in(sel.path))
+    vocab = model_vocab_size(hf)
+    model = MaskedCausalLM(hf)
+    rows = TokenRows(cfg.selected, "selected", use_mask=True, model_vocab=vocab)
+    loader = rows_loader(rows, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
+    steps_per_epoch = len(loader)
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    with weights_only_loading():
+        trainer = Trainer(
+            model=model,
+            train_dataloader=make_data_spec(loader),
+            max_duration=f"{total}ba",
+            optimizers=_optimizer(model, cfg.optim),
+            algorithms=_common_algorithms(cfg.optim),
+            callbacks=list(callbacks),
+            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"))],
+            eval_dataloader=_evaluator(cfg.validation, cfg.eval, vocab),
+            eval_interval=_every(cfg.eval.interval, total, "batch_end"),
+            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
+            save_interval=_every(cfg.checkpoint.interval, total, "batch_checkpoint"),
+            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
+            save_overwrite=True,
+            load_path=resume,
+            run_name="replay",
+            device=device.type if device.type != "cuda" else "gpu",
+            precision=cfg.precision,
+            device_train_microbatch_size=cfg.microbatch_size or cfg.batch_size,
+            accumulate_train_batch_on_tokens=False,
+            progress_bar=cfg.progress_bar,
+            log_to_console=False,
+            seed=cfg.seed,
+        )
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
+
+
+def replay(cfg: ReplayConfig) -> dict[str, Any]:
+    """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve."""
+    curve = ValidationCurve()
+    run = build_replay(cfg, callbacks=[curve])
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
+                                                                                  sort_keys=False))
+    try:
+        run.trainer.fit()
+    finally:
+        run.trainer.close()
+    out = _finish(run, cfg.model, False, {})
+    atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
+    out["validation"] = curve.points
+    out["run"] = run
+    return out

@@ -1,0 +1,134 @@
+"""Run summary: one JSON file and PNG plots (DESIGN.md §6, usability).
+
+``summary.json`` holds tokens seen / kept per source, the validation loss curve, Δ quantiles per
+episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,
+the refresh log and the time spent per phase. Plots: ``delta_histograms.png`` (one curve per
+episode), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from curation.stats import DEFAULT_QUANTILES, Histogram
+from schemas.manifest import atomic_write_text
+
+__all__ = ["build_summary", "write_summary", "plot_summary"]
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe copy: non-finite floats become ``None``."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def build_summary(data: dict[str, Any], *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary dict from :meth:`training.callbacks.SelectionStats.summary_data`."""
+    valid, kept = data["tokens"]["valid"], data["tokens"]["kept"]
+    per_source = {
+        s: {"valid_tokens": n, "kept_tokens": kept.get(s, 0), "kept_fraction": kept.get(s, 0) / n if n else None}
+        for s, n in sorted(valid.items())
+    }
+    episodes = {}
+    for e, h in data["delta_histograms"].items():
+        hist = Histogram.from_dict(h)
+        episodes[e] = {"tokens": hist.total, "quantiles": {str(q): hist.quantile(q) for q in DEFAULT_QUANTILES}}
+    steps = data["steps"]
+    summary = {
+        "policy": data["policy"],
+        "steps": len(steps),
+        "tokens": {
+            "valid": sum(valid.values()),
+            "kept": sum(kept.values()),
+            "per_source": per_source,
+        },
+        "validation": data["validation"],
+        "delta_quantiles_per_episode": episodes,
+        "delta_histograms": data["delta_histograms"],
+        "param_distance": [{"step": s["step"], "value": s["param_distance"]} for s in steps if "param_distance" in s],
+        "train_loss": [{"step": s["step"], "value": s["loss"]} for s in steps if "loss" in s],
+        "refreshes": data["refreshes"],
+        "seconds": data["timers"],
+        "counts": data["counts"],
+        "per_step": steps,
+    }
+    if extra:
+        summary.update(extra)
+    return _clean(summary)
+
+
+def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
+    """Write the PNG plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    policy = summary["policy"]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    hists = summary["delta_histograms"]
+    for e, h in hists.items():
+        edges, counts = h["edges"], h["counts"][1:-1]  # inner bins (under/overflow are open-ended)
+        total = max(sum(h["counts"]), 1)
+        centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        ax.plot(centers, [c / total for c in counts], label=f"episode {e}")
+    ax.set_xlabel("Δ = ℓ(u) − ℓ(w̃) (nats)")
+    ax.set_ylabel("fraction of valid tokens")
+    ax.set_title(f"{policy}: Δ per episode" if hists else f"{policy}: no Δ (policy without reference)")
+    if hists:
+        ax.legend(fontsize=7)
+    paths.append(_save(fig, os.path.join(out_dir, "delta_histograms.png")))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pd = summary["param_distance"]
+    ax.plot([p["step"] for p in pd], [p["value"] for p in pd], marker=".", lw=1)
+    for r in summary["refreshes"]:
+        ax.axvline(r["step"], color="grey", lw=0.5, ls="--")
+    ax.set_xlabel("proxy step")
+    ax.set_ylabel("‖u − w‖₂")
+    ax.set_title(f"{policy}: distance proxy ↔ reference (dashed: refreshes)")
+    paths.append(_save(fig, os.path.join(out_dir, "param_distance.png")))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    val = summary["validation"]
+    ax.plot([v["step"] for v in val], [v["loss"] for v in val], marker="o", label="validation")
+    tl = summary["train_loss"]
+    if tl:
+        ax.plot([t["step"] for t in tl], [t["value"] for t in tl], lw=0.7, alpha=0.6, label="train (kept tokens)")
+    ax.set_xlabel("proxy step")
+    ax.set_ylabel("token loss (nats)")
+    ax.set_title(f"{policy}: loss")
+    ax.legend()
+    paths.append(_save(fig, os.path.join(out_dir, "val_loss.png")))
+    return paths
+
+
+def _save(fig: Any, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_summary(
+    output_dir: str, data: dict[str, Any], *, extra: dict[str, Any] | None = None, plots: bool = True
+) -> tuple[str, list[str]]:
+    """Write ``output_dir/summary.json`` (and ``output_dir/plots/*.png``). Returns the paths."""
+    summary = build_summary(data, extra=extra)
+    path = os.path.join(output_dir, "summary.json")
+    atomic_write_text(path, json.dumps(summary, indent=1))
+    pngs = plot_summary(summary, os.path.join(output_dir, "plots")) if plots else []
+    return path, pngs
