@@ -130,6 +130,7 @@ def write_scored_steps(
     vocab_size: int,
     job: str = "score",
     config: dict[str, Any] | None = None,
+    tokenizer_fingerprint: str | None = None,
 ) -> ShardRecord:
     """Score the candidate batches of ``steps`` and write them as one scored part.
 
@@ -144,6 +145,7 @@ def write_scored_steps(
         vocab_size: for the token column's dtype.
         job: recorded in a new manifest.
         config: recorded in a new manifest.
+        tokenizer_fingerprint: recorded in a new manifest (the trainer checks it against its data).
 
     Returns:
         The part's record.
@@ -154,7 +156,7 @@ def write_scored_steps(
         raise ValueError(f"steps must be a non-empty contiguous range, got {steps}")
     manifest = Manifest.load_if_exists(out_dir) or Manifest(
         kind=SCORED.name, job=job, config=config or {}, vocab_size=vocab_size,
-        extra={"stream": reader.stream.to_dict()},
+        tokenizer_fingerprint=tokenizer_fingerprint, extra={"stream": reader.stream.to_dict()},
     )
     if manifest.extra.get("stream") != reader.stream.to_dict():
         raise ValueError(

@@ -371,7 +371,7 @@ class BladeAlgorithm(Algorithm):
             result = self.policy.refresh(
                 proxy,
                 self._val_batches(self._val_stream, version=episode, steps=self.cfg.refresh_steps),
-                self._cand_batches(steps=self.cfg.refresh_steps),
+                self._cand_batches(state.batch, steps=self.cfg.refresh_steps),
                 previous=previous,
                 optimizer_state=self.ref_opt_state if continue_mode else None,
                 steps=self.cfg.refresh_steps,
@@ -399,12 +399,19 @@ class BladeAlgorithm(Algorithm):
             ids = stream.batch_ids(version * steps + k)
             yield {"tokens": torch.stack([self.validation[int(i)]["tokens"] for i in ids])}
 
-    def _cand_batches(self, *, steps: int) -> Iterator[dict[str, Tensor]]:
-        """Rows of the recent trained batches with their masks, cycled, ``refresh_batch_size`` at a time."""
-        if not self.recent or steps == 0 or self.cfg.lam == 0:
+    def _cand_batches(self, current: dict[str, Any], *, steps: int) -> Iterator[dict[str, Tensor]]:
+        """Rows of the recent trained batches with their masks, cycled, ``refresh_batch_size`` at a time.
+
+        Before anything was trained (``W = 0``, first refresh) the current batch with every valid
+        token (no selection exists yet) stands in.
+        """
+        if steps == 0 or self.cfg.lam == 0:
             return iter(())
-        tokens = torch.cat([self.stream_data.batch(s)["tokens"] for s, _ in self.recent])
-        masks = torch.cat([torch.from_numpy(m.astype(bool)) for _, m in self.recent])
+        if self.recent:
+            tokens = torch.cat([self.stream_data.batch(s)["tokens"] for s, _ in self.recent])
+            masks = torch.cat([torch.from_numpy(m.astype(bool)) for _, m in self.recent])
+        else:
+            tokens, masks = current["tokens"], self._valid(current)
         n, rb = tokens.shape[0], self.refresh_batch_size
 
         def gen() -> Iterator[dict[str, Tensor]]:

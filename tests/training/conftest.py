@@ -57,3 +57,13 @@ def tiny_config(root: str, out: str, policy: str = "blade", **updates) -> TrainC
         "checkpoint": {"interval": 4, "keep": -1},
     }
     return TrainConfig.model_validate(_merge(_merge(base, tiny), updates))
+
+
+@pytest.fixture
+def make_config(demo_root, tmp_path):
+    """``make_config(policy, name=policy, **updates)`` → a tiny :class:`TrainConfig` writing under tmp_path."""
+
+    def make(policy: str = "blade", name: str | None = None, **updates) -> TrainConfig:
+        return tiny_config(demo_root, str(tmp_path / (name or policy)), policy, **updates)
+
+    return make

@@ -1,0 +1,93 @@
+"""Loaders and data checks: the candidate stream by step, clear errors for bad shards/tokenizers/vocab."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from curation.models import build_causal_lm, check_vocab
+from curation.shards import merge_part_indexes, write_part
+from curation.stream import StreamReader
+from schemas.manifest import Manifest
+from schemas.shards import CANDIDATE, ShardSchemaError
+from schemas.train_config import demo_model_config
+from training.data import StreamBatches, annotate_batch, check_tokenizer, shard_dir_info
+
+
+def _cand(demo_root: str) -> str:
+    return os.path.join(demo_root, "data", "candidates")
+
+
+def test_stream_batches_follow_the_stream_and_resume_by_step(demo_root):
+    reader = StreamReader.open(_cand(demo_root), batch_size=8, seed=3)
+    ds = StreamBatches(reader, stop_step=6)
+    batches = list(ds)
+    assert [b["step"] for b in batches] == list(range(6))
+    for b in batches:
+        ids = reader.stream.batch_ids(b["step"])
+        assert b["sample_id"].tolist() == ids.tolist()
+        assert b["tokens"].dtype == torch.int64 and b["tokens"].shape == (8, 128)
+        assert torch.equal(b["tokens"][0], torch.from_numpy(np.asarray(reader.dataset[int(ids[0])]["tokens"]).astype(np.int64)))
+    state = ds.state_dict(num_samples=4 * 8, from_beginning=True)
+    resumed = StreamBatches(reader, stop_step=6)
+    resumed.load_state_dict(state)
+    assert [b["step"] for b in resumed] == [4, 5]
+    assert torch.equal(next(iter(resumed))["tokens"], batches[4]["tokens"])
+    other = StreamBatches(StreamReader.open(_cand(demo_root), batch_size=8, seed=4), stop_step=6)
+    with pytest.raises(ValueError, match="same candidates, batch_size and seed"):
+        other.load_state_dict(state)
+
+
+def test_annotate_batch_counts_kept_loss_positions():
+    tokens = torch.zeros(2, 5, dtype=torch.long)
+    assert annotate_batch({"tokens": tokens})["kept_total"] == 8  # position 0 never counts
+    mask = torch.tensor([[1, 1, 0, 0, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    out = annotate_batch({"tokens": tokens, "loss_mask": mask})
+    assert out["kept_total"] == 4 and out["rows_total"] == 2
+
+
+def test_bad_shard_schema_error_names_directory_shard_and_column(tmp_path, demo_root):
+    bad = str(tmp_path / "bad")
+    rows = [{"tokens": np.arange(4, dtype=np.uint16), "source": "x"}]
+    write_part(os.path.join(bad, "p"), CANDIDATE, rows, vocab_size=100)
+    merge_part_indexes(bad, ["p"])
+    with pytest.raises(ShardSchemaError) as e:
+        shard_dir_info(bad, "selected")  # candidate shards where selected-token shards are expected
+    assert bad in str(e.value) and "loss_mask" in str(e.value) and "shard.00000.mds" in str(e.value)
+    # a pickle column is refused outright
+    index = json.load(open(os.path.join(bad, "index.json")))
+    index["shards"][0]["column_encodings"][1] = "pkl"
+    json.dump(index, open(os.path.join(bad, "index.json"), "w"))
+    with pytest.raises(ShardSchemaError, match="pickle"):
+        shard_dir_info(bad, "candidate")
+
+
+def test_tokenizer_mismatch_names_both_files(tmp_path, demo_root):
+    cand, val = _cand(demo_root), os.path.join(demo_root, "data", "validation")
+    infos = [shard_dir_info(cand, "candidate"), shard_dir_info(val, "candidate")]
+    tok = os.path.join(demo_root, "data", "tokenizer", "tokenizer.json")
+    assert check_tokenizer(infos, tok) == infos[0].tokenizer_fingerprint
+    other = str(tmp_path / "val")
+    shutil.copytree(val, other)
+    m = Manifest.load(other)
+    m.tokenizer_fingerprint = "0" * 64
+    m.save(other)
+    with pytest.raises(ValueError, match="tokenizer mismatch") as e:
+        check_tokenizer([infos[0], shard_dir_info(other, "candidate")], None)
+    assert Manifest.path_in(other) in str(e.value) and Manifest.path_in(cand) in str(e.value)
+    wrong_tok = tmp_path / "tokenizer.json"
+    wrong_tok.write_text(open(tok).read().replace("<|endoftext|>", "<|end|>"))
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        check_tokenizer(infos, str(wrong_tok))
+
+
+def test_vocabulary_mismatch_names_the_setting(demo_root):
+    model = build_causal_lm(demo_model_config(256, hidden=32, layers=1))
+    with pytest.raises(ValueError, match=r"vocab_size 512 .* model \(model\) embeds only 256.*model.hf_config.vocab_size"):
+        check_vocab(model, 512, what="x/manifest.json", setting="model")
+    check_vocab(model, 200, what="x", setting="model")  # a larger (padded) model vocabulary is fine
