@@ -132,6 +132,16 @@ class ShardReader:
             self._cache.popitem(last=False)
         return data
 
+    def locate(self, idx: int) -> tuple[str, int]:
+        """``(shard file, record index within it)`` of sample ``idx`` (for error messages)."""
+        idx = int(idx)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {self.path} ({len(self)} samples)")
+        i = bisect.bisect_right(self._ends, idx)
+        shard = self.shards[i]
+        name = (shard.zip_data or shard.raw_data).basename
+        return name, idx - (self._ends[i - 1] if i else 0)
+
     def __getitem__(self, idx: int) -> dict[str, Any]:
         idx = int(idx)
         if idx < 0:

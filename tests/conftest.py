@@ -53,3 +53,67 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+# ------------------------------------------------------------------------------------------------
+# engine fixtures: a small prepared demo corpus, tiny training configs, a local Ray instance
+# ------------------------------------------------------------------------------------------------
+#: ≈ 400 candidate and ≈ 40 validation sequences of 128 tokens, vocabulary 512.
+ENGINE_SIZES = {"target": 200, "general": 200, "noise": 100, "target_val": 60}
+ENGINE_VOCAB = 512
+
+
+def _merge(base: dict, updates: dict) -> dict:
+    out = dict(base)
+    for k, v in updates.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_demo(tmp_path_factory) -> str:
+    """Root of a small prepared demo (``root/data/{candidates,validation,tokenizer}``)."""
+    from curation.demo import write_demo_corpus
+    from curation.prepare import prepare
+    from schemas.config import PrepareConfig
+
+    root = str(tmp_path_factory.mktemp("engine_demo"))
+    write_demo_corpus(os.path.join(root, "raw"), sizes=ENGINE_SIZES)
+    cfg = PrepareConfig.demo_default(root)
+    prepare(cfg.model_copy(update={"progress": False,
+                                   "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": ENGINE_VOCAB})}))
+    return root
+
+
+@pytest.fixture
+def tiny_train(engine_demo):
+    """``tiny_train(output_dir, **updates)`` → a TrainConfig dict (JSON form) of a few-second blade run:
+    tiny Llama, b = 8, 14 steps, W = 2, τ = 4, K = 2, checkpoints every 5 steps, one thread."""
+    from schemas.train_config import TrainConfig, demo_model_config
+
+    def make(output_dir: str, **updates) -> dict:
+        base = TrainConfig.demo_default(engine_demo).model_dump(mode="json")
+        tiny = {
+            "model": demo_model_config(ENGINE_VOCAB, hidden=32, layers=1).model_dump(mode="json"),
+            "output_dir": output_dir, "batch_size": 8, "max_steps": 14, "progress_bar": False, "plots": False,
+            "threads": 1,
+            "selection": {"warmup_steps": 2, "tau": 4, "refresh_steps": 2, "refresh_batch_size": 2,
+                          "rho1_steps": 3, "refresh_candidate_batches": 2},
+            "eval": {"interval": 7, "batch_size": 16, "max_batches": 1},
+            "checkpoint": {"interval": 5, "keep": -1},
+        }
+        return _merge(_merge(base, tiny), updates)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for one test module (tests using it carry the ``ray`` marker)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

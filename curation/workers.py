@@ -1,0 +1,517 @@
+"""Plain worker classes of the engine: the scoring worker and the reference refresh (no ray).
+
+* :class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference
+  ``w̃`` (and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own
+  subdirectory. Models are built once; new weights arrive as :class:`~curation.engine.Weights` with a
+  version and are loaded into the same modules. Scoring reuses :class:`curation.scorer.ReferenceScorer`
+  (``torch.inference_mode``, bf16 autocast on CUDA).
+* :class:`RefreshRunner` computes reference versions: the BLADE refresh from a proxy snapshot and the
+  recent masks, or RHO-1's static reference. Its batches are built exactly like the single-process
+  trainer's (:class:`training.algorithm.BladeAlgorithm`), so the two paths compute the same reference.
+
+Both run in-process in tests and, unchanged, inside the Ray actors of :mod:`curation.ray_engine`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from curation.engine import PROXY, REFERENCE, PartResult, ScoringDataError, Weights, WorkUnit, worker_dir
+from curation.losses import target_valid
+from curation.models import build_causal_lm, model_vocab_size
+from curation.policies import RefreshMode, get_policy, train_static_reference
+from curation.schedule import Schedule
+from curation.scorer import ReferenceScorer
+from curation.shards import open_shards, write_part
+from curation.stream import CandidateStream
+from schemas.manifest import atomic_write_text
+from schemas.shards import SCORED, SELECTED
+from schemas.train_config import ModelConfig, ScorerConfig
+
+__all__ = [
+    "BatchOrder", "WorkerSpec", "ScoringWorker", "RefreshSpec", "RefreshRunner", "RecentMasks", "f16_scores",
+    "reference_path", "proxy_path", "load_recent", "refresh_logs",
+]
+
+
+def f16_scores(x: np.ndarray) -> np.ndarray:
+    """Scores at shard precision (float16; |Δ| beyond the float16 range is clipped, NaN kept)."""
+    return np.clip(x, -65504.0, 65504.0).astype(np.float16)
+
+
+@dataclass(frozen=True)
+class BatchOrder:
+    """Which candidate sequences form step ``t``.
+
+    ``stream``: the training stream (:class:`curation.stream.CandidateStream`: endless seeded epochs).
+    ``blocks``: one pass for batch curation: blocks of ``batch_size`` consecutive sequences in file order
+    (or in one seeded permutation with ``shuffle``); the last block may be shorter.
+    """
+
+    kind: str
+    num_samples: int
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stream", "blocks"):
+            raise ValueError(f"order kind must be 'stream' or 'blocks', got {self.kind!r}")
+        CandidateStream(self.num_samples, self.batch_size, self.seed)  # validates the numbers
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of one ``blocks`` pass."""
+        return -(-self.num_samples // self.batch_size)
+
+    def ids(self, step: int) -> np.ndarray:
+        stream = CandidateStream(self.num_samples, self.batch_size, self.seed)
+        if self.kind == "stream":
+            return stream.batch_ids(step)
+        if not 0 <= step < self.num_steps:
+            raise ValueError(f"step {step} outside the pass of {self.num_steps} steps")
+        start, stop = step * self.batch_size, min((step + 1) * self.batch_size, self.num_samples)
+        return stream.positions(start, stop) if self.shuffle else np.arange(start, stop, dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
+                "seed": self.seed, "shuffle": self.shuffle}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a scoring worker needs (passed to the actor; workers read no config files or env vars).
+
+    Attributes:
+        candidates: candidate-shard directory.
+        out_dir: output directory (the worker writes ``out_dir/worker-NN/<unit>``).
+        model: the architecture of proxy and reference (``ModelConfig`` as a dict).
+        order: the :class:`BatchOrder` as a dict.
+        vocab_size: the candidate shards' vocabulary (token column dtype).
+        policy: selection policy (scores ``Δ = ℓ(u) − ℓ(w̃)``).
+        gamma: γ.
+        schedule: for the ``episode`` column of selected output (``None``: episode 0, batch curation).
+        device: ``auto`` / ``cpu`` / ``cuda``.
+        threads: torch CPU threads (``None``: leave the process setting alone).
+        score_batch_size: sequences per forward (``None``: the whole batch).
+        needs_proxy: build a proxy model (selected output).
+    """
+
+    candidates: str
+    out_dir: str
+    model: dict[str, Any]
+    order: dict[str, Any]
+    vocab_size: int
+    policy: str = "blade"
+    gamma: float = 0.6
+    schedule: dict[str, Any] | None = None
+    device: str = "auto"
+    threads: int | None = None
+    score_batch_size: int | None = None
+    needs_proxy: bool = True
+
+
+class ScoringWorker:
+    """Scores work units and writes them as parts (see the module docstring).
+
+    Args:
+        spec: the worker's settings.
+        worker_id: its index (names its output subdirectory).
+    """
+
+    def __init__(self, spec: WorkerSpec, worker_id: int) -> None:
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.worker_id = worker_id
+        self.subdir = worker_dir(worker_id)
+        self.order = BatchOrder(**spec.order)
+        self.policy = get_policy(spec.policy)
+        self.schedule = Schedule.from_dict(spec.schedule) if spec.schedule else None
+        self.candidates = open_shards(spec.candidates, "candidate")
+        if len(self.candidates) != self.order.num_samples:
+            raise ValueError(f"{spec.candidates}: holds {len(self.candidates)} sequences, the plan expects "
+                             f"{self.order.num_samples}")
+        model_cfg = ModelConfig.model_validate(spec.model)
+        batch = spec.score_batch_size or self.order.batch_size
+        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch)
+        self.scorers: dict[str, ReferenceScorer] = {REFERENCE: ReferenceScorer(scorer_cfg)}
+        if spec.needs_proxy:
+            self.scorers[PROXY] = ReferenceScorer(scorer_cfg)
+        self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
+        self.versions: dict[str, int | None] = {k: None for k in self.scorers}
+        self.stats = {"units": 0, "tokens": 0, "seconds": 0.0, "weight_loads": 0}
+
+    # --- weights -----------------------------------------------------------------------------
+    def set_weights(self, kind: str, version: int, weights: Weights) -> None:
+        scorer = self.scorers[kind]
+        scorer.load_weights(weights.state_dict(), version)
+        self.versions[kind] = version
+        self.stats["weight_loads"] += 1
+
+    def _ensure(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> None:
+        for kind, version in unit.needs():
+            if self.versions.get(kind) != version:
+                self.set_weights(kind, version, fetch(kind, version))
+
+    # --- data --------------------------------------------------------------------------------
+    def where(self, sample: int, step: int) -> str:
+        shard, record = self.candidates.locate(sample)
+        return f"{self.spec.candidates}: shard {shard}, record {record} (sample {sample}, step {step})"
+
+    def read_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """``(tokens (b, L), sources, sample ids)`` of ``step``; bad records raise :class:`ScoringDataError`."""
+        ids = self.order.ids(step)
+        rows, length = [], None
+        for i in ids:
+            try:
+                row = self.candidates[int(i)]
+                tokens = np.asarray(row["tokens"])
+            except Exception as e:  # a corrupt shard: name it
+                raise ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})") from e
+            if tokens.ndim != 1 or (length is not None and tokens.shape[0] != length):
+                raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
+                                       f"({length},)")
+            length = tokens.shape[0]
+            if tokens.size and int(tokens.max()) >= self.model_vocab:
+                pos = int(np.argmax(tokens >= self.model_vocab))
+                raise ScoringDataError(
+                    f"{self.where(int(i), step)}: token id {int(tokens[pos])} at position {pos} is outside the "
+                    f"model's vocabulary ({self.model_vocab} ids): tokenizer and model do not match"
+                )
+            rows.append((tokens, str(row["source"])))
+        return np.stack([t for t, _ in rows]), [s for _, s in rows], ids
+
+    def _losses(self, kind: str, tokens: Tensor, ids: np.ndarray, step: int) -> Tensor:
+        try:
+            return self.scorers[kind].losses(tokens)
+        except ValueError as e:  # non-finite loss: name the record
+            msg = str(e)
+            row = None
+            if "(row, position)" in msg:
+                try:
+                    row = int(msg.split("(row, position) (")[1].split(",")[0])
+                except (IndexError, ValueError):
+                    row = None
+            where = self.where(int(ids[row]), step) if row is not None else f"{self.spec.candidates}: step {step}"
+            raise ScoringDataError(f"{where}: {kind} {msg}") from e
+
+    # --- one unit ----------------------------------------------------------------------------
+    def rows(self, unit: WorkUnit, counts: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
+        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``)."""
+        dtype = self.candidates[0]["tokens"].dtype
+        for step in unit.steps:
+            tokens_np, sources, ids = self.read_step(step)
+            tokens = torch.from_numpy(tokens_np.astype(np.int64))
+            ref16 = None
+            if unit.ref_version >= 0:
+                ref16 = self._losses(REFERENCE, tokens, ids, step).to("cpu", torch.float16)
+            if unit.output == "scored":
+                assert ref16 is not None, "scored units always have a reference"
+                ref_np = ref16.numpy()
+                for i, src in enumerate(sources):
+                    c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
+                    c["sequences"] += 1
+                    c["tokens"] += tokens_np.shape[1]
+                    yield {"tokens": tokens_np[i].astype(dtype), "source": src, "ref_loss": ref_np[i],
+                           "episode": int(unit.ref_version)}
+                continue
+            valid = target_valid(tokens)
+            if ref16 is None:  # warm-up: every valid token, no score
+                mask = valid
+                scores = torch.full(valid.shape, float("nan"))
+            else:
+                proxy = self._losses(PROXY, tokens, ids, step)
+                # Exactly the trainer's exact-mode call: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
+                mask, scores = self.policy.select(proxy, valid.to(proxy.device), self.spec.gamma, ref_losses=ref16)
+            mask_np = mask.cpu().numpy().astype(np.uint8)
+            score_np = f16_scores(scores.float().cpu().numpy())
+            episode = self.schedule.episode(step) if self.schedule is not None else 0
+            for i, src in enumerate(sources):
+                c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
+                c["sequences"] += 1
+                c["tokens"] += tokens_np.shape[1]
+                c["kept_tokens"] += int(mask_np[i].sum())
+                yield {"tokens": tokens_np[i].astype(dtype), "loss_mask": mask_np[i], "score": score_np[i],
+                       "source": src, "step": int(step), "episode": int(episode)}
+
+    def run(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> PartResult:
+        """Score ``unit`` and write its part (replacing any leftover of an earlier attempt).
+
+        Args:
+            unit: the work unit.
+            fetch: ``(kind, version) → Weights``; called only when the held version differs.
+
+        Raises:
+            ScoringDataError: bad candidate data (names shard file and record).
+        """
+        start = time.perf_counter()
+        self._ensure(unit, fetch)
+        spec = SCORED if unit.output == "scored" else SELECTED
+        name = f"{self.subdir}/{unit.name}"
+        counts: dict[str, dict[str, int]] = {}
+        # Rows are produced while the part is written (write_part consumes the generator into `<part>.tmp`
+        # and renames it at the end), so a crash mid-unit leaves only a .tmp that the redo replaces.
+        n = write_part(os.path.join(self.spec.out_dir, name), spec, self.rows(unit, counts),
+                       vocab_size=self.spec.vocab_size)
+        tokens = sum(c["tokens"] for c in counts.values())
+        seconds = time.perf_counter() - start
+        self.stats["units"] += 1
+        self.stats["tokens"] += tokens
+        self.stats["seconds"] += seconds
+        return PartResult(
+            worker=self.worker_id, unit=unit.name, name=name, first=unit.first, stop=unit.stop, samples=n,
+            tokens=tokens, kept_tokens=sum(c["kept_tokens"] for c in counts.values()), sources=counts,
+            seconds=seconds, scored_tokens=tokens * (1 + int(unit.proxy_version is not None)),
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# reference refresh
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RefreshSpec:
+    """Settings of the refresh (the training config's selection section, resolved).
+
+    Attributes:
+        model: proxy/reference architecture (``ModelConfig`` dict).
+        validation: validation-shard directory (``L_val``).
+        candidates: candidate-shard directory (tokens of the recent steps).
+        stream: the training :class:`~curation.stream.CandidateStream` as a dict.
+        selection: the ``SelectionConfig`` as a dict.
+        ref_lr: ``η_w``.
+        refresh_batch_size: sequences per validation / candidate batch of a refresh step.
+        engine_dir: where reference versions are saved (``reference-0003.safetensors``).
+        device: ``auto`` / ``cpu`` / ``cuda``.
+        threads: torch CPU threads (``None``: leave as is).
+    """
+
+    model: dict[str, Any]
+    validation: str
+    candidates: str
+    stream: dict[str, Any]
+    selection: dict[str, Any]
+    ref_lr: float
+    refresh_batch_size: int
+    engine_dir: str
+    device: str = "auto"
+    threads: int | None = None
+
+
+def reference_path(engine_dir: str, version: int) -> str:
+    return os.path.join(engine_dir, f"reference-{version:04d}.safetensors")
+
+
+def proxy_path(engine_dir: str, step: int) -> str:
+    return os.path.join(engine_dir, f"proxy-{step:09d}.safetensors")
+
+
+@dataclass
+class RecentMasks:
+    """The recent trained steps and their masks (what ``L_train(α, w)`` of a refresh uses)."""
+
+    steps: list[int] = field(default_factory=list)
+    masks: np.ndarray | None = None  # (n, b, L) uint8
+
+    def save(self, path: str) -> None:
+        from safetensors.numpy import save_file
+
+        data = {"steps": np.asarray(self.steps, dtype=np.int64)}
+        if self.masks is not None:
+            data["masks"] = np.ascontiguousarray(self.masks, dtype=np.uint8)
+        tmp = path + ".tmp"
+        save_file(data, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> RecentMasks:
+        from safetensors.numpy import load_file
+
+        data = load_file(path)
+        return cls([int(s) for s in data["steps"]], data.get("masks"))
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[int, np.ndarray]]) -> RecentMasks:
+        if not pairs:
+            return cls()
+        return cls([int(s) for s, _ in pairs], np.stack([np.asarray(m, dtype=np.uint8) for _, m in pairs]))
+
+
+class RefreshRunner:
+    """Computes reference versions (see the module docstring).
+
+    Args:
+        spec: the refresh settings.
+    """
+
+    def __init__(self, spec: RefreshSpec) -> None:
+        from schemas.train_config import SelectionConfig
+
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.cfg = SelectionConfig.model_validate(spec.selection)
+        self.policy = get_policy(self.cfg.policy)
+        from curation.scorer import resolve_device
+
+        self.device = resolve_device(spec.device)
+        self.model_cfg = ModelConfig.model_validate(spec.model)
+        self.proxy = build_causal_lm(self.model_cfg).to(self.device)
+        self.validation = open_shards(spec.validation, "candidate")
+        if len(self.validation) == 0:
+            raise ValueError(f"{spec.validation}: the validation set is empty")
+        self.stream = CandidateStream.from_dict(spec.stream)
+        self.candidates = open_shards(spec.candidates, "candidate")
+        rb = spec.refresh_batch_size
+        n = len(self.validation)
+        # The same deterministic validation batches as the single-process trainer.
+        self._val_stream = CandidateStream(n, rb, seed=self.cfg.seed + 1)
+        self._static_stream = CandidateStream(n, rb, seed=self.cfg.seed + 2)
+        self.opt_state: dict[str, Any] | None = None
+        self.opt_version: int | None = None
+
+    def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
+        return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
+
+    def _val_batches(self, stream: CandidateStream, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
+        for k in range(steps):
+            yield {"tokens": self._tokens(self.validation, stream.batch_ids(version * steps + k))}
+
+    def _cand_batches(self, recent: RecentMasks, steps: int, current_step: int) -> Iterator[dict[str, Tensor]]:
+        """Rows of the recent trained steps with their masks, cycled; before anything was trained (``W = 0``)
+        the batch of the refresh step with every valid token stands in (as in the single-process trainer)."""
+        if steps == 0 or self.cfg.lam == 0:
+            return iter(())
+        if recent.steps:
+            tokens = torch.cat([self._tokens(self.candidates, self.stream.batch_ids(s)) for s in recent.steps])
+            masks = torch.from_numpy(np.asarray(recent.masks).astype(bool)).reshape(tokens.shape)
+        else:
+            tokens = self._tokens(self.candidates, self.stream.batch_ids(current_step))
+            masks = target_valid(tokens)
+        n, rb = tokens.shape[0], self.spec.refresh_batch_size
+
+        def gen() -> Iterator[dict[str, Tensor]]:
+            for k in range(steps):
+                idx = torch.arange(k * rb, (k + 1) * rb) % n
+                yield {"tokens": tokens[idx], "mask": masks[idx]}
+
+        return gen()
+
+    def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
+        return {
+            "step": step, "version": version, "steps": result.steps,
+            "val_loss_first": result.val_losses[0] if result.val_losses else None,
+            "val_loss_last": result.val_losses[-1] if result.val_losses else None,
+            "objective_first": result.objectives[0] if result.objectives else None,
+            "objective_last": result.objectives[-1] if result.objectives else None,
+            "seconds": seconds, **more,
+        }
+
+    def static(self) -> tuple[Weights, dict[str, Any]]:
+        """RHO-1's reference (version 0): given weights, or trained on validation data from the base model."""
+        start = time.perf_counter()
+        base = build_causal_lm(self.model_cfg).to(self.device)
+        if self.cfg.reference_weights is not None:
+            from curation.models import load_weights
+
+            load_weights(base, self.cfg.reference_weights)
+            weights = Weights.from_state_dict(base)
+            log = {"step": 0, "version": 0, "steps": 0, "weights": self.cfg.reference_weights}
+        else:
+            steps = self.cfg.rho1_steps
+            result = train_static_reference(
+                base, self._val_batches(self._static_stream, 0, steps), steps=steps, lr=self.spec.ref_lr,
+                weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+            )
+            weights = Weights.from_state_dict(result.model)
+            log = self._entry(0, 0, result, time.perf_counter() - start)
+        self._save(0, weights, log)
+        return weights, log
+
+    def _save(self, version: int, weights: Weights, log: dict[str, Any]) -> None:
+        """The reference and its log go to disk before the result is returned (a resumed job reuses both)."""
+        path = reference_path(self.spec.engine_dir, version)
+        weights.save(path)
+        atomic_write_text(path.replace(".safetensors", ".json"), json.dumps(log, indent=1))
+
+    def refresh(
+        self,
+        version: int,
+        proxy: Weights,
+        recent: RecentMasks,
+        *,
+        source_step: int,
+        previous: Weights | None = None,
+    ) -> tuple[Weights, dict[str, Any]]:
+        """Reference ``version`` from the proxy snapshot ``u^(source_step)`` (policy's refresh mode).
+
+        ``blade-nosync`` continues from ``previous`` (reference ``version − 1``) and its optimizer state,
+        kept in memory and saved next to the reference (so a restarted actor or a resumed job continues it).
+        """
+        start = time.perf_counter()
+        proxy.load_into(self.proxy)
+        continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
+        prev_sd = None
+        opt_state = None
+        if continue_mode and version > 0:
+            if previous is None:
+                raise ValueError(f"blade-nosync refresh {version} needs reference {version - 1}")
+            prev_sd = {k: v.to(self.device) for k, v in previous.state_dict().items()}
+            opt_state = self._optimizer_state(version - 1)
+        step = self.stream_step(version)
+        result = self.policy.refresh(
+            self.proxy,
+            self._val_batches(self._val_stream, version, self.cfg.refresh_steps),
+            self._cand_batches(recent, self.cfg.refresh_steps, self.stream_step(version)),
+            previous=prev_sd, optimizer_state=opt_state, steps=self.cfg.refresh_steps, lam=self.cfg.lam,
+            lr=self.spec.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+        )
+        weights = Weights.from_state_dict(result.model)
+        if continue_mode:
+            self.opt_state, self.opt_version = result.optimizer_state, version
+            tmp = self._opt_path(version) + ".tmp"
+            torch.save(result.optimizer_state, tmp)
+            os.replace(tmp, self._opt_path(version))
+        log = self._entry(step, version, result, time.perf_counter() - start, source_step=source_step,
+                          staleness=step - source_step, recent_steps=list(recent.steps))
+        self._save(version, weights, log)
+        return weights, log
+
+    def stream_step(self, version: int) -> int:
+        """The step before which reference ``version`` is due (``W + eτ``)."""
+        return self.cfg.warmup_steps + version * self.cfg.tau
+
+    def _opt_path(self, version: int) -> str:
+        return os.path.join(self.spec.engine_dir, f"reference-{version:04d}.optim.pt")
+
+    def _optimizer_state(self, version: int) -> dict[str, Any] | None:
+        if self.opt_version == version and self.opt_state is not None:
+            return self.opt_state
+        path = self._opt_path(version)
+        if not os.path.exists(path):
+            raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_recent(path: str) -> RecentMasks:
+    return RecentMasks.load(path) if os.path.exists(path) else RecentMasks()
+
+
+def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:
+    """The logs of every reference version computed so far (this run and the runs it resumed)."""
+    import glob
+
+    logs = []
+    for path in sorted(glob.glob(os.path.join(engine_dir, "reference-*.json"))):
+        with open(path, encoding="utf-8") as f:
+            logs.append(json.load(f))
+    return sorted(logs, key=lambda r: r["version"])
