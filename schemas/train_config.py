@@ -11,9 +11,14 @@ setting             paper (1.1B–7B CPT)        demo default (why)
 =================== ========================== ======================================================
 γ                   0.6                        0.6 (a fraction: independent of scale)
 τ                   1000 steps                 30 (≈ 1/5 of the 150-step run, like 1000 of 5000)
-K                   300                        9 (keeps the paper's K/τ = 0.3)
+K                   300                        30 (K/τ = 1, not the paper's 0.3: with a model this small,
+                                               9 refresh steps of 4 sequences barely move w̃ away from
+                                               u, Δ is mostly noise and BLADE does no better than
+                                               `random`; 30 steps give a clearly lower validation loss
+                                               than `full` on the demo. jobs/bench_training.py measures
+                                               the paper's K/τ = 0.3)
 λ                   1                          1
-η_u = η_w           8e-5 (2e-5 for 7B)         1e-3 (a 0.4M-parameter model from random init needs a
+η_u = η_w           8e-5 (2e-5 for 7B)         1e-3 (a 0.23M-parameter model from random init needs a
                                                larger step than continual pre-training of 1B+)
 AdamW wd / clip     0.01 / 1.0, constant LR    0.01 / 1.0, constant LR
 batch               512 × 2048 tokens          16 × 128 tokens
@@ -76,7 +81,7 @@ class ModelConfig(StrictModel):
 
 
 def demo_model_config(vocab_size: int = 2048, *, hidden: int = 64, layers: int = 2, seq_len: int = 128) -> ModelConfig:
-    """The tiny Llama of the demo (≈0.4M parameters at vocab 2048, tied embeddings)."""
+    """The tiny Llama of the demo (0.23M parameters at vocab 2048 with the defaults, tied embeddings)."""
     return ModelConfig(
         hf_config={
             "model_type": "llama",
@@ -113,7 +118,7 @@ class SelectionConfig(StrictModel):
     gamma: float = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
     warmup_steps: int = Field(30, ge=0, description="W: proxy steps on all tokens before the first refresh")
     tau: int = Field(30, ge=1, description="τ: proxy steps per episode (between refreshes)")
-    refresh_steps: int = Field(9, ge=0, description="K: reference steps per refresh (paper 300 for τ = 1000)")
+    refresh_steps: int = Field(30, ge=0, description="K: reference steps per refresh (paper 300 for τ = 1000)")
     lam: float = Field(1.0, ge=0, description="λ: weight of the masked candidate loss in the refresh objective")
     ref_lr: float | None = Field(None, gt=0, description="η_w; None = the proxy's optim.lr")
     ref_weight_decay: float = Field(0.01, ge=0)

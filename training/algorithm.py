@@ -39,7 +39,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +154,8 @@ class BladeAlgorithm(Algorithm):
         scored: scored shards to take ``ℓ(w̃)`` from (no in-process reference then).
         distance_interval: measure ``‖u − w‖`` every this many steps.
         timing: synchronise CUDA around timed phases (benchmarks).
+        clock: the clock of :attr:`timers` (``time.perf_counter``; benchmarks on a shared CPU use
+            ``time.process_time``).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class BladeAlgorithm(Algorithm):
         scored: ScoredShards | None = None,
         distance_interval: int = 1,
         timing: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg = selection
         self.policy = get_policy(selection.policy)
@@ -185,6 +188,7 @@ class BladeAlgorithm(Algorithm):
         self.scored = scored
         self.distance_interval = distance_interval
         self.timing = timing
+        self.clock = clock
         self.schedule = Schedule(selection.warmup_steps, selection.tau, max_steps)
         self.uses_reference = self.policy.needs_reference
         self.in_process = self.uses_reference and scored is None
@@ -425,10 +429,11 @@ class BladeAlgorithm(Algorithm):
     def _select(self, state: State) -> None:
         pending = self._pending
         assert pending is not None, "AFTER_FORWARD without AFTER_DATALOADER"
+        batch = state.batch
+        # ℓ(u) from the logits of this forward pass, computed once with the graph and reused by the loss
+        # (not timed as selection: a plain step computes the same cross-entropy for its loss).
+        losses, valid = _unwrap(state.model).token_losses(state.outputs, batch)
         with self._timed("select"):
-            batch = state.batch
-            model = _unwrap(state.model)
-            losses, valid = model.token_losses(state.outputs, batch)
             proxy_losses = losses.detach()
             rows = proxy_losses.shape[0]
             offset = pending.rows_done
@@ -481,13 +486,13 @@ class BladeAlgorithm(Algorithm):
     def _timed(self, name: str) -> Iterator[None]:
         if self.timing and self._train_device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
             if self.timing and self._train_device.type == "cuda":
                 torch.cuda.synchronize()
-            self.timers[name] += time.perf_counter() - start
+            self.timers[name] += self.clock() - start
 
     # --- checkpoint state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

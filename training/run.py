@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +118,13 @@ def _resume_path(output_dir: str, resume: bool) -> str | None:
 
 
 def build_training(
-    cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False
+    cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
+    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> TrainRun:
     """Check the data against the model and wire the Composer trainer for ``cfg``.
+
+    ``scored`` is a live source of reference scores (``read(step)``, ``path``) used instead of
+    ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
@@ -147,13 +152,14 @@ def build_training(
     reader = StreamReader.open(cfg.data.candidates, batch_size=cfg.batch_size, seed=cfg.seed)
     stream_data = StreamBatches(reader, cfg.max_steps, model_vocab=vocab)
     validation = TokenRows(cfg.data.validation, "candidate", model_vocab=vocab)
-    scored = ScoredShards(cfg.data.scored, reader.stream) if cfg.data.scored is not None else None
+    if scored is None and cfg.data.scored is not None:
+        scored = ScoredShards(cfg.data.scored, reader.stream)
 
     algorithm = BladeAlgorithm(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
         max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
-        scored=scored, distance_interval=cfg.distance_interval, timing=timing,
+        scored=scored, distance_interval=cfg.distance_interval, timing=timing, clock=clock,
     )
     stats = SelectionStats(algorithm)
     extra = {

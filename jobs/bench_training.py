@@ -1,0 +1,222 @@
+"""Benchmark: exact-mode BLADE time per proxy step ÷ plain (full-policy) time per step, and peak RSS.
+
+    python jobs/bench_training.py                      # paper setting K/τ = 0.3 (τ = 20, K = 6), CPU
+    python jobs/bench_training.py --tau 30 --refresh-steps 30 --hidden 256 --layers 4
+
+Both runs go through the same trainer (Composer, the BLADE algorithm, the same candidate stream),
+each in its own subprocess so that peak RSS is measured fairly; only the policy differs (``full``
+vs ``blade``). A step's time is measured from one BATCH_END to the next, so it includes the
+refresh and the reference scoring done before the step (amortised over the measured steps).
+Warm-up steps and the first episode (one-off allocations) are excluded: whole episodes are measured,
+each with exactly one refresh. Times are process CPU time with one torch thread by default, and the
+fastest measured episode of each policy is compared (runs alternate ``full``/``blade``), so that other
+load on a shared machine does not decide the ratio; ``--clock wall --threads N`` for wall-clock time. Evaluation, checkpoints and shard
+writing are off in both runs; ‖u − w‖ is measured once per episode.
+
+Predicted ratio from counting passes (DESIGN.md §6, issue 4): plain step = 1 forward+backward over
+b sequences; scoring the same batch with the reference ≈ 1/3 (a forward only); a refresh step =
+one forward+backward over ``rb`` validation and ``rb`` candidate sequences = 2·rb/b plain steps,
+done K times every τ steps:  1 + 1/3 + (K/τ)·(2·rb/b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+PAPER_RATIO = 1.57
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=os.path.join("runs", "demo", "data"),
+                   help="prepared data (candidates/, validation/); the demo corpus is prepared there if absent")
+    p.add_argument("--tau", type=int, default=20)
+    p.add_argument("--refresh-steps", type=int, default=6, help="K (default: K/τ = 0.3, the paper's)")
+    p.add_argument("--episodes", type=int, default=2, help="measured episodes (one more runs first, unmeasured)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per policy, alternating full / blade")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (not measured)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--refresh-batch-size", type=int, default=None, help="rb (default b/4)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is then a stable measure)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: process CPU time (robust to other load on a shared machine); wall: elapsed time")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--worker", choices=["full", "blade"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _config(args: argparse.Namespace, policy: str, out_dir: str):
+    from schemas.train_config import TrainConfig, demo_model_config
+
+    steps = args.warmup + (args.episodes + 1) * args.tau
+    cfg = TrainConfig.demo_default(os.path.dirname(os.path.abspath(args.data)), policy=policy)
+    data = cfg.model_dump(mode="json")
+    data.update(
+        data={"candidates": os.path.join(args.data, "candidates"), "validation": os.path.join(args.data, "validation"),
+              "tokenizer": None, "scored": None},
+        model=demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers).model_dump(mode="json"),
+        output_dir=out_dir, batch_size=args.batch_size, max_steps=steps, progress_bar=False, plots=False,
+        write_selected=False, threads=args.threads, device=args.device, distance_interval=args.tau,
+        eval={"interval": 10**9, "batch_size": 16, "max_batches": 1},
+        checkpoint={"interval": 10**9, "keep": 1, "resume": False},
+    )
+    data["selection"].update(warmup_steps=args.warmup, tau=args.tau, refresh_steps=args.refresh_steps,
+                             refresh_batch_size=args.refresh_batch_size)
+    return TrainConfig.model_validate(data)
+
+
+def _vocab(data_dir: str) -> int:
+    from schemas.manifest import Manifest
+
+    return int(Manifest.load(os.path.join(data_dir, "candidates")).vocab_size)
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Train one policy; report each measured episode's mean step time and phase timers, and peak RSS."""
+    from composer.core import Callback
+
+    from training.run import build_training
+
+    first = args.warmup + args.tau  # whole episodes after the first one (one-off allocations) are measured
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    class EpisodeClock(Callback):
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, dict[str, float]]] = []
+
+        def batch_end(self, state, logger) -> None:
+            if state.device.name == "gpu":
+                import torch
+
+                torch.cuda.synchronize()
+            step = int(state.timestamp.batch)  # steps done; a step's time includes its refresh and scoring
+            if step >= first and (step - first) % args.tau == 0:
+                self.marks.append((clock(), dict(run.algorithm.timers)))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(args, args.worker, tmp)
+        episode_clock = EpisodeClock()
+        run = build_training(cfg, callbacks=[episode_clock], timing=True, clock=clock)
+        run.trainer.fit()
+        run.trainer.close()
+    episodes = []
+    for (t0, tm0), (t1, tm1) in zip(episode_clock.marks[:-1], episode_clock.marks[1:], strict=True):
+        episodes.append({"step_seconds": (t1 - t0) / args.tau,
+                         "timers": {k: (tm1[k] - tm0.get(k, 0.0)) / args.tau for k in tm1}})
+    return {
+        "policy": args.worker,
+        "episodes": episodes,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params": sum(p.numel() for p in run.model.parameters()),
+        "threads": __import__("torch").get_num_threads(),
+        "refresh_batch_size": cfg.refresh_batch_size,
+    }
+
+
+def _ensure_data(path: str) -> None:
+    if os.path.exists(os.path.join(path, "candidates", "index.json")):
+        return
+    from curation.prepare import prepare
+    from schemas.config import PrepareConfig
+
+    print(f"preparing the demo corpus into {path} ...", flush=True)
+    root = os.path.dirname(os.path.abspath(path))
+    prepare(PrepareConfig.demo_default(root).model_copy(update={"output_dir": path, "progress": False}))
+
+
+def _run_worker(args: argparse.Namespace, policy: str, argv: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", policy, "--out", out]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(cmd, check=True, env=env)
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _args(argv)
+    if args.worker:
+        result = worker(args)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        return 0
+    _ensure_data(args.data)
+    t0 = time.perf_counter()
+    runs: dict[str, list[dict]] = {"full": [], "blade": []}
+    for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit both policies
+        for policy in ("full", "blade"):
+            runs[policy].append(_run_worker(args, policy, argv))
+    report(args, runs["full"], runs["blade"], time.perf_counter() - t0)
+    return 0
+
+
+def _fastest(results: list[dict]) -> dict:
+    """The measured episode with the lowest mean step time over all runs (least disturbed by other load)."""
+    return min((e for r in results for e in r["episodes"]), key=lambda e: e["step_seconds"])
+
+
+def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], seconds: float) -> None:
+    b, tau, k, rb = args.batch_size, args.tau, args.refresh_steps, blades[0]["refresh_batch_size"]
+    plain, blade = _fastest(plains), _fastest(blades)
+    t_plain, t_blade = plain["step_seconds"], blade["step_seconds"]
+    per = {name: blade["timers"][name] for name in ("score", "refresh", "select", "distance")}
+    proxy = t_blade - sum(per.values())
+    refresh_step_cost = 2 * rb / b
+    predicted = 1 + 1 / 3 + (k / tau) * refresh_step_cost
+    measured = t_blade / t_plain
+    all_p = sorted(e["step_seconds"] for r in plains for e in r["episodes"])
+    all_b = sorted(e["step_seconds"] for r in blades for e in r["episodes"])
+    median_ratio = all_b[len(all_b) // 2] / all_p[len(all_p) // 2]
+    print()
+    print(f"BLADE training benchmark: {plains[0]['params']:,}-parameter Llama, b = {b}, τ = {tau}, K = {k} "
+          f"(K/τ = {k / tau:.2f}), rb = {rb}, {blades[0]['threads']} thread(s), device {args.device}, "
+          f"{'process CPU time' if args.clock == 'cpu' else 'wall-clock time'}; fastest of "
+          f"{len(all_p)} measured episodes ({args.repeats} runs × {args.episodes}) per policy")
+    print(f"  plain (full policy) step: {t_plain * 1e3:8.1f} ms   (episodes: {_span(all_p)})")
+    print(f"  BLADE step:               {t_blade * 1e3:8.1f} ms   (episodes: {_span(all_b)})")
+    print(f"  BLADE / plain per proxy step: {measured:.3f}×  (median episodes: {median_ratio:.3f}×)")
+    print("  breakdown (per proxy step, in plain steps):           measured | predicted from counting passes")
+    rows = [
+        ("proxy forward+backward (+data, logging)", proxy / t_plain, 1.0),
+        ("reference scoring (forward)", per["score"] / t_plain, 1 / 3),
+        (f"refresh, amortised over τ (K/τ × {refresh_step_cost:.2f})", per["refresh"] / t_plain,
+         (k / tau) * refresh_step_cost),
+        ("selection (Δ, top-γ, bookkeeping)", per["select"] / t_plain, 0.0),
+        ("‖u − w‖ (once per episode)", per["distance"] / t_plain, 0.0),
+    ]
+    for name, m, p in rows:
+        print(f"    {name:<52} {m:6.3f} | {p:6.3f}")
+    print(f"    {'total':<52} {measured:6.3f} | {predicted:6.3f}   "
+          f"(measured / predicted = {measured / predicted:.3f}; goal: within 10%)")
+    print(f"  paper setting K/τ = 0.3: {'yes' if abs(k / tau - 0.3) < 1e-9 else 'no'}; {measured:.3f}× vs the "
+          f"paper's measured {PAPER_RATIO}× ({'at or below' if measured <= PAPER_RATIO else 'ABOVE'}); "
+          "DESIGN.md goal ≤ 1.5×")
+    p_rss, b_rss = plains[0]["peak_rss_mb"], blades[0]["peak_rss_mb"]
+    pmb = plains[0]["params"] * 4 / 2**20
+    print(f"  peak RSS (separate processes): plain {p_rss:.0f} MB, BLADE {b_rss:.0f} MB, ratio {b_rss / p_rss:.3f} "
+          f"(goal ≤ 1.10). Parameters: {pmb:.1f} MB; during a refresh BLADE adds the reference, its gradients "
+          f"and AdamW moments (≈ 4 × {pmb:.1f} MB), between refreshes only the offloaded reference ({pmb:.1f} MB)")
+    print(f"  {seconds:.0f} s for {2 * args.repeats} runs; command: python jobs/bench_training.py "
+          + " ".join(sys.argv[1:]))
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values) * 1e3:.0f}–{max(values) * 1e3:.0f} ms"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Train another model (e.g. wider/deeper) on selected-token shards: the paper's BLADE-Tr transfer.
+
+    python jobs/train.py && python jobs/replay.py         # demo: blade's selected tokens → a bigger Llama
+    python jobs/replay.py --set selected=runs/demo/train/rho1/selected --set output_dir=runs/demo/replay/rho1
+    python jobs/replay.py --config jobs/configs/replay_demo.yaml --set model.hf_config.num_hidden_layers=4
+
+A plain masked-loss Composer trainer: no scoring, no reference; the loss honours each row's loss_mask.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from schemas.config import parse_job_config
+from schemas.shards import ShardSchemaError
+from schemas.train_config import ReplayConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_job_config(ReplayConfig, description=__doc__.splitlines()[0],
+                                 default=ReplayConfig.demo_default, argv=argv)
+    if not os.path.exists(os.path.join(cfg.selected, "index.json")):
+        print(f"error: no selected-token shards in {cfg.selected}; run `python jobs/train.py` first", file=sys.stderr)
+        return 1
+    from training.run import replay
+
+    try:
+        out = replay(cfg)
+    except (ShardSchemaError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    params = sum(p.numel() for p in out["run"].model.parameters())
+    print(f"replayed {cfg.selected} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")
+    if out["validation"]:
+        first, last = out["validation"][0], out["validation"][-1]
+        print(f"validation loss: {first['loss']:.3f} (step {first['step']}) → {last['loss']:.3f} (step {last['step']})")
+    print(f"final weights: {out['final_weights']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Train a proxy with online token selection (exact BLADE or another policy) on candidate shards.
+
+    python jobs/prepare.py && python jobs/train.py       # embedded demo: blade → runs/demo/train/blade
+    python jobs/train.py --set policy=rho1                # full | random | rho1 | blade | blade-nosync
+    python jobs/train.py --config jobs/configs/train_demo.yaml --set max_steps=60 --set selection.gamma=0.5
+    python jobs/train.py --print-config
+
+Writes checkpoints (rerun the same command to resume), selected-token shards, logs/metrics.jsonl,
+summary.json and plots/ under output_dir (see training/run.py for the layout).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from schemas.config import parse_job_config
+from schemas.shards import ShardSchemaError
+from schemas.train_config import POLICY_CHOICES, TrainConfig
+
+#: Short override names accepted by --set (e.g. --set policy=rho1).
+ALIASES = {"policy": "selection.policy", "gamma": "selection.gamma"}
+
+
+def _resolve_aliases(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--set" and i + 1 < len(argv):
+            key, _, value = argv[i + 1].partition("=")
+            out += ["--set", f"{ALIASES.get(key.strip(), key)}={value}"]
+            i += 2
+            continue
+        if arg.startswith("--set="):
+            key, _, value = arg[len("--set="):].partition("=")
+            arg = f"--set={ALIASES.get(key.strip(), key)}={value}"
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _policy_override(argv: list[str]) -> str:
+    policy = "blade"
+    for i, arg in enumerate(argv):
+        item = argv[i + 1] if arg == "--set" and i + 1 < len(argv) else arg.removeprefix("--set=")
+        if item.startswith("selection.policy="):
+            policy = item.split("=", 1)[1].strip()
+    return policy
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _resolve_aliases(list(sys.argv[1:] if argv is None else argv))
+    policy = _policy_override(argv)
+
+    def default() -> TrainConfig:
+        # The embedded default writes to runs/demo/train/<policy>, so policies do not overwrite each other
+        # (an unknown policy is reported by the config validation).
+        return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
+
+    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv)
+    if args.config is None and not os.path.exists(os.path.join(cfg.data.candidates, "index.json")):
+        print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
+              file=sys.stderr)
+        return 1
+    from training.run import train
+
+    try:
+        out = train(cfg)
+    except (ShardSchemaError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _report(out)
+    return 0
+
+
+def _report(out: dict) -> None:
+    import json
+
+    s = json.load(open(out["summary"], encoding="utf-8"))
+    t = s["tokens"]
+    print(f"{s['policy']}: {s['steps']} steps, kept {t['kept']:,} of {t['valid']:,} candidate tokens"
+          + (f" (resumed from {s['resumed_from']})" if s.get("resumed_from") else ""))
+    for src, c in t["per_source"].items():
+        frac = c["kept_fraction"]
+        print(f"  {src:>12}: kept {c['kept_tokens']:>9,} / {c['valid_tokens']:>9,}"
+              + (f"  ({frac:.1%})" if frac is not None else ""))
+    if s["validation"]:
+        first, last = s["validation"][0], s["validation"][-1]
+        print(f"validation loss: {first['loss']:.3f} (step {first['step']}) → {last['loss']:.3f} (step {last['step']}),"
+              f" perplexity {last['perplexity']:.1f}")
+    if s["refreshes"]:
+        print(f"reference refreshes at steps {[r['step'] for r in s['refreshes']]}")
+    print(f"time (s): {', '.join(f'{k} {v:.1f}' for k, v in s['seconds'].items())}")
+    print(f"summary: {out['summary']}  plots: {os.path.dirname(out['plots'][0]) if out['plots'] else '-'}")
+    if out.get("selected"):
+        print(f"selected-token shards: {out['selected']}")
+    print(f"final weights: {out['final_weights']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
