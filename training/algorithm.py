@@ -524,7 +524,11 @@ class BladeAlgorithm(Algorithm):
             raise ValueError(
                 f"checkpoint was written by policy {state.get('policy')!r}, this run uses {self.policy.name!r}"
             )
-        if state.get("schedule") != self.schedule.to_dict() or float(state.get("gamma", -1)) != float(self.cfg.gamma):
+        saved = dict(state.get("schedule") or {})
+        mine = self.schedule.to_dict()
+        saved.pop("total_steps", None)  # a finished run may be extended with more steps
+        mine.pop("total_steps")
+        if saved != mine or float(state.get("gamma", -1)) != float(self.cfg.gamma):
             raise ValueError(
                 f"checkpoint schedule {state.get('schedule')} / gamma {state.get('gamma')} differ from this run's "
                 f"{self.schedule.to_dict()} / {self.cfg.gamma}: resume with the same selection settings"

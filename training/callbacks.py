@@ -79,10 +79,18 @@ class SelectedShardWriter(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         on_disk = Manifest.load_if_exists(self.out_dir)
-        if not self.resumed and on_disk is not None and on_disk.shards:
+        if not self.resumed and on_disk is not None and on_disk.shards and on_disk.config != self.manifest.config:
             raise ValueError(
-                f"{self.out_dir}: holds selected-token shards of an earlier run but there is no checkpoint to "
+                f"{self.out_dir}: holds selected-token shards of another run and there is no checkpoint to "
                 "resume from; use a new output_dir or delete this one"
+            )
+        # (Same config, no checkpoint: a run killed before its first checkpoint; its parts are redone below.)
+        missing = [r.name for r in self.manifest.shards
+                   if not os.path.exists(os.path.join(self.out_dir, r.name, "index.json"))]
+        if missing:
+            raise ValueError(
+                f"{self.out_dir}: the checkpoint records selected-token parts that are missing on disk "
+                f"({', '.join(missing[:3])}); restore them or start a new output_dir"
             )
         keep = {r.name for r in self.manifest.shards}
         for entry in sorted(os.listdir(self.out_dir)):

@@ -233,7 +233,8 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
     """Run (or resume) a training run; returns the output paths."""
     run = build_training(cfg, callbacks=callbacks, timing=timing)
     try:
-        run.trainer.fit()
+        if int(run.trainer.state.timestamp.batch) < cfg.max_steps:  # a rerun of a finished run only reports
+            run.trainer.fit()
     finally:
         run.trainer.close()
     extra = {"resumed_from": run.resumed_from, "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
@@ -301,7 +302,8 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
     atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
                                                                                   sort_keys=False))
     try:
-        run.trainer.fit()
+        if run.trainer.state.timestamp < run.trainer.state.max_duration:
+            run.trainer.fit()
     finally:
         run.trainer.close()
     out = _finish(run, cfg.model, False, {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -96,3 +97,21 @@ def test_a_checkpoint_with_a_pickled_object_is_refused(make_config, tmp_path):
 class _Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_cleanly(make_config):
+    cfg = make_config("blade", "early", max_steps=6, checkpoint={"interval": 4})
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, callbacks=[Kill(4)])  # part [0, 4) written, its checkpoint not
+    sel = os.path.join(cfg.output_dir, "selected")
+    assert "steps-000000000-000000004" in os.listdir(sel)
+    assert not os.path.exists(os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt"))
+    out = train(cfg)
+    assert read_column(out["selected"], "step") == [t for t in range(6) for _ in range(8)]
+    # another policy resuming this run's checkpoint is refused ...
+    with pytest.raises(ValueError, match="written by policy 'blade'"):
+        train(make_config("random", "early", max_steps=6))
+    # ... and so is another run writing into its shards once the checkpoints are gone
+    shutil.rmtree(os.path.join(cfg.output_dir, "checkpoints"))
+    with pytest.raises(ValueError, match="another run"):
+        train(make_config("random", "early", max_steps=6))

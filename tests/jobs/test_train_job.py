@@ -1,0 +1,155 @@
+"""jobs/train.py and jobs/replay.py: CLI, outputs, resume, clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from curation.demo import write_demo_corpus
+from curation.prepare import prepare
+from curation.shards import read_column
+from schemas.config import PrepareConfig, load_config
+from schemas.shards import validate_shard_dir
+from schemas.train_config import ReplayConfig, TrainConfig, demo_model_config
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = REPO / "jobs"
+
+
+def _load_job(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"job_{name}", JOBS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_job, replay_job = _load_job("train"), _load_job("replay")
+
+
+@pytest.fixture(scope="module")
+def small_demo(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("jobdemo"))
+    write_demo_corpus(os.path.join(root, "raw"), sizes={"target": 200, "general": 200, "noise": 100, "target_val": 60})
+    cfg = PrepareConfig.demo_default(root)
+    prepare(cfg.model_copy(update={"progress": False, "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": 512})}))
+    return root
+
+
+def _config_file(root: str, out: str, path: Path, **updates) -> str:
+    cfg = TrainConfig.demo_default(root).model_dump(mode="json")
+    cfg.update(model=demo_model_config(512, hidden=32, layers=1).model_dump(mode="json"), output_dir=out,
+               batch_size=8, max_steps=9, progress_bar=False, threads=1)
+    cfg["selection"].update(warmup_steps=2, tau=3, refresh_steps=2, refresh_batch_size=2)
+    cfg["eval"].update(interval=4, max_batches=1)
+    cfg["checkpoint"].update(interval=4)
+    cfg.update(updates)
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_shipped_configs_equal_the_embedded_defaults():
+    assert load_config(TrainConfig, path=str(JOBS / "configs" / "train_demo.yaml")) == TrainConfig.demo_default()
+    assert load_config(ReplayConfig, path=str(JOBS / "configs" / "replay_demo.yaml")) == ReplayConfig.demo_default()
+
+
+def test_print_config_with_policy_shortcut(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_job.main(["--set", "policy=rho1", "--print-config"])
+    assert e.value.code == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["selection"]["policy"] == "rho1" and cfg["output_dir"] == os.path.join("runs", "demo", "train", "rho1")
+
+
+@pytest.mark.parametrize("override,needle", [("policy=bogus", "selection.policy"), ("gamma=1.5", "gamma"),
+                                             ("selection.gamma=0", "gamma")])
+def test_bad_settings_exit_2_naming_the_key(capsys, override, needle):
+    with pytest.raises(SystemExit) as e:
+        train_job.main(["--set", override, "--print-config"])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_train_job_writes_everything_and_a_rerun_resumes(small_demo, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    config = _config_file(small_demo, out, tmp_path / "train.yaml")
+    assert train_job.main(["--config", config]) == 0
+    printed = capsys.readouterr().out
+    assert "blade: 9 steps" in printed and "target" in printed
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["policy"] == "blade" and summary["steps"] == 9
+    assert set(summary["tokens"]["per_source"]) == {"target", "general", "noise"}
+    assert [v["step"] for v in summary["validation"]] == [4, 8, 9]
+    assert set(summary["delta_quantiles_per_episode"]) == {"0", "1", "2"}
+    assert [p["step"] for p in summary["param_distance"]] == list(range(2, 9))
+    assert [r["step"] for r in summary["refreshes"]] == [2, 5, 8]
+    for png in ("delta_histograms.png", "param_distance.png", "val_loss.png"):
+        assert os.path.getsize(os.path.join(out, "plots", png)) > 1000
+    validate_shard_dir(os.path.join(out, "selected"), "selected")
+    assert len(read_column(os.path.join(out, "selected"), "step")) == 9 * 8
+    logged = [json.loads(line) for line in open(os.path.join(out, "logs", "metrics.jsonl"))]
+    keys = set().union(*(d.keys() for d in logged))
+    assert {"loss/train/total", "blade/kept_fraction/target", "blade/delta_q50", "blade/param_distance",
+            "metrics/eval/TokenLoss"} <= keys
+    assert os.path.exists(os.path.join(out, "checkpoints", "latest-rank0.pt"))
+    assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+    # the same command again: resumes from the final checkpoint, nothing is written twice
+    assert train_job.main(["--config", config]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert len(read_column(os.path.join(out, "selected"), "step")) == 9 * 8
+
+    # replay into a bigger model
+    rcfg = ReplayConfig.demo_default(small_demo).model_dump(mode="json")
+    rcfg.update(selected=os.path.join(out, "selected"), output_dir=str(tmp_path / "replay"), batch_size=8,
+                progress_bar=False, threads=1, model=demo_model_config(512, hidden=48, layers=2).model_dump(mode="json"))
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(rcfg))
+    assert replay_job.main(["--config", str(tmp_path / "replay.yaml")]) == 0
+    assert "validation loss" in capsys.readouterr().out
+
+
+def test_bad_shard_schema_fails_naming_the_directory_and_column(small_demo, tmp_path, capsys):
+    cand = os.path.join(small_demo, "data", "candidates")
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    # selected-token shards are expected for replay; candidate shards are not
+    rc = replay_job.main(["--set", f"selected={cand}", "--set", f"output_dir={tmp_path / 'r'}",
+                          "--set", "validation=null", "--set", "tokenizer=null"])
+    err = capsys.readouterr().err
+    assert rc == 1 and cand in err and "loss_mask" in err
+    # and a scored directory that is not one
+    assert train_job.main(["--config", config, "--set", f"data.scored={cand}"]) == 1
+    err = capsys.readouterr().err
+    assert cand in err and "ref_loss" in err
+
+
+def test_vocabulary_mismatch_fails_naming_the_setting_and_file(small_demo, tmp_path, capsys):
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    assert train_job.main(["--config", config, "--set", "model.hf_config.vocab_size=300"]) == 1
+    err = capsys.readouterr().err
+    assert "model.hf_config.vocab_size" in err and "manifest.json" in err and "512" in err
+    other_tok = tmp_path / "tok.json"
+    other_tok.write_text(open(os.path.join(small_demo, "data", "tokenizer", "tokenizer.json")).read()
+                         .replace("<|endoftext|>", "<|eot|>"))
+    assert train_job.main(["--config", config, "--set", f"data.tokenizer={other_tok}"]) == 1
+    assert "tokenizer mismatch" in capsys.readouterr().err
+
+
+def test_missing_demo_data_says_how_to_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert train_job.main([]) == 1
+    assert "python jobs/prepare.py" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_job_runs_as_a_script(small_demo, tmp_path):
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml", max_steps=3)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(JOBS / "train.py"), "--config", config, "--set", "policy=random"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "random: 3 steps" in proc.stdout
