@@ -435,6 +435,11 @@ class BladeAlgorithm(Algorithm):
         losses, valid = _unwrap(state.model).token_losses(state.outputs, batch)
         with self._timed("select"):
             proxy_losses = losses.detach()
+            if not bool(torch.isfinite(proxy_losses[valid]).all()):
+                raise ValueError(
+                    f"step {pending.step}: the proxy's token loss is not finite (training diverged?); "
+                    "lower optim.lr or check the model weights"
+                )
             rows = proxy_losses.shape[0]
             offset = pending.rows_done
             if not pending.selecting:

@@ -176,3 +176,18 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     c = make_config("rho1", "c", max_steps=7, data={"scored": stale})
     with pytest.raises(ValueError, match="stale scores"):
         train(c)
+
+
+def test_a_non_finite_proxy_loss_fails_clearly(make_config):
+    class Poison(Callback):
+        def batch_start(self, state, logger):
+            if int(state.timestamp.batch) == 3:
+                with torch.no_grad():
+                    state.model.model.lm_head.weight[0, 0] = float("nan")
+
+    from training.run import build_training
+
+    run = build_training(make_config("blade", max_steps=5), callbacks=[Poison()])
+    with pytest.raises(ValueError, match="step 3: the proxy's token loss is not finite"):
+        run.trainer.fit()
+    run.trainer.close()

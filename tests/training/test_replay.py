@@ -91,3 +91,39 @@ def test_a_reader_that_only_knows_tokens_reads_selected_shards(selected, tmp_pat
     assert len(ds) == len(tokens) == 48
     for i in (0, 17, 47):
         assert ds[i].dtype == torch.int64 and torch.equal(ds[i], torch.from_numpy(tokens[i].astype(np.int64)))
+
+
+def test_plain_pytorch_and_hf_labels_reproduce_the_masked_loss(selected, tmp_path):
+    """README's trainer-independent example: labels = tokens where loss_mask else -100; HF's own loss
+    (it shifts labels internally) is then exactly our masked mean."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    local = str(tmp_path / "copy")
+    shutil.copytree(selected, local)
+    ds = StreamingDataset(local=local, shuffle=False, batch_size=8)
+
+    def collate(rows):
+        tokens = torch.from_numpy(np.stack([r["tokens"] for r in rows]).astype(np.int64))
+        mask = torch.from_numpy(np.stack([r["loss_mask"] for r in rows]).astype(bool))
+        return {"input_ids": tokens, "labels": tokens.masked_fill(~mask, -100)}
+
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, collate_fn=collate)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    batch = next(iter(loader))
+    ours = MaskedCausalLM(model)
+    ref_batch = {"tokens": batch["input_ids"], "loss_mask": batch["labels"] != -100}
+    with torch.no_grad():
+        assert float(model(**batch).loss) == pytest.approx(float(ours.loss(ours(ref_batch), ref_batch)), rel=1e-5)
+    for i, batch in enumerate(loader):  # a few plain steps work
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            break
+    assert torch.isfinite(loss)
