@@ -85,7 +85,7 @@ def engine_demo(tmp_path_factory) -> str:
     return root
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_train(engine_demo):
     """``tiny_train(output_dir, **updates)`` → a TrainConfig dict (JSON form) of a few-second blade run:
     tiny Llama, b = 8, 14 steps, W = 2, τ = 4, K = 2, checkpoints every 5 steps, one thread."""
@@ -117,3 +117,29 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of the session ``sid`` (a job started with ``start_new_session=True``: its
+    Ray processes included), the way a killed job dies."""
+    import signal
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after the command: state, ppid, pgrp, session, ...
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def session_killer():
+    """``session_killer(sid)`` kills a job's whole session (see :func:`kill_session`)."""
+    return kill_session

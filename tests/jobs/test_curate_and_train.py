@@ -1,0 +1,183 @@
+"""The main job end to end on a tiny demo: exact on Ray equals the single-process trainer, pipelined with
+P = 1 equals exact, a killed job resumes to the same outputs, and ``ray job submit`` on a local head node."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from curation.shards import ShardReader
+from schemas.manifest import Manifest
+from schemas.shards import validate_shard_dir
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(REPO, "jobs", "curate_and_train.py")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _config(path, train: dict, **sections) -> str:
+    data = {"train": train, "workers": {"count": 2, "range_steps": 2}, "engine": {"lookahead": 4}}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return str(path)
+
+
+def _run(config: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
+                         timeout=timeout, env=_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def _rows(directory: str) -> list[dict]:
+    r = ShardReader(directory)
+    return [r[i] for i in range(len(r))]
+
+
+def assert_same_run(a: str, b: str) -> None:
+    """Same selected-token rows (tokens, masks, Δ, steps) and bitwise the same final proxy."""
+    ra, rb = _rows(os.path.join(a, "selected")), _rows(os.path.join(b, "selected"))
+    assert len(ra) == len(rb) > 0
+    for x, y in zip(ra, rb, strict=True):
+        for col in ("tokens", "loss_mask", "step", "episode", "source"):
+            assert np.array_equal(x[col], y[col]), (col, x["step"])
+        assert np.array_equal(x["score"], y["score"], equal_nan=True), x["step"]
+    wa, wb = load_file(os.path.join(a, "final", "model.safetensors")), load_file(os.path.join(b, "final", "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory, tiny_train):
+    d = tmp_path_factory.mktemp("exact")
+    out = str(d / "run")
+    cfg = _config(d / "cfg.yaml", tiny_train(out, plots=True))
+    proc = _run(cfg)
+    return {"out": out, "cfg": cfg, "stdout": proc.stdout, "train": tiny_train(out)}
+
+
+def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
+    out = exact_run["out"]
+    assert "trained 14 steps" in exact_run["stdout"] and "engine: exact, 2 workers" in exact_run["stdout"]
+    validate_shard_dir(os.path.join(out, "scored"), "scored")
+    validate_shard_dir(os.path.join(out, "selected"), "selected")
+    scored = Manifest.load(os.path.join(out, "scored"))
+    assert scored.complete and [(r.state["first_step"], r.state["stop_step"]) for r in scored.shards] == [
+        (a, a + 2) for a in range(2, 14, 2)]
+    assert {r.name.split("/")[0] for r in scored.shards} <= {"worker-00", "worker-01"}
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+    assert s["steps"] == 14 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
+    assert [p["step"] for p in s["param_distance"]] == list(range(2, 14))
+    assert s["engine"]["mode"] == "exact" and s["engine"]["units_redone_after_restart"] == 0
+    assert set(s["tokens"]["per_source"]) == {"target", "general", "noise"}
+    assert sorted(os.listdir(os.path.join(out, "plots"))) == ["delta_histograms.png", "param_distance.png", "val_loss.png"]
+    assert os.path.exists(os.path.join(out, "final", "reference.safetensors"))
+    assert os.path.exists(os.path.join(out, "checkpoints", "latest-rank0.pt"))
+    assert not [f for f in os.listdir(os.path.join(out, "engine")) if f.startswith("proxy-")]  # snapshots cleaned up
+
+
+def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):
+    from schemas.train_config import TrainConfig
+    from training.run import train
+
+    single = str(tmp_path / "single")
+    cfg = TrainConfig.model_validate({**exact_run["train"], "output_dir": single})
+    train(cfg)
+    assert_same_run(exact_run["out"], single)
+
+
+def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train):
+    out = str(tmp_path / "pipelined")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine={"mode": "pipelined", "snapshot_period": 1})
+    _run(cfg)
+    m = Manifest.load(os.path.join(out, "selected"))  # written by the workers, one part per step after W
+    assert m.complete and m.job == "curate_and_train" and len(m.shards) == 1 + 12
+    assert_same_run(exact_run["out"], out)
+
+
+def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_train, session_killer):
+    out = str(tmp_path / "killed")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
+    proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+    ckpt = os.path.join(out, "checkpoints", "latest-rank0.pt")
+    deadline = time.monotonic() + 240
+    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    session_killer(proc.pid)  # the driver (trainer), the local Ray instance and its actors
+    proc.wait(timeout=60)
+    assert proc.returncode == -9, "the job ended before it could be killed"
+    assert not Manifest.load(os.path.join(out, "scored")).complete
+    resumed = _run(cfg)
+    assert "resuming from" in resumed.stdout and "latest-rank0.pt" in resumed.stdout
+    assert_same_run(exact_run["out"], out)
+    with open(os.path.join(out, "summary.json")) as f, open(os.path.join(exact_run["out"], "summary.json")) as g:
+        a, b = json.load(f), json.load(g)
+    for key in ("tokens", "validation", "param_distance", "delta_quantiles_per_episode"):
+        assert a[key] == b[key], key
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in a["refreshes"]]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in b["refreshes"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train):
+    out = str(tmp_path / "submitted")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out, max_steps=6), workers={"count": 1})
+    port, dash = _free_port(), _free_port()
+    # Ray 2.60 turns token authentication on for local clusters, but its job CLI only sends the token
+    # (~/.ray/auth_token) with RAY_AUTH_MODE=token (ray-project/ray#64755).
+    env = {**_env(), "RAY_AUTH_MODE": "token"}
+
+    def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+    started = ray_cli("start", "--head", "--num-cpus", "2", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
+                      "--disable-usage-stats")
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        address = f"http://127.0.0.1:{dash}"
+        sub = ray_cli("job", "submit", "--address", address, "--working-dir", REPO, "--no-wait",
+                      "--", "python", "jobs/curate_and_train.py", "--config", cfg, timeout=180)
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+        job_id = next(w.strip("'") for line in (sub.stdout + sub.stderr).splitlines() for w in line.split()
+                      if w.strip("'").startswith("raysubmit_"))
+        deadline = time.monotonic() + 240
+        while True:
+            st = ray_cli("job", "status", "--address", address, job_id)
+            status = st.stdout + st.stderr  # "Job 'raysubmit_…' succeeded" (or failed, stopped)
+            if any(f"' {s}" in status for s in ("succeeded", "failed", "stopped")):
+                break
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(2)
+        logs = ray_cli("job", "logs", "--address", address, job_id).stdout
+        assert f"Job '{job_id}' succeeded" in status, status + logs[-5000:]
+        assert "trained 6 steps" in logs
+        with open(os.path.join(out, "summary.json")) as f:
+            assert json.load(f)["steps"] == 6
+        validate_shard_dir(os.path.join(out, "selected"), "selected")
+    finally:
+        ray_cli("stop", "--force")

@@ -1,0 +1,336 @@
+"""The trainer side of the Ray engine (DESIGN.md §3): Composer glue for the exact and pipelined modes.
+
+The engine handle (:class:`curation.ray_engine.RayEngine`) is used duck-typed (``wait_part``,
+``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.
+
+* **exact**: :class:`EngineScores` stands in for :class:`curation.scorer.ScoredShards` in
+  :class:`training.algorithm.BladeAlgorithm`: ``ℓ(w̃)`` of step ``t`` is read from the engine's scored part
+  holding ``t``, waiting until a worker has written it. The trainer selects with its own ``ℓ(u)``.
+* **pipelined**: :class:`EngineMaskedBatches` yields each step's tokens with the finished ``loss_mask``
+  from the engine's selected parts; the trainer is a plain masked-loss trainer
+  (:func:`build_pipelined_training`); :class:`EngineSelection` only keeps the records the summary needs.
+* both: :class:`EngineSync` publishes ``u^(s)`` at the plan's steps (refresh start points, pipelined
+  snapshots), tells the engine which step the trainer is about to take (back-pressure), and measures
+  ``‖u − w‖`` against the engine's reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from composer.core import Algorithm, Callback, Event, State
+from composer.loggers import Logger
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from curation.engine import PartCache, TrainingPlan
+from curation.policies import get_policy
+from curation.stats import param_distance
+from curation.stream import CandidateStream
+from curation.workers import RecentMasks
+from schemas.train_config import TrainConfig
+from training.algorithm import SelectionRecord
+
+__all__ = ["EngineScores", "EngineSync", "EngineMaskedBatches", "EngineSelection", "build_pipelined_training"]
+
+
+class EngineScores:
+    """Reference losses of stream steps from the engine's scored parts (a live ``ScoredShards``).
+
+    Args:
+        engine: the engine handle.
+        out_dir: the scored-shard directory the engine writes.
+        stream: the trainer's candidate stream.
+        timeout_s: fail when a step's scores do not arrive within this time.
+    """
+
+    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, *, timeout_s: float = 1800.0) -> None:
+        self.engine = engine
+        self.path = out_dir
+        self.stream = stream
+        self.timeout_s = timeout_s
+        self.cache = PartCache(out_dir, stream.batch_size)
+
+    def covers(self, step: int) -> bool:
+        return True
+
+    def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step`` (waits for them)."""
+        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
+        rows = self.cache.rows(info["part"], info["first"], step)
+        return (np.stack([np.asarray(r["tokens"]) for r in rows]),
+                np.stack([np.asarray(r["ref_loss"]) for r in rows]).astype(np.float16),
+                np.asarray([int(r["episode"]) for r in rows]))
+
+
+class EngineSync(Callback):
+    """Publishes proxy snapshots, reports the trainer's step, measures ``‖u − w‖``.
+
+    Put it *first* among the callbacks (``trainer.state.callbacks.insert(0, ...)``) so the distance is on
+    the step's record before the statistics callback reads it.
+
+    Args:
+        engine: the engine handle.
+        plan: the training plan (which steps to publish).
+        algorithm: what trained the step: has ``last`` (a :class:`SelectionRecord`) and ``recent``
+            (``(step, mask)`` pairs of the recent steps, for the refresh's ``L_train``).
+        distance_interval: measure ``‖u − w‖`` every this many steps.
+        log_every: log the engine's progress every this many steps.
+    """
+
+    def __init__(self, engine: Any, plan: TrainingPlan, *, algorithm: Any, distance_interval: int = 1,
+                 log_every: int = 10) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.algorithm = algorithm
+        self.publish_steps = set(plan.publish_steps())
+        self.refresh_sources = plan.refresh_sources()
+        self.distance_interval = distance_interval
+        self.log_every = log_every
+        self.published: list[int] = []
+        self.publish_seconds = 0.0
+        self._ref_module: nn.Module | None = None
+        self._ref_version: int | None = None
+
+    @staticmethod
+    def _proxy(state: State) -> nn.Module:
+        return getattr(state.model, "module", state.model).model
+
+    def _publish(self, state: State, step: int) -> None:
+        if step not in self.publish_steps or step >= self.plan.stop_step:
+            return
+        start = time.perf_counter()
+        recent = None
+        if step in self.refresh_sources:
+            recent = RecentMasks.from_pairs(list(self.algorithm.recent))
+        self.engine.publish_proxy(step, self._proxy(state), recent)
+        self.published.append(step)
+        self.publish_seconds += time.perf_counter() - start
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        step = int(state.timestamp.batch)
+        self.engine.trainer_at(step)
+        self._publish(state, step)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        rec: SelectionRecord | None = self.algorithm.last
+        nxt = int(state.timestamp.batch)  # after the step: the step about to be taken
+        self.engine.trainer_at(nxt)
+        if rec is not None and rec.ref_version >= 0 and rec.distance is None and rec.step % self.distance_interval == 0:
+            rec.distance = self._distance(state, rec.ref_version)
+        self._publish(state, nxt)
+        if nxt % self.log_every == 0:
+            p = self.engine.progress()
+            logger.log_metrics({"engine/units_done": p["units_done"], "engine/tokens_scored": p["tokens"],
+                                "engine/redone": p["redone"], "engine/trainer_wait_s": self.engine.wait_seconds})
+
+    def _distance(self, state: State, version: int) -> float:
+        proxy = self._proxy(state)
+        if self._ref_version != version:
+            if self._ref_module is None:  # a CPU copy of the architecture, off the training device
+                self._ref_module = copy.deepcopy(proxy).to("cpu").eval()
+            self.engine.reference(version).load_into(self._ref_module)
+            self._ref_version = version
+        assert self._ref_module is not None
+        return param_distance(proxy, self._ref_module)
+
+
+class EngineMaskedBatches(IterableDataset):
+    """One batch per proxy step with the engine's finished mask (pipelined mode); waits for the part.
+
+    Args:
+        engine: the engine handle.
+        out_dir: the selected-token shard directory the engine writes.
+        stream: the candidate stream (sample ids of each step).
+        stop_step: ``max_steps``.
+        model_vocab: token ids are checked against it.
+        timeout_s: fail when a step's mask does not arrive within this time.
+    """
+
+    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, stop_step: int, *,
+                 model_vocab: int | None = None, timeout_s: float = 1800.0) -> None:
+        super().__init__()
+        self.engine = engine
+        self.out_dir = out_dir
+        self.stream = stream
+        self.start_step = 0
+        self.stop_step = stop_step
+        self.model_vocab = model_vocab
+        self.timeout_s = timeout_s
+        self.cache = PartCache(out_dir, stream.batch_size)
+
+    def batch(self, step: int) -> dict[str, Any]:
+        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
+        rows = self.cache.rows(info["part"], info["first"], step)
+        if any(int(r["step"]) != step for r in rows):
+            raise ValueError(f"{self.out_dir}/{info['part']}: rows of step {step} are labelled with another step")
+        tokens = np.stack([np.asarray(r["tokens"]) for r in rows]).astype(np.int64)
+        if self.model_vocab is not None and tokens.size and int(tokens.max()) >= self.model_vocab:
+            raise ValueError(f"{self.out_dir}/{info['part']} (step {step}): token id {int(tokens.max())} is out of "
+                             f"range for the model's vocabulary of {self.model_vocab}")
+        return {
+            "tokens": torch.from_numpy(tokens),
+            "loss_mask": torch.from_numpy(np.stack([np.asarray(r["loss_mask"]) for r in rows]).astype(bool)),
+            "score": torch.from_numpy(np.stack([np.asarray(r["score"]) for r in rows]).astype(np.float32)),
+            "source": [str(r["source"]) for r in rows],
+            "sample_id": torch.from_numpy(self.stream.batch_ids(step)),
+            "step": int(step),
+            "episode": int(rows[0]["episode"]),
+            "ref_version": int(info["ref_version"]),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for t in range(self.start_step, self.stop_step):
+            yield self.batch(t)
+
+    # Composer's dataset resumption protocol (as training.data.StreamBatches).
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        b = self.stream.batch_size
+        done = num_samples // b if from_beginning else self.start_step + num_samples // b
+        return {"step": int(done), "stream": self.stream.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("stream") != self.stream.to_dict():
+            raise ValueError(f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
+                             f"{self.stream.to_dict()}")
+        self.start_step = int(state["step"])
+
+
+class EngineSelection(Algorithm):
+    """Bookkeeping of the pipelined (plain masked-loss) trainer: what each step trained on.
+
+    Provides what :class:`training.callbacks.SelectionStats` and :class:`EngineSync` read from
+    :class:`training.algorithm.BladeAlgorithm`: ``policy``, ``last``, ``recent``, ``refresh_log``,
+    ``timers``, ``counts``.
+    """
+
+    def __init__(self, policy: str, *, recent_batches: int) -> None:
+        self.policy = get_policy(policy)
+        self.last: SelectionRecord | None = None
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=recent_batches)
+        self.refresh_log: list[dict[str, Any]] = []
+        self.timers: dict[str, float] = {}
+        self.counts: dict[str, int] = {"selected_steps": 0}
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.BATCH_END
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        batch = state.batch
+        tokens = batch["tokens"].cpu()
+        valid = torch.ones(tokens.shape, dtype=torch.bool)
+        valid[:, 0] = False
+        mask = batch["loss_mask"].cpu().bool() & valid
+        rec = SelectionRecord(
+            step=int(batch["step"]), episode=int(batch["episode"]), ref_version=int(batch["ref_version"]),
+            tokens=tokens.numpy(), mask=mask.numpy(), valid=valid.numpy(), scores=batch["score"].cpu().float().numpy(),
+            sources=list(batch["source"]), sample_ids=batch["sample_id"].cpu().numpy(),
+        )
+        self.recent.append((rec.step, rec.mask.astype(np.uint8)))
+        self.counts["selected_steps"] += int(rec.ref_version >= 0)
+        self.last = rec
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recent_steps": torch.tensor([s for s, _ in self.recent], dtype=torch.int64),
+            "recent_masks": torch.from_numpy(np.stack([m for _, m in self.recent])) if self.recent else None,
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent.clear()
+        masks = state.get("recent_masks")
+        for i, s in enumerate(state["recent_steps"].tolist()):
+            self.recent.append((int(s), masks[i].numpy().copy()))
+        self.counts.update(state.get("counts", {}))
+
+
+def build_pipelined_training(
+    cfg: TrainConfig, *, batches: Callable[[int], EngineMaskedBatches], callbacks: Sequence[Any] = (),
+) -> Any:
+    """Wire a plain masked-loss Composer trainer on the engine's masks (pipelined mode).
+
+    Same model, optimizer, evaluation, checkpoints and logs as :func:`training.run.build_training`; only the
+    data (finished masks, no proxy-side selection) and the bookkeeping algorithm differ.
+
+    Args:
+        cfg: the training config.
+        batches: ``model_vocab → EngineMaskedBatches`` (built once the model's vocabulary is known).
+        callbacks: extra callbacks.
+
+    Returns:
+        A :class:`training.run.TrainRun` whose ``algorithm`` is the :class:`EngineSelection`.
+    """
+    import os
+
+    import yaml
+    from composer import Trainer
+
+    from curation.models import model_vocab_size
+    from curation.scorer import resolve_device
+    from schemas.manifest import Manifest, atomic_write_text
+    from training.callbacks import JSONLinesLogger, SelectionStats
+    from training.checkpoint import weights_only_loading
+    from training.data import check_tokenizer, make_data_spec, shard_dir_info, stream_loader
+    from training.model import MaskedCausalLM
+    from training.run import (
+        TrainRun,
+        _build_model,
+        _common_algorithms,
+        _evaluator,
+        _every,
+        _optimizer,
+        _resume_path,
+    )
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    if cfg.precision != "fp32" and device.type != "cuda":
+        raise ValueError(f"precision {cfg.precision!r} needs a CUDA device (device resolves to {device.type})")
+    cand = shard_dir_info(cfg.data.candidates, "candidate")
+    val = shard_dir_info(cfg.data.validation, "candidate")
+    check_tokenizer([cand, val], cfg.data.tokenizer)
+    hf = _build_model(cfg.model, max(cand.vocab_size, val.vocab_size), Manifest.path_in(cand.path))
+    vocab = model_vocab_size(hf)
+    model = MaskedCausalLM(hf)
+    data = batches(vocab)
+    selection = EngineSelection(cfg.selection.policy, recent_batches=cfg.selection.refresh_candidate_batches)
+    stats = SelectionStats(selection)
+    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"),
+                      yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    with weights_only_loading():
+        trainer = Trainer(
+            model=model,
+            train_dataloader=make_data_spec(stream_loader(data)),
+            max_duration=f"{cfg.max_steps}ba",
+            optimizers=_optimizer(model, cfg.optim),
+            algorithms=[selection, *_common_algorithms(cfg.optim)],
+            callbacks=[stats, *callbacks],
+            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"))],
+            eval_dataloader=_evaluator(cfg.data.validation, cfg.eval, vocab),
+            eval_interval=_every(cfg.eval.interval, cfg.max_steps, "batch_end"),
+            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
+            save_interval=_every(cfg.checkpoint.interval, cfg.max_steps, "batch_checkpoint"),
+            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
+            save_overwrite=True,
+            load_path=resume,
+            run_name="train",
+            device=device.type if device.type != "cuda" else "gpu",
+            precision=cfg.precision,
+            device_train_microbatch_size=cfg.batch_size,
+            accumulate_train_batch_on_tokens=False,
+            progress_bar=cfg.progress_bar,
+            log_to_console=False,
+            seed=cfg.seed,
+        )
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=selection, stats=stats,
+                    resumed_from=resume)
