@@ -1,0 +1,146 @@
+"""Batch curation (jobs/curate.py) on Ray workers: bad data fails naming shard and record and keeps the
+finished parts; a rerun after the fix completes; a killed run resumes; outputs equal one in-process pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from curation.engine import PROXY, REFERENCE, Weights, WorkUnit
+from curation.models import build_causal_lm
+from curation.shards import ShardReader, merge_part_indexes, open_shards, write_part
+from curation.workers import BatchOrder, ScoringWorker, WorkerSpec
+from schemas.manifest import Manifest
+from schemas.shards import CANDIDATE, validate_shard_dir
+from schemas.train_config import demo_model_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(REPO, "jobs", "curate.py")
+B = 8
+MODEL = demo_model_config(512, hidden=32, layers=1)
+
+
+@pytest.fixture(scope="module")
+def setup(engine_demo, tmp_path_factory):
+    d = tmp_path_factory.mktemp("curate")
+    cand = str(d / "candidates")
+    shutil.copytree(os.path.join(engine_demo, "data", "candidates"), cand)
+    paths = {}
+    for name, seed in (("reference", 1), ("proxy", 2)):
+        paths[name] = Weights.from_state_dict(build_causal_lm(MODEL.model_copy(update={"init_seed": seed}))).save(
+            str(d / f"{name}.safetensors"))
+    n = len(open_shards(cand))
+    order = BatchOrder("blocks", n, B)
+    spec = WorkerSpec(candidates=cand, out_dir="/nonexistent", model=MODEL.model_dump(mode="json"),
+                      order=order.to_dict(), vocab_size=512, gamma=0.5)
+    worker = ScoringWorker(spec, 0)
+    fixed = {(REFERENCE, 0): Weights.load(paths["reference"]), (PROXY, 0): Weights.load(paths["proxy"])}
+    expected = []
+    for step in range(order.num_steps):  # one uninterrupted in-process pass
+        unit = WorkUnit(step, step + 1, "selected", 0, 0)
+        worker._ensure(unit, lambda k, v: fixed[(k, v)])
+        expected.extend(worker.rows(unit, {}))
+    return {"dir": d, "cand": cand, "paths": paths, "expected": expected, "n": n}
+
+
+def _config(setup, out: str, **workers) -> str:
+    cfg = {"candidates": setup["cand"], "model": MODEL.model_dump(mode="json"),
+           "reference_weights": setup["paths"]["reference"], "proxy_weights": setup["paths"]["proxy"],
+           "gamma": 0.5, "batch_size": B, "output_dir": out, "progress": False,
+           "workers": {"count": 2, "range_steps": 3, **workers}}
+    path = os.path.join(out + ".yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _env() -> dict:
+    return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(config: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, JOB, "--config", config], capture_output=True, text=True, timeout=300,
+                          env=_env())
+
+
+def _assert_expected(out: str, expected: list) -> None:
+    sel = os.path.join(out, "selected")
+    validate_shard_dir(sel, "selected")
+    r = ShardReader(sel)
+    got = [r[i] for i in range(len(r))]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g["step"] == e["step"] and g["source"] == e["source"]
+        for col in ("tokens", "loss_mask", "score"):
+            assert np.array_equal(g[col], e[col], equal_nan=col == "score")
+    m = Manifest.load(sel)
+    assert m.complete and len({s.state["unit"] for s in m.shards}) == len(m.shards)
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+    assert s["sequences"] == len(expected) and s["kept_tokens"] == sum(int(e["loss_mask"].sum()) for e in expected)
+
+
+def test_bad_record_fails_naming_it_keeps_finished_parts_and_a_fixed_rerun_completes(setup):
+    cand = setup["cand"]
+    parts = [s.name for s in Manifest.load(cand).shards]
+    last = parts[-1]
+    backup = str(setup["dir"] / "backup")
+    shutil.copytree(os.path.join(cand, last), backup)
+    reader = ShardReader(os.path.join(cand, last))
+    rows = [reader[i] for i in range(len(reader))]
+    rows[5]["tokens"] = rows[5]["tokens"].copy()
+    rows[5]["tokens"][7] = 600  # outside the model's 512 ids
+    write_part(os.path.join(cand, last), CANDIDATE, rows, vocab_size=512)
+    merge_part_indexes(cand, parts)
+    sample = setup["n"] - len(rows) + 5
+    out = str(setup["dir"] / "bad")
+    try:
+        proc = _run(_config(setup, out))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        want = (f"{cand}: shard {last}/shard.00000.mds.zstd, record 5 (sample {sample}, step {sample // B}): "
+                f"token id 600 at position 7 is outside the model's vocabulary")
+        assert want in proc.stderr, proc.stderr[-3000:]
+        done = Manifest.load(os.path.join(out, "selected"))
+        assert done.shards and not done.complete  # finished parts are kept
+        kept = {s.name for s in done.shards}
+    finally:
+        shutil.rmtree(os.path.join(cand, last))
+        shutil.copytree(backup, os.path.join(cand, last))
+        merge_part_indexes(cand, parts)
+    proc = _run(_config(setup, out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert kept <= {s.name for s in Manifest.load(os.path.join(out, "selected")).shards}  # not redone
+    _assert_expected(out, setup["expected"])
+
+
+def test_a_killed_run_resumes_to_the_same_shards(setup, session_killer):
+    out = str(setup["dir"] / "killed")
+    cfg = _config(setup, out, count=1, range_steps=2)
+    proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+    manifest = os.path.join(out, "selected", "manifest.json")
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if os.path.exists(manifest) and len(Manifest.load(os.path.dirname(manifest)).shards) >= 3:
+            break
+        time.sleep(0.01)
+    session_killer(proc.pid)
+    proc.wait(timeout=60)
+    assert proc.returncode == -9, "the job ended before it could be killed"
+    before = Manifest.load(os.path.join(out, "selected"))
+    assert not before.complete and len(before.shards) >= 3
+    rerun = _run(cfg)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    after = Manifest.load(os.path.join(out, "selected"))
+    assert {s.name for s in before.shards} <= {s.name for s in after.shards}
+    _assert_expected(out, setup["expected"])
