@@ -473,9 +473,14 @@ class RayEngine:
             ).remote(worker_spec, i)
             for i in range(workers)
         ]
-        self.pids = self._get([w.pid.remote() for w in self.workers])  # also waits until the models are loaded
+        self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
         self.serving = {w.serve.remote(self.coordinator): i for i, w in enumerate(self.workers)}
         self.worker_results: dict[int, dict[str, Any]] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers as first started (waits until they are up)."""
+        return self._get(self._pid_refs)
 
     # --- errors --------------------------------------------------------------------------------
     def _get(self, ref: Any, timeout: float | None = None) -> Any:

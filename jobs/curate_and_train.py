@@ -41,10 +41,6 @@ from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSchemaError
-from training.data import check_tokenizer, shard_dir_info
-from training.engine_hooks import EngineMaskedBatches, EngineScores, EngineSync, build_pipelined_training
-from training.run import build_training
-from training.summary import write_summary
 
 _MODES = {RefreshMode.SYNC: "sync", RefreshMode.CONTINUE: "continue", RefreshMode.STATIC: "static"}
 
@@ -66,6 +62,8 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
+    from training.data import check_tokenizer, shard_dir_info  # no Composer yet: see below
+
     cand = shard_dir_info(t.data.candidates, "candidate")
     val = shard_dir_info(t.data.validation, "candidate")
     fingerprint = check_tokenizer([cand, val], t.data.tokenizer)
@@ -113,6 +111,15 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
             policy_mode=_MODES[policy.refresh_mode], refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
             device=wk.device, gpus=wk.gpus,
         )
+        # Composer takes seconds to import: done while the actors start and load their models.
+        from training.engine_hooks import (
+            EngineMaskedBatches,
+            EngineScores,
+            EngineSync,
+            build_pipelined_training,
+        )
+        from training.run import build_training
+
         if pipelined:
             run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
                 engine, out, stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
@@ -155,6 +162,8 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
     }
     extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": run.resumed_from,
              "stream": stream.to_dict(), "selected_dir": os.path.join(t.output_dir, "selected")}
+    from training.summary import write_summary
+
     summary, pngs = write_summary(t.output_dir, run.stats.summary_data(), extra=extra, plots=t.plots)
     return {"summary": summary, "plots": pngs, "final": final, "engine": engine_summary,
             "selected": extra["selected_dir"], "scored": None if pipelined else out}

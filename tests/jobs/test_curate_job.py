@@ -90,57 +90,53 @@ def _assert_expected(out: str, expected: list) -> None:
     assert s["sequences"] == len(expected) and s["kept_tokens"] == sum(int(e["loss_mask"].sum()) for e in expected)
 
 
-def test_bad_record_fails_naming_it_keeps_finished_parts_and_a_fixed_rerun_completes(setup):
+def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_shards(setup, session_killer):
+    """Run 1 meets a bad record: fails naming shard and record, keeps its finished parts. Run 2 (input fixed)
+    is killed mid-way. Run 3 resumes and ends with exactly the shards of one uninterrupted pass."""
     cand = setup["cand"]
     parts = [s.name for s in Manifest.load(cand).shards]
-    last = parts[-1]
+    part = parts[len(parts) // 2]  # a record in the middle of the pass: parts before it get finished
+    first = sum(s.samples for s in Manifest.load(cand).shards[: len(parts) // 2])
     backup = str(setup["dir"] / "backup")
-    shutil.copytree(os.path.join(cand, last), backup)
-    reader = ShardReader(os.path.join(cand, last))
+    shutil.copytree(os.path.join(cand, part), backup)
+    reader = ShardReader(os.path.join(cand, part))
     rows = [reader[i] for i in range(len(reader))]
     rows[5]["tokens"] = rows[5]["tokens"].copy()
     rows[5]["tokens"][7] = 600  # outside the model's 512 ids
-    write_part(os.path.join(cand, last), CANDIDATE, rows, vocab_size=512)
+    write_part(os.path.join(cand, part), CANDIDATE, rows, vocab_size=512)
     merge_part_indexes(cand, parts)
-    sample = setup["n"] - len(rows) + 5
-    out = str(setup["dir"] / "bad")
+    sample = first + 5
+    out = str(setup["dir"] / "run")
     try:
         proc = _run(_config(setup, out))
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        want = (f"{cand}: shard {last}/shard.00000.mds.zstd, record 5 (sample {sample}, step {sample // B}): "
+        want = (f"{cand}: shard {part}/shard.00000.mds.zstd, record 5 (sample {sample}, step {sample // B}): "
                 f"token id 600 at position 7 is outside the model's vocabulary")
         assert want in proc.stderr, proc.stderr[-3000:]
-        done = Manifest.load(os.path.join(out, "selected"))
-        assert done.shards and not done.complete  # finished parts are kept
-        kept = {s.name for s in done.shards}
+        failed = Manifest.load(os.path.join(out, "selected"))
+        assert failed.shards and not failed.complete  # finished parts are kept
     finally:
-        shutil.rmtree(os.path.join(cand, last))
-        shutil.copytree(backup, os.path.join(cand, last))
+        shutil.rmtree(os.path.join(cand, part))
+        shutil.copytree(backup, os.path.join(cand, part))
         merge_part_indexes(cand, parts)
-    proc = _run(_config(setup, out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert kept <= {s.name for s in Manifest.load(os.path.join(out, "selected")).shards}  # not redone
-    _assert_expected(out, setup["expected"])
 
-
-def test_a_killed_run_resumes_to_the_same_shards(setup, session_killer):
-    out = str(setup["dir"] / "killed")
-    cfg = _config(setup, out, count=1, range_steps=2)
+    cfg = _config(setup, out, count=1)
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     manifest = os.path.join(out, "selected", "manifest.json")
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        if os.path.exists(manifest) and len(Manifest.load(os.path.dirname(manifest)).shards) >= 3:
+        if len(Manifest.load(os.path.dirname(manifest)).shards) >= len(failed.shards) + 2:
             break
         time.sleep(0.01)
-    session_killer(proc.pid)
+    session_killer(proc.pid)  # the job, its local Ray instance and the workers
     proc.wait(timeout=60)
     assert proc.returncode == -9, "the job ended before it could be killed"
-    before = Manifest.load(os.path.join(out, "selected"))
-    assert not before.complete and len(before.shards) >= 3
-    rerun = _run(cfg)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    after = Manifest.load(os.path.join(out, "selected"))
-    assert {s.name for s in before.shards} <= {s.name for s in after.shards}
+    killed = Manifest.load(os.path.join(out, "selected"))
+    assert not killed.complete and {s.name for s in failed.shards} < {s.name for s in killed.shards}
+
+    proc = _run(cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = Manifest.load(os.path.join(out, "selected"))
+    assert {s.name for s in killed.shards} <= {s.name for s in done.shards}  # finished parts were not redone
     _assert_expected(out, setup["expected"])
