@@ -110,24 +110,30 @@ def token_losses(
 
     tv = out_valid[:, 1:]
     zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
-    targets = torch.where(tv, tokens[:, 1:], zero).long()
-    nll = torch.empty((b, length - 1), dtype=torch.float32, device=logits.device)
-    # Blocks of whole sequences (or of positions within one sequence when a sequence alone is over
-    # budget), so that neither the float32 upcast nor the reshape of the strided slice
-    # `logits[:, :-1]` ever copies more than `chunk_elements` logits.
-    per_seq = (length - 1) * vocab
+    # targets[:, n] is predicted by logits[:, n]; the last column (predicting nothing) is a dummy 0.
+    targets = torch.cat([torch.where(tv, tokens[:, 1:], zero), torch.zeros_like(tokens[:, :1])], dim=1).long()
+    nll_all = torch.empty((b, length), dtype=torch.float32, device=logits.device)
+    # Blocks of whole sequences over all L positions: a block of rows of a contiguous tensor reshapes to
+    # (rows·L, V) without a copy, whereas the strided slice `logits[:, :-1]` would be copied (for a
+    # large vocabulary that copy costs as much as the cross-entropy itself). The loss of the last
+    # position is computed and dropped (1/L extra work). When a sequence alone is over budget: blocks of
+    # positions within one sequence. Neither path copies more than `chunk_elements` logits (the float32
+    # upcast of low-precision logits). Row-wise, the values are those of the sliced computation.
+    per_seq = length * vocab
     if per_seq <= chunk_elements:
         rows = max(1, chunk_elements // max(per_seq, 1))
-        blocks = [(slice(i, i + rows), slice(0, length - 1)) for i in range(0, b, rows)]
+        blocks = [(slice(i, i + rows), slice(0, length)) for i in range(0, b, rows)]
     else:
         cols = max(1, chunk_elements // max(vocab, 1))
-        blocks = [(slice(i, i + 1), slice(j, j + cols)) for i in range(b) for j in range(0, length - 1, cols)]
+        blocks = [(slice(i, i + 1), slice(j, min(j + cols, length - 1)))
+                  for i in range(b) for j in range(0, length - 1, cols)]
     for rs, cs in blocks:
-        block = logits[rs, :-1][:, cs]
+        block = logits[rs, cs]
         piece = F.cross_entropy(
             block.reshape(-1, vocab).float(), targets[rs, cs].reshape(-1), reduction="none"
         )
-        nll[rs, cs] = piece.view(block.shape[:2])
+        nll_all[rs, cs] = piece.view(block.shape[:2])
+    nll = nll_all[:, :-1]
     # torch.where (not multiplication) so that a non-finite logit at an invalid position stays out.
     nll = torch.where(tv, nll, torch.zeros((), dtype=nll.dtype, device=nll.device))
     losses = torch.cat([torch.zeros((b, 1), dtype=nll.dtype, device=nll.device), nll], dim=1)

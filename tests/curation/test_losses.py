@@ -128,3 +128,24 @@ def test_as_token_batch_forms():
     assert as_token_batch(TokenBatch(t)).valid is None
     with pytest.raises(TypeError):
         as_token_batch(3)
+
+
+@pytest.mark.parametrize("shape,chunk", [((3, 7, 13), 1 << 25), ((4, 9, 50), 2 * 9 * 50), ((2, 5, 31), 31 * 2),
+                                         ((1, 2, 7), 1), ((5, 16, 257), 1 << 25)])
+def test_values_and_gradients_equal_the_sliced_cross_entropy_bit_for_bit(shape, chunk):
+    """Whole-row blocks (no copy of `logits[:, :-1]`) give exactly the plain per-position computation."""
+    torch.manual_seed(sum(shape))
+    b, length, vocab = shape
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(shape) * 3).to(dtype).requires_grad_(True)
+        tokens = torch.randint(0, vocab, (b, length))
+        weights = torch.rand(b, length)
+        got, _ = token_losses(logits, tokens, chunk_elements=chunk)
+        plain = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none"
+        ).view(b, length - 1)
+        want = torch.cat([torch.zeros(b, 1), plain], dim=1)
+        assert torch.equal(got, want)
+        (g_got,) = torch.autograd.grad((got * weights).sum(), logits)
+        (g_want,) = torch.autograd.grad((want * weights).sum(), logits)
+        assert torch.equal(g_got, g_want)  # (-0.0 == 0.0: the dropped last position may give signed zeros)
