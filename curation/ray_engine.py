@@ -462,11 +462,9 @@ class RayEngine:
             plan=plan.to_dict() if plan is not None else None, policy_mode=policy_mode, refresh=refresh,
         )
         self._get(self.coordinator.start.remote())
-        self._fixed = []
+        self._fixed: list[Any] = []
         for (kind, version), w in (fixed_weights or {}).items():
-            ref = ray.put(w)
-            self._fixed.append(ref)
-            self._get(self.coordinator.publish_weights.remote(kind, version, [ref]))
+            self.publish_weights(kind, version, w)
         self.workers = [
             ray.remote(_WorkerActor).options(
                 num_cpus=threads, num_gpus=gpu_w, max_restarts=max_restarts, max_task_retries=max_restarts,
@@ -515,6 +513,12 @@ class RayEngine:
             self.check()
             if time.monotonic() - start > timeout_s:
                 raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s: {self.progress()}")
+
+    def publish_weights(self, kind: str, version: int, weights: Weights) -> None:
+        """Put given weights (e.g. a checkpoint) in the object store once and register them."""
+        ref = ray.put(weights)
+        self._fixed.append(ref)
+        self._get(self.coordinator.publish_weights.remote(kind, int(version), [ref]))
 
     def trainer_at(self, step: int) -> None:
         self.coordinator.trainer_at.remote(int(step))
