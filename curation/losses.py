@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "CPU_CHUNK_ELEMENTS",
     "DEFAULT_CHUNK_ELEMENTS",
     "TokenBatch",
     "as_token_batch",
@@ -32,9 +33,13 @@ __all__ = [
     "token_losses",
 ]
 
-#: Upper bound on ``rows × vocab`` logits upcast to float32 at once by :func:`token_losses`
+#: Upper bound on ``rows × vocab`` logits upcast to float32 at once by :func:`token_losses` on a GPU
 #: (2**25 floats = 128 MiB). Bounds the extra memory of the float32 upcast for bf16 logits.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
+#: The same bound on a CPU, where it is chosen for the cache instead (2**21 floats = 8 MiB): the
+#: cross-entropy of cache-sized blocks runs ≈ 2.5× faster than of 128 MiB blocks (32k vocabulary).
+#: The values do not depend on the block size.
+CPU_CHUNK_ELEMENTS = 1 << 21
 
 
 def target_valid(tokens: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -72,7 +77,7 @@ def token_losses(
     tokens: Tensor,
     valid: Tensor | None = None,
     *,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token negative log-likelihood of ``tokens`` under ``logits``, in float32.
 
@@ -86,7 +91,9 @@ def token_losses(
         tokens: ``(b, L)`` integer token ids. Ids at invalid positions are not read (they may be
             out of range, e.g. ``-100``).
         valid: optional ``(b, L)`` boolean mask of real tokens (see :func:`target_valid`).
-        chunk_elements: memory bound of the float32 upcast, in logits.
+        chunk_elements: memory bound of the float32 upcast, in logits; ``None``:
+            :data:`CPU_CHUNK_ELEMENTS` for CPU logits, :data:`DEFAULT_CHUNK_ELEMENTS` otherwise.
+            The values do not depend on it.
 
     Returns:
         ``(losses, valid)``: float32 ``(b, L)`` losses (0 at invalid positions) and the boolean
@@ -104,6 +111,8 @@ def token_losses(
         raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
     tokens = tokens.to(logits.device)
     out_valid = target_valid(tokens, None if valid is None else valid.to(logits.device))
+    if chunk_elements is None:
+        chunk_elements = CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
     b, length, vocab = logits.shape
     if length < 2 or b == 0:
         return torch.zeros((b, length), dtype=torch.float32, device=logits.device), out_valid
@@ -112,27 +121,25 @@ def token_losses(
     zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
     # targets[:, n] is predicted by logits[:, n]; the last column (predicting nothing) is a dummy 0.
     targets = torch.cat([torch.where(tv, tokens[:, 1:], zero), torch.zeros_like(tokens[:, :1])], dim=1).long()
-    nll_all = torch.empty((b, length), dtype=torch.float32, device=logits.device)
-    # Blocks of whole sequences over all L positions: a block of rows of a contiguous tensor reshapes to
-    # (rows·L, V) without a copy, whereas the strided slice `logits[:, :-1]` would be copied (for a
-    # large vocabulary that copy costs as much as the cross-entropy itself). The loss of the last
-    # position is computed and dropped (1/L extra work). When a sequence alone is over budget: blocks of
-    # positions within one sequence. Neither path copies more than `chunk_elements` logits (the float32
-    # upcast of low-precision logits). Row-wise, the values are those of the sliced computation.
-    per_seq = length * vocab
-    if per_seq <= chunk_elements:
-        rows = max(1, chunk_elements // max(per_seq, 1))
-        blocks = [(slice(i, i + rows), slice(0, length)) for i in range(0, b, rows)]
+    # Whole sequences over all L positions: a contiguous (b, L, V) reshapes to (b·L, V) without a copy,
+    # whereas the strided slice `logits[:, :-1]` would be copied (for a large vocabulary that copy costs as
+    # much as the cross-entropy itself). The loss of the last position is computed and dropped (1/L extra
+    # work). float32 logits need no upcast, so they go through one cross-entropy; low-precision logits are
+    # upcast `chunk_elements` logits at a time, in row chunks taken with `split` (views whose gradients
+    # are gathered by one concatenation; slicing blocks out of `logits` instead would allocate a
+    # full-size zero gradient per block in the backward pass). Row-wise, the values are those of the
+    # sliced computation.
+    flat = logits.reshape(b * length, vocab)
+    flat_targets = targets.reshape(-1)
+    rows = max(1, chunk_elements // max(vocab, 1))
+    if logits.dtype == torch.float32 or flat.shape[0] <= rows:
+        nll_all = F.cross_entropy(flat.float(), flat_targets, reduction="none")
     else:
-        cols = max(1, chunk_elements // max(vocab, 1))
-        blocks = [(slice(i, i + 1), slice(j, min(j + cols, length - 1)))
-                  for i in range(b) for j in range(0, length - 1, cols)]
-    for rs, cs in blocks:
-        block = logits[rs, cs]
-        piece = F.cross_entropy(
-            block.reshape(-1, vocab).float(), targets[rs, cs].reshape(-1), reduction="none"
-        )
-        nll_all[rs, cs] = piece.view(block.shape[:2])
+        nll_all = torch.cat([
+            F.cross_entropy(chunk.float(), tgt, reduction="none")
+            for chunk, tgt in zip(flat.split(rows), flat_targets.split(rows), strict=True)
+        ])
+    nll_all = nll_all.view(b, length)
     nll = nll_all[:, :-1]
     # torch.where (not multiplication) so that a non-finite logit at an invalid position stays out.
     nll = torch.where(tv, nll, torch.zeros((), dtype=nll.dtype, device=nll.device))
