@@ -85,7 +85,7 @@ class Setting:
     doc_scale: float = 1.0  # multiplies every document cap (quick mode shrinks the corpus)
     pool_doc_cap: int | None = None  # cap on the documents of every pool source (quick mode)
     skip_sources: tuple[str, ...] = ()
-    vocab: int = 8192
+    vocab: int = 4096
     hidden: int = 128
     layers: int = 4
     big_hidden: int = 192  # transfer target (BLADE-Tr)
@@ -112,7 +112,7 @@ class Setting:
     ])
     gammas: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     taus: tuple[int, ...] = (25, 50, 100)
-    long_steps: int = 750  # the long horizon (full, rho1, blade; seed 0): does the proxy pass the static reference?
+    long_steps: int = 600  # the long horizon (full, rho1, blade; seed 0): does the proxy pass the static reference?
 
 
 FULL = Setting()
