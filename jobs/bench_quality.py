@@ -5,8 +5,9 @@
 
 Setting (domain-shift continual pre-training scaled to 2 CPU cores; all data from ../shared/data):
 
-* tokenizer: a byte-level BPE trained on the pool + validation slice (16k in the full setting; GPT-2's
-  50k vocabulary would make the embedding and LM head dominate a 3M-parameter model);
+* tokenizer: a byte-level BPE trained on the pool + validation slice (4,096 tokens in the full setting:
+  with GPT-2's 50k vocabulary the embedding and LM head would dominate a 2M-parameter model and the
+  CPU time);
 * base model: a small Llama (hidden 128, 4 layers, tied embeddings) pretrained on off-domain text only
   (the first ~40% of the documents of each off-domain source, disjoint from the pool); every policy
   starts from it;
