@@ -4,11 +4,14 @@
     python jobs/bench_scoring.py --device cuda      # on a GPU (bf16 autocast, as the workers run there)
     python jobs/bench_scoring.py --json
 
-In one process, on a synthetic candidate corpus (random tokens, zstd MDS shards) and a small Llama
-built from a config (no download):
+In one process, on a synthetic candidate corpus (random tokens, zstd MDS shards) and a Llama of about
+GPT-2-small size built from a config (no download; 86M parameters, vocabulary 32k: the per-token
+cross-entropy, which a worker computes and a bare forward does not, costs ≈ V exps per token, a share
+of the forward that shrinks as models grow):
 
 1. **bare forward**: ``model(input_ids).logits`` under ``inference_mode`` on the same batches, already in
-   memory: the pass a trainer would run anyway.
+   memory: the pass a trainer would run anyway. Timed interleaved with the worker, unit by unit, in CPU
+   time of the process with one CPU thread (robust to other load on a shared machine), else wall-clock.
 2. **worker**: :class:`curation.workers.ScoringWorker` scoring work units end to end: reading and
    decompressing the candidate shards, the forward, the per-token loss ``ℓ(w̃)`` (float32 cross-entropy
    from the logits), float16, writing the scored MDS part. Headline: worker tokens/s ÷ bare forward
@@ -69,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (one forward)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1376)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=12)
     p.add_argument("--range-steps", type=int, default=3, help="steps per work unit")
-    p.add_argument("--steps", type=int, default=12, help="steps timed in-process (worker and bare forward)")
-    p.add_argument("--ray-steps", type=int, default=24, help="steps scored in each Ray run")
+    p.add_argument("--steps", type=int, default=9, help="steps timed in-process (worker and bare forward)")
+    p.add_argument("--ray-steps", type=int, default=12, help="steps scored in each Ray run")
     p.add_argument("--no-ray", action="store_true", help="skip the 1 vs 2 workers part")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -109,36 +112,37 @@ def main(argv: list[str] | None = None) -> int:
     first = args.range_steps
     units = [WorkUnit(a, min(a + args.range_steps, first + args.steps), "scored", 0)
              for a in range(first, first + args.steps, args.range_steps)]
-    _sync(device)
-    start = time.perf_counter()
-    for u in units:
-        worker.run(u, lambda k, v: ref)
-    _sync(device)
-    t_worker = time.perf_counter() - start
     tokens = args.steps * args.batch * args.seq_len
-
-    batches = [torch.from_numpy(worker.read_step(t)[0].astype(np.int64)).to(device) for t in range(first, first + args.steps)]
+    # One thread on a CPU: CPU time of this process, which other processes on a shared machine do not
+    # inflate; otherwise (GPU, several threads) wall-clock time with device synchronisation.
+    clock = time.process_time if device.type == "cpu" and args.threads == 1 else time.perf_counter
     autocast = device.type == "cuda"
-    fwd, loss = [], []
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        model(input_ids=batches[0])  # warm-up
-        for tok in batches:
-            _sync(device)
-            t0 = time.perf_counter()
-            logits = model(input_ids=tok).logits
-            _sync(device)
-            t1 = time.perf_counter()
-            token_losses(logits, tok)
-            _sync(device)
-            fwd.append(t1 - t0)
-            loss.append(time.perf_counter() - t1)
+    t_worker, fwd, loss = 0.0, [], []
+    for u in units:  # worker and baseline interleaved unit by unit, so drifts hit both alike
+        _sync(device)
+        start = clock()
+        worker.run(u, lambda k, v: ref)
+        _sync(device)
+        t_worker += clock() - start
+        batches = [torch.from_numpy(worker.read_step(t)[0].astype(np.int64)).to(device) for t in u.steps]
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            for tok in batches:
+                _sync(device)
+                t0 = clock()
+                logits = model(input_ids=tok).logits
+                _sync(device)
+                t1 = clock()
+                token_losses(logits, tok)
+                _sync(device)
+                fwd.append(t1 - t0)
+                loss.append(clock() - t1)
     t_forward, t_loss = sum(fwd), sum(loss)
     ratio = t_forward / t_worker
     result = {
         "device": str(device), "threads": args.threads, "batch": args.batch, "seq_len": args.seq_len,
         "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)},
-        "steps": args.steps, "tokens": tokens,
+        "steps": args.steps, "tokens": tokens, "clock": clock.__name__,
         "bare_forward_tokens_per_s": tokens / t_forward, "worker_tokens_per_s": tokens / t_worker,
         "worker_over_forward": ratio, "goal": GOAL, "ok": ratio >= GOAL,
         "worker_seconds": {"total": t_worker, "forward": t_forward, "loss": t_loss,
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     m, w = result["model"], result["worker_seconds"]
     print(f"Llama {m['params_millions']}M params (vocab {m['vocab']}, hidden {m['hidden']}, {m['layers']} layers) on "
-          f"{device}, {args.threads} thread(s), {args.steps} steps of {args.batch} × {args.seq_len} tokens")
+          f"{device}, {args.threads} thread(s), {args.steps} steps of {args.batch} × {args.seq_len} tokens "
+          f"(clock: {result['clock']})")
     print(f"  bare forward     {result['bare_forward_tokens_per_s']:10,.0f} tokens/s")
     print(f"  scoring worker   {result['worker_tokens_per_s']:10,.0f} tokens/s  (time: forward {w['forward']:.2f}s, "
           f"loss {w['loss']:.2f}s, data + write {w['data_and_write']:.2f}s of {w['total']:.2f}s)")
