@@ -449,6 +449,7 @@ class RayEngine:
         self.engine_dir = engine_dir
         self.plan = plan
         self.wait_seconds = 0.0
+        self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
         gpu_w, gpu_r = gpu_shares(workers, refresh=refresh_spec is not None, per_worker=gpus, device=device)
         self.gpus = {"per_worker": gpu_w, "refresh": gpu_r}
         refresh = None
@@ -508,7 +509,10 @@ class RayEngine:
         while True:
             info = self._get(self.coordinator.wait_part.remote(step, 2.0))
             if info is not None:
-                self.wait_seconds += time.monotonic() - start
+                waited = time.monotonic() - start
+                self.wait_seconds += waited
+                if waited >= 0.05:
+                    self.waits.append((int(step), round(waited, 3)))
                 return info
             self.check()
             if time.monotonic() - start > timeout_s:
@@ -562,6 +566,7 @@ class RayEngine:
     def report(self) -> dict[str, Any]:
         rep = self._get(self.coordinator.report.remote())
         rep["trainer_wait_seconds"] = self.wait_seconds
+        rep["trainer_waits"] = [{"step": t, "seconds": w} for t, w in self.waits]
         rep["gpus"] = self.gpus
         rep["workers"] = self.worker_results
         return rep
