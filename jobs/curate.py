@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                               argv=argv)
     try:
         s = curate(cfg)
-    except (EngineError, ValueError, ShardSchemaError) as e:
+    except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")

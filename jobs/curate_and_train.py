@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                               default=CurateAndTrainConfig.demo_default, argv=argv)
     try:
         out = curate_and_train(cfg)
-    except (EngineError, ValueError, ShardSchemaError) as e:
+    except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     with open(out["summary"], encoding="utf-8") as f:

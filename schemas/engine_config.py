@@ -146,8 +146,8 @@ class CurateAndTrainConfig(StrictModel):
 class CurateConfig(StrictModel):
     """Config of ``jobs/curate.py``: score and select a corpus with given checkpoints (no training).
 
-    Each block of ``batch_size`` consecutive sequences (in file order, or shuffled by ``seed``) is one
-    candidate batch: its top-γ tokens by ``Δ = ℓ(u) − ℓ(w̃)`` are kept. ``u`` is the proxy checkpoint; without
+    Each block of ``batch_size`` sequences (of a permutation of the corpus drawn from ``seed``, or in file
+    order) is one candidate batch: its top-γ tokens by ``Δ = ℓ(u) − ℓ(w̃)`` are kept. ``u`` is the proxy checkpoint; without
     one (``proxy_weights: null``) it is the base model of ``model`` (a static, RHO-1-style pass: the excess
     loss of the reference over the model it was trained from).
     """
@@ -159,7 +159,10 @@ class CurateConfig(StrictModel):
     proxy_weights: str | None = Field(None, description="safetensors of the proxy u; None = the base model")
     gamma: float = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
     batch_size: int = Field(16, ge=1, description="sequences per candidate batch (selection block)")
-    shuffle: bool = Field(False, description="form batches from a seeded permutation instead of file order")
+    shuffle: bool = Field(
+        True, description="form batches from a seeded permutation of the corpus (like the training stream); "
+        "false = file order, where prepare.py's per-source parts make every batch single-source"
+    )
     seed: int = Field(0, ge=0)
     output_dir: str = Field(description="selected/ (shards + manifest) and summary.json")
     workers: WorkersConfig = Field(default_factory=lambda: WorkersConfig(range_steps=10))

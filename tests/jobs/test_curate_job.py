@@ -17,6 +17,7 @@ import yaml
 from curation.engine import PROXY, REFERENCE, Weights, WorkUnit
 from curation.models import build_causal_lm
 from curation.shards import ShardReader, merge_part_indexes, open_shards, write_part
+from curation.stream import CandidateStream
 from curation.workers import BatchOrder, ScoringWorker, WorkerSpec
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, validate_shard_dir
@@ -40,7 +41,7 @@ def setup(engine_demo, tmp_path_factory):
         paths[name] = Weights.from_state_dict(build_causal_lm(MODEL.model_copy(update={"init_seed": seed}))).save(
             str(d / f"{name}.safetensors"))
     n = len(open_shards(cand))
-    order = BatchOrder("blocks", n, B)
+    order = BatchOrder("blocks", n, B, seed=0, shuffle=True)  # the job's default order
     spec = WorkerSpec(candidates=cand, out_dir="/nonexistent", model=MODEL.model_dump(mode="json"),
                       order=order.to_dict(), vocab_size=512, gamma=0.5)
     worker = ScoringWorker(spec, 0)
@@ -95,22 +96,24 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     is killed mid-way. Run 3 resumes and ends with exactly the shards of one uninterrupted pass."""
     cand = setup["cand"]
     parts = [s.name for s in Manifest.load(cand).shards]
-    part = parts[len(parts) // 2]  # a record in the middle of the pass: parts before it get finished
-    first = sum(s.samples for s in Manifest.load(cand).shards[: len(parts) // 2])
+    n = setup["n"]
+    pos = n // 2  # a record in the middle of the pass: the units before it get finished
+    sample = int(CandidateStream(n, B, 0).positions(0, n)[pos])
+    shard, record = ShardReader(cand).locate(sample)
+    part = os.path.dirname(shard)
     backup = str(setup["dir"] / "backup")
     shutil.copytree(os.path.join(cand, part), backup)
     reader = ShardReader(os.path.join(cand, part))
     rows = [reader[i] for i in range(len(reader))]
-    rows[5]["tokens"] = rows[5]["tokens"].copy()
-    rows[5]["tokens"][7] = 600  # outside the model's 512 ids
+    rows[record]["tokens"] = rows[record]["tokens"].copy()
+    rows[record]["tokens"][7] = 600  # outside the model's 512 ids
     write_part(os.path.join(cand, part), CANDIDATE, rows, vocab_size=512)
     merge_part_indexes(cand, parts)
-    sample = first + 5
     out = str(setup["dir"] / "run")
     try:
         proc = _run(_config(setup, out))
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        want = (f"{cand}: shard {part}/shard.00000.mds.zstd, record 5 (sample {sample}, step {sample // B}): "
+        want = (f"{cand}: shard {shard}, record {record} (sample {sample}, step {pos // B}): "
                 f"token id 600 at position 7 is outside the model's vocabulary")
         assert want in proc.stderr, proc.stderr[-3000:]
         failed = Manifest.load(os.path.join(out, "selected"))
