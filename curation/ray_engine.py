@@ -462,10 +462,7 @@ class RayEngine:
             units=[u.to_dict() for u in units], lookahead=lookahead, ledger=ledger, engine_dir=engine_dir,
             plan=plan.to_dict() if plan is not None else None, policy_mode=policy_mode, refresh=refresh,
         )
-        self._get(self.coordinator.start.remote())
-        self._fixed: list[Any] = []
-        for (kind, version), w in (fixed_weights or {}).items():
-            self.publish_weights(kind, version, w)
+        # Every actor is created before waiting on any: they start (import torch, load models) in parallel.
         self.workers = [
             ray.remote(_WorkerActor).options(
                 num_cpus=threads, num_gpus=gpu_w, max_restarts=max_restarts, max_task_retries=max_restarts,
@@ -475,6 +472,10 @@ class RayEngine:
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
         self.serving = {w.serve.remote(self.coordinator): i for i, w in enumerate(self.workers)}
         self.worker_results: dict[int, dict[str, Any]] = {}
+        self._get(self.coordinator.start.remote())
+        self._fixed: list[Any] = []
+        for (kind, version), w in (fixed_weights or {}).items():
+            self.publish_weights(kind, version, w)
 
     @property
     def pids(self) -> list[int]:
