@@ -56,9 +56,13 @@ def _unit_rows(worker, step, fixed):
 
 def _engine(setup, out, workers=2, **kw):
     ledger = dict(out_dir=out, kind="selected", job="test", run_key={"t": 1}, vocab_size=512, seq_len=128)
-    return RayEngine(units=plan_batch_units(setup["order"].num_steps, kw.pop("range_steps", 10)),
-                     worker_spec=setup["spec"](out), workers=workers, threads=1, ledger=ledger,
-                     engine_dir=os.path.join(out, "engine"), fixed_weights=setup["fixed"], device="cpu", **kw)
+    engine = RayEngine(units=plan_batch_units(setup["order"].num_steps, kw.pop("range_steps", 10)),
+                       worker_spec=setup["spec"](out), workers=workers, threads=1, ledger=ledger,
+                       engine_dir=os.path.join(out, "engine"), device="cpu", **kw)
+    engine.pids  # noqa: B018 - every worker is up: then the weights make the units ready for all at once
+    for (kind, version), w in setup["fixed"].items():
+        engine.publish_weights(kind, version, w)
+    return engine
 
 
 def _same_rows(out, expected):
