@@ -143,10 +143,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train):
+def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_killer):
     out = str(tmp_path / "submitted")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out, max_steps=6), workers={"count": 1})
     port, dash = _free_port(), _free_port()
+    address = f"http://127.0.0.1:{dash}"
     # Ray 2.60 turns token authentication on for local clusters, but its job CLI only sends the token
     # (~/.ray/auth_token) with RAY_AUTH_MODE=token (ray-project/ray#64755).
     env = {**_env(), "RAY_AUTH_MODE": "token"}
@@ -154,12 +155,18 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train):
     def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
         return subprocess.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
-    started = ray_cli("start", "--head", "--num-cpus", "2", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
-                      "--disable-usage-stats")
-    assert started.returncode == 0, started.stdout + started.stderr
+    # The head node runs in the foreground (--block) in its own session, so that stopping it ends exactly the
+    # processes it started (`ray stop` would end every Ray instance on the machine, other users' included).
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address",
+                             "127.0.0.1", "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                             str(dash), "--include-dashboard", "true", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        address = f"http://127.0.0.1:{dash}"
+        deadline = time.monotonic() + 120
+        while ray_cli("job", "list", "--address", address).returncode != 0:
+            assert head.poll() is None, "ray start --head exited"
+            assert time.monotonic() < deadline, "the head node's job server did not come up"
+            time.sleep(1)
         # Without --no-wait the CLI streams the job's logs until it ends.
         sub = ray_cli("job", "submit", "--address", address, "--working-dir", REPO,
                       "--", "python", "jobs/curate_and_train.py", "--config", cfg, timeout=300)
@@ -173,4 +180,9 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train):
             assert json.load(f)["steps"] == 6
         validate_shard_dir(os.path.join(out, "selected"), "selected")
     finally:
-        ray_cli("stop", "--force")
+        head.terminate()  # `ray start --block` stops the node's processes when it is terminated
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        session_killer(head.pid)  # whatever of that session is left
