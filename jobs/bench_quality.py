@@ -379,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
 
     base_eval = evaluate("base", small, base_w)
     evals = {p: [evaluate(r["name"], small, r["final_weights"]) for r in rs] for p, rs in main_runs.items()}
-    for rs in main_runs.values():
-        for r in rs:
-            save_hf(small, r["final_weights"], tok, os.path.join(out, "models", r["name"]))
+    for p, rs in main_runs.items():
+        for k, r in enumerate(rs):  # models/<policy>-seed<k>/ (blade seed 0 is the chosen sweep run)
+            save_hf(small, r["final_weights"], tok, os.path.join(out, "models", f"{p}-seed{k}"))
     gamma_eval = {g: evaluate(r["name"], small, r["final_weights"]) for g, r in gamma_runs.items()}
     tau_eval = {t: evaluate(r["name"], small, r["final_weights"]) for t, r in tau_runs.items()}
     big_base_eval = evaluate("base-big", big, big_base["final_weights"])
