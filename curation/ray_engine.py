@@ -74,17 +74,22 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, include
              need_cpus: int = 1) -> bool:
     """Connect to (or start) Ray; returns whether a new local instance was started.
 
-    ``address=None`` joins the cluster a ``ray job submit`` runs in (``RAY_ADDRESS``) and otherwise starts
-    a local instance with ``max(os.cpu_count(), need_cpus)`` CPUs (or ``num_cpus``); ``"local"`` always
-    starts one; anything else is a cluster address.
+    ``address=None`` joins the cluster a ``ray job submit`` runs in (``RAY_ADDRESS``; the job's
+    ``--working-dir`` carries the code) and otherwise starts a local instance with
+    ``max(os.cpu_count(), need_cpus)`` CPUs (or ``num_cpus``) whose workers import this checkout;
+    ``"local"`` always starts one; anything else is a cluster address (its nodes need the packages).
     """
     if ray.is_initialized():
         return False
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"
     if address in (None, "local"):
+        # The actors import this checkout's packages, whatever else is installed (like the jobs do).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
-                 include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False)
+                 include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
         return True
     ray.init(address=address, log_to_driver=True, configure_logging=False)
     return False
@@ -151,25 +156,26 @@ class _CoordinatorActor:
         self.started = time.time()
         self._event: asyncio.Event | None = None
         self._tasks: set[Any] = set()
+        self._interrupted: list[int] = []
         self._resume_from_disk()
 
     # --- registry ------------------------------------------------------------------------------
     def _resume_from_disk(self) -> None:
         for path in sorted(glob.glob(os.path.join(self.engine_dir, "reference-*.safetensors"))):
-            version = int(re.search(r"reference-(\d+)\.safetensors$", path).group(1))
-            self.core.publish(REFERENCE, version)
+            if m := re.search(r"reference-(\d+)\.safetensors$", path):
+                self.core.publish(REFERENCE, int(m.group(1)))
         if self.plan is None:
             return
         sources = self.plan.refresh_sources()
         for path in sorted(glob.glob(os.path.join(self.engine_dir, "proxy-*.safetensors"))):
-            step = int(re.search(r"proxy-(\d+)\.safetensors$", path).group(1))
-            self.core.publish(PROXY, step)
-            self.refs[(PROXY, step)] = _load_weights.remote(path)
-        for step, version in sorted(sources.items()):
-            if (REFERENCE, version) not in self.core.published and (PROXY, step) in self.core.published:
-                self._start_refresh(version, RecentMasks.load(self._recent_path(step))
-                                    if os.path.exists(self._recent_path(step)) else RecentMasks())
-        self._gc()
+            if m := re.search(r"proxy-(\d+)\.safetensors$", path):  # not the .recent.safetensors files
+                step = int(m.group(1))
+                self.core.publish(PROXY, step)
+                self.refs[(PROXY, step)] = _load_weights.remote(path)
+        # A refresh whose source snapshot is on disk but whose reference is not was interrupted: `start`
+        # runs it again.
+        self._interrupted = [v for s, v in sorted(sources.items())
+                             if (REFERENCE, v) not in self.core.published and (PROXY, s) in self.core.published]
 
     def _recent_path(self, step: int) -> str:
         return proxy_path(self.engine_dir, step).replace(".safetensors", ".recent.safetensors")
@@ -256,9 +262,16 @@ class _CoordinatorActor:
 
     # --- workers ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start what needs no trainer (RHO-1's static reference)."""
+        """Start what needs no trainer: RHO-1's static reference, refreshes interrupted by a kill."""
         if self.policy_mode == "static" and (REFERENCE, 0) not in self.core.published:
             self._start_static()
+        assert self.plan is not None or not self._interrupted
+        for version in self._interrupted:
+            path = self._recent_path(self.plan.refresh_source(version))
+            self._start_refresh(version, RecentMasks.load(path) if os.path.exists(path) else RecentMasks())
+        self._interrupted = []
+        self._gc()
+        self._notify()
 
     async def next_unit(self, worker: int) -> dict[str, Any] | None:
         while True:
@@ -488,6 +501,8 @@ class RayEngine:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
             raise EngineError(_message(e)) from None
+        except RayActorError as e:  # e.g. the coordinator failed to start: its error is in the message
+            raise EngineError(str(e)) from None
 
     def check(self) -> None:
         """Raise :class:`EngineError` when a worker failed or died for good."""

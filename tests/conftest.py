@@ -112,7 +112,8 @@ def ray_local():
     """A local Ray instance for one test module (tests using it carry the ``ray`` marker)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the actors import this checkout
     try:
         yield ray
     finally:

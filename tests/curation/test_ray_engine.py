@@ -15,7 +15,15 @@ from curation.ray_engine import RayEngine
 from curation.schedule import Schedule
 from curation.shards import ShardReader, open_shards
 from curation.stream import CandidateStream
-from curation.workers import BatchOrder, RecentMasks, RefreshRunner, RefreshSpec, ScoringWorker, WorkerSpec
+from curation.workers import (
+    BatchOrder,
+    RecentMasks,
+    RefreshRunner,
+    RefreshSpec,
+    ScoringWorker,
+    WorkerSpec,
+    proxy_path,
+)
 from schemas.manifest import Manifest
 from schemas.train_config import SelectionConfig, demo_model_config
 
@@ -118,7 +126,8 @@ def test_a_worker_killed_mid_unit_is_restarted_and_redoes_it_once(ray_local, bat
 
 
 def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, tmp_path):
-    """A scripted trainer: publish u^(W), then advance; workers stay within the look-ahead."""
+    """A scripted trainer on a resumed engine directory: the interrupted refresh 0 is redone from disk, the
+    workers stay within the look-ahead, later refreshes start when their snapshots are published."""
     cand = os.path.join(engine_demo, "data", "candidates")
     val = os.path.join(engine_demo, "data", "validation")
     n = len(open_shards(cand))
@@ -135,15 +144,18 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
                        needs_proxy=False, device="cpu")
     ledger = dict(out_dir=out, kind="scored", job="test", run_key={"t": 2}, vocab_size=512,
                   extra={"stream": stream.to_dict()})
+    model = build_causal_lm(MODEL)
+    recent = RecentMasks.from_pairs([(0, np.ones((B, 128), np.uint8)), (1, np.ones((B, 128), np.uint8))])
+    # As left by a job killed during refresh 0: its source snapshot and recent masks on disk, no reference.
+    os.makedirs(engine_dir)
+    Weights.from_state_dict(model).save(proxy_path(engine_dir, 2))
+    recent.save(proxy_path(engine_dir, 2).replace(".safetensors", ".recent.safetensors"))
     engine = RayEngine(units=plan.units(2), worker_spec=wspec, workers=2, threads=1, ledger=ledger,
                        engine_dir=engine_dir, lookahead=4, plan=plan, policy_mode="sync", refresh_spec=rspec,
                        device="cpu")
-    model = build_causal_lm(MODEL)
-    recent = RecentMasks.from_pairs([(0, np.ones((B, 128), np.uint8)), (1, np.ones((B, 128), np.uint8))])
     try:
         engine.trainer_at(2)
-        engine.publish_proxy(2, model, recent)
-        info = engine.wait_part(2, timeout_s=120)
+        info = engine.wait_part(2, timeout_s=120)  # the interrupted refresh ran again from the files
         assert (info["first"], info["stop"], info["ref_version"]) == (2, 4, 0)
         time.sleep(1.0)  # workers would run ahead here without back-pressure
         stops = [r.state["stop_step"] for r in Manifest.load(out).shards]
