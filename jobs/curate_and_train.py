@@ -130,7 +130,8 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
         print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
               f"{eng.mode} mode, {eng.refresh} refresh, resuming from {run.resumed_from or 'scratch'}", flush=True)
         try:
-            run.trainer.fit()
+            if int(run.trainer.state.timestamp.batch) < t.max_steps:  # a rerun of a finished run only reports
+                run.trainer.fit()
         finally:
             run.trainer.close()
         engine.finish({"finished_at_step": t.max_steps})
