@@ -270,24 +270,14 @@ def build_pipelined_training(
     import os
 
     import yaml
-    from composer import Trainer
 
     from curation.models import model_vocab_size
     from curation.scorer import resolve_device
     from schemas.manifest import Manifest, atomic_write_text
-    from training.callbacks import JSONLinesLogger, SelectionStats
-    from training.checkpoint import weights_only_loading
-    from training.data import check_tokenizer, make_data_spec, shard_dir_info, stream_loader
+    from training.callbacks import SelectionStats
+    from training.data import check_tokenizer, shard_dir_info, stream_loader
     from training.model import MaskedCausalLM
-    from training.run import (
-        TrainRun,
-        _build_model,
-        _common_algorithms,
-        _evaluator,
-        _every,
-        _optimizer,
-        _resume_path,
-    )
+    from training.run import TrainRun, _build_model, _resume_path, make_trainer
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -307,30 +297,12 @@ def build_pipelined_training(
     os.makedirs(cfg.output_dir, exist_ok=True)
     atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"),
                       yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    with weights_only_loading():
-        trainer = Trainer(
-            model=model,
-            train_dataloader=make_data_spec(stream_loader(data)),
-            max_duration=f"{cfg.max_steps}ba",
-            optimizers=_optimizer(model, cfg.optim),
-            algorithms=[selection, *_common_algorithms(cfg.optim)],
-            callbacks=[stats, *callbacks],
-            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"))],
-            eval_dataloader=_evaluator(cfg.data.validation, cfg.eval, vocab),
-            eval_interval=_every(cfg.eval.interval, cfg.max_steps, "batch_end"),
-            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
-            save_interval=_every(cfg.checkpoint.interval, cfg.max_steps, "batch_checkpoint"),
-            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
-            save_overwrite=True,
-            load_path=resume,
-            run_name="train",
-            device=device.type if device.type != "cuda" else "gpu",
-            precision=cfg.precision,
-            device_train_microbatch_size=cfg.batch_size,
-            accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
-            log_to_console=False,
-            seed=cfg.seed,
-        )
+    trainer = make_trainer(
+        model=model, train_loader=stream_loader(data), total_steps=cfg.max_steps, optim=cfg.optim,
+        algorithms=[selection], callbacks=[stats, *callbacks], loggers=[], eval_path=cfg.data.validation,
+        eval_cfg=cfg.eval, vocab=vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume,
+        run_name="train", device=device, precision=cfg.precision, microbatch_size=cfg.batch_size,
+        progress_bar=cfg.progress_bar, seed=cfg.seed,
+    )
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=selection, stats=stats,
                     resumed_from=resume)

@@ -117,6 +117,43 @@ def _resume_path(output_dir: str, resume: bool) -> str | None:
     return latest
 
 
+
+def make_trainer(
+    *, model: MaskedCausalLM, train_loader: Any, total_steps: int, optim: OptimConfig, algorithms: Sequence[Any],
+    callbacks: Sequence[Any], loggers: Sequence[Any], eval_path: str | None, eval_cfg: Any, vocab: int,
+    output_dir: str, checkpoint: Any, resume: str | None, run_name: str, device: torch.device, precision: str,
+    microbatch_size: int, progress_bar: bool, seed: int,
+) -> Any:
+    """The Composer trainer every run uses (train, replay, pipelined engine): AdamW + clipping, the JSON
+    metrics logger, validation every ``eval_cfg.interval`` steps, checkpoints loaded weights-only."""
+    from composer import Trainer
+
+    with weights_only_loading():
+        return Trainer(
+            model=model,
+            train_dataloader=make_data_spec(train_loader),
+            max_duration=f"{total_steps}ba",
+            optimizers=_optimizer(model, optim),
+            algorithms=[*algorithms, *_common_algorithms(optim)],
+            callbacks=list(callbacks),
+            loggers=[JSONLinesLogger(os.path.join(output_dir, "logs", "metrics.jsonl")), *loggers],
+            eval_dataloader=_evaluator(eval_path, eval_cfg, vocab),
+            eval_interval=_every(eval_cfg.interval, total_steps, "batch_end"),
+            save_folder=os.path.join(output_dir, "checkpoints"),
+            save_interval=_every(checkpoint.interval, total_steps, "batch_checkpoint"),
+            save_num_checkpoints_to_keep=checkpoint.keep,
+            save_overwrite=True,
+            load_path=resume,
+            run_name=run_name,
+            device=device.type if device.type != "cuda" else "gpu",
+            precision=precision,
+            device_train_microbatch_size=microbatch_size,
+            accumulate_train_batch_on_tokens=False,
+            progress_bar=progress_bar,
+            log_to_console=False,
+            seed=seed,
+        )
+
 def build_training(
     cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
     scored: Any | None = None, clock: Callable[[], float] = time.perf_counter,
@@ -130,7 +167,6 @@ def build_training(
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
         ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
     """
-    from composer import Trainer
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -188,31 +224,13 @@ def build_training(
     os.makedirs(cfg.output_dir, exist_ok=True)
     atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
                                                                                   sort_keys=False))
-    with weights_only_loading():
-        trainer = Trainer(
-            model=model,
-            train_dataloader=make_data_spec(stream_loader(stream_data)),
-            max_duration=f"{cfg.max_steps}ba",
-            optimizers=_optimizer(model, cfg.optim),
-            algorithms=[algorithm, *_common_algorithms(cfg.optim)],
-            callbacks=cbs,
-            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl")), *loggers],
-            eval_dataloader=_evaluator(cfg.data.validation, cfg.eval, vocab),
-            eval_interval=_every(cfg.eval.interval, cfg.max_steps, "batch_end"),
-            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
-            save_interval=_every(cfg.checkpoint.interval, cfg.max_steps, "batch_checkpoint"),
-            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
-            save_overwrite=True,
-            load_path=resume,
-            run_name="train",
-            device=device.type if device.type != "cuda" else "gpu",
-            precision=cfg.precision,
-            device_train_microbatch_size=cfg.microbatch_size or cfg.batch_size,
-            accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
-            log_to_console=False,
-            seed=cfg.seed,
-        )
+    trainer = make_trainer(
+        model=model, train_loader=stream_loader(stream_data), total_steps=cfg.max_steps, optim=cfg.optim,
+        algorithms=[algorithm], callbacks=cbs, loggers=loggers, eval_path=cfg.data.validation, eval_cfg=cfg.eval,
+        vocab=vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume, run_name="train",
+        device=device, precision=cfg.precision, microbatch_size=cfg.microbatch_size or cfg.batch_size,
+        progress_bar=cfg.progress_bar, seed=cfg.seed,
+    )
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
                     writer=writer, resumed_from=resume, manifest_extra=extra)
 
@@ -250,7 +268,6 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
 # ------------------------------------------------------------------------------------------------
 def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRun:
     """Wire a plain masked-loss Composer trainer on selected-token shards (the mask is honoured)."""
-    from composer import Trainer
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -266,31 +283,13 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     steps_per_epoch = len(loader)
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
-    with weights_only_loading():
-        trainer = Trainer(
-            model=model,
-            train_dataloader=make_data_spec(loader),
-            max_duration=f"{total}ba",
-            optimizers=_optimizer(model, cfg.optim),
-            algorithms=_common_algorithms(cfg.optim),
-            callbacks=list(callbacks),
-            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"))],
-            eval_dataloader=_evaluator(cfg.validation, cfg.eval, vocab),
-            eval_interval=_every(cfg.eval.interval, total, "batch_end"),
-            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
-            save_interval=_every(cfg.checkpoint.interval, total, "batch_checkpoint"),
-            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
-            save_overwrite=True,
-            load_path=resume,
-            run_name="replay",
-            device=device.type if device.type != "cuda" else "gpu",
-            precision=cfg.precision,
-            device_train_microbatch_size=cfg.microbatch_size or cfg.batch_size,
-            accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
-            log_to_console=False,
-            seed=cfg.seed,
-        )
+    trainer = make_trainer(
+        model=model, train_loader=loader, total_steps=total, optim=cfg.optim, algorithms=[],
+        callbacks=callbacks, loggers=[], eval_path=cfg.validation, eval_cfg=cfg.eval, vocab=vocab,
+        output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume, run_name="replay", device=device,
+        precision=cfg.precision, microbatch_size=cfg.microbatch_size or cfg.batch_size,
+        progress_bar=cfg.progress_bar, seed=cfg.seed,
+    )
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
 
 
