@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from curation.schedule import WARMUP_EPISODE, Schedule
-from curation.shards import ShardReader, merge_part_indexes
+from curation.shards import ShardReader, publish_parts
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SPECS
 
@@ -456,10 +456,7 @@ class PartLedger:
         self._publish()
 
     def _publish(self) -> None:
-        parts = [r.name for r in self.manifest.shards if r.complete]
-        if parts:
-            merge_part_indexes(self.out_dir, parts)
-        self.manifest.save(self.out_dir)  # after the index: the manifest never lists a part the index lacks
+        publish_parts(self.out_dir, self.manifest)
 
 
 # ------------------------------------------------------------------------------------------------

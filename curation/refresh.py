@@ -60,6 +60,16 @@ class RefreshResult:
         """Number of optimizer steps taken (``K``)."""
         return len(self.objectives)
 
+    def log_entry(self, *, step: int, version: int) -> dict[str, Any]:
+        """The run log's record of this refresh (first/last validation loss and objective)."""
+        return {
+            "step": step, "version": version, "steps": self.steps,
+            "val_loss_first": self.val_losses[0] if self.val_losses else None,
+            "val_loss_last": self.val_losses[-1] if self.val_losses else None,
+            "objective_first": self.objectives[0] if self.objectives else None,
+            "objective_last": self.objectives[-1] if self.objectives else None,
+        }
+
     def state_dict(self) -> dict[str, Tensor]:
         """The reference weights (``model.state_dict()``)."""
         return self.model.state_dict()

@@ -23,7 +23,7 @@ from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSpec, validate_shard_dir
 
 __all__ = [
-    "write_part", "merge_part_indexes", "remove_incomplete_parts", "ShardReader", "open_shards", "read_column",
+    "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards", "read_column",
 ]
 
 
@@ -75,6 +75,15 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
             total += shard["samples"]
     atomic_write_text(os.path.join(root, "index.json"), json.dumps({"version": 2, "shards": shards}, indent=1))
     return total
+
+
+def publish_parts(out_dir: str, manifest: Any) -> None:
+    """Index the manifest's complete parts, then save the manifest (after the index: the manifest never
+    lists a part the index lacks)."""
+    parts = [r.name for r in manifest.shards if r.complete]
+    if parts:
+        merge_part_indexes(out_dir, parts)
+    manifest.save(out_dir)
 
 
 def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[str]:

@@ -407,14 +407,7 @@ class RefreshRunner:
         return gen()
 
     def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
-        return {
-            "step": step, "version": version, "steps": result.steps,
-            "val_loss_first": result.val_losses[0] if result.val_losses else None,
-            "val_loss_last": result.val_losses[-1] if result.val_losses else None,
-            "objective_first": result.objectives[0] if result.objectives else None,
-            "objective_last": result.objectives[-1] if result.objectives else None,
-            "seconds": seconds, **more,
-        }
+        return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}
 
     def static(self) -> tuple[Weights, dict[str, Any]]:
         """RHO-1's reference (version 0): given weights, or trained on validation data from the base model."""

@@ -390,13 +390,7 @@ class BladeAlgorithm(Algorithm):
         self._set_reference(result.model, episode)
 
     def _refresh_entry(self, step: int, version: int, result: Any) -> dict[str, Any]:
-        return {
-            "step": step, "version": version, "steps": result.steps,
-            "val_loss_first": result.val_losses[0] if result.val_losses else None,
-            "val_loss_last": result.val_losses[-1] if result.val_losses else None,
-            "objective_first": result.objectives[0] if result.objectives else None,
-            "objective_last": result.objectives[-1] if result.objectives else None,
-        }
+        return result.log_entry(step=step, version=version)
 
     def _val_batches(self, stream: CandidateStream, *, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
         for k in range(steps):

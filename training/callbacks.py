@@ -24,7 +24,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
 from curation.policies import ScoreKind
-from curation.shards import merge_part_indexes, write_part
+from curation.shards import publish_parts, write_part
 from curation.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
@@ -148,10 +148,7 @@ class SelectedShardWriter(Callback):
         self._publish()
 
     def _publish(self) -> None:
-        parts = [r.name for r in self.manifest.shards if r.complete]
-        if parts:
-            merge_part_indexes(self.out_dir, parts)
-        self.manifest.save(self.out_dir)  # after the index: the manifest never lists a part the index lacks
+        publish_parts(self.out_dir, self.manifest)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
