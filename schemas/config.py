@@ -16,14 +16,23 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "ConfigError",
     "StrictModel",
+    "Gamma",
     "SourceConfig",
     "TokenizerConfig",
     "PrepareConfig",
@@ -47,6 +56,16 @@ class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, defaults are validated too."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _check_gamma(v: float) -> float:
+    if not (0.0 < v <= 1.0):
+        raise ValueError(f"gamma must be in (0, 1], got {v!r}")
+    return v
+
+
+#: γ, the fraction of valid tokens kept per candidate batch, validated to lie in (0, 1].
+Gamma = Annotated[float, AfterValidator(_check_gamma)]
 
 
 # ------------------------------------------------------------------------------------------------

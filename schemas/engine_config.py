@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from schemas.config import DEMO_ROOT, PrepareConfig, StrictModel
+from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, StrictModel
 from schemas.train_config import ModelConfig, TrainConfig, demo_model_config
 
 __all__ = [
@@ -157,7 +157,7 @@ class CurateConfig(StrictModel):
     model: ModelConfig = Field(description="architecture (and base weights) of the proxy and the reference")
     reference_weights: str = Field(description="safetensors of the reference w̃")
     proxy_weights: str | None = Field(None, description="safetensors of the proxy u; None = the base model")
-    gamma: float = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
+    gamma: Gamma = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
     batch_size: int = Field(16, ge=1, description="sequences per candidate batch (selection block)")
     shuffle: bool = Field(
         True, description="form batches from a seeded permutation of the corpus (like the training stream); "
@@ -168,13 +168,6 @@ class CurateConfig(StrictModel):
     workers: WorkersConfig = Field(default_factory=lambda: WorkersConfig(range_steps=10))
     ray: RayConfig = Field(default_factory=RayConfig)
     progress: bool = True
-
-    @field_validator("gamma")
-    @classmethod
-    def _gamma(cls, v: float) -> float:
-        if not (0.0 < v <= 1.0):
-            raise ValueError(f"gamma must be in (0, 1], got {v!r}")
-        return v
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> CurateConfig:

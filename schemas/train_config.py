@@ -36,9 +36,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from schemas.config import DEMO_ROOT, StrictModel
+from schemas.config import DEMO_ROOT, Gamma, StrictModel
 
 __all__ = [
     "POLICY_CHOICES",
@@ -115,7 +115,7 @@ class SelectionConfig(StrictModel):
     """Token selection (DESIGN.md §2). See the module docstring for paper vs demo defaults."""
 
     policy: Literal["full", "random", "rho1", "blade", "blade-nosync"] = Field("blade", description="selection policy")
-    gamma: float = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
+    gamma: Gamma = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
     warmup_steps: int = Field(30, ge=0, description="W: proxy steps on all tokens before the first refresh")
     tau: int = Field(30, ge=1, description="τ: proxy steps per episode (between refreshes)")
     refresh_steps: int = Field(30, ge=0, description="K: reference steps per refresh (paper 300 for τ = 1000)")
@@ -141,13 +141,6 @@ class SelectionConfig(StrictModel):
     offload_reference: bool = Field(
         True, description="keep the reference on CPU between refreshes (it only scores right after a refresh)"
     )
-
-    @field_validator("gamma")
-    @classmethod
-    def _gamma(cls, v: float) -> float:
-        if not (0.0 < v <= 1.0):
-            raise ValueError(f"gamma must be in (0, 1], got {v!r}")
-        return v
 
 
 class OptimConfig(StrictModel):

@@ -272,18 +272,13 @@ def build_pipelined_training(
     import yaml
 
     from curation.models import model_vocab_size
-    from curation.scorer import resolve_device
     from schemas.manifest import Manifest, atomic_write_text
     from training.callbacks import SelectionStats
     from training.data import check_tokenizer, shard_dir_info, stream_loader
     from training.model import MaskedCausalLM
-    from training.run import TrainRun, _build_model, _resume_path, make_trainer
+    from training.run import TrainRun, _build_model, _resume_path, make_trainer, setup_device
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    if cfg.precision != "fp32" and device.type != "cuda":
-        raise ValueError(f"precision {cfg.precision!r} needs a CUDA device (device resolves to {device.type})")
+    device = setup_device(cfg.threads, cfg.device, cfg.precision)
     cand = shard_dir_info(cfg.data.candidates, "candidate")
     val = shard_dir_info(cfg.data.validation, "candidate")
     check_tokenizer([cand, val], cfg.data.tokenizer)

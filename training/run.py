@@ -118,6 +118,16 @@ def _resume_path(output_dir: str, resume: bool) -> str | None:
 
 
 
+
+def setup_device(threads: int | None, device: str, precision: str) -> torch.device:
+    """Apply the CPU thread count and resolve the device; a non-fp32 precision needs CUDA."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    resolved = resolve_device(device)
+    if precision != "fp32" and resolved.type != "cuda":
+        raise ValueError(f"precision {precision!r} needs a CUDA device (device resolves to {resolved.type})")
+    return resolved
+
 def make_trainer(
     *, model: MaskedCausalLM, train_loader: Any, total_steps: int, optim: OptimConfig, algorithms: Sequence[Any],
     callbacks: Sequence[Any], loggers: Sequence[Any], eval_path: str | None, eval_cfg: Any, vocab: int,
@@ -168,11 +178,7 @@ def build_training(
         ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
     """
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    if cfg.precision != "fp32" and device.type != "cuda":
-        raise ValueError(f"precision {cfg.precision!r} needs a CUDA device (device resolves to {device.type})")
+    device = setup_device(cfg.threads, cfg.device, cfg.precision)
     cand = shard_dir_info(cfg.data.candidates, "candidate")
     val = shard_dir_info(cfg.data.validation, "candidate")
     infos = [cand, val]
@@ -269,9 +275,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
 def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRun:
     """Wire a plain masked-loss Composer trainer on selected-token shards (the mask is honoured)."""
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    device = setup_device(cfg.threads, cfg.device, cfg.precision)
     sel = shard_dir_info(cfg.selected, "selected")
     infos = [sel] + ([shard_dir_info(cfg.validation, "candidate")] if cfg.validation else [])
     check_tokenizer(infos, cfg.tokenizer)
