@@ -27,8 +27,10 @@ A rerun with the same ``--out`` skips finished runs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -110,6 +112,8 @@ class Setting:
         {"refresh_steps": 20, "ref_lr": 1e-3, "lam": 1.0},   # the calibration run's setting
         {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 1.0},   # stronger: more steps, larger lr
         {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 0.25},  # stronger, pulled harder to validation
+        # the same with validation and candidate batches of b sequences instead of the default b/4
+        {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 16},
     ])
     gammas: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     taus: tuple[int, ...] = (25, 50, 100)
@@ -207,7 +211,8 @@ def run_training(cfg: TrainConfig, result_path: str) -> dict[str, Any]:
     """Train (or load the recorded result of a finished run)."""
     from training.run import train
 
-    if os.path.exists(result_path):
+    config = cfg.model_dump(mode="json")
+    if _cached(result_path, config):
         with open(result_path) as f:
             return json.load(f)
     timer = StepTimer()
@@ -216,9 +221,45 @@ def run_training(cfg: TrainConfig, result_path: str) -> dict[str, Any]:
         summary = json.load(f)
     res = {"name": os.path.basename(cfg.output_dir), "final_weights": out["final_weights"],
            "step_seconds": timer.seconds / max(timer.steps, 1), "summary": summary,
-           "config": cfg.model_dump(mode="json")}
+           "config": config}
     atomic_write_text(result_path, json.dumps(res))
     return res
+
+
+# selection keys a policy does not read (a finished full/random run stays valid when the refresh setting changes)
+_UNUSED_BY = {p: ("refresh_steps", "ref_lr", "lam", "ref_weight_decay", "ref_grad_clip", "refresh_batch_size",
+                  "refresh_candidate_batches", "rho1_steps", "reference_weights") for p in ("full", "random")}
+
+
+def _effective(config: dict[str, Any]) -> dict[str, Any]:
+    sel = config.get("selection")
+    if not isinstance(sel, dict):
+        return config
+    unused = _UNUSED_BY.get(sel.get("policy"), ())
+    return {**config, "selection": {k: v for k, v in sel.items() if k not in unused}}
+
+
+def _cached(result_path: str, config: dict[str, Any]) -> bool:
+    """Whether a finished run's result can be reused: it exists and was made with the same settings.
+
+    A run directory left by a different setting (e.g. after the refresh sweep chose differently) is
+    removed so that the run starts afresh instead of resuming someone else's checkpoints."""
+    run_dir = os.path.dirname(result_path)
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            if _effective(json.load(f).get("config", {})) == _effective(config):
+                return True
+        print(f"[run] {os.path.basename(run_dir)}: settings changed since the recorded run; training it again",
+              flush=True)
+    if os.path.isdir(run_dir):
+        saved = os.path.join(run_dir, "config.yaml")
+        stale = os.path.exists(result_path)
+        if not stale and os.path.exists(saved):  # an unfinished run of other settings must not be resumed
+            with open(saved) as f:
+                stale = _effective(yaml.safe_load(f) or {}) != _effective(config)
+        if stale:
+            shutil.rmtree(run_dir)
+    return False
 
 
 @torch.inference_mode()
@@ -239,8 +280,6 @@ def save_hf(mcfg: ModelConfig, weights: str, tokenizer_json: str, directory: str
     """The final model as an HF directory (save_pretrained + tokenizer) any evaluation harness can load."""
     from transformers import PreTrainedTokenizerFast
 
-    if os.path.exists(os.path.join(directory, "config.json")):
-        return
     model = build_causal_lm(mcfg.model_copy(update={"weights": weights}))
     model.save_pretrained(directory, safe_serialization=True)
     PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, eos_token="<|endoftext|>").save_pretrained(directory)
@@ -371,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     cache_path = os.path.join(out, "eval_cache.json")
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
 
-    def evaluate(key: str, mcfg: ModelConfig, weights: str) -> float:
+    def evaluate(name: str, mcfg: ModelConfig, weights: str) -> float:
+        key = f"{name}@{_sha256(weights)[:16]}"  # a retrained run is evaluated again
         if key not in cache:
             cache[key] = eval_loss(mcfg, weights, eval_dir)
             atomic_write_text(cache_path, json.dumps(cache, indent=1))
@@ -417,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _mean_dist(res: dict[str, Any]) -> float | None:
     pts = res["summary"].get("param_distance") or []
     return statistics.fmean(p["value"] for p in pts) if pts else None
@@ -433,9 +481,6 @@ def run_replay(s: Setting, out: str, src: str, res: dict[str, Any], big: ModelCo
     from training.run import replay
 
     path = os.path.join(out, "runs", f"replay-{src}", "result.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
     cfg = ReplayConfig(
         selected=res["summary"]["selected_dir"], validation=dirs["pool"].dirs["validation"], tokenizer=tok,
         model=big.model_copy(update={"weights": big_base_w}), optim=OptimConfig(lr=s.lr),
@@ -443,10 +488,14 @@ def run_replay(s: Setting, out: str, src: str, res: dict[str, Any], big: ModelCo
         checkpoint=CheckpointConfig(interval=s.steps, keep=1), output_dir=os.path.join(out, "runs", f"replay-{src}"),
         batch_size=s.batch, epochs=1, threads=s.threads, progress_bar=False,
     )
+    config = cfg.model_dump(mode="json")
+    if _cached(path, config):
+        with open(path) as f:
+            return json.load(f)
     r = replay(cfg)
     with open(os.path.join(cfg.output_dir, "validation.json")) as f:
         curve = json.load(f)
-    result = {"final_weights": r["final_weights"], "validation": curve}
+    result = {"final_weights": r["final_weights"], "validation": curve, "config": config}
     atomic_write_text(path, json.dumps(result))
     print(f"[run] replay-{src} (big model): val {curve[-1]['loss'] if curve else float('nan'):.3f}", flush=True)
     return result

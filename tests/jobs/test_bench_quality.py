@@ -39,3 +39,53 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert again.returncode == 0 and json.loads((out / "results.json").read_text())["eval_gsm8k_test"] == res["eval_gsm8k_test"]
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_quality", os.path.join(REPO, "jobs", "bench_quality.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_quality"] = mod  # dataclasses look their module up while being defined
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(run_dir, config):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "result.json").write_text(json.dumps({"config": config}))
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+
+
+def test_finished_run_reused_only_with_the_same_settings(tmp_path, capsys):
+    bq = _bench_module()
+    blade = {"max_steps": 300, "selection": {"policy": "blade", "ref_lr": 1e-3, "refresh_batch_size": None}}
+    run_dir = tmp_path / "runs" / "blade-seed1"
+    _write_run(run_dir, blade)
+    assert bq._cached(str(run_dir / "result.json"), blade)
+    assert run_dir.exists()
+    # the sweep chose another refresh setting: the old run is removed and trained again
+    changed = {**blade, "selection": {**blade["selection"], "refresh_batch_size": 16}}
+    assert not bq._cached(str(run_dir / "result.json"), changed)
+    assert not run_dir.exists()
+    assert "blade-seed1: settings changed" in capsys.readouterr().out
+    # full and random do not read the refresh settings: their finished runs stay valid
+    full = {"max_steps": 300, "selection": {"policy": "full", "ref_lr": 1e-3, "refresh_batch_size": None}}
+    full_dir = tmp_path / "runs" / "full-seed1"
+    _write_run(full_dir, full)
+    assert bq._cached(str(full_dir / "result.json"), {**full, "selection": {**full["selection"], "ref_lr": 3e-3}})
+    assert not bq._cached(str(full_dir / "result.json"), {**full, "max_steps": 600})
+
+
+def test_unfinished_run_of_other_settings_is_not_resumed(tmp_path):
+    import yaml
+
+    bq = _bench_module()
+    run_dir = tmp_path / "runs" / "rho1-seed0"
+    run_dir.mkdir(parents=True)
+    old = {"selection": {"policy": "rho1", "refresh_batch_size": None}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
+    assert not bq._cached(str(run_dir / "result.json"), old)
+    assert run_dir.exists()  # same settings: left for train() to resume from its checkpoints
+    assert not bq._cached(str(run_dir / "result.json"), {"selection": {"policy": "rho1", "refresh_batch_size": 16}})
+    assert not run_dir.exists()
