@@ -494,12 +494,15 @@ class BladeAlgorithm(Algorithm):
             self.timers[name] += self.clock() - start
 
     # --- checkpoint state --------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        reference = None
+    def reference_state_dict(self) -> dict[str, Tensor] | None:
+        """The current reference ``w̃``'s weights on the CPU (None before the first refresh, and for
+        full / random, which have no reference)."""
         if self.scorer is not None and self.scorer.model is not None:
-            reference = {k: v.detach().to("cpu").clone() for k, v in self.scorer.model.state_dict().items()}
-        elif self._loaded_reference is not None:
-            reference = self._loaded_reference
+            return {k: v.detach().to("cpu").clone() for k, v in self.scorer.model.state_dict().items()}
+        return self._loaded_reference
+
+    def state_dict(self) -> dict[str, Any]:
+        reference = self.reference_state_dict()
         recent_steps = [s for s, _ in self.recent]
         return {
             "repr": repr(self),

@@ -8,6 +8,7 @@
     logs/metrics.jsonl          every logged metric, one JSON object per line
     summary.json, plots/*.png   run summary
     final/model.safetensors     the trained proxy (+ final/config.json)
+    final/reference.safetensors the last reference w̃ (rho1: its static reference; blade: the last refresh)
 
 A rerun with the same ``output_dir`` resumes from ``checkpoints/latest-rank0.pt`` (loaded with
 ``weights_only=True``) and ends with the same outputs as an uninterrupted run.
@@ -247,6 +248,9 @@ def _finish(run: TrainRun, model_cfg: ModelConfig, plots: bool, extra: dict[str,
     save_weights(hf, os.path.join(final, "model.safetensors"))
     hf.config.to_json_file(os.path.join(final, "config.json"))
     out = {"final_weights": os.path.join(final, "model.safetensors")}
+    reference = run.algorithm.reference_state_dict() if run.algorithm is not None else None
+    if reference is not None:  # the last reference w̃ (rho1: the static one), e.g. for reference_weights
+        out["final_reference"] = save_weights(reference, os.path.join(final, "reference.safetensors"))
     if run.stats is not None:
         summary, pngs = write_summary(run.output_dir, run.stats.summary_data(), extra=extra, plots=plots)
         out.update(summary=summary, plots=pngs)

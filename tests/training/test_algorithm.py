@@ -157,6 +157,11 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     weights = save_weights(ref, str(tmp_path / "ref.safetensors"))
     a = make_config("rho1", "a", max_steps=7, eval={"interval": 100}, selection={"reference_weights": weights})
     out_a = train(a)
+    # the reference is kept with the final weights (rho1: exactly the static reference it was given)
+    from safetensors.torch import load_file
+
+    saved, given = load_file(out_a["final_reference"]), ref.state_dict()
+    assert saved and all(torch.equal(v, given[k]) for k, v in saved.items())
     # the Ray engine's job, done here in-process: score the stream's steps W.. with the same reference
     scored = str(tmp_path / "scored")
     reader = StreamReader.open(a.data.candidates, batch_size=a.batch_size, seed=a.seed)
@@ -165,6 +170,7 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     b = make_config("rho1", "b", max_steps=7, eval={"interval": 100}, data={"scored": scored})
     out_b = train(b)
     assert out_b["run"].algorithm.scorer is None  # no in-process reference at all
+    assert "final_reference" not in out_b
     ma, mb = read_column(out_a["selected"], "loss_mask"), read_column(out_b["selected"], "loss_mask")
     assert len(ma) == len(mb) == 56 and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     sa, sb = read_column(out_a["selected"], "score"), read_column(out_b["selected"], "score")
