@@ -27,7 +27,6 @@ A rerun with the same ``--out`` skips finished runs.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -48,7 +47,7 @@ from curation.models import build_causal_lm  # noqa: E402
 from curation.prepare import prepare  # noqa: E402
 from curation.shards import open_shards  # noqa: E402
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig  # noqa: E402
-from schemas.manifest import atomic_write_text  # noqa: E402
+from schemas.manifest import atomic_write_text, sha256_file  # noqa: E402
 from schemas.train_config import (  # noqa: E402
     CheckpointConfig,
     DataConfig,
@@ -321,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, steps=args.steps)
     out = args.out
     t_start = time.perf_counter()
+    REUSED.clear()  # counted per invocation
     torch.set_num_threads(s.threads)
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
 
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
 
     def evaluate(name: str, mcfg: ModelConfig, weights: str, shards: str = eval_dir) -> float:
-        key = f"{name}@{_sha256(weights)[:16]}"  # a retrained run is evaluated again
+        key = f"{name}@{sha256_file(weights)[:16]}"  # a retrained run is evaluated again
         if shards != eval_dir:
             key += f"@{os.path.basename(shards)}"
         if key not in cache:
@@ -470,14 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(os.path.join(out, "RESULTS.md"), results_md(results, figs, s, args))
     print(f"[done] {os.path.join(out, 'RESULTS.md')} in {results['wall_seconds'] / 60:.1f} min")
     return 0
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _mean_dist(res: dict[str, Any]) -> float | None:
