@@ -8,9 +8,11 @@ Layout of ``output_dir``::
     candidates/<source>/part-00000/   (one resumable part: ``sequences_per_part`` sequences, shuffled within)
     validation/...                    (same, for the target/validation sources)
 
-Resume: the manifest is saved after each finished part together with the reader position and the packer's
-carry, so a rerun after a kill removes the unfinished part, restarts reading exactly where the last finished
-part stopped, and produces the same sequences as an uninterrupted run (no duplicates, none lost).
+Resume: the manifest is saved after each finished part together with the reader position of the first
+document not wholly in finished parts and how many of its tokens are, so a rerun after a kill removes the
+unfinished part, re-reads that document, drops its tokens already written, and produces the same sequences
+as an uninterrupted run (no duplicates, none lost). The state holds no tokens: the manifest stays small and
+memory stays bounded whatever the document sizes (huge documents are tokenized and packed in pieces).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from curation.corpus import BadRecordError, Document, iter_documents, resolve_pa
 from curation.demo import write_demo_corpus
 from curation.packing import Packer
 from curation.shards import merge_part_indexes, remove_incomplete_parts, write_part
-from curation.tokenizer import LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
+from curation.tokenizer import PIECE_CHARS, LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
 from schemas.shards import CANDIDATE, token_dtype
@@ -38,6 +40,7 @@ __all__ = ["PrepareResult", "prepare", "GROUPS"]
 #: (subdirectory, config attribute) of the two shard groups.
 GROUPS = (("candidates", "sources"), ("validation", "validation"))
 _ENCODE_BATCH = 256
+_BATCH_CHARS = 1 << 20
 
 
 @dataclass
@@ -79,18 +82,24 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
 
 
 # ------------------------------------------------------------------------------------------------
+def _files(source: SourceConfig, skip_bad: bool) -> tuple[list[str], list[BadRecordError]]:
+    """The source's files, and (with ``skip_bad``) one bad record per pattern that matches nothing."""
+    if not skip_bad:
+        return resolve_paths(source), []
+    files: list[str] = []
+    missing: list[BadRecordError] = []
+    for pattern in source.paths:  # a missing path is one bad record, the others still count
+        try:
+            files.extend(resolve_paths(source.model_copy(update={"paths": [pattern]})))
+        except BadRecordError as e:
+            missing.append(e)
+    return sorted(set(files)), missing
+
+
 def _documents(source: SourceConfig, skip_bad: bool, **pos) -> Iterator[Document | BadRecordError]:
-    """Documents of a source; bad records raise unless ``skip_bad`` (then they are yielded to count)."""
-    if skip_bad:
-        files: list[str] = []
-        for pattern in source.paths:  # a missing path is one bad record, the others still count
-            try:
-                files.extend(resolve_paths(source.model_copy(update={"paths": [pattern]})))
-            except BadRecordError as e:
-                yield e
-        files = sorted(set(files))
-    else:
-        files = resolve_paths(source)
+    """Documents of a source from a position; bad records raise unless ``skip_bad`` (then they are yielded
+    to count). Patterns matching nothing are not yielded here (see :func:`_files`)."""
+    files, _ = _files(source, skip_bad)
     at_start = pos.get("start_file", 0) == 0 and pos.get("start_record", 0) == 0
     to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
     for item in iter_documents(source, files=files, **pos):
@@ -100,6 +109,21 @@ def _documents(source: SourceConfig, skip_bad: bool, **pos) -> Iterator[Document
         if isinstance(item, BadRecordError) and not skip_bad:
             raise item
         yield item
+
+
+def _batches(items: Iterator[Document | BadRecordError]) -> Iterator[list[Document | BadRecordError]]:
+    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters
+    (a huge document ends its batch, so at most one is held at a time)."""
+    batch: list[Document | BadRecordError] = []
+    chars = 0
+    for item in items:
+        batch.append(item)
+        chars += len(item.text) if isinstance(item, Document) else 0
+        if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def _get_tokenizer(cfg: PrepareConfig) -> LoadedTokenizer:
@@ -171,23 +195,54 @@ def _prepare_group(
     return manifest, tokens
 
 
+def _resume_state(out: str, last: ShardRecord | None) -> dict:
+    """Where a source's reading resumes: the document that the last finished part ended in (``file``,
+    ``record``) and how many of its tokens (with its EOS) are in finished parts (``skip``)."""
+    if last is None:
+        return {"file": 0, "record": 0, "skip": 0}
+    st = last.state
+    if "carry" in st:  # written by a version that kept the pending tokens in the manifest
+        if st["carry"]:
+            raise ValueError(
+                f"{out}: this unfinished preparation was started by an older version that kept pending tokens "
+                "in the manifest; delete the directory and rerun"
+            )
+        return {"file": st["file"], "record": st["record"], "skip": 0}
+    return st
+
+
 def _prepare_source(
     cfg: PrepareConfig, out: str, si: int, source: SourceConfig, tok: LoadedTokenizer, manifest: Manifest
 ) -> int:
+    """Tokenize, pack and write one source as parts of ``sequences_per_part`` sequences (resumable).
+
+    Memory is bounded by one part plus the document being read: a document longer than ``PIECE_CHARS``
+    is tokenized and packed piece by piece, and the resume state is a reader position and a token count
+    (never tokens), so the manifest does not grow with documents either. Parts are written as soon as
+    ``sequences_per_part`` sequences are full, i.e. while a document is being fed, so a part always ends
+    inside the document being read (or at its EOS): a rerun re-reads that document and drops the tokens
+    of it already in finished parts (``skip``).
+    """
     records = [s for s in manifest.shards if s.source == source.name]
     last = records[-1] if records else None
     if last is not None and last.state.get("done"):
         return 0
-    state = last.state if last is not None else {"file": 0, "record": 0, "carry": []}
+    state = _resume_state(out, last)
     part = last.part + 1 if last is not None else 0
     counts = manifest.counts(source.name)
     dtype = np.dtype(token_dtype(tok.vocab_size))
-    packer = Packer(seq_len=cfg.seq_len, eos_id=tok.eos_id, carry=state["carry"])
-    pending: list[np.ndarray] = packer.drain()
-    pos = (state["file"], state["record"])
+    packer = Packer(seq_len=cfg.seq_len, eos_id=tok.eos_id)
+    n = cfg.sequences_per_part
+    pending: list[np.ndarray] = []
+    to_skip = state["skip"]  # tokens of the first document already in finished parts
+    fed = 0  # tokens of the current document so far (with the skipped ones)
+    doc_pos = (state["file"], state["record"])  # reader position of the current document
     tokens = 0
+    if last is None:
+        for e in _files(source, cfg.skip_bad_records)[1]:
+            manifest.add_bad_record(BadRecord(source=source.name, file=e.file, line=e.line, reason=e.reason))
 
-    def flush(seqs: list[np.ndarray], carry: list[int], done: bool) -> None:
+    def flush(seqs: list[np.ndarray], state: dict) -> None:
         nonlocal part
         name = f"{source.name}/part-{part:05d}"
         if seqs:
@@ -198,46 +253,59 @@ def _prepare_source(
                 vocab_size=tok.vocab_size, size_limit=cfg.shard_size_limit,
             )
         counts.sequences += len(seqs)
-        if done:
-            counts.dropped_tokens = len(carry)
-        state = {"file": pos[0], "record": pos[1], "carry": [] if done else carry, "done": done}
+        if state.get("done"):
+            counts.dropped_tokens = len(packer.carry)
         manifest.shards.append(ShardRecord(
             name=name, source=source.name, part=part, samples=len(seqs), tokens=len(seqs) * cfg.seq_len, state=state,
         ))
         manifest.save(out)  # the part is on disk before the manifest says so
         part += 1
 
-    n = cfg.sequences_per_part
-    items = _documents(source, cfg.skip_bad_records, start_file=pos[0], start_record=pos[1])
+    def feed(ids: np.ndarray) -> None:
+        nonlocal pending, fed, to_skip
+        fed += len(ids)
+        if to_skip:  # the start of the resumed document is in finished parts already
+            k = min(to_skip, len(ids))
+            ids, to_skip = ids[k:], to_skip - k
+        pending.extend(packer.extend(ids))
+        while len(pending) >= n:
+            seqs, pending = pending[:n], pending[n:]
+            # The part's last sequence ends in `ids` (fewer than n were pending before): all that is not
+            # written yet belongs to the current document, so a rerun resumes inside it.
+            written = fed - len(packer.carry) - len(pending) * cfg.seq_len
+            assert fed - len(ids) < written <= fed
+            flush(seqs, {"file": doc_pos[0], "record": doc_pos[1], "skip": written})
+
+    eos = np.asarray([tok.eos_id], dtype=np.int64)
+    items = _documents(source, cfg.skip_bad_records, start_file=state["file"], start_record=state["record"])
     bar = tqdm(desc=f"{os.path.basename(out)}/{source.name}", unit="doc", disable=not cfg.progress,
                initial=counts.documents, dynamic_ncols=True)
     stop = False
     with bar:
-        while not stop:
-            batch = list(itertools.islice(items, _ENCODE_BATCH))
-            if not batch:
-                break
-            docs = [d for d in batch if isinstance(d, Document)]
-            encoded = iter(tok.encode_batch([d.text for d in docs]))
+        for batch in _batches(items):
+            short = [d.text for d in batch if isinstance(d, Document) and len(d.text) <= PIECE_CHARS]
+            encoded = iter(tok.encode_batch(short))
             for item in batch:  # in input order, so counts match the saved position exactly
                 if isinstance(item, BadRecordError):
                     manifest.add_bad_record(BadRecord(source=source.name, file=item.file, line=item.line,
                                                       reason=item.reason))
                     continue
-                ids = next(encoded)
+                doc_pos, fed = (item.file_index, item.next_record - 1), 0
+                pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
+                          else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS))
+                for ids in pieces:
+                    feed(ids)
+                feed(eos)
+                # Counted once complete: a part written in the middle saves the counts without it, and a
+                # rerun reads it again.
                 counts.documents += 1
-                counts.tokens += len(ids) + 1
-                tokens += len(ids) + 1
-                pending.extend(packer.add(ids))
-                pos = (item.file_index, item.next_record)
-                while len(pending) >= n:
-                    rest = pending[n:]
-                    carry = [int(t) for s in rest for t in s] + packer.carry
-                    flush(pending[:n], carry, done=False)
-                    pending = rest
+                counts.tokens += fed
+                tokens += fed
+                bar.update(1)
                 if source.max_documents is not None and counts.documents >= source.max_documents:
                     stop = True
                     break
-            bar.update(len(docs))
-    flush(pending, packer.carry, done=True)
+            if stop:
+                break
+    flush(pending, {"done": True})
     return tokens

@@ -296,3 +296,95 @@ def test_skip_documents_makes_a_disjoint_slice(tmp_path, corpus):
     assert v.sources["held"].documents == 30 and m.sources["zst"].documents == len(texts["zst"]) - 30
     ids = res.tokenizer.encode_batch(texts["zst"][30:])
     assert m.sources["zst"].tokens == sum(len(i) + 1 for i in ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# large documents: bounded memory, a small manifest, exact resume inside a document (issue 14)
+# ------------------------------------------------------------------------------------------------
+def _big_corpus(tmp_path, big_words, *, bad_line=False):
+    """Small documents, one huge single-line document, more small documents (and a bad line)."""
+    rng = np.random.default_rng(7)
+    d = tmp_path / "raw"
+    d.mkdir(exist_ok=True)
+    big = " ".join(rng.choice(WORDS, big_words).tolist())
+    rows = [json.dumps({"text": t}) for t in _texts(5, 30)] + [json.dumps({"text": big})]
+    for i, t in enumerate(_texts(6, 30)):
+        rows += ["{not json"] if bad_line and i % 3 == 0 else []
+        rows.append(json.dumps({"text": t}))
+    path = d / "big.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    tok = train_bpe_tokenizer(_texts(8, 200), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    return path, tok
+
+
+@pytest.mark.parametrize("kill_at", [3, 7, 11, 14])
+def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at):
+    """Kills before, while and after the big document is packed (it fills parts 5–11); reruns equal a clean run."""
+    path, tok = _big_corpus(tmp_path, 1500, bad_line=True)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 500)  # the big document (~9k characters) is read in pieces
+    src = SourceConfig(name="big", paths=[str(path)])
+    kw = dict(validation=[], tokenizer=TokenizerConfig(path=tok.path), skip_bad_records=True, seq_len=128,
+              sequences_per_part=2)
+    clean_res = prep.prepare(_cfg(tmp_path / "clean", [src], **kw))
+    clean = _rows(clean_res.dirs["candidates"])
+    clean_m = Manifest.load(clean_res.dirs["candidates"])
+    # the clean run packs exactly what a whole-document encoding packs
+    docs = [json.loads(x)["text"] for x in path.read_text().splitlines() if x.startswith("{\"")]
+    ids = tok.encode_batch(docs)
+    expect, rest = pack_documents(ids, seq_len=128, eos_id=tok.eos_id)
+    assert sorted(clean[0]) == sorted(expect.tolist()) and clean_m.sources["big"].dropped_tokens == len(rest)
+    assert clean_m.sources["big"].bad_records == 10 and len(clean_m.shards) > 14
+
+    real_write = prep.write_part
+    calls = {"n": 0}
+
+    def dying_write(part_dir, spec, samples, **kw):
+        calls["n"] += 1
+        if calls["n"] == kill_at:
+            raise _Killed()
+        return real_write(part_dir, spec, samples, **kw)
+
+    monkeypatch.setattr(prep, "write_part", dying_write)
+    cfg = _cfg(tmp_path / "killed", [src], **kw)
+    with pytest.raises(_Killed):
+        prep.prepare(cfg)
+    out = os.path.join(cfg.output_dir, "candidates")
+    state = Manifest.load(out).shards[-1].state
+    assert set(state) == {"file", "record", "skip"}  # no tokens in the manifest
+    if kill_at in (7, 11):  # the last finished part ends inside the big document (record 30)
+        assert state["record"] == 30 and state["skip"] > 0
+    monkeypatch.setattr(prep, "write_part", real_write)
+    res = prep.prepare(cfg)
+    assert _rows(res.dirs["candidates"]) == clean
+    m = Manifest.load(out)
+    assert m.sources == clean_m.sources and m.bad_records == clean_m.bad_records
+    assert [s.name for s in m.shards] == [s.name for s in clean_m.shards]
+
+
+@pytest.mark.slow
+def test_large_document_prepares_in_bounded_memory(tmp_path):
+    """A 20 MB single-line document: peak RSS of the job under 2 GB, a manifest under 1 MB (issue 14: the
+    resume state kept every pending token in the manifest, and the document was tokenized whole)."""
+    import resource
+    import subprocess
+    import sys
+
+    import yaml
+
+    path, tok = _big_corpus(tmp_path, 3_600_000)
+    assert os.path.getsize(path) > 20e6
+    cfg = _cfg(tmp_path, [SourceConfig(name="big", paths=[str(path)])], validation=[],
+               tokenizer=TokenizerConfig(path=tok.path), seq_len=512, sequences_per_part=1024)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    done = subprocess.run([sys.executable, os.path.join(repo, "jobs", "prepare.py"), "--config",
+                           str(tmp_path / "job.yaml")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mb < 2048 or before / 1024 >= 2048, f"peak RSS {peak_mb:.0f} MB"
+    out = os.path.join(cfg.output_dir, "candidates")
+    assert os.path.getsize(Manifest.path_in(out)) < 1e6
+    m = Manifest.load(out)
+    assert m.complete and m.sources["big"].documents == 61
+    assert m.sources["big"].tokens == m.sources["big"].sequences * 512 + m.sources["big"].dropped_tokens > 4e6
