@@ -388,3 +388,21 @@ def test_large_document_prepares_in_bounded_memory(tmp_path):
     m = Manifest.load(out)
     assert m.complete and m.sources["big"].documents == 61
     assert m.sources["big"].tokens == m.sources["big"].sequences * 512 + m.sources["big"].dropped_tokens > 4e6
+
+
+def test_truncated_zst_stops_prepare_or_is_a_counted_bad_record(tmp_path, corpus):
+    sources, texts = corpus
+    zst = tmp_path / "raw" / "b.jsonl.zst"
+    cobj, data, ends = zstandard.ZstdCompressor().compressobj(), b"", []
+    for block in range(3):  # one frame of three blocks, 30 documents each, cut after the second block
+        data += cobj.compress("".join(json.dumps({"text": t}) + "\n" for t in texts["zst"][30 * block:][:30]).encode())
+        data += cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        ends.append(len(data))
+    zst.write_bytes(data[:ends[1]])  # a valid-looking prefix: it used to pack 60 of 90 documents, no error
+    with pytest.raises(BadRecordError, match=r"b\.jsonl\.zst:\d+: truncated zstd file"):
+        prep.prepare(_cfg(tmp_path / "strict", sources[1:2], validation=[]))
+    res = prep.prepare(_cfg(tmp_path / "skip", sources[1:2], validation=[], skip_bad_records=True))
+    m = Manifest.load(res.dirs["candidates"])
+    (bad,) = m.bad_records
+    assert bad.file == str(zst) and "truncated zstd file" in bad.reason and m.sources["zst"].bad_records == 1
+    assert m.sources["zst"].documents == bad.line - 1 == 60  # the complete lines before it
