@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class PrepareResult:
     manifests: dict[str, Manifest] = field(default_factory=dict)
     tokens_processed: int = 0  # tokens tokenized in this run (resumed work is not counted)
     seconds: float = 0.0
+    regenerated: list[str] = field(default_factory=list)  # damaged or missing parts rewritten by this run
 
     @property
     def tokens_per_second(self) -> float:
@@ -73,7 +75,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         if not sources:
             continue
         out = os.path.join(cfg.output_dir, group)
-        manifest, tokens = _prepare_group(cfg, group, out, sources, tok)
+        manifest, tokens = _prepare_group(cfg, group, out, sources, tok, result.regenerated)
         result.dirs[group] = out
         result.manifests[group] = manifest
         result.tokens_processed += tokens
@@ -159,7 +161,8 @@ def _group_key(cfg: PrepareConfig, sources: list[SourceConfig], tok: LoadedToken
 
 
 def _prepare_group(
-    cfg: PrepareConfig, group: str, out: str, sources: list[SourceConfig], tok: LoadedTokenizer
+    cfg: PrepareConfig, group: str, out: str, sources: list[SourceConfig], tok: LoadedTokenizer,
+    regenerated: list[str],
 ) -> tuple[Manifest, int]:
     key = _group_key(cfg, sources, tok)
     manifest = Manifest.load_if_exists(out)
@@ -176,7 +179,11 @@ def _prepare_group(
             tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size, seq_len=cfg.seq_len,
             extra={"group": group, "group_key": key, "tokenizer_path": os.path.abspath(tok.path)},
         )
+    damaged = _repair_parts(cfg, out, sources, tok, manifest)
+    regenerated.extend(os.path.join(out, name) for name in damaged)
     if manifest.complete:
+        if damaged:
+            merge_part_indexes(out, [s.name for s in manifest.shards if s.samples > 0])
         return manifest, 0
     os.makedirs(out, exist_ok=True)
     tokens = 0
@@ -211,8 +218,61 @@ def _resume_state(out: str, last: ShardRecord | None) -> dict:
     return st
 
 
+class _PartRewritten(Exception):
+    """Stops :func:`_prepare_source` once the part it was asked to rewrite is on disk."""
+
+
+def _repair_parts(
+    cfg: PrepareConfig, out: str, sources: list[SourceConfig], tok: LoadedTokenizer, manifest: Manifest
+) -> list[str]:
+    """Check every finished part against the hashes in its index; rewrite damaged or missing ones.
+
+    A part is a deterministic function of the input and of the previous part's resume state, so it is
+    regenerated exactly: reading restarts at the state recorded before it and stops once it is written.
+    The rewritten shard files must hash to what the root ``index.json`` recorded for them, else the input
+    changed since (an error: the directory no longer matches its sources).
+    """
+    from curation.shards import verify_part
+
+    damaged = []
+    for si, source in enumerate(sources):
+        records = [r for r in manifest.shards if r.source == source.name]
+        for k, rec in enumerate(records):
+            problem = verify_part(os.path.join(out, rec.name)) if rec.samples > 0 else None
+            if problem is None:
+                continue
+            warnings.warn(f"{out}/{rec.name} is damaged ({problem}); regenerating it", stacklevel=2)
+            scratch = manifest.model_copy(update={"shards": records[:k], "sources": {}, "bad_records": []}, deep=True)
+            try:
+                _prepare_source(cfg, out, si, source, tok, scratch, rewrite=rec)
+            except _PartRewritten:
+                pass
+            _check_rewritten(out, rec.name)
+            damaged.append(rec.name)
+    return damaged
+
+
+def _check_rewritten(out: str, part: str) -> None:
+    """The rewritten part's shard hashes equal those the root index recorded for it (when it has them)."""
+    import json
+
+    root = os.path.join(out, "index.json")
+    if not os.path.exists(root):
+        return  # an unfinished run: the root index is written at the end
+    with open(root, encoding="utf-8") as f:
+        before = [s for s in json.load(f)["shards"] if s["zip_data"]["basename"].startswith(part + "/")]
+    with open(os.path.join(out, part, "index.json"), encoding="utf-8") as f:
+        after = json.load(f)["shards"]
+    if [s["zip_data"].get("hashes") for s in before] != [s["zip_data"].get("hashes") for s in after]:
+        raise ValueError(
+            f"{out}/{part}: regenerated, but its content differs from what was written before: the input files "
+            "changed since this directory was prepared; prepare into a new output_dir"
+        )
+
+
 def _prepare_source(
-    cfg: PrepareConfig, out: str, si: int, source: SourceConfig, tok: LoadedTokenizer, manifest: Manifest
+    cfg: PrepareConfig, out: str, si: int, source: SourceConfig, tok: LoadedTokenizer, manifest: Manifest,
+    rewrite: ShardRecord | None = None,
 ) -> int:
     """Tokenize, pack and write one source as parts of ``sequences_per_part`` sequences (resumable).
 
@@ -222,6 +282,9 @@ def _prepare_source(
     ``sequences_per_part`` sequences are full, i.e. while a document is being fed, so a part always ends
     inside the document being read (or at its EOS): a rerun re-reads that document and drops the tokens
     of it already in finished parts (``skip``).
+
+    With ``rewrite`` (a finished part's record, ``manifest`` holding the records before it), only that part
+    is written again, then :class:`_PartRewritten` is raised; the manifest is not saved.
     """
     records = [s for s in manifest.shards if s.source == source.name]
     last = records[-1] if records else None
@@ -255,9 +318,15 @@ def _prepare_source(
         counts.sequences += len(seqs)
         if state.get("done"):
             counts.dropped_tokens = len(packer.carry)
-        manifest.shards.append(ShardRecord(
+        record = ShardRecord(
             name=name, source=source.name, part=part, samples=len(seqs), tokens=len(seqs) * cfg.seq_len, state=state,
-        ))
+        )
+        if rewrite is not None:
+            if record != rewrite:
+                raise ValueError(f"{out}/{name}: regenerated as {record}, but the manifest recorded {rewrite}: the "
+                                 "input files changed since this directory was prepared; prepare into a new output_dir")
+            raise _PartRewritten()
+        manifest.shards.append(record)
         manifest.save(out)  # the part is on disk before the manifest says so
         part += 1
 

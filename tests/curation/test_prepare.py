@@ -406,3 +406,76 @@ def test_truncated_zst_stops_prepare_or_is_a_counted_bad_record(tmp_path, corpus
     (bad,) = m.bad_records
     assert bad.file == str(zst) and "truncated zstd file" in bad.reason and m.sources["zst"].bad_records == 1
     assert m.sources["zst"].documents == bad.line - 1 == 60  # the complete lines before it
+
+
+# ------------------------------------------------------------------------------------------------
+# shard integrity: hashes in the index, checked on read; a rerun regenerates damaged parts (issue 14)
+# ------------------------------------------------------------------------------------------------
+def _flip_bit(path, offset=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_candidate_shard_is_refused_naming_it_and_a_rerun_regenerates_it(tmp_path, corpus):
+    from curation.shards import ShardIntegrityError, ShardReader
+
+    sources = corpus[0]
+    cfg = _cfg(tmp_path, sources)
+    res = prep.prepare(cfg)
+    out = res.dirs["candidates"]
+    clean = _rows(out)
+    index = json.load(open(os.path.join(out, "index.json")))
+    assert all(s["zip_data"]["hashes"].keys() == {"xxh64"} and s["raw_data"]["hashes"] for s in index["shards"])
+    part = next(r.name for r in Manifest.load(out).shards if r.source == "zst" and r.part == 2)
+    shard = tmp_path / "out" / "candidates" / part / "shard.00000.mds.zstd"
+    _flip_bit(shard)
+    reader = ShardReader(out)
+    with pytest.raises(ShardIntegrityError) as e:
+        [reader[i] for i in range(len(reader))]
+    msg = str(e.value)
+    assert msg.startswith(f"{shard}: corrupt shard") and f"part {part} can be regenerated: rerun jobs/prepare.py" in msg
+    # a rerun with the same config rewrites exactly that part (also when it is gone altogether)
+    with pytest.warns(UserWarning, match=f"{part} is damaged"):
+        again = prep.prepare(cfg)
+    assert again.regenerated == [os.path.join(out, part)] and again.tokens_processed == 0
+    assert _rows(out) == clean
+    import shutil
+
+    shutil.rmtree(shard.parent)
+    with pytest.warns(UserWarning, match="missing or unreadable index"):
+        assert prep.prepare(cfg).regenerated == [os.path.join(out, part)]
+    assert _rows(out) == clean and prep.prepare(cfg).regenerated == []
+
+
+def test_regenerating_a_part_from_changed_input_is_refused(tmp_path, corpus):
+    sources = corpus[0]
+    cfg = _cfg(tmp_path, sources[:1], validation=[])
+    out = prep.prepare(cfg).dirs["candidates"]
+    part = Manifest.load(out).shards[1].name
+    import shutil
+
+    shutil.rmtree(os.path.join(out, part))
+    src = tmp_path / "raw" / "a.jsonl"
+    src.write_text(src.read_text().replace("alpha", "omega"))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="the input files changed since"):
+        prep.prepare(cfg)
+
+
+def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path):
+    """Directories written before hashes were recorded are read unchecked; undecodable bytes still name the file."""
+    from streaming import MDSWriter
+
+    from curation.shards import ShardIntegrityError, ShardReader
+
+    d = tmp_path / "old"
+    with MDSWriter(out=str(d), columns={"tokens": "ndarray:uint16", "source": "str"}, compression="zstd") as w:
+        for i in range(5):
+            w.write({"tokens": np.arange(i, i + 8, dtype=np.uint16), "source": "s"})
+    reader = ShardReader(str(d))
+    assert [reader[i]["tokens"].tolist()[0] for i in range(5)] == [0, 1, 2, 3, 4]
+    shard = d / "shard.00000.mds.zstd"
+    _flip_bit(shard, offset=len(shard.read_bytes()) - 6)
+    with pytest.raises(ShardIntegrityError, match=rf"^{shard}: corrupt shard"):
+        [ShardReader(str(d))[i] for i in range(5)]
