@@ -37,7 +37,7 @@ __all__ = [
 SHARD_HASH = "xxh64"
 
 
-class ShardIntegrityError(RuntimeError):
+class ShardIntegrityError(ValueError):
     """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
 
 

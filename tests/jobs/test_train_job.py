@@ -153,3 +153,24 @@ def test_train_job_runs_as_a_script(small_demo, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "random: 3 steps" in proc.stdout
+
+
+def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_path, capsys):
+    """Issue 14: one flipped bit in a candidate shard was trained on silently (exit 0); a corrupt zstd
+    shard gave a raw traceback without a path."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(small_demo, "data"), data)
+    cand = data / "candidates"
+    shard = sorted(cand.glob("*/part-*/shard.*.mds.zstd"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    rc = train_job.main(["--config", config, "--set", f"data.candidates={cand}", "--set", f"data.validation={data / 'validation'}",
+                         "--set", "data.tokenizer=null"])
+    err = capsys.readouterr().err
+    part = os.path.relpath(shard.parent, cand)
+    assert rc == 1 and f"error: {shard}: corrupt shard" in err
+    assert f"part {part} can be regenerated: rerun jobs/prepare.py" in err and "Traceback" not in err
