@@ -182,7 +182,7 @@ def test_weights_round_trip(tmp_path):
     Weights.from_state_dict(model).load_into(torch.nn.Linear(4, 3))
 
 
-def test_ledger_unrecords_damaged_or_missing_parts_on_reopen_so_they_are_redone(tmp_path):
+def test_ledger_unrecords_damaged_or_missing_parts_on_reopen_so_they_are_redone(tmp_path, flip_bit):
     """Issue 14: a damaged scored part made every rerun fail ('the scored sequences of step 58 are not the
     candidate stream's'), and deleting it gave '[Errno 2] ... index.json'."""
     from curation.engine import PartCache
@@ -193,11 +193,7 @@ def test_ledger_unrecords_damaged_or_missing_parts_on_reopen_so_they_are_redone(
     ledger = PartLedger(root, kind="scored", job="curate_and_train", run_key={}, vocab_size=100)
     parts = [ledger.record(_write_scored(root, i % 2, u)).name for i, u in enumerate(units[:3])]
     shard = os.path.join(root, parts[1], "shard.00000.mds.zstd")
-    with open(shard, "r+b") as f:
-        f.seek(30)
-        byte = f.read(1)
-        f.seek(30)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_bit(shard, offset=30)
     # the trainer's reader stops naming the file and the way out
     with pytest.raises(ShardIntegrityError) as e:
         PartCache(root, batch_size=2).rows(parts[1], units[1].first, units[1].first)

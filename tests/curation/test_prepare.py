@@ -411,14 +411,7 @@ def test_truncated_zst_stops_prepare_or_is_a_counted_bad_record(tmp_path, corpus
 # ------------------------------------------------------------------------------------------------
 # shard integrity: hashes in the index, checked on read; a rerun regenerates damaged parts (issue 14)
 # ------------------------------------------------------------------------------------------------
-def _flip_bit(path, offset=None):
-    data = bytearray(path.read_bytes())
-    i = len(data) // 2 if offset is None else offset
-    data[i] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
-def test_damaged_candidate_shard_is_refused_naming_it_and_a_rerun_regenerates_it(tmp_path, corpus):
+def test_damaged_candidate_shard_is_refused_naming_it_and_a_rerun_regenerates_it(tmp_path, corpus, flip_bit):
     from curation.shards import ShardIntegrityError, ShardReader
 
     sources = corpus[0]
@@ -430,7 +423,7 @@ def test_damaged_candidate_shard_is_refused_naming_it_and_a_rerun_regenerates_it
     assert all(s["zip_data"]["hashes"].keys() == {"xxh64"} and s["raw_data"]["hashes"] for s in index["shards"])
     part = next(r.name for r in Manifest.load(out).shards if r.source == "zst" and r.part == 2)
     shard = tmp_path / "out" / "candidates" / part / "shard.00000.mds.zstd"
-    _flip_bit(shard)
+    flip_bit(shard)
     reader = ShardReader(out)
     with pytest.raises(ShardIntegrityError) as e:
         [reader[i] for i in range(len(reader))]
@@ -463,7 +456,7 @@ def test_regenerating_a_part_from_changed_input_is_refused(tmp_path, corpus):
         prep.prepare(cfg)
 
 
-def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path):
+def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path, flip_bit):
     """Directories written before hashes were recorded are read unchecked; undecodable bytes still name the file."""
     from streaming import MDSWriter
 
@@ -476,6 +469,6 @@ def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path):
     reader = ShardReader(str(d))
     assert [reader[i]["tokens"].tolist()[0] for i in range(5)] == [0, 1, 2, 3, 4]
     shard = d / "shard.00000.mds.zstd"
-    _flip_bit(shard, offset=len(shard.read_bytes()) - 6)
+    flip_bit(shard, offset=len(shard.read_bytes()) - 6)
     with pytest.raises(ShardIntegrityError, match=rf"^{shard}: corrupt shard"):
         [ShardReader(str(d))[i] for i in range(5)]

@@ -145,7 +145,7 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     _assert_expected(out, setup["expected"])
 
 
-def test_a_rerun_redoes_damaged_or_deleted_parts(setup):
+def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
     """Issue 14: a damaged part blocked its output directory on every rerun, and a deleted one gave
     '[Errno 2] … index.json'. Now the rerun checks the recorded parts' hashes and redoes those units."""
     out = str(setup["dir"] / "damaged")
@@ -154,11 +154,7 @@ def test_a_rerun_redoes_damaged_or_deleted_parts(setup):
     sel = os.path.join(out, "selected")
     parts = [s.name for s in Manifest.load(sel).shards]
     shard = os.path.join(sel, parts[1], "shard.00000.mds.zstd")
-    with open(shard, "r+b") as f:
-        f.seek(40)
-        byte = f.read(1)
-        f.seek(40)
-        f.write(bytes([byte[0] ^ 0x04]))
+    flip_bit(shard, offset=40)
     shutil.rmtree(os.path.join(sel, parts[-1]))
     proc = _run(cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -155,7 +155,7 @@ def test_train_job_runs_as_a_script(small_demo, tmp_path):
     assert "random: 3 steps" in proc.stdout
 
 
-def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_path, capsys):
+def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_path, capsys, flip_bit):
     """Issue 14: one flipped bit in a candidate shard was trained on silently (exit 0); a corrupt zstd
     shard gave a raw traceback without a path."""
     import shutil
@@ -164,9 +164,7 @@ def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_
     shutil.copytree(os.path.join(small_demo, "data"), data)
     cand = data / "candidates"
     shard = sorted(cand.glob("*/part-*/shard.*.mds.zstd"))[0]
-    raw = bytearray(shard.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    shard.write_bytes(bytes(raw))
+    flip_bit(shard)
     config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
     rc = train_job.main(["--config", config, "--set", f"data.candidates={cand}", "--set", f"data.validation={data / 'validation'}",
                          "--set", "data.tokenizer=null"])
