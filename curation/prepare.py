@@ -25,12 +25,13 @@ import numpy as np
 from tqdm import tqdm
 
 from curation.corpus import BadRecordError, Document, iter_documents, resolve_paths
-from curation.demo import write_demo_corpus
+from curation.demo import DEMO_FILES, write_demo_corpus
 from curation.packing import Packer
 from curation.shards import merge_part_indexes, remove_incomplete_parts, write_part
 from curation.tokenizer import LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
+from schemas.outdir import config_diff, open_output_dir
 from schemas.shards import CANDIDATE, token_dtype
 
 __all__ = ["PrepareResult", "prepare", "GROUPS"]
@@ -54,15 +55,34 @@ class PrepareResult:
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
-    """Run (or resume) the preparation described by ``cfg``.
+    """Run (or resume) the preparation described by ``cfg``, holding ``output_dir``'s lock.
 
     Raises:
         BadRecordError: bad input (names file and line) unless ``cfg.skip_bad_records``.
-        ValueError: the output directory was prepared with a different config, or no sequence was produced.
+        OutputDirError: the output directory is in use, or was prepared with a different config
+            (``output_dir/config.yaml``), or is not writable.
+        ValueError: no sequence was produced.
     """
+    with open_output_dir(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+        return _prepare_locked(cfg)
+
+
+def _demo_raw_dir(cfg: PrepareConfig) -> str | None:
+    """Where to generate the demo corpus: ``<root>/raw`` next to ``output_dir = <root>/data`` (the embedded
+    default's layout), and only when a configured path names one of its files, so overriding the sources
+    never writes demo files into the user's folders."""
+    raw = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), "raw"))
+    demo_files = {os.path.join(raw, name) for name in DEMO_FILES}
+    paths = {os.path.abspath(p) for s in [*cfg.sources, *cfg.validation] for p in s.paths}
+    return raw if paths & demo_files else None
+
+
+def _prepare_locked(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
-    if cfg.demo:
-        write_demo_corpus(os.path.dirname(cfg.sources[0].paths[0]))
+    raw = _demo_raw_dir(cfg) if cfg.demo else None
+    if raw is not None:
+        write_demo_corpus(raw)
     tok = _get_tokenizer(cfg)
     result = PrepareResult(tokenizer=tok)
     for group, attr in GROUPS:
@@ -140,8 +160,7 @@ def _prepare_group(
     key = _group_key(cfg, sources, tok)
     manifest = Manifest.load_if_exists(out)
     if manifest is not None and manifest.extra.get("group_key") != key:
-        old = manifest.extra.get("group_key") or {}
-        diff = sorted(k for k in key if old.get(k) != key[k])
+        diff = [d.split(":", 1)[0] for d in config_diff(manifest.extra.get("group_key") or {}, key)]
         raise ValueError(
             f"{out}: was prepared with a different config (differs in: {', '.join(diff)}); "
             "use a new output_dir or delete this one"

@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.outdir import OPERATIONAL
+
 __all__ = [
     "ConfigError",
     "StrictModel",
@@ -53,9 +55,10 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, defaults are validated too."""
+    """Base for config sections: unknown keys are errors, defaults are validated too, and values are
+    not coerced between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
 def _check_gamma(v: float) -> float:
@@ -129,7 +132,7 @@ class PrepareConfig(StrictModel):
     )
     shard_size_limit: int = Field(1 << 26, ge=1 << 12, description="MDS shard size limit in bytes")
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
 
     @field_validator("sources")
@@ -263,11 +266,14 @@ def config_to_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, set_example: str | None = None) -> None:
+    """``--config``, ``--set`` (its help shows ``set_example``, e.g. ``seq_len=256``) and ``--print-config``."""
     parser.add_argument("--config", help="YAML config file (default: the embedded default)")
+    example = f", e.g. --set {set_example}" if set_example else ""
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key, e.g. --set seq_len=256 --set sources.0.text_field=body (repeatable)",
+        help=f"override a config key (the value is YAML; list items by index){example} (repeatable; "
+        "--print-config lists the keys)",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
@@ -279,10 +285,14 @@ def parse_job_config(
     default: Callable[[], M] | None = None,
     argv: Sequence[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
+    set_example: str | None = None,
 ) -> tuple[M, argparse.Namespace]:
-    """Parse a job's command line into a validated config (exits 2 with the message on a config error)."""
+    """Parse a job's command line into a validated config (exits 2 with the message on a config error).
+
+    ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
+    """
     parser = parser or argparse.ArgumentParser(description=description)
-    add_config_arguments(parser)
+    add_config_arguments(parser, set_example)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
