@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
@@ -42,12 +43,34 @@ __all__ = [
     "load_config",
     "parse_job_config",
     "DEMO_ROOT",
+    "load_yaml",
 ]
 
 M = TypeVar("M", bound=BaseModel)
 
 #: Where the embedded demo writes its corpus and outputs (relative to the working directory).
 DEMO_ROOT = os.path.join("runs", "demo")
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` is a number (YAML 1.1 reads a string), so strict
+    float fields take the usual spelling of a learning rate."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(stream: Any) -> Any:
+    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`."""
+    return yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 class ConfigError(ValueError):
@@ -199,7 +222,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise ConfigError(f"--set {assignment!r}: empty key segment")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e})") from e
     node: Any = data
@@ -241,7 +264,7 @@ def load_config(
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
+                data = load_yaml(f) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
         except yaml.YAMLError as e:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from curation.shards import read_column
 from schemas.manifest import Manifest
-from schemas.outdir import ConfigMismatch
+from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
 from training.checkpoint import checkpoint_damage, load_checkpoint, weights_only_loading
 from training.run import train
 
@@ -171,3 +171,12 @@ def test_no_intact_checkpoint_is_an_error_naming_each_file(make_config):
         f.truncate(100)
     with pytest.raises(ValueError, match=rf"no intact checkpoint to resume from \({path}: unreadable.*delete "):
         train(cfg)
+
+
+def test_a_second_run_into_the_same_directory_is_refused_at_start(make_config):
+    cfg = make_config("blade", "busy", max_steps=4)
+    with OutputDirLock(cfg.output_dir, "train") as holder:
+        with pytest.raises(OutputDirBusy, match=rf"in use by another run: train pid {os.getpid()} on host "):
+            train(cfg)
+        assert os.listdir(cfg.output_dir) == [os.path.basename(holder.path)]  # nothing written, nothing read
+    assert train(cfg)["run"].resumed_from is None  # once released, the run goes ahead
