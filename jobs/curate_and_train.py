@@ -7,7 +7,8 @@
 
 ``output_dir`` (``train.output_dir``)::
 
-    config.yaml, engine_config.yaml   resolved configs
+    config.yaml, engine_config.yaml   resolved configs (a rerun resumes only with the same ones)
+    .lock                             held by the running job (pid, host, start time)
     scored/        (exact)            ℓ(w̃) per token, written by the workers (scored shards + manifest)
     selected/                         what each step trained on (selected-token shards + manifest); in
                                       pipelined mode written by the workers, in exact mode by the trainer

@@ -2,7 +2,8 @@
 
 ``output_dir`` of a training run::
 
-    config.yaml                 resolved config
+    config.yaml                 resolved config (a rerun resumes only with the same one: schemas.outdir)
+    .lock                       held by the running job (pid, host, start time)
     checkpoints/                Composer checkpoints (BLADE state included); latest-rank0.pt → newest
     selected/                   selected-token shards (MDS) + manifest.json
     logs/metrics.jsonl          every logged metric, one JSON object per line
