@@ -128,39 +128,19 @@ def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp
 # ------------------------------------------------------------------------------------------------
 # OS errors at the job level: what failed and where, exit 1, no traceback
 # ------------------------------------------------------------------------------------------------
-def test_prepare_job_on_a_full_disk_names_the_file_and_a_rerun_completes(tmp_path, monkeypatch, capsys):
+def test_prepare_job_on_a_full_disk_names_the_file_and_a_rerun_completes(tmp_path, monkeypatch, capsys, full_disk):
     cfg = _small_prepare(tmp_path)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    real = os.fdopen
-
-    class FullForManifests:  # the disk fills up when the first manifest is saved
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            if '"schema_version"' in text:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.f.write(text)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    with monkeypatch.context() as m:
-        m.setattr("schemas.manifest.os.fdopen", lambda fd, *a, **k: FullForManifests(real(fd, *a, **k)))
-        assert _load_job("prepare").main(["--config", str(path)]) == 1
+    full_disk(lambda text: '"schema_version"' in text)  # the disk fills up when the first manifest is saved
+    assert _load_job("prepare").main(["--config", str(path)]) == 1
     err = capsys.readouterr().err
     manifest = os.path.join(cfg.output_dir, "candidates", "manifest.json")
     assert err.startswith(f"error: preparing into {cfg.output_dir} failed ({manifest}): No space left on device; "
                           "the disk is full: free space")
     assert "Traceback" not in err and not os.path.exists(manifest)
-    assert _load_job("prepare").main(["--config", str(path)]) == 0  # space freed: the rerun completes
+    monkeypatch.undo()  # space freed: the rerun completes
+    assert _load_job("prepare").main(["--config", str(path)]) == 0
 
 
 def test_train_into_a_read_only_directory_names_it(tmp_path, monkeypatch):

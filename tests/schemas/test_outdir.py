@@ -139,23 +139,8 @@ def test_an_unwritable_output_dir_is_named(tmp_path, monkeypatch):
     assert "Permission denied" in msg and "make the directory writable" in msg
 
 
-def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
-    real = os.fdopen
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr("schemas.manifest.os.fdopen", lambda fd, *a, **k: Full(real(fd, *a, **k)))
+def test_a_full_disk_names_the_file_being_written(tmp_path, full_disk):
+    full_disk()
     path = str(tmp_path / "manifest.json")
     with pytest.raises(OSError) as err:
         atomic_write_text(path, "{}")
