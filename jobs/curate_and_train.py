@@ -119,6 +119,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
             device=wk.device, gpus=wk.gpus,
         )
         # Composer takes seconds to import: done while the actors start and load their models.
+        from training.checkpoint import checkpoint_write_errors
         from training.engine_hooks import (
             EngineMaskedBatches,
             EngineScores,
@@ -139,7 +140,8 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
               + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
         try:
             if int(run.trainer.state.timestamp.batch) < t.max_steps:  # a rerun of a finished run only reports
-                run.trainer.fit()
+                with checkpoint_write_errors(os.path.join(t.output_dir, "checkpoints")):
+                    run.trainer.fit()
         finally:
             run.trainer.close()
         engine.finish({"finished_at_step": t.max_steps})

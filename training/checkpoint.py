@@ -12,8 +12,10 @@ carrying any other pickled object is refused instead of executed.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import re
+import shutil
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 __all__ = ["SAFE_GLOBALS", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
-           "resume_checkpoint"]
+           "resume_checkpoint", "checkpoint_write_errors"]
 
 
 def _safe_globals() -> list[Any]:
@@ -120,3 +122,30 @@ def resume_checkpoint(folder: str) -> str | None:
         f"{folder}: no intact checkpoint to resume from ({'; '.join(bad)}); delete {folder} to start the run over "
         "(the other outputs of the run are then redone as well), or restore a checkpoint from a backup"
     )
+
+
+#: Free space (bytes) under which a failed checkpoint write is reported as a full disk.
+_NEARLY_FULL = 64 << 20
+
+
+@contextmanager
+def checkpoint_write_errors(folder: str) -> Iterator[None]:
+    """Turn torch's zip-writer failure while Composer saves a checkpoint into ``folder`` into an ``OSError``
+    naming the folder (``ENOSPC`` when the disk is nearly full, else ``EIO``).
+
+    ``torch.save`` into a file object reports a failed write (a full disk) as a bare
+    ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos`` that names no file.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        msg = str(e)
+        if "inline_container" not in msg and "PytorchStreamWriter" not in msg:
+            raise
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = 0
+        code = errno.ENOSPC if free < _NEARLY_FULL else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} while writing a checkpoint ({free / 2**20:.0f} MiB free; "
+                            f"torch: {msg.strip().splitlines()[0]})", folder) from e

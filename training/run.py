@@ -35,7 +35,7 @@ from schemas.outdir import open_output_dir
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
 from training.algorithm import BladeAlgorithm
 from training.callbacks import JSONLinesLogger, SelectedShardWriter, SelectionStats, ValidationCurve
-from training.checkpoint import resume_checkpoint, weights_only_loading
+from training.checkpoint import checkpoint_write_errors, resume_checkpoint, weights_only_loading
 from training.data import (
     StreamBatches,
     TokenRows,
@@ -268,7 +268,8 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
         lock.write_records()
         try:
             if int(run.trainer.state.timestamp.batch) < cfg.max_steps:  # a rerun of a finished run only reports
-                run.trainer.fit()
+                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
+                    run.trainer.fit()
         finally:
             run.trainer.close()
         extra = {"resumed_from": run.resumed_from,
@@ -318,7 +319,8 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
         lock.write_records()
         try:
             if run.trainer.state.timestamp < run.trainer.state.max_duration:
-                run.trainer.fit()
+                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
+                    run.trainer.fit()
         finally:
             run.trainer.close()
         out = _finish(run, cfg.model, False, {})

@@ -180,3 +180,35 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(make_config):
             train(cfg)
         assert os.listdir(cfg.output_dir) == [os.path.basename(holder.path)]  # nothing written, nothing read
     assert train(cfg)["run"].resumed_from is None  # once released, the run goes ahead
+
+
+def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resumes(make_config, monkeypatch):
+    import errno
+
+    from schemas.outdir import describe_os_error
+
+    cfg = make_config("full", "diskfull", max_steps=8)
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):  # what torch reports when the file's writes fail (the disk is full)
+        if str(getattr(f, "name", "")).endswith("ep0-ba8-rank0.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:659] . unexpected pos 704 vs 598")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr("training.checkpoint.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    folder = os.path.join(cfg.output_dir, "checkpoints")
+    with pytest.raises(OSError) as err:
+        train(cfg)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == folder
+    msg = describe_os_error(err.value, f"training into {cfg.output_dir} failed")
+    assert msg.startswith(f"training into {cfg.output_dir} failed ({folder}): No space left on device while "
+                          "writing a checkpoint (0 MiB free; torch: [enforce fail")
+    assert "the disk is full: free space" in msg
+    assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt"))  # the partial file is left behind
+    monkeypatch.undo()  # space freed
+    out = train(cfg)
+    assert out["run"].resumed_from == os.path.join(folder, "latest-rank0.pt")  # → step 4, intact
+    assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt")) is None
+    assert read_column(out["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
