@@ -68,20 +68,19 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         return _prepare_locked(cfg)
 
 
-def _demo_raw_dir(cfg: PrepareConfig) -> str | None:
-    """Where to generate the demo corpus: ``<root>/raw`` next to ``output_dir = <root>/data`` (the embedded
-    default's layout), and only when a configured path names one of its files, so overriding the sources
-    never writes demo files into the user's folders."""
-    raw = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), "raw"))
-    demo_files = {os.path.join(raw, name) for name in DEMO_FILES}
-    paths = {os.path.abspath(p) for s in [*cfg.sources, *cfg.validation] for p in s.paths}
-    return raw if paths & demo_files else None
+def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
+    """Where to generate the demo corpus: the folders of configured paths named like a demo file, except
+    folders that also hold other configured inputs (the user's data: overriding the sources of the
+    embedded default must not write demo files next to them)."""
+    paths = [p for s in [*cfg.sources, *cfg.validation] for p in s.paths]
+    demo = {os.path.dirname(p) for p in paths if os.path.basename(p) in DEMO_FILES}
+    other = {os.path.dirname(p) for p in paths if os.path.basename(p) not in DEMO_FILES}
+    return sorted(demo - other)
 
 
 def _prepare_locked(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
-    raw = _demo_raw_dir(cfg) if cfg.demo else None
-    if raw is not None:
+    for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
     tok = _get_tokenizer(cfg)
     result = PrepareResult(tokenizer=tok)

@@ -81,6 +81,10 @@ def test_overriding_the_demo_sources_writes_no_demo_corpus_into_the_users_folder
     prepare(cfg)
     assert sorted(os.listdir(tmp_path / "mine")) == ["a.jsonl"]
     assert not (tmp_path / "demo" / "raw").exists()
+    # the demo's validation kept: its file is generated in the demo's folder, still none in the user's
+    prepare(cfg.model_copy(update={"validation": demo.validation, "output_dir": str(tmp_path / "out2")}))
+    assert sorted(os.listdir(tmp_path / "mine")) == ["a.jsonl"]
+    assert sorted(os.listdir(tmp_path / "demo" / "raw")) == sorted(DEMO_FILES)
 
 
 # ------------------------------------------------------------------------------------------------
