@@ -214,7 +214,9 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int) -> Ite
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:
-                raise BadRecordError(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
+                # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
+                where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
+                raise BadRecordError(path, line, f"malformed JSON ({where})") from None
             yield idx, line, _text_of(record, source, path, line)
         except BadRecordError as e:
             yield idx, line, e

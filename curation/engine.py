@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from curation.schedule import WARMUP_EPISODE, Schedule
 from curation.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
+from schemas.outdir import config_diff
 from schemas.shards import SPECS
 
 __all__ = [
@@ -401,7 +402,7 @@ class PartLedger:
         if existing is not None:
             old = existing.extra.get("run_key")
             if existing.kind != kind or old != key:
-                diff = sorted(k for k in set(key) | set(old or {}) if (old or {}).get(k) != key.get(k))
+                diff = [d.split(":", 1)[0] for d in config_diff(old or {}, key)]  # the leaf keys that differ
                 raise ValueError(
                     f"{out_dir} holds {existing.kind} shards of a different run (differs in: {', '.join(diff) or 'kind'}); "
                     "use a new output directory or delete this one"

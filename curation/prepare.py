@@ -28,12 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from curation.corpus import BadRecordError, Document, iter_documents, resolve_paths
-from curation.demo import write_demo_corpus
+from curation.demo import DEMO_FILES, write_demo_corpus
 from curation.packing import Packer
 from curation.shards import merge_part_indexes, remove_incomplete_parts, write_part
 from curation.tokenizer import PIECE_CHARS, LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
+from schemas.outdir import config_diff, open_output_dir
 from schemas.shards import CANDIDATE, token_dtype
 
 __all__ = ["PrepareResult", "prepare", "GROUPS"]
@@ -59,15 +60,33 @@ class PrepareResult:
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
-    """Run (or resume) the preparation described by ``cfg``.
+    """Run (or resume) the preparation described by ``cfg``, holding ``output_dir``'s lock.
 
     Raises:
         BadRecordError: bad input (names file and line) unless ``cfg.skip_bad_records``.
-        ValueError: the output directory was prepared with a different config, or no sequence was produced.
+        OutputDirError: the output directory is in use, or was prepared with a different config
+            (``output_dir/config.yaml``), or is not writable.
+        ValueError: no sequence was produced.
     """
+    with open_output_dir(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+        return _prepare_locked(cfg)
+
+
+def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
+    """Where to generate the demo corpus: the folders of configured paths named like a demo file, except
+    folders that also hold other configured inputs (the user's data: overriding the sources of the
+    embedded default must not write demo files next to them)."""
+    paths = [p for s in [*cfg.sources, *cfg.validation] for p in s.paths]
+    demo = {os.path.dirname(p) for p in paths if os.path.basename(p) in DEMO_FILES}
+    other = {os.path.dirname(p) for p in paths if os.path.basename(p) not in DEMO_FILES}
+    return sorted(demo - other)
+
+
+def _prepare_locked(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
-    if cfg.demo:
-        write_demo_corpus(os.path.dirname(cfg.sources[0].paths[0]))
+    for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
+        write_demo_corpus(raw)
     tok = _get_tokenizer(cfg)
     result = PrepareResult(tokenizer=tok)
     for group, attr in GROUPS:
@@ -167,8 +186,7 @@ def _prepare_group(
     key = _group_key(cfg, sources, tok)
     manifest = Manifest.load_if_exists(out)
     if manifest is not None and manifest.extra.get("group_key") != key:
-        old = manifest.extra.get("group_key") or {}
-        diff = sorted(k for k in key if old.get(k) != key[k])
+        diff = [d.split(":", 1)[0] for d in config_diff(manifest.extra.get("group_key") or {}, key)]
         raise ValueError(
             f"{out}: was prepared with a different config (differs in: {', '.join(diff)}); "
             "use a new output_dir or delete this one"

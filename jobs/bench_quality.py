@@ -48,6 +48,7 @@ from curation.prepare import prepare  # noqa: E402
 from curation.shards import open_shards  # noqa: E402
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig  # noqa: E402
 from schemas.manifest import atomic_write_text, sha256_file  # noqa: E402
+from schemas.outdir import ConfigMismatch, check_config_record, operational_keys  # noqa: E402
 from schemas.train_config import (  # noqa: E402
     CheckpointConfig,
     DataConfig,
@@ -61,6 +62,8 @@ from schemas.train_config import (  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
+#: Settings a run may change and still resume (progress bars, checkpoint retention): train()/replay() ignore them too.
+_OPERATIONAL = operational_keys(TrainConfig) | operational_keys(ReplayConfig)
 
 # (name, file(s) under ../shared/data, how to read a record, domain, documents for the base model (off-domain),
 #  pool cap (documents, None = all after the base slice))
@@ -257,9 +260,11 @@ def _cached(result_path: str, config: dict[str, Any]) -> bool:
     if os.path.isdir(run_dir):
         saved = os.path.join(run_dir, "config.yaml")
         stale = os.path.exists(result_path)
-        if not stale and os.path.exists(saved):  # an unfinished run of other settings must not be resumed
-            with open(saved) as f:
-                stale = _effective(yaml.safe_load(f) or {}) != _effective(config)
+        if not stale and os.path.exists(saved):  # an unfinished run resumes only with the same config
+            try:
+                check_config_record(saved, config, ignore=_OPERATIONAL)
+            except ConfigMismatch:
+                stale = True
         if stale:
             shutil.rmtree(run_dir)
     return False

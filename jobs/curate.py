@@ -28,6 +28,7 @@ from curation.workers import BatchOrder, WorkerSpec
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
+from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
 from training.data import check_tokenizer, shard_dir_info
 
@@ -39,7 +40,15 @@ def _weights(path: str, what: str) -> Weights:
 
 
 def curate(cfg: CurateConfig) -> dict:
-    """Run (or resume) the curation; returns the summary dict. Raises EngineError / ValueError."""
+    """Run (or resume) the curation; returns the summary dict. Raises EngineError / ValueError.
+
+    Holds ``output_dir``'s lock; a rerun resumes only with the config recorded in ``output_dir/config.yaml``.
+    """
+    with open_output_dir(cfg.output_dir, "curate", {"config.yaml": cfg}) as lock:
+        return _curate(cfg, lock)
+
+
+def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     cand = shard_dir_info(cfg.candidates, "candidate")
     fingerprint = check_tokenizer([cand], cfg.tokenizer)
@@ -63,6 +72,7 @@ def curate(cfg: CurateConfig) -> dict:
         vocab_size=cand.vocab_size, policy="blade", gamma=cfg.gamma, schedule=None, device=cfg.workers.device,
         threads=cfg.workers.threads, score_batch_size=cfg.workers.score_batch_size, needs_proxy=True,
     )
+    lock.write_records()
     started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                        need_cpus=cfg.workers.count * cfg.workers.threads)
     engine = None
@@ -101,11 +111,14 @@ def curate(cfg: CurateConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateConfig, description=__doc__.splitlines()[0], default=CurateConfig.demo_default,
-                              argv=argv)
+                              argv=argv, set_example="gamma=0.4 --set output_dir=runs/demo/curate/gamma0.4")
     try:
         s = curate(cfg)
     except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only directory...: what failed and where
+        print(f"error: {describe_os_error(e, f'curating into {cfg.output_dir} failed')}", file=sys.stderr)
         return 1
     print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")
     for name, c in s["per_source"].items():

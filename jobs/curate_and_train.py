@@ -7,7 +7,8 @@
 
 ``output_dir`` (``train.output_dir``)::
 
-    config.yaml, engine_config.yaml   resolved configs
+    config.yaml, engine_config.yaml   resolved configs (a rerun resumes only with the same ones)
+    .lock                             held by the running job (pid, host, start time)
     scored/        (exact)            ℓ(w̃) per token, written by the workers (scored shards + manifest)
     selected/                         what each step trained on (selected-token shards + manifest); in
                                       pipelined mode written by the workers, in exact mode by the trainer
@@ -28,8 +29,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-import yaml
-
 from curation.engine import EngineError, TrainingPlan
 from curation.models import save_weights
 from curation.policies import RefreshMode, get_policy
@@ -39,7 +38,7 @@ from curation.stream import CandidateStream
 from curation.workers import BatchOrder, RefreshSpec, WorkerSpec, reference_path
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.manifest import atomic_write_text
+from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
 
 _MODES = {RefreshMode.SYNC: "sync", RefreshMode.CONTINUE: "continue", RefreshMode.STATIC: "static"}
@@ -58,7 +57,17 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
 
 
 def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
-    """Run (or resume) the job; returns the output paths and the engine report."""
+    """Run (or resume) the job; returns the output paths and the engine report.
+
+    Holds ``train.output_dir``'s lock; a rerun resumes only with the configs recorded there
+    (``engine_config.yaml``, ``config.yaml``), else it is refused naming the differing keys.
+    """
+    records = {"engine_config.yaml": cfg, "config.yaml": cfg.train}
+    with open_output_dir(cfg.train.output_dir, "curate_and_train", records) as lock:
+        return _curate_and_train(cfg, lock)
+
+
+def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
@@ -98,9 +107,7 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
         refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir, device=eng.refresh_device,
         threads=eng.refresh_threads or wk.threads,
     )
-    os.makedirs(t.output_dir, exist_ok=True)
-    atomic_write_text(os.path.join(t.output_dir, "engine_config.yaml"),
-                      yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    lock.write_records()
     started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                        need_cpus=wk.count * wk.threads)
     engine = None
@@ -112,6 +119,7 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
             device=wk.device, gpus=wk.gpus,
         )
         # Composer takes seconds to import: done while the actors start and load their models.
+        from training.checkpoint import checkpoint_write_errors
         from training.engine_hooks import (
             EngineMaskedBatches,
             EngineScores,
@@ -128,10 +136,12 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
         sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
         run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
         print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
-              f"{eng.mode} mode, {eng.refresh} refresh, resuming from {run.resumed_from or 'scratch'}", flush=True)
+              f"{eng.mode} mode, {eng.refresh} refresh, "
+              + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
         try:
             if int(run.trainer.state.timestamp.batch) < t.max_steps:  # a rerun of a finished run only reports
-                run.trainer.fit()
+                with checkpoint_write_errors(os.path.join(t.output_dir, "checkpoints")):
+                    run.trainer.fit()
         finally:
             run.trainer.close()
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
@@ -174,11 +184,16 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateAndTrainConfig, description=__doc__.splitlines()[0],
-                              default=CurateAndTrainConfig.demo_default, argv=argv)
+                              default=CurateAndTrainConfig.demo_default, argv=argv,
+                              set_example="engine.mode=pipelined --set train.output_dir=runs/demo/pipelined")
     try:
         out = curate_and_train(cfg)
     except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only directory...: what failed and where
+        print(f"error: {describe_os_error(e, f'curate_and_train into {cfg.train.output_dir} failed')}",
+              file=sys.stderr)
         return 1
     with open(out["summary"], encoding="utf-8") as f:
         s = json.load(f)

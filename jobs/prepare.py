@@ -15,16 +15,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from curation.corpus import BadRecordError
 from curation.prepare import prepare
 from schemas.config import PrepareConfig, parse_job_config
+from schemas.outdir import describe_os_error
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(
-        PrepareConfig, description=__doc__.splitlines()[0], default=PrepareConfig.demo_default, argv=argv
+        PrepareConfig, description=__doc__.splitlines()[0], default=PrepareConfig.demo_default, argv=argv,
+        set_example="seq_len=256 --set sources.0.text_field=body",
     )
     try:
         result = prepare(cfg)
     except (BadRecordError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only directory...: what failed and where
+        print(f"error: {describe_os_error(e, f'preparing into {cfg.output_dir} failed')}", file=sys.stderr)
         return 1
     for group, m in result.manifests.items():
         t = m.totals()

@@ -12,14 +12,18 @@ from __future__ import annotations
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
+
 from schemas.config import parse_job_config
+from schemas.outdir import describe_os_error
 from schemas.shards import ShardSchemaError
 from schemas.train_config import ReplayConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_job_config(ReplayConfig, description=__doc__.splitlines()[0],
-                                 default=ReplayConfig.demo_default, argv=argv)
+                                 default=ReplayConfig.demo_default, argv=argv,
+                                 set_example="model.hf_config.num_hidden_layers=4 --set output_dir=runs/demo/replay/deep")
     if not os.path.exists(os.path.join(cfg.selected, "index.json")):
         print(f"error: no selected-token shards in {cfg.selected}; run `python jobs/train.py` first", file=sys.stderr)
         return 1
@@ -29,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         out = replay(cfg)
     except (ShardSchemaError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only directory...: what failed and where
+        print(f"error: {describe_os_error(e, f'replaying into {cfg.output_dir} failed')}", file=sys.stderr)
         return 1
     params = sum(p.numel() for p in out["run"].model.parameters())
     print(f"replayed {cfg.selected} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")

@@ -1,7 +1,7 @@
 """Train a proxy with online token selection (exact BLADE or another policy) on candidate shards.
 
     python jobs/prepare.py && python jobs/train.py       # embedded demo: blade → runs/demo/train/blade
-    python jobs/train.py --set policy=rho1                # full | random | rho1 | blade | blade-nosync
+    python jobs/train.py --set policy=rho1                # full | random | rho1 | blade | blade-nosync → runs/demo/train/rho1
     python jobs/train.py --config jobs/configs/train_demo.yaml --set max_steps=60 --set selection.gamma=0.5
     python jobs/train.py --print-config
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
+
 from schemas.config import parse_job_config
+from schemas.outdir import describe_os_error
 from schemas.shards import ShardSchemaError
 from schemas.train_config import POLICY_CHOICES, TrainConfig
 
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         # (an unknown policy is reported by the config validation).
         return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
 
-    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv)
+    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
+                                 set_example="selection.gamma=0.5 --set max_steps=300")
     if args.config is None and not os.path.exists(os.path.join(cfg.data.candidates, "index.json")):
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
               file=sys.stderr)
@@ -68,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         out = train(cfg)
     except (ShardSchemaError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only directory...: what failed and where
+        print(f"error: {describe_os_error(e, f'training into {cfg.output_dir} failed')}", file=sys.stderr)
         return 1
     _report(out)
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
@@ -29,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.outdir import OPERATIONAL
+
 __all__ = [
     "ConfigError",
     "StrictModel",
@@ -40,6 +43,7 @@ __all__ = [
     "load_config",
     "parse_job_config",
     "DEMO_ROOT",
+    "load_yaml",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -48,14 +52,36 @@ M = TypeVar("M", bound=BaseModel)
 DEMO_ROOT = os.path.join("runs", "demo")
 
 
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` is a number (YAML 1.1 reads a string), so strict
+    float fields take the usual spelling of a learning rate."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(stream: Any) -> Any:
+    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`."""
+    return yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key (and the file)."""
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, defaults are validated too."""
+    """Base for config sections: unknown keys are errors, defaults are validated too, and values are
+    not coerced between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
 def _check_gamma(v: float) -> float:
@@ -129,7 +155,7 @@ class PrepareConfig(StrictModel):
     )
     shard_size_limit: int = Field(1 << 26, ge=1 << 12, description="MDS shard size limit in bytes")
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
 
     @field_validator("sources")
@@ -196,7 +222,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise ConfigError(f"--set {assignment!r}: empty key segment")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e})") from e
     node: Any = data
@@ -238,7 +264,7 @@ def load_config(
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
+                data = load_yaml(f) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
         except yaml.YAMLError as e:
@@ -263,11 +289,14 @@ def config_to_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, set_example: str | None = None) -> None:
+    """``--config``, ``--set`` (its help shows ``set_example``, e.g. ``seq_len=256``) and ``--print-config``."""
     parser.add_argument("--config", help="YAML config file (default: the embedded default)")
+    example = f", e.g. --set {set_example}" if set_example else ""
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key, e.g. --set seq_len=256 --set sources.0.text_field=body (repeatable)",
+        help=f"override a config key (the value is YAML; list items by index){example} (repeatable; "
+        "--print-config lists the keys)",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
@@ -279,10 +308,14 @@ def parse_job_config(
     default: Callable[[], M] | None = None,
     argv: Sequence[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
+    set_example: str | None = None,
 ) -> tuple[M, argparse.Namespace]:
-    """Parse a job's command line into a validated config (exits 2 with the message on a config error)."""
+    """Parse a job's command line into a validated config (exits 2 with the message on a config error).
+
+    ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
+    """
     parser = parser or argparse.ArgumentParser(description=description)
-    add_config_arguments(parser)
+    add_config_arguments(parser, set_example)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)

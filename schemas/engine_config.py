@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, StrictModel
+from schemas.outdir import OPERATIONAL
 from schemas.train_config import ModelConfig, TrainConfig, demo_model_config
 
 __all__ = [
@@ -56,7 +57,7 @@ class RayConfig(StrictModel):
 class WorkersConfig(StrictModel):
     """The scoring-worker pool (Ray actors, one GPU each when the cluster has them)."""
 
-    count: int = Field(2, ge=1, description="number of scoring workers")
+    count: int = Field(2, ge=1, description="number of scoring workers", json_schema_extra=OPERATIONAL)
     threads: int = Field(1, ge=1, description="torch CPU threads per worker (also its Ray num_cpus)")
     device: Device = Field("auto", description="auto = cuda when the worker sees a GPU, else cpu")
     gpus: float | None = Field(
@@ -67,7 +68,8 @@ class WorkersConfig(StrictModel):
         None, ge=1, description="sequences per scoring forward; None = the whole candidate batch b"
     )
     range_steps: int = Field(5, ge=1, description="proxy steps per work unit (one MDS part per unit)")
-    max_restarts: int = Field(3, ge=0, description="restarts of a crashed worker (its unit is redone once)")
+    max_restarts: int = Field(3, ge=0, description="restarts of a crashed worker (its unit is redone once)",
+                              json_schema_extra=OPERATIONAL)
 
 
 class EngineConfig(StrictModel):
@@ -78,7 +80,8 @@ class EngineConfig(StrictModel):
         description="exact: workers write ℓ(w̃) (scored shards), the trainer selects with its own ℓ(u); "
         "pipelined: workers also hold a proxy snapshot and write finished masks (selected-token shards)",
     )
-    lookahead: int = Field(30, ge=1, description="max proxy steps the workers score ahead of the trainer")
+    lookahead: int = Field(30, ge=1, description="max proxy steps the workers score ahead of the trainer",
+                           json_schema_extra=OPERATIONAL)
     snapshot_period: int = Field(
         8, ge=1, description="P (pipelined): step t is scored with the proxy snapshot u^(W + P·⌊(t−W)/P⌋); "
         "P = 1 reproduces exact mode"
@@ -90,7 +93,8 @@ class EngineConfig(StrictModel):
     refresh_threads: int | None = Field(None, ge=1, description="torch threads of the refresh actor; None = workers.threads")
     refresh_device: Device = "auto"
     wait_timeout_s: float = Field(
-        1800.0, gt=0, description="the trainer fails when the scores of a step do not arrive within this time"
+        1800.0, gt=0, description="the trainer fails when the scores of a step do not arrive within this time",
+        json_schema_extra=OPERATIONAL,
     )
 
 
@@ -100,9 +104,10 @@ class CurateAndTrainConfig(StrictModel):
     train: TrainConfig
     engine: EngineConfig = Field(default_factory=EngineConfig)
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
+    ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=OPERATIONAL)
     prepare: PrepareConfig | None = Field(
-        None, description="prepare this corpus first when train.data.candidates has no index.json (demo)"
+        None, description="prepare this corpus first when train.data.candidates has no index.json (demo); "
+        "prepare.output_dir keeps its own config record", json_schema_extra=OPERATIONAL,
     )
 
     @model_validator(mode="after")
@@ -166,8 +171,8 @@ class CurateConfig(StrictModel):
     seed: int = Field(0, ge=0)
     output_dir: str = Field(description="selected/ (shards + manifest) and summary.json")
     workers: WorkersConfig = Field(default_factory=lambda: WorkersConfig(range_steps=10))
-    ray: RayConfig = Field(default_factory=RayConfig)
-    progress: bool = True
+    ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=OPERATIONAL)
+    progress: bool = Field(True, json_schema_extra=OPERATIONAL)
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> CurateConfig:

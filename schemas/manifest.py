@@ -151,9 +151,11 @@ def atomic_write_text(path: str, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write (full disk): name the file
+            raise type(e)(e.errno, e.strerror or str(e), path) from e
         raise
 
 

@@ -39,6 +39,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
+from schemas.outdir import OPERATIONAL
 
 __all__ = [
     "POLICY_CHOICES",
@@ -148,7 +149,7 @@ class OptimConfig(StrictModel):
 
     lr: float = Field(1e-3, gt=0, description="η_u (paper 8e-5 for 1.1B continual pre-training)")
     weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # a YAML list is a pair (items stay strict)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, ge=0, description="max total gradient norm; None = off")
 
@@ -165,8 +166,9 @@ class CheckpointConfig(StrictModel):
     """Composer checkpoints (BLADE state included) and automatic resume."""
 
     interval: int = Field(25, ge=1, description="save every this many proxy steps (and at the end)")
-    keep: int = Field(2, ge=-1, description="checkpoints to keep (-1 = all)")
-    resume: bool = Field(True, description="resume from output_dir/checkpoints/latest-rank0.pt when present")
+    keep: int = Field(2, ge=-1, description="checkpoints to keep (-1 = all)", json_schema_extra=OPERATIONAL)
+    resume: bool = Field(True, description="resume from output_dir/checkpoints/latest-rank0.pt when present",
+                         json_schema_extra=OPERATIONAL)
 
 
 class TrainConfig(StrictModel):
@@ -190,8 +192,8 @@ class TrainConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     write_selected: bool = Field(True, description="write selected-token shards to output_dir/selected")
     distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
-    progress_bar: bool = True
-    plots: bool = True
+    progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
+    plots: bool = Field(True, description="write plots/*.png with the summary", json_schema_extra=OPERATIONAL)
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -239,7 +241,7 @@ class ReplayConfig(StrictModel):
     device: Device = "auto"
     precision: Precision = "fp32"
     threads: int | None = Field(None, ge=1)
-    progress_bar: bool = True
+    progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> ReplayConfig:

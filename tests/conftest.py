@@ -48,6 +48,38 @@ def _quiet_env(monkeypatch):
     os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(when)``: from now on, atomic writes (``schemas.manifest.atomic_write_text``) whose text
+    satisfies ``when`` fail with ENOSPC, as on a full disk; the others are written."""
+    import errno
+
+    real = os.fdopen
+
+    class FullFile:
+        def __init__(self, f, when):
+            self.f, self.when = f, when
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            if self.when(text):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def fill(when=lambda text: True):
+        monkeypatch.setattr("schemas.manifest.os.fdopen", lambda fd, *a, **k: FullFile(real(fd, *a, **k), when))
+
+    return fill
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--all", action="store_true", default=False,

@@ -12,7 +12,12 @@ carrying any other pickled object is refused instead of executed.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import re
+import shutil
+import warnings
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SAFE_GLOBALS", "weights_only_loading", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["SAFE_GLOBALS", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
+           "resume_checkpoint", "checkpoint_write_errors"]
 
 
 def _safe_globals() -> list[Any]:
@@ -60,3 +66,86 @@ def latest_checkpoint(folder: str) -> str | None:
     """``folder/latest-rank0.pt`` (Composer's symlink to the newest checkpoint) when it exists."""
     path = os.path.join(folder, "latest-rank0.pt")
     return path if os.path.exists(path) else None
+
+
+#: Composer's checkpoint file names (``save_filename`` default): ``ep{epoch}-ba{batch}-rank0.pt``.
+_CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """Why the checkpoint file at ``path`` cannot be loaded (truncated, not a zip, a CRC mismatch), or None.
+
+    ``torch.save`` writes a zip archive with a CRC-32 per member: a cut file has no central directory and
+    a changed byte fails its CRC, both found here without unpickling anything (one read of the file).
+    """
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        return f"unreadable, probably truncated ({e})"
+    return f"damaged (member {bad} fails its CRC check)" if bad else None
+
+
+def resume_checkpoint(folder: str) -> str | None:
+    """The checkpoint a rerun resumes from: ``latest-rank0.pt`` when intact, else the newest intact one.
+
+    A damaged latest checkpoint (a full disk or a kill while Composer wrote it) falls back to the previous
+    intact checkpoint with a warning naming both; the steps after it are redone exactly.
+
+    Raises:
+        ValueError: checkpoints exist but none is intact (names each file and what is wrong with it).
+    """
+    latest = os.path.join(folder, "latest-rank0.pt")
+    if not os.path.lexists(latest):
+        return None
+    damage = checkpoint_damage(latest)
+    if damage is None:
+        return latest
+    newest = os.path.realpath(latest)
+    bad = [f"{newest}: {damage}"]
+    found = []
+    for name in os.listdir(folder):
+        m = _CHECKPOINT_NAME.match(name)
+        path = os.path.join(folder, name)
+        if m and os.path.realpath(path) != newest:
+            found.append((int(m.group(1)), path))
+    for _, path in sorted(found, reverse=True):
+        damage = checkpoint_damage(path)
+        if damage is None:
+            warnings.warn(f"the latest checkpoint {newest} is {bad[0].split(': ', 1)[1]}; resuming from the "
+                          f"previous intact checkpoint {path} (the steps after it are redone)", stacklevel=2)
+            return path
+        bad.append(f"{path}: {damage}")
+    raise ValueError(
+        f"{folder}: no intact checkpoint to resume from ({'; '.join(bad)}); delete {folder} to start the run over "
+        "(the other outputs of the run are then redone as well), or restore a checkpoint from a backup"
+    )
+
+
+#: Free space (bytes) under which a failed checkpoint write is reported as a full disk.
+_NEARLY_FULL = 64 << 20
+
+
+@contextmanager
+def checkpoint_write_errors(folder: str) -> Iterator[None]:
+    """Turn torch's zip-writer failure while Composer saves a checkpoint into ``folder`` into an ``OSError``
+    naming the folder (``ENOSPC`` when the disk is nearly full, else ``EIO``).
+
+    ``torch.save`` into a file object reports a failed write (a full disk) as a bare
+    ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos`` that names no file.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        msg = str(e)
+        if "inline_container" not in msg and "PytorchStreamWriter" not in msg:
+            raise
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = 0
+        code = errno.ENOSPC if free < _NEARLY_FULL else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} while writing a checkpoint ({free / 2**20:.0f} MiB free; "
+                            f"torch: {msg.strip().splitlines()[0]})", folder) from e

@@ -269,10 +269,8 @@ def build_pipelined_training(
     """
     import os
 
-    import yaml
-
     from curation.models import model_vocab_size
-    from schemas.manifest import Manifest, atomic_write_text
+    from schemas.manifest import Manifest
     from training.callbacks import SelectionStats
     from training.data import check_tokenizer, shard_dir_info, stream_loader
     from training.model import MaskedCausalLM
@@ -290,8 +288,6 @@ def build_pipelined_training(
     stats = SelectionStats(selection)
     resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"),
-                      yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     trainer = make_trainer(
         model=model, train_loader=stream_loader(data), total_steps=cfg.max_steps, optim=cfg.optim,
         algorithms=[selection], callbacks=[stats, *callbacks], loggers=[], eval_path=cfg.data.validation,

@@ -2,7 +2,8 @@
 
 ``output_dir`` of a training run::
 
-    config.yaml                 resolved config
+    config.yaml                 resolved config (a rerun resumes only with the same one: schemas.outdir)
+    .lock                       held by the running job (pid, host, start time)
     checkpoints/                Composer checkpoints (BLADE state included); latest-rank0.pt → newest
     selected/                   selected-token shards (MDS) + manifest.json
     logs/metrics.jsonl          every logged metric, one JSON object per line
@@ -24,17 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from curation.models import build_causal_lm, check_vocab, model_vocab_size, save_weights, weights_fingerprint
 from curation.scorer import ScoredShards, resolve_device
 from curation.stream import StreamReader
 from schemas.manifest import Manifest, atomic_write_text
+from schemas.outdir import open_output_dir
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
 from training.algorithm import BladeAlgorithm
 from training.callbacks import JSONLinesLogger, SelectedShardWriter, SelectionStats, ValidationCurve
-from training.checkpoint import latest_checkpoint, weights_only_loading
+from training.checkpoint import checkpoint_write_errors, resume_checkpoint, weights_only_loading
 from training.data import (
     StreamBatches,
     TokenRows,
@@ -107,15 +108,14 @@ def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
 
 def _resume_path(output_dir: str, resume: bool) -> str | None:
     folder = os.path.join(output_dir, "checkpoints")
-    latest = latest_checkpoint(folder)
-    if latest is None:
+    if not os.path.lexists(os.path.join(folder, "latest-rank0.pt")):  # (a dangling link: damaged, see below)
         return None
     if not resume:
         raise ValueError(
             f"{folder} holds checkpoints of an earlier run; set checkpoint.resume=true to continue it, "
             "or use a new output_dir"
         )
-    return latest
+    return resume_checkpoint(folder)  # the newest intact one (a damaged latest one falls back, with a warning)
 
 
 
@@ -229,8 +229,6 @@ def build_training(
 
     resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
-                                                                                  sort_keys=False))
     trainer = make_trainer(
         model=model, train_loader=stream_loader(stream_data), total_steps=cfg.max_steps, optim=cfg.optim,
         algorithms=[algorithm], callbacks=cbs, loggers=loggers, eval_path=cfg.data.validation, eval_cfg=cfg.eval,
@@ -258,16 +256,26 @@ def _finish(run: TrainRun, model_cfg: ModelConfig, plots: bool, extra: dict[str,
 
 
 def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = False) -> dict[str, Any]:
-    """Run (or resume) a training run; returns the output paths."""
-    run = build_training(cfg, callbacks=callbacks, timing=timing)
-    try:
-        if int(run.trainer.state.timestamp.batch) < cfg.max_steps:  # a rerun of a finished run only reports
-            run.trainer.fit()
-    finally:
-        run.trainer.close()
-    extra = {"resumed_from": run.resumed_from, "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
-             "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
-    out = _finish(run, cfg.model, cfg.plots, extra)
+    """Run (or resume) a training run; returns the output paths.
+
+    Holds ``output_dir``'s lock throughout; a rerun resumes only with the config in ``config.yaml``.
+
+    Raises:
+        OutputDirError: the directory is in use, was written with another config, or is not writable.
+    """
+    with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
+        run = build_training(cfg, callbacks=callbacks, timing=timing)
+        lock.write_records()
+        try:
+            if int(run.trainer.state.timestamp.batch) < cfg.max_steps:  # a rerun of a finished run only reports
+                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
+                    run.trainer.fit()
+        finally:
+            run.trainer.close()
+        extra = {"resumed_from": run.resumed_from,
+                 "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
+                 "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
+        out = _finish(run, cfg.model, cfg.plots, extra)
     out["selected"] = extra["selected_dir"]
     out["run"] = run
     return out
@@ -302,19 +310,21 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
 
 
 def replay(cfg: ReplayConfig) -> dict[str, Any]:
-    """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve."""
+    """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve.
+
+    Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
     curve = ValidationCurve()
-    run = build_replay(cfg, callbacks=[curve])
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    atomic_write_text(os.path.join(cfg.output_dir, "config.yaml"), yaml.safe_dump(cfg.model_dump(mode="json"),
-                                                                                  sort_keys=False))
-    try:
-        if run.trainer.state.timestamp < run.trainer.state.max_duration:
-            run.trainer.fit()
-    finally:
-        run.trainer.close()
-    out = _finish(run, cfg.model, False, {})
-    atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
+    with open_output_dir(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
+        run = build_replay(cfg, callbacks=[curve])
+        lock.write_records()
+        try:
+            if run.trainer.state.timestamp < run.trainer.state.max_duration:
+                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
+                    run.trainer.fit()
+        finally:
+            run.trainer.close()
+        out = _finish(run, cfg.model, False, {})
+        atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
     out["validation"] = curve.points
     out["run"] = run
     return out

@@ -77,7 +77,9 @@ def test_globs_sorted_and_resume_position(tmp_path):
 @pytest.mark.parametrize(
     "content,line,reason",
     [
-        (b'{"text": "ok"}\n{"text": "bad\n', 2, r"malformed JSON"),
+        (b'{"text": "ok"}\n{"text": "bad\n', 2, r"malformed JSON \(Invalid control character at column 14\)$"),
+        (b'{"text": "ok"}\n{"text": "bad', 2, r"malformed JSON \(Unterminated string starting at column 10\)$"),
+        (b'{"text": "ok" "x"}\n', 1, r"malformed JSON \(Expecting ',' delimiter at column 15\)$"),
         (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 2, r"not valid UTF-8 \(byte 0xe9 at column 14\)"),
         (b'{"text": "ok"}\n{"body": "x"}\n', 2, r"missing text field 'text' \(fields present: body\)"),
         (b'{"text": "ok"}\n{"text": "   "}\n', 2, r"empty document"),

@@ -76,6 +76,8 @@ def exact_run(tmp_path_factory, tiny_train):
 def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
     out = exact_run["out"]
     assert "trained 14 steps" in exact_run["stdout"] and "engine: exact, 2 workers" in exact_run["stdout"]
+    assert "sync refresh, starting a new run" in exact_run["stdout"] and "resuming" not in exact_run["stdout"]
+    assert os.path.exists(os.path.join(out, "engine_config.yaml")) and os.path.exists(os.path.join(out, "config.yaml"))
     validate_shard_dir(os.path.join(out, "scored"), "scored")
     validate_shard_dir(os.path.join(out, "selected"), "selected")
     scored = Manifest.load(os.path.join(out, "scored"))

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -73,3 +75,47 @@ def test_duplicate_source_names_rejected(tmp_path):
     with pytest.raises(ConfigError, match="duplicate source names"):
         load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
                     overrides=["sources.1.name=target"])
+
+
+@pytest.mark.parametrize("model,override,key", [
+    ("train", "batch_size=true", "batch_size"),
+    ("train", "selection.gamma=true", "selection.gamma"),
+    ("train", "optim.lr='0.001'", "optim.lr"),
+    ("train", "progress_bar=1", "progress_bar"),
+    ("prepare", "seq_len='256'", "seq_len"),
+    ("prepare", "seq_len=2.5", "seq_len"),
+    ("prepare", "skip_bad_records=yes_please", "skip_bad_records"),
+    ("prepare", "output_dir=7", "output_dir"),
+])
+def test_a_wrong_kind_of_value_is_refused_not_coerced(tmp_path, model, override, key):
+    from schemas.train_config import TrainConfig
+
+    cls, default = {"train": (TrainConfig, lambda: TrainConfig.demo_default(str(tmp_path))),
+                    "prepare": (PrepareConfig, lambda: PrepareConfig.demo_default(str(tmp_path)))}[model]
+    with pytest.raises(ConfigError, match="  " + re.escape(key) + r": .*\(got "):
+        load_config(cls, default=default, overrides=[override])
+
+
+def test_strict_values_still_take_the_natural_yaml_spellings(tmp_path):
+    from schemas.train_config import TrainConfig
+
+    cfg = load_config(TrainConfig, default=lambda: TrainConfig.demo_default(str(tmp_path)),
+                      overrides=["batch_size=32", "selection.gamma=1", "optim.lr=3e-4", "optim.betas=[0.9, 0.95]",
+                                 "progress_bar=false", "threads=null"])
+    assert cfg.batch_size == 32 and cfg.selection.gamma == 1.0 and isinstance(cfg.selection.gamma, float)
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95) and cfg.progress_bar is False
+    with pytest.raises(ConfigError, match=r"optim\.betas\.0: "):
+        load_config(TrainConfig, default=lambda: TrainConfig.demo_default(str(tmp_path)),
+                    overrides=["optim.betas=[true, 0.95]"])
+
+
+def test_scientific_notation_is_a_number_in_files_and_overrides(tmp_path):
+    from schemas.train_config import TrainConfig
+
+    data = TrainConfig.demo_default(str(tmp_path)).model_dump(mode="json")
+    text = yaml.safe_dump(data).replace("lr: 0.001", "lr: 1e-3").replace("eps: 1.0e-08", "eps: 1e-8")
+    assert "lr: 1e-3" in text and "eps: 1e-8" in text  # PyYAML alone reads both as strings
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    cfg = load_config(TrainConfig, path=str(path), overrides=["selection.ref_lr=5E-4"])
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.selection.ref_lr) == (1e-3, 1e-8, 5e-4)

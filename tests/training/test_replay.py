@@ -13,6 +13,7 @@ from streaming import StreamingDataset
 
 from curation.models import build_causal_lm
 from curation.shards import read_column
+from schemas.outdir import ConfigMismatch
 from schemas.train_config import ReplayConfig, demo_model_config
 from training.data import TokenRows, rows_loader
 from training.model import MaskedCausalLM
@@ -127,3 +128,16 @@ def test_plain_pytorch_and_hf_labels_reproduce_the_masked_loss(selected, tmp_pat
         if i == 2:
             break
     assert torch.isfinite(loss)
+
+
+def test_a_rerun_with_another_source_is_refused_not_reported_as_replayed(demo_root, selected, tmp_path):
+    out = str(tmp_path / "replay-src")
+    cfg = _replay_cfg(demo_root, selected, out, max_steps=2)
+    replay(cfg)
+    other = str(tmp_path / "other-selected")
+    shutil.copytree(selected, other)
+    before = {name: open(os.path.join(out, name), "rb").read() for name in ("config.yaml", "validation.json")}
+    with pytest.raises(ConfigMismatch) as err:
+        replay(cfg.model_copy(update={"selected": other}))
+    assert err.value.keys == ["selected"] and f'selected: "{selected}" → "{other}"' in str(err.value)
+    assert {name: open(os.path.join(out, name), "rb").read() for name in before} == before

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from curation.shards import read_column
 from schemas.manifest import Manifest
-from training.checkpoint import load_checkpoint, weights_only_loading
+from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
+from training.checkpoint import checkpoint_damage, load_checkpoint, weights_only_loading
 from training.run import train
 
 
@@ -108,10 +109,106 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_cleanly(make_config):
     assert not os.path.exists(os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt"))
     out = train(cfg)
     assert read_column(out["selected"], "step") == [t for t in range(6) for _ in range(8)]
-    # another policy resuming this run's checkpoint is refused ...
+    # another policy is refused by the config record, naming only the key that differs ...
+    other = make_config("random", "early", max_steps=6, checkpoint={"interval": 4})
+    record = open(os.path.join(cfg.output_dir, "config.yaml")).read()
+    with pytest.raises(ConfigMismatch, match=r"differs in: selection.policy\)") as err:
+        train(other)
+    assert err.value.keys == ["selection.policy"]
+    assert open(os.path.join(cfg.output_dir, "config.yaml")).read() == record  # not rewritten
+    # ... and, in a directory without that record (older runs), by the checkpoint ...
+    os.remove(os.path.join(cfg.output_dir, "config.yaml"))
     with pytest.raises(ValueError, match="written by policy 'blade'"):
         train(make_config("random", "early", max_steps=6))
     # ... and so is another run writing into its shards once the checkpoints are gone
     shutil.rmtree(os.path.join(cfg.output_dir, "checkpoints"))
+    assert not os.path.exists(os.path.join(cfg.output_dir, "config.yaml"))  # the refused run wrote no record
     with pytest.raises(ValueError, match="another run"):
         train(make_config("random", "early", max_steps=6))
+
+
+def test_a_rerun_with_other_settings_is_refused_instead_of_mixing_them(make_config):
+    cfg = make_config("blade", "mixed", max_steps=6)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, callbacks=[Kill(5)])  # checkpoint at step 4, killed after step 5
+    ckpts = sorted(os.listdir(os.path.join(cfg.output_dir, "checkpoints")))
+    record = open(os.path.join(cfg.output_dir, "config.yaml")).read()
+    changed = make_config("blade", "mixed", max_steps=6, optim={"lr": 3e-3}, selection={"lam": 0.5},
+                          progress_bar=True)
+    with pytest.raises(ConfigMismatch) as err:
+        train(changed)
+    assert err.value.keys == ["optim.lr", "selection.lam"]  # progress_bar may differ; unchanged keys unnamed
+    assert "optim.lr: 0.001 → 0.003" in str(err.value) and "selection.lam: 1.0 → 0.5" in str(err.value)
+    assert open(os.path.join(cfg.output_dir, "config.yaml")).read() == record
+    assert sorted(os.listdir(os.path.join(cfg.output_dir, "checkpoints"))) == ckpts
+    assert train(cfg)["run"].resumed_from.endswith("latest-rank0.pt")  # the same config resumes
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(make_config):
+    cfg = make_config("blade", "truncated", max_steps=8)
+    full = train(cfg)
+    weights = open(full["final_weights"], "rb").read()
+    folder = os.path.join(cfg.output_dir, "checkpoints")
+    latest = os.path.join(folder, "ep0-ba8-rank0.pt")
+    assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == latest
+    size = os.path.getsize(latest)
+    with open(latest, "r+b") as f:  # cut as by a full disk or a kill while it was written
+        f.truncate(size // 2)
+    with pytest.warns(UserWarning, match=r"ep0-ba8-rank0.pt is unreadable, probably truncated.*previous intact "
+                                         r"checkpoint .*ep0-ba4-rank0.pt"):
+        again = train(cfg)
+    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert open(again["final_weights"], "rb").read() == weights  # steps 4..8 redone exactly
+    assert read_column(again["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert checkpoint_damage(latest) is None  # rewritten whole
+
+
+def test_no_intact_checkpoint_is_an_error_naming_each_file(make_config):
+    cfg = make_config("full", "damaged", max_steps=4)
+    train(cfg)
+    path = os.path.join(cfg.output_dir, "checkpoints", "ep0-ba4-rank0.pt")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=rf"no intact checkpoint to resume from \({path}: unreadable.*delete "):
+        train(cfg)
+
+
+def test_a_second_run_into_the_same_directory_is_refused_at_start(make_config):
+    cfg = make_config("blade", "busy", max_steps=4)
+    with OutputDirLock(cfg.output_dir, "train") as holder:
+        with pytest.raises(OutputDirBusy, match=rf"in use by another run: train pid {os.getpid()} on host "):
+            train(cfg)
+        assert os.listdir(cfg.output_dir) == [os.path.basename(holder.path)]  # nothing written, nothing read
+    assert train(cfg)["run"].resumed_from is None  # once released, the run goes ahead
+
+
+def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resumes(make_config, monkeypatch):
+    import errno
+
+    from schemas.outdir import describe_os_error
+
+    cfg = make_config("full", "diskfull", max_steps=8)
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):  # what torch reports when the file's writes fail (the disk is full)
+        if str(getattr(f, "name", "")).endswith("ep0-ba8-rank0.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:659] . unexpected pos 704 vs 598")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr("training.checkpoint.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    folder = os.path.join(cfg.output_dir, "checkpoints")
+    with pytest.raises(OSError) as err:
+        train(cfg)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == folder
+    msg = describe_os_error(err.value, f"training into {cfg.output_dir} failed")
+    assert msg.startswith(f"training into {cfg.output_dir} failed ({folder}): No space left on device while "
+                          "writing a checkpoint (0 MiB free; torch: [enforce fail")
+    assert "the disk is full: free space" in msg
+    assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt"))  # the partial file is left behind
+    monkeypatch.undo()  # space freed
+    out = train(cfg)
+    assert out["run"].resumed_from == os.path.join(folder, "latest-rank0.pt")  # → step 4, intact
+    assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt")) is None
+    assert read_column(out["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]

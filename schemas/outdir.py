@@ -1,0 +1,291 @@
+"""Output directories: one writer at a time, and a rerun resumes only with the config it was written with.
+
+Every job (prepare, train, replay, curate, curate_and_train) opens its output directory with
+:func:`open_output_dir`, which
+
+1. takes an exclusive lock, ``output_dir/.lock``: ``fcntl.flock`` on a file descriptor held for the
+   job's lifetime. The kernel releases it when the process ends, however it ends (kill -9 included), so
+   a killed run never leaves a stale lock behind; the file keeps the holder's pid, host and start time
+   for the message a second writer gets;
+2. compares the resolved config with the record the directory was written with (``config.yaml``, or
+   ``engine_config.yaml``): a rerun resumes only when they are equal except for the *operational* keys
+   (fields marked with :data:`OPERATIONAL`, e.g. progress bars, which cannot change the outputs); else
+   it is refused naming exactly the keys that differ, and the record is left as it was;
+3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
+   there was none: an equal record is not rewritten.
+
+No torch, no ray: stdlib + pydantic only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from schemas.manifest import atomic_write_text
+
+__all__ = [
+    "LOCK_NAME",
+    "OPERATIONAL",
+    "OutputDirError",
+    "OutputDirBusy",
+    "ConfigMismatch",
+    "OutputDirLock",
+    "operational_keys",
+    "config_diff",
+    "check_config_record",
+    "write_config_record",
+    "open_output_dir",
+    "describe_os_error",
+]
+
+LOCK_NAME = ".lock"
+
+#: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
+#: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
+OPERATIONAL: dict[str, Any] = {"operational": True}
+
+
+class OutputDirError(ValueError):
+    """An output directory cannot be used (busy, written with another config, not writable)."""
+
+
+class OutputDirBusy(OutputDirError):
+    """Another process holds the output directory's lock."""
+
+
+class ConfigMismatch(OutputDirError):
+    """The output directory was written with a different config; ``keys`` are the differing ones."""
+
+    def __init__(self, message: str, keys: list[str]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+# ------------------------------------------------------------------------------------------------
+# lock
+# ------------------------------------------------------------------------------------------------
+class OutputDirLock:
+    """An exclusive ``flock`` on ``directory/.lock``, held until :meth:`release` (or process exit).
+
+    Raises:
+        OutputDirBusy: naming the holder (pid, host, start time, job) when another process holds it.
+        OutputDirError: the directory cannot be created or written (names it and the OS error).
+    """
+
+    def __init__(self, directory: str, job: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_NAME)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, f"cannot open the output directory {directory}")) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise OutputDirBusy(
+                f"{directory} is in use by another run: {holder}. Wait for it to finish or stop it (its lock is "
+                f"released when it exits, also when killed), or use another output_dir"
+            ) from None
+        self._fd: int | None = fd
+        self.pending: dict[str, BaseModel | Mapping[str, Any]] = {}  # records to write (none on disk yet)
+        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "job": job,
+                       "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                       "command": " ".join(sys.argv)}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(self.holder) + "\n").encode(), 0)
+        except OSError as e:
+            self.release()
+            raise OutputDirError(describe_os_error(e, f"cannot write the lock file {self.path}")) from e
+
+    def write_records(self) -> None:
+        """Write the config records the directory did not have yet (an equal record is not rewritten)."""
+        for name, cfg in list(self.pending.items()):
+            write_config_record(os.path.join(self.directory, name), cfg)
+            del self.pending[name]
+
+    def release(self) -> None:
+        """Release the lock (the file stays: removing it would let two writers lock different inodes)."""
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> OutputDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "holder unknown (its lock file is being written)"
+    return (f"{info.get('job', 'a job')} pid {info.get('pid')} on host {info.get('host')}, "
+            f"started {info.get('started')} ({info.get('command', '')})")
+
+
+# ------------------------------------------------------------------------------------------------
+# config records
+# ------------------------------------------------------------------------------------------------
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _models_in(a)]
+    return []
+
+
+def operational_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL`."""
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("operational"):
+            keys.add(key)
+            continue
+        for sub in _models_in(field.annotation):
+            keys |= operational_keys(sub, key + ".")
+    return keys
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, list | tuple) and value:
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+    else:
+        out[prefix] = value
+
+
+_MISSING = object()
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: set[str] = frozenset()) -> list[str]:
+    """Leaf keys (dotted, list items by index) whose values differ, as ``key: old → new``; keys under an
+    ``ignore`` prefix are left out. Empty when the configs are equal."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flatten(json.loads(json.dumps(old)), "", a)
+    _flatten(json.loads(json.dumps(new)), "", b)
+
+    def ignored(key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in ignore)
+
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if va != vb and not ignored(key):
+            show = ["(absent)" if v is _MISSING else json.dumps(v) for v in (va, vb)]
+            lines.append(f"{key}: {show[0]} → {show[1]}")
+    return lines
+
+
+def _as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    return cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else json.loads(json.dumps(dict(cfg)))
+
+
+def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None) -> bool:
+    """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
+
+    ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model.
+
+    Raises:
+        ConfigMismatch: the record differs; the message names each differing key with both values.
+    """
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise OutputDirError(f"{path}: cannot read the config record of this output directory ({e})") from e
+    if ignore is None:
+        ignore = operational_keys(type(cfg)) if isinstance(cfg, BaseModel) else set()
+    diff = config_diff(old, _as_dict(cfg), ignore)
+    if diff:
+        keys = [d.split(":", 1)[0] for d in diff]
+        raise ConfigMismatch(
+            f"{os.path.dirname(path) or '.'} was written with a different config (differs in: {', '.join(keys)}):\n  "
+            + "\n  ".join(diff)
+            + f"\nrerun with the config recorded in {path} to resume, or use a new output_dir "
+            "(nothing was changed in this one)",
+            keys,
+        )
+    return True
+
+
+def write_config_record(path: str, cfg: BaseModel | Mapping[str, Any]) -> None:
+    """Write the resolved config record atomically (errors name the file)."""
+    try:
+        atomic_write_text(path, yaml.safe_dump(_as_dict(cfg), sort_keys=False))
+    except OSError as e:
+        raise OutputDirError(describe_os_error(e, f"cannot write {path}")) from e
+
+
+def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
+                    ) -> OutputDirLock:
+    """Lock ``directory`` for ``job`` and check its config records (file name → config).
+
+    Nothing is written but the lock file: the caller calls :meth:`OutputDirLock.write_records` once its
+    own checks passed, right before its first output, so neither a refused rerun nor a run stopped by
+    bad settings leaves a record behind. The caller keeps the lock for the job's lifetime
+    (``with open_output_dir(...) as lock:``).
+
+    Raises:
+        OutputDirBusy, ConfigMismatch, OutputDirError: see the classes.
+    """
+    lock = OutputDirLock(directory, job)
+    try:
+        for name, cfg in (records or {}).items():
+            if not check_config_record(os.path.join(directory, name), cfg):
+                lock.pending[name] = cfg
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+# ------------------------------------------------------------------------------------------------
+# OS errors → messages
+# ------------------------------------------------------------------------------------------------
+_HINTS = {
+    errno.ENOSPC: "the disk is full: free space (or use an output_dir on another disk) and rerun; finished "
+                  "work is kept and the job resumes",
+    errno.EDQUOT: "the disk quota is exceeded: free space and rerun; finished work is kept and the job resumes",
+    errno.EACCES: "no permission: make the directory writable (or use another output_dir) and rerun",
+    errno.EPERM: "no permission: make the directory writable (or use another output_dir) and rerun",
+    errno.EROFS: "the file system is read-only: use an output_dir on a writable one",
+}
+
+
+def describe_os_error(e: OSError, what: str) -> str:
+    """``what`` + the OS error (with the file it names) + what to do about it."""
+    where = f" ({e.filename})" if e.filename and str(e.filename) not in what else ""
+    hint = _HINTS.get(e.errno or 0)
+    return f"{what}{where}: {e.strerror or e}" + (f"; {hint}" if hint else "")

@@ -1,0 +1,150 @@
+"""Output-directory locks, config records (resume only with the same config) and OS-error messages."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.config import PrepareConfig
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.manifest import atomic_write_text
+from schemas.outdir import (
+    LOCK_NAME,
+    ConfigMismatch,
+    OutputDirBusy,
+    OutputDirError,
+    OutputDirLock,
+    check_config_record,
+    config_diff,
+    describe_os_error,
+    open_output_dir,
+    operational_keys,
+)
+from schemas.train_config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    out = str(tmp_path / "out")
+    with OutputDirLock(out, "train"):
+        with pytest.raises(OutputDirBusy) as err:
+            OutputDirLock(out, "prepare")
+        msg = str(err.value)
+        assert f"pid {os.getpid()}" in msg and f"host {socket.gethostname()}" in msg
+        assert "train" in msg and "started 20" in msg and out in msg
+    with OutputDirLock(out, "prepare") as lock:  # released: the next run gets it
+        assert json.loads(Path(lock.path).read_text())["job"] == "prepare"
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    out = tmp_path / "out"
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from schemas.outdir import OutputDirLock
+        lock = OutputDirLock({str(out)!r}, "train")
+        print("locked", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirBusy, match=f"pid {proc.pid} on host"):
+            OutputDirLock(str(out), "train")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    holder = json.loads((out / LOCK_NAME).read_text())
+    assert holder["pid"] == proc.pid  # the file of the killed run is still there ...
+    with OutputDirLock(str(out), "train") as lock:  # ... and does not block the resume
+        assert lock.holder["pid"] == os.getpid()
+
+
+def test_config_diff_names_exactly_the_differing_leaf_keys():
+    old = {"a": 1, "sel": {"gamma": 0.6, "lam": 1.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "b"]}], "bar": True}
+    new = {"a": 1, "sel": {"gamma": 0.6, "lam": 2.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "c"]}],
+           "bar": False, "extra": None}
+    assert config_diff(old, new) == ['bar: true → false', 'extra: (absent) → null', 'sel.lam: 1.0 → 2.0',
+                                     'src.0.p.1: "b" → "c"']
+    assert config_diff(old, new, ignore={"bar", "extra", "src"}) == ["sel.lam: 1.0 → 2.0"]
+    assert config_diff(old, json.loads(json.dumps(old))) == []
+
+
+def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
+    assert operational_keys(PrepareConfig) == {"progress"}
+    assert operational_keys(TrainConfig) == {"progress_bar", "plots", "checkpoint.resume", "checkpoint.keep"}
+    keys = operational_keys(CurateAndTrainConfig)
+    assert {"train.progress_bar", "ray", "workers.count", "engine.wait_timeout_s"} <= keys
+    assert not keys & {"train.selection.gamma", "train.optim.lr", "engine.mode", "workers.range_steps"}
+
+
+def test_a_rerun_with_another_config_is_refused_and_the_record_is_kept(tmp_path):
+    out = tmp_path / "run"
+    cfg = TrainConfig.demo_default(str(tmp_path))
+    with open_output_dir(str(out), "train", {"config.yaml": cfg}) as lock:
+        assert not (out / "config.yaml").exists()  # written only when the job acts
+        lock.write_records()
+    record = (out / "config.yaml").read_text()
+    assert yaml.safe_load(record) == cfg.model_dump(mode="json")
+    other = cfg.model_copy(update={"batch_size": 32, "progress_bar": False,
+                                   "optim": cfg.optim.model_copy(update={"lr": 3e-4})})
+    with pytest.raises(ConfigMismatch) as err:
+        open_output_dir(str(out), "train", {"config.yaml": other})
+    assert err.value.keys == ["batch_size", "optim.lr"]  # not progress_bar (operational), nothing unchanged
+    assert "batch_size: 16 → 32" in str(err.value) and "optim.lr: 0.001 → 0.0003" in str(err.value)
+    assert (out / "config.yaml").read_text() == record
+    # only an operational key differs: resumes, and the record is not rewritten
+    quiet = cfg.model_copy(update={"progress_bar": False})
+    with open_output_dir(str(out), "train", {"config.yaml": quiet}) as lock:
+        assert lock.pending == {}
+        lock.write_records()
+    assert (out / "config.yaml").read_text() == record
+    assert check_config_record(str(out / "config.yaml"), quiet)
+
+
+def test_a_refused_rerun_releases_the_lock(tmp_path):
+    out = tmp_path / "run"
+    cfg = PrepareConfig.demo_default(str(tmp_path))
+    open_output_dir(str(out), "prepare", {"config.yaml": cfg}).write_records()
+    with pytest.raises(ConfigMismatch, match=r"differs in: seq_len\)"):
+        open_output_dir(str(out), "prepare", {"config.yaml": cfg.model_copy(update={"seq_len": 64})})
+    open_output_dir(str(out), "prepare", {"config.yaml": cfg}).release()
+
+
+def test_an_unwritable_output_dir_is_named(tmp_path, monkeypatch):
+    out = str(tmp_path / "ro")
+    if os.geteuid() != 0:  # a real read-only directory (root writes through permissions)
+        os.makedirs(out)
+        os.chmod(out, 0o555)
+    else:
+        def refuse(path, *a, **k):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+        monkeypatch.setattr("schemas.outdir.os.open", refuse)
+    with pytest.raises(OutputDirError) as err:
+        OutputDirLock(out, "train")
+    msg = str(err.value)
+    assert f"cannot open the output directory {out}" in msg and os.path.join(out, LOCK_NAME) in msg
+    assert "Permission denied" in msg and "make the directory writable" in msg
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, full_disk):
+    full_disk()
+    path = str(tmp_path / "manifest.json")
+    with pytest.raises(OSError) as err:
+        atomic_write_text(path, "{}")
+    assert err.value.errno == errno.ENOSPC and err.value.filename == path
+    assert os.listdir(tmp_path) == []  # no temporary file left
+    msg = describe_os_error(err.value, "preparing into /data failed")
+    assert msg.startswith(f"preparing into /data failed ({path}): No space left on device; the disk is full")
