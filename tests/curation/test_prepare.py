@@ -322,7 +322,7 @@ def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at)
     """Kills before, while and after the big document is packed (it fills parts 5–11); reruns equal a clean run."""
     path, tok = _big_corpus(tmp_path, 1500, bad_line=True)
     monkeypatch.setattr(prep, "PIECE_CHARS", 500)  # the big document (~9k characters) is read in pieces
-    src = SourceConfig(name="big", paths=[str(path)])
+    src = SourceConfig(name="big", paths=[str(path), str(tmp_path / "nope.jsonl")])  # + a missing path
     kw = dict(validation=[], tokenizer=TokenizerConfig(path=tok.path), skip_bad_records=True, seq_len=128,
               sequences_per_part=2)
     clean_res = prep.prepare(_cfg(tmp_path / "clean", [src], **kw))
@@ -333,7 +333,7 @@ def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at)
     ids = tok.encode_batch(docs)
     expect, rest = pack_documents(ids, seq_len=128, eos_id=tok.eos_id)
     assert sorted(clean[0]) == sorted(expect.tolist()) and clean_m.sources["big"].dropped_tokens == len(rest)
-    assert clean_m.sources["big"].bad_records == 10 and len(clean_m.shards) > 14
+    assert clean_m.sources["big"].bad_records == 11 and len(clean_m.shards) > 14  # counted once, also on resume
 
     real_write = prep.write_part
     calls = {"n": 0}
