@@ -73,22 +73,89 @@ def detect_format(path: str, fmt: str = "auto") -> str:
     raise BadRecordError(path, 0, "cannot tell the format from the extension; set the source's `format`")
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame, that notices a truncated file.
+
+    ``zstandard``'s ``stream_reader`` ends quietly when the input stops inside a frame (a file cut at a block
+    boundary reads as a shorter, valid file), so frames are decoded here one ``decompressobj`` at a time:
+    input that ends inside a frame raises :class:`TruncatedZstdError`.
+    """
+
+    _CHUNK = 1 << 16  # compressed bytes per step (bounds the output of one step)
+
+    def __init__(self, raw: io.BufferedReader) -> None:
+        super().__init__()
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = self._dctx.decompressobj()
+        self._in_frame = False  # the current frame has consumed input and not ended yet
+        self._out = bytearray()
+        self.decompressed = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _step(self) -> bool:
+        """Decode the next input chunk; False at the end of the input."""
+        data = self._raw.read(self._CHUNK)
+        if not data:
+            if self._in_frame:
+                raise TruncatedZstdError(self.decompressed)
+            return False
+        while data:
+            self._in_frame = True
+            out = self._frame.decompress(data)
+            self._out += out
+            self.decompressed += len(out)
+            if not self._frame.eof:
+                break
+            data = self._frame.unused_data  # the next frame starts in this chunk
+            self._frame = self._dctx.decompressobj()
+            self._in_frame = False
+        return True
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 - a writable buffer (io protocol)
+        while not self._out:
+            if not self._step():
+                return 0
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        del self._out[:n]
+        return n
+
+
+class TruncatedZstdError(Exception):
+    """The input of a zstd file ends inside a frame (an interrupted download or copy)."""
+
+    def __init__(self, decompressed: int):
+        self.decompressed = decompressed
+        super().__init__(f"the data ends inside a zstd frame after {decompressed} decompressed bytes")
+
+
 def _open_lines(path: str, fmt: str) -> Iterator[bytes]:
     """Raw lines (bytes, with newline) of a plain or zstd-compressed text file."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
+    lines = 0
     try:
         if fmt == "jsonl.zst":
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            stream = io.BufferedReader(reader, buffer_size=1 << 20)
+            stream = io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
         else:
             stream = raw
         try:
-            yield from stream
+            for line in stream:
+                lines += 1
+                yield line
         except zstandard.ZstdError as e:
-            raise BadRecordError(path, 0, f"corrupt zstd stream: {e}") from e
+            raise BadRecordError(path, lines + 1, f"corrupt zstd stream: {e}") from e
+        except TruncatedZstdError as e:
+            raise BadRecordError(
+                path, lines + 1,
+                f"truncated zstd file: {e} (the file is incomplete, e.g. an interrupted download or copy; "
+                f"{lines} complete lines were read before it)",
+            ) from e
     finally:
         raw.close()
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from curation.schedule import WARMUP_EPISODE, Schedule
-from curation.shards import ShardReader, publish_parts
+from curation.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.outdir import config_diff
 from schemas.shards import SPECS
@@ -380,7 +380,9 @@ class PartLedger:
     (with its step range in ``state``) only after the worker has written it completely; the root
     ``index.json`` lists recorded parts in step order, so the directory reads like a single-process one
     (:class:`curation.scorer.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
-    recorded (a killed worker's half-written ``.tmp`` or an unrecorded copy) are removed.
+    recorded (a killed worker's half-written ``.tmp`` or an unrecorded copy) are removed, and every recorded
+    part is checked against the hashes in its index: a damaged or missing one is unrecorded (its counts
+    subtracted, listed in :attr:`dropped`) so that the rerun redoes its unit.
 
     Args:
         out_dir: the output directory.
@@ -410,8 +412,31 @@ class PartLedger:
             extra = dict(fields.pop("extra", {}) or {})
             extra["run_key"] = key
             self.manifest = Manifest(kind=kind, job=job, extra=extra, **fields)
+        self.dropped: list[str] = self._drop_damaged()
         self._remove_unrecorded()
         self._publish()
+
+    def _drop_damaged(self) -> list[str]:
+        """Unrecord the parts whose files are missing or do not match their hashes; their units are redone."""
+        dropped = []
+        for rec in list(self.manifest.shards):
+            problem = verify_part(os.path.join(self.out_dir, rec.name)) if rec.complete else None
+            if problem is None:
+                continue
+            if "sources" not in rec.state:
+                raise ValueError(
+                    f"{self.out_dir}/{rec.name} is damaged ({problem}) and this directory was written before parts "
+                    "recorded their own counts, so it cannot be redone in place; use a new output directory"
+                )
+            warnings.warn(f"{self.out_dir}/{rec.name} is damaged ({problem}); its steps "
+                          f"[{rec.state['first_step']}, {rec.state['stop_step']}) will be redone", stacklevel=3)
+            self.manifest.shards.remove(rec)
+            for src, c in rec.state["sources"].items():
+                left = self.manifest.counts(src).model_dump()
+                self.manifest.sources[src] = SourceCounts(**{k: v - c.get(k, 0) for k, v in left.items()})
+            self.manifest.complete = False
+            dropped.append(rec.name)
+        return dropped
 
     def _remove_unrecorded(self) -> None:
         recorded = {r.name for r in self.manifest.shards if r.complete}
@@ -436,7 +461,7 @@ class PartLedger:
         rec = ShardRecord(
             name=result.name, samples=result.samples, tokens=result.tokens,
             state={"unit": result.unit, "first_step": result.first, "stop_step": result.stop,
-                   "kept_tokens": result.kept_tokens, "worker": result.worker},
+                   "kept_tokens": result.kept_tokens, "worker": result.worker, "sources": result.sources},
         )
         self.manifest.shards.append(rec)
         self.manifest.shards.sort(key=lambda r: int(r.state["first_step"]))
@@ -540,7 +565,8 @@ class PartCache:
     def rows(self, part: str, first: int, step: int) -> list[dict[str, Any]]:
         reader = self._open.get(part)
         if reader is None:
-            reader = ShardReader(os.path.join(self.out_dir, part))
+            reader = ShardReader(os.path.join(self.out_dir, part),
+                                 hint=lambda name: recovery_hint(self.out_dir, os.path.join(part, name)))
             self._open[part] = reader
             while len(self._open) > self.keep:
                 self._open.pop(next(iter(self._open)))

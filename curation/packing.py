@@ -17,20 +17,31 @@ __all__ = ["Packer", "pack_documents"]
 
 
 class Packer:
-    """Streaming packer; ``carry`` (the tokens not yet in a full sequence) makes it resumable."""
+    """Streaming packer; ``carry`` (the tokens not yet in a full sequence) makes it resumable.
+
+    A document may be fed in pieces (:meth:`extend`, then :meth:`end_document`), so a huge document is
+    never held as one token list: only the fewer-than-L tokens of an unfinished sequence stay buffered.
+    """
 
     def __init__(self, *, seq_len: int, eos_id: int, carry: Sequence[int] = ()):
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
         self.seq_len = seq_len
         self.eos_id = eos_id
-        self._buf: list[int] = list(carry)
+        self._buf = np.asarray(carry, dtype=np.int64).reshape(-1)
 
-    def add(self, ids: Sequence[int]) -> list[np.ndarray]:
-        """Append one document (+ EOS); return the sequences it completed (int64 arrays of length L)."""
-        self._buf.extend(ids)
-        self._buf.append(self.eos_id)
+    def extend(self, ids: Sequence[int] | np.ndarray) -> list[np.ndarray]:
+        """Append tokens (part of a document, no EOS); return the sequences they completed."""
+        self._buf = np.concatenate([self._buf, np.asarray(ids, dtype=np.int64).reshape(-1)])
         return self.drain()
+
+    def end_document(self) -> list[np.ndarray]:
+        """Append the EOS that ends a document."""
+        return self.extend([self.eos_id])
+
+    def add(self, ids: Sequence[int] | np.ndarray) -> list[np.ndarray]:
+        """Append one document (+ EOS); return the sequences it completed (int64 arrays of length L)."""
+        return self.extend(np.append(np.asarray(ids, dtype=np.int64), self.eos_id))
 
     def drain(self) -> list[np.ndarray]:
         """Full sequences currently buffered (e.g. from a resumed carry)."""
@@ -38,14 +49,13 @@ class Packer:
         if n == 0:
             return []
         cut = n * self.seq_len
-        arr = np.asarray(self._buf[:cut], dtype=np.int64).reshape(n, self.seq_len)
-        del self._buf[:cut]
-        return list(arr)
+        full, self._buf = self._buf[:cut].reshape(n, self.seq_len), self._buf[cut:].copy()
+        return list(full)
 
     @property
     def carry(self) -> list[int]:
         """Tokens waiting for the next sequence (always fewer than L after :meth:`add`)."""
-        return list(self._buf)
+        return self._buf.tolist()
 
 
 def pack_documents(docs: Iterable[Sequence[int]], *, seq_len: int, eos_id: int) -> tuple[np.ndarray, list[int]]:

@@ -344,6 +344,13 @@ class _CoordinatorActor:
                 return None
             await self._wait_change(left)
 
+    def unfinishable(self) -> list[str]:
+        """Units left to do whose weights are not published and not being refreshed: once the trainer is done,
+        nothing will publish them (a damaged part whose proxy snapshot was already dropped)."""
+        coming = {(REFERENCE, v) for v in self.refreshing}
+        return [u.name for u in self.core.pending()
+                if any(k not in self.core.published and k not in coming for k in u.needs())]
+
     async def wait_finished(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not self.core.finished():
@@ -460,6 +467,7 @@ class RayEngine:
         device: str = "auto", gpus: float | None = None, fixed_weights: dict[tuple[str, int], Weights] | None = None,
     ) -> None:
         self.engine_dir = engine_dir
+        self.out_dir = ledger["out_dir"]
         self.plan = plan
         self.wait_seconds = 0.0
         self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
@@ -574,6 +582,22 @@ class RayEngine:
                 if finished:
                     return
                 self.check()
+
+    def finish_units(self) -> None:
+        """After the trainer: wait for the units still to do (parts redone after damage was found on opening).
+
+        Raises:
+            EngineError: a unit can no longer be done (its weights are gone), naming its part.
+        """
+        stuck = self._get(self.coordinator.unfinishable.remote())
+        if stuck:
+            raise EngineError(
+                f"parts {', '.join(stuck[:3])} of {self.out_dir} were damaged and cannot be redone: the proxy "
+                "snapshots they were scored with are gone (the trainer is past them); use a new output directory"
+            )
+        p = self.progress()
+        if p["units_done"] < p["units_total"]:
+            self.run(progress=False, desc="redo")
 
     # --- reporting / shutdown ------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:

@@ -5,6 +5,12 @@ An output directory holds parts (``<group>/part-00000/`` …), each a complete M
 finished parts, in manifest order, so ``StreamingDataset(local=root)`` and llm-foundry read the whole
 directory. A part directory not recorded as complete in the manifest is a leftover of a killed run and is
 removed before being written again, so no sample is ever written twice.
+
+Integrity: every shard file is written with an ``xxh64`` hash of its compressed and of its raw bytes in the
+MDS index (``StreamingDataset(..., validate_hash="xxh64")`` checks them too). :class:`ShardReader` checks
+them when it first loads a shard and raises :class:`ShardIntegrityError` naming the file and saying how to
+regenerate the part; :func:`verify_part` checks a whole part (jobs use it on a rerun to rewrite corrupt or
+missing parts). Directories written before hashes were recorded are read without the check.
 """
 
 from __future__ import annotations
@@ -14,17 +20,108 @@ import json
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from schemas.manifest import atomic_write_text
+from schemas.manifest import Manifest, atomic_write_text
 from schemas.shards import ShardSpec, validate_shard_dir
 
 __all__ = [
-    "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards", "read_column",
+    "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
+    "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint",
 ]
+
+#: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
+SHARD_HASH = "xxh64"
+
+
+class ShardIntegrityError(ValueError):
+    """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
+
+
+def _check_bytes(data: bytes, info: Any, path: str) -> None:
+    """Compare ``data`` with the hash and size recorded for it (nothing recorded: nothing to check)."""
+    from streaming.base.hashing import get_hash
+
+    expected = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
+    if expected is not None and (len(data) != info.bytes or get_hash(SHARD_HASH, data) != expected):
+        raise ShardIntegrityError(
+            f"{path}: corrupt shard ({len(data)} bytes, {SHARD_HASH} {get_hash(SHARD_HASH, data)}; "
+            f"its index records {info.bytes} bytes, {SHARD_HASH} {expected})"
+        )
+
+
+def _load_shard_file(directory: str, shard: Any) -> bytes:
+    """The raw (decompressed) bytes of one shard, checked against its recorded hashes.
+
+    Raises:
+        ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
+    """
+    from streaming.base.compression import decompress
+
+    raw = os.path.join(directory, shard.raw_data.basename)
+    try:
+        if os.path.exists(raw):
+            with open(raw, "rb") as f:
+                data = f.read()
+        else:
+            zipped = os.path.join(directory, shard.zip_data.basename)
+            with open(zipped, "rb") as f:
+                packed = f.read()
+            _check_bytes(packed, shard.zip_data, zipped)
+            try:
+                data = decompress(shard.compression, packed)
+            except Exception as e:  # zstd raises ZstdError, other codecs their own
+                raise ShardIntegrityError(f"{zipped}: corrupt shard: cannot decompress ({e})") from e
+            raw = zipped
+    except OSError as e:
+        raise ShardIntegrityError(f"{e.filename or raw}: cannot read shard file ({e.strerror or e})") from e
+    _check_bytes(data, shard.raw_data, raw)
+    return data
+
+
+def recovery_hint(directory: str, shard_file: str) -> str:
+    """How to regenerate the part holding ``shard_file`` (relative to ``directory``), from the manifest."""
+    part = os.path.dirname(shard_file) or "."
+    try:
+        manifest = Manifest.load_if_exists(directory)
+    except ValueError:
+        manifest = None
+    job = manifest.job if manifest is not None else None
+    if job == "prepare":
+        return (f"part {part} can be regenerated: rerun jobs/prepare.py with the same config and output_dir (it checks "
+                "every part and rewrites the damaged ones)")
+    if job == "train":
+        return (f"part {part} holds masks of training steps already taken and cannot be rewritten without retraining: "
+                "restore it from a copy, or train into a new output_dir")
+    if job is not None:
+        return (f"part {part} can be regenerated: rerun the job that wrote it ({job}) with the same config (it checks "
+                "the recorded parts and redoes the damaged ones)")
+    return f"regenerate part {part} with the job that wrote {directory}"
+
+
+def verify_part(part_dir: str) -> str | None:
+    """Check one part directory: its index and every shard file against the recorded hashes.
+
+    Returns:
+        ``None`` when intact, else what is wrong (naming the file).
+    """
+    from streaming.base.format import reader_from_json
+
+    index = os.path.join(part_dir, "index.json")
+    try:
+        with open(index, encoding="utf-8") as f:
+            shards = [reader_from_json(part_dir, None, s) for s in json.load(f)["shards"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{index}: missing or unreadable index ({e})"
+    try:
+        for shard in shards:
+            _load_shard_file(part_dir, shard)
+    except ShardIntegrityError as e:
+        return str(e)
+    return None
 
 
 def write_part(
@@ -45,7 +142,8 @@ def write_part(
         shutil.rmtree(tmp)
     n = 0
     columns = spec.mds_columns(vocab_size=vocab_size)
-    with MDSWriter(out=tmp, columns=columns, compression="zstd", size_limit=size_limit, progress_bar=False) as w:
+    with MDSWriter(out=tmp, columns=columns, compression="zstd", hashes=[SHARD_HASH], size_limit=size_limit,
+                   progress_bar=False) as w:
         for sample in samples:
             w.write(sample)
             n += 1
@@ -105,15 +203,19 @@ class ShardReader:
 
     ``streaming.LocalDataset`` only reads uncompressed shards and ``StreamingDataset`` decompresses to disk
     through shared memory; this reader needs neither (a small LRU of decompressed shards), so training
-    loaders, tests and workers can index any sample deterministically.
+    loaders, tests and workers can index any sample deterministically. Each shard is checked against the
+    hashes in its index when loaded; a damaged one raises :class:`ShardIntegrityError` naming the file and
+    the part to regenerate (``hint``: a function of the shard's path relative to ``path``; default
+    :func:`recovery_hint` from the directory's manifest).
     """
 
-    def __init__(self, path: str, *, cache_shards: int = 4):
+    def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None):
         from streaming.base.format import reader_from_json
 
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)
         self.path = path
+        self._hint = hint or (lambda name: recovery_hint(path, name))
         self.shards = [reader_from_json(path, None, s) for s in index["shards"]]
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
@@ -126,20 +228,18 @@ class ShardReader:
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]
-        from streaming.base.compression import decompress
-
-        shard = self.shards[i]
-        raw = os.path.join(self.path, shard.raw_data.basename)
-        if os.path.exists(raw):
-            with open(raw, "rb") as f:
-                data = f.read()
-        else:
-            with open(os.path.join(self.path, shard.zip_data.basename), "rb") as f:
-                data = decompress(shard.compression, f.read())
+        try:
+            data = _load_shard_file(self.path, self.shards[i])
+        except ShardIntegrityError as e:
+            raise ShardIntegrityError(f"{e}; {self._hint(self._name(i))}") from e
         self._cache[i] = data
         if len(self._cache) > self._cache_shards:
             self._cache.popitem(last=False)
         return data
+
+    def _name(self, i: int) -> str:
+        shard = self.shards[i]
+        return (shard.zip_data or shard.raw_data).basename
 
     def locate(self, idx: int) -> tuple[str, int]:
         """``(shard file, record index within it)`` of sample ``idx`` (for error messages)."""
@@ -147,9 +247,7 @@ class ShardReader:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {self.path} ({len(self)} samples)")
         i = bisect.bisect_right(self._ends, idx)
-        shard = self.shards[i]
-        name = (shard.zip_data or shard.raw_data).basename
-        return name, idx - (self._ends[i - 1] if i else 0)
+        return self._name(i), idx - (self._ends[i - 1] if i else 0)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         idx = int(idx)
@@ -160,8 +258,15 @@ class ShardReader:
         i = bisect.bisect_right(self._ends, idx)
         local = idx - (self._ends[i - 1] if i else 0)
         data = self._shard_bytes(i)
-        begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
-        return self.shards[i].decode_sample(data[begin:end])
+        try:  # a shard without recorded hashes (older directories) may still be damaged
+            begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
+            return self.shards[i].decode_sample(data[begin:end])
+        except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
+            name = os.path.join(self.path, self._name(i))
+            raise ShardIntegrityError(
+                f"{name}: corrupt shard: sample {local} cannot be decoded ({type(e).__name__}: {e}); "
+                f"{self._hint(self._name(i))}"
+            ) from e
 
 
 def open_shards(path: str, spec: ShardSpec | str | None = None) -> ShardReader:

@@ -144,6 +144,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
                     run.trainer.fit()
         finally:
             run.trainer.close()
+        engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
     finally:

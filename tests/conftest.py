@@ -25,6 +25,18 @@ def gpt2_tokenizer(shared_data: Path) -> str:
     return str(shared_data / "tokenizer_gpt2" / "gpt2_tokenizer.json")
 
 
+@pytest.fixture
+def flip_bit():
+    """``flip_bit(path, offset=None)``: flip one bit of a file in place (of its middle byte by default)."""
+
+    def flip(path, offset: int | None = None) -> None:
+        data = bytearray(Path(path).read_bytes())
+        data[len(data) // 2 if offset is None else offset] ^= 0x10
+        Path(path).write_bytes(bytes(data))
+
+    return flip
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

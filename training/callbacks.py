@@ -24,7 +24,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
 from curation.policies import ScoreKind
-from curation.shards import publish_parts, write_part
+from curation.shards import publish_parts, verify_part, write_part
 from curation.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
@@ -85,12 +85,12 @@ class SelectedShardWriter(Callback):
                 "resume from; use a new output_dir or delete this one"
             )
         # (Same config, no checkpoint: a run killed before its first checkpoint; its parts are redone below.)
-        missing = [r.name for r in self.manifest.shards
-                   if not os.path.exists(os.path.join(self.out_dir, r.name, "index.json"))]
-        if missing:
+        damaged = [p for r in self.manifest.shards if (p := verify_part(os.path.join(self.out_dir, r.name)))]
+        if damaged:  # their masks come from steps already trained: only retraining would rewrite them
             raise ValueError(
-                f"{self.out_dir}: the checkpoint records selected-token parts that are missing on disk "
-                f"({', '.join(missing[:3])}); restore them or start a new output_dir"
+                f"{self.out_dir}: selected-token parts recorded by the checkpoint are missing or damaged "
+                f"({'; '.join(damaged[:3])}); they hold masks of steps already trained and cannot be rewritten "
+                "without retraining: restore them from a copy, or train into a new output_dir"
             )
         keep = {r.name for r in self.manifest.shards}
         for entry in sorted(os.listdir(self.out_dir)):

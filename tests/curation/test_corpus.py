@@ -134,3 +134,35 @@ def test_txt_non_utf8_line(tmp_path):
     items = _docs(SourceConfig(name="s", paths=[str(p)]))
     assert isinstance(items[0], Document) and items[0].text == "fine"
     assert isinstance(items[1], BadRecordError) and items[1].line == 3 and "not valid UTF-8 (byte 0xff" in str(items[1])
+
+
+def _zst_blocks(tmp_path, blocks=5, per_block=400):
+    """A single-frame .jsonl.zst of ``blocks`` flushed blocks; returns (rows, frame bytes, block ends)."""
+    rows = [json.dumps({"text": f"doc {i} " + "word " * 20}) + "\n" for i in range(blocks * per_block)]
+    cobj = zstandard.ZstdCompressor().compressobj()
+    frame, ends = b"", []
+    for b in range(blocks):
+        frame += cobj.compress("".join(rows[b * per_block:(b + 1) * per_block]).encode())
+        frame += cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        ends.append(len(frame))
+    frame += cobj.flush()
+    return rows, frame, ends
+
+
+def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
+    """A file cut at a block boundary used to read as a shorter valid file (1,200 of 2,000 documents, no
+    error); a file cut in its first block read as 'file is empty'."""
+    rows, frame, ends = _zst_blocks(tmp_path)
+    p = tmp_path / "c.jsonl.zst"
+    p.write_bytes(frame)
+    assert [d.text for d in _docs(SourceConfig(name="s", paths=[str(p)]))] == [json.loads(r)["text"] for r in rows]
+    for cut, complete in ((ends[2], 1200), (ends[2] + 7, 1200), (ends[0] - 5, 0), (9, 0)):
+        p.write_bytes(frame[:cut])
+        items = _docs(SourceConfig(name="s", paths=[str(p)]))
+        assert all(isinstance(d, Document) for d in items[:-1]) and len(items) - 1 >= complete
+        err = items[-1]
+        assert isinstance(err, BadRecordError) and err.file == str(p) and err.line == len(items)
+        assert "truncated zstd file: the data ends inside a zstd frame" in str(err), cut
+    # two whole frames back to back are still one valid file
+    p.write_bytes(frame + frame)
+    assert len(_docs(SourceConfig(name="s", paths=[str(p)]))) == 2 * len(rows)

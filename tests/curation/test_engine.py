@@ -180,3 +180,39 @@ def test_weights_round_trip(tmp_path):
     assert w2.fingerprint() == w.fingerprint()
     model = torch.nn.Linear(4, 3)
     Weights.from_state_dict(model).load_into(torch.nn.Linear(4, 3))
+
+
+def test_ledger_unrecords_damaged_or_missing_parts_on_reopen_so_they_are_redone(tmp_path, flip_bit):
+    """Issue 14: a damaged scored part made every rerun fail ('the scored sequences of step 58 are not the
+    candidate stream's'), and deleting it gave '[Errno 2] ... index.json'."""
+    from curation.engine import PartCache
+    from curation.shards import ShardIntegrityError
+
+    root = str(tmp_path / "scored")
+    units = _units()
+    ledger = PartLedger(root, kind="scored", job="curate_and_train", run_key={}, vocab_size=100)
+    parts = [ledger.record(_write_scored(root, i % 2, u)).name for i, u in enumerate(units[:3])]
+    shard = os.path.join(root, parts[1], "shard.00000.mds.zstd")
+    flip_bit(shard, offset=30)
+    # the trainer's reader stops naming the file and the way out
+    with pytest.raises(ShardIntegrityError) as e:
+        PartCache(root, batch_size=2).rows(parts[1], units[1].first, units[1].first)
+    assert str(e.value).startswith(f"{shard}: corrupt shard") and (
+        f"part {parts[1]} can be regenerated: rerun the job that wrote it (curate_and_train)" in str(e.value))
+    # the rerun unrecords it (counts too) and removes it; its unit is handed out again
+    with pytest.warns(UserWarning, match=rf"{parts[1]} is damaged .*steps \[4, 6\) will be redone"):
+        again = PartLedger(root, kind="scored", job="curate_and_train", run_key={}, vocab_size=100)
+    assert again.dropped == [parts[1]] and set(again.done_units()) == {units[0].name, units[2].name}
+    assert not os.path.exists(os.path.join(root, parts[1]))
+    m = Manifest.load(root)
+    assert m.sources["s"].sequences == 8 and not m.complete
+    with open(os.path.join(root, "index.json")) as f:
+        assert len(json.load(f)["shards"]) == 2
+    again.record(_write_scored(root, 1, units[1]))
+    assert Manifest.load(root).sources["s"].sequences == 12
+    # a part deleted by hand is redone the same way
+    import shutil
+
+    shutil.rmtree(os.path.join(root, parts[0]))
+    with pytest.warns(UserWarning, match="missing or unreadable index"):
+        assert PartLedger(root, kind="scored", job="curate_and_train", run_key={}, vocab_size=100).dropped == [parts[0]]

@@ -296,3 +296,179 @@ def test_skip_documents_makes_a_disjoint_slice(tmp_path, corpus):
     assert v.sources["held"].documents == 30 and m.sources["zst"].documents == len(texts["zst"]) - 30
     ids = res.tokenizer.encode_batch(texts["zst"][30:])
     assert m.sources["zst"].tokens == sum(len(i) + 1 for i in ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# large documents: bounded memory, a small manifest, exact resume inside a document (issue 14)
+# ------------------------------------------------------------------------------------------------
+def _big_corpus(tmp_path, big_words, *, bad_line=False):
+    """Small documents, one huge single-line document, more small documents (and a bad line)."""
+    rng = np.random.default_rng(7)
+    d = tmp_path / "raw"
+    d.mkdir(exist_ok=True)
+    big = " ".join(rng.choice(WORDS, big_words).tolist())
+    rows = [json.dumps({"text": t}) for t in _texts(5, 30)] + [json.dumps({"text": big})]
+    for i, t in enumerate(_texts(6, 30)):
+        rows += ["{not json"] if bad_line and i % 3 == 0 else []
+        rows.append(json.dumps({"text": t}))
+    path = d / "big.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    tok = train_bpe_tokenizer(_texts(8, 200), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    return path, tok
+
+
+@pytest.mark.parametrize("kill_at", [3, 7, 11, 14])
+def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at):
+    """Kills before, while and after the big document is packed (it fills parts 5–11); reruns equal a clean run."""
+    path, tok = _big_corpus(tmp_path, 1500, bad_line=True)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 500)  # the big document (~9k characters) is read in pieces
+    src = SourceConfig(name="big", paths=[str(path), str(tmp_path / "nope.jsonl")])  # + a missing path
+    kw = dict(validation=[], tokenizer=TokenizerConfig(path=tok.path), skip_bad_records=True, seq_len=128,
+              sequences_per_part=2)
+    clean_res = prep.prepare(_cfg(tmp_path / "clean", [src], **kw))
+    clean = _rows(clean_res.dirs["candidates"])
+    clean_m = Manifest.load(clean_res.dirs["candidates"])
+    # the clean run packs exactly what a whole-document encoding packs
+    docs = [json.loads(x)["text"] for x in path.read_text().splitlines() if x.startswith("{\"")]
+    ids = tok.encode_batch(docs)
+    expect, rest = pack_documents(ids, seq_len=128, eos_id=tok.eos_id)
+    assert sorted(clean[0]) == sorted(expect.tolist()) and clean_m.sources["big"].dropped_tokens == len(rest)
+    assert clean_m.sources["big"].bad_records == 11 and len(clean_m.shards) > 14  # counted once, also on resume
+
+    real_write = prep.write_part
+    calls = {"n": 0}
+
+    def dying_write(part_dir, spec, samples, **kw):
+        calls["n"] += 1
+        if calls["n"] == kill_at:
+            raise _Killed()
+        return real_write(part_dir, spec, samples, **kw)
+
+    monkeypatch.setattr(prep, "write_part", dying_write)
+    cfg = _cfg(tmp_path / "killed", [src], **kw)
+    with pytest.raises(_Killed):
+        prep.prepare(cfg)
+    out = os.path.join(cfg.output_dir, "candidates")
+    state = Manifest.load(out).shards[-1].state
+    assert set(state) == {"file", "record", "skip"}  # no tokens in the manifest
+    if kill_at in (7, 11):  # the last finished part ends inside the big document (record 30)
+        assert state["record"] == 30 and state["skip"] > 0
+    monkeypatch.setattr(prep, "write_part", real_write)
+    res = prep.prepare(cfg)
+    assert _rows(res.dirs["candidates"]) == clean
+    m = Manifest.load(out)
+    assert m.sources == clean_m.sources and m.bad_records == clean_m.bad_records
+    assert [s.name for s in m.shards] == [s.name for s in clean_m.shards]
+
+
+@pytest.mark.slow
+def test_large_document_prepares_in_bounded_memory(tmp_path):
+    """A 20 MB single-line document: peak RSS of the job under 2 GB, a manifest under 1 MB (issue 14: the
+    resume state kept every pending token in the manifest, and the document was tokenized whole)."""
+    import resource
+    import subprocess
+    import sys
+
+    import yaml
+
+    path, tok = _big_corpus(tmp_path, 3_600_000)
+    assert os.path.getsize(path) > 20e6
+    cfg = _cfg(tmp_path, [SourceConfig(name="big", paths=[str(path)])], validation=[],
+               tokenizer=TokenizerConfig(path=tok.path), seq_len=512, sequences_per_part=1024)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    done = subprocess.run([sys.executable, os.path.join(repo, "jobs", "prepare.py"), "--config",
+                           str(tmp_path / "job.yaml")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mb < 2048 or before / 1024 >= 2048, f"peak RSS {peak_mb:.0f} MB"
+    out = os.path.join(cfg.output_dir, "candidates")
+    assert os.path.getsize(Manifest.path_in(out)) < 1e6
+    m = Manifest.load(out)
+    assert m.complete and m.sources["big"].documents == 61
+    assert m.sources["big"].tokens == m.sources["big"].sequences * 512 + m.sources["big"].dropped_tokens > 4e6
+
+
+def test_truncated_zst_stops_prepare_or_is_a_counted_bad_record(tmp_path, corpus):
+    sources, texts = corpus
+    zst = tmp_path / "raw" / "b.jsonl.zst"
+    cobj, data, ends = zstandard.ZstdCompressor().compressobj(), b"", []
+    for block in range(3):  # one frame of three blocks, 30 documents each, cut after the second block
+        data += cobj.compress("".join(json.dumps({"text": t}) + "\n" for t in texts["zst"][30 * block:][:30]).encode())
+        data += cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        ends.append(len(data))
+    zst.write_bytes(data[:ends[1]])  # a valid-looking prefix: it used to pack 60 of 90 documents, no error
+    with pytest.raises(BadRecordError, match=r"b\.jsonl\.zst:\d+: truncated zstd file"):
+        prep.prepare(_cfg(tmp_path / "strict", sources[1:2], validation=[]))
+    res = prep.prepare(_cfg(tmp_path / "skip", sources[1:2], validation=[], skip_bad_records=True))
+    m = Manifest.load(res.dirs["candidates"])
+    (bad,) = m.bad_records
+    assert bad.file == str(zst) and "truncated zstd file" in bad.reason and m.sources["zst"].bad_records == 1
+    assert m.sources["zst"].documents == bad.line - 1 == 60  # the complete lines before it
+
+
+# ------------------------------------------------------------------------------------------------
+# shard integrity: hashes in the index, checked on read; a rerun regenerates damaged parts (issue 14)
+# ------------------------------------------------------------------------------------------------
+def test_damaged_candidate_shard_is_refused_naming_it_and_a_rerun_regenerates_it(tmp_path, corpus, flip_bit):
+    from curation.shards import ShardIntegrityError, ShardReader
+
+    sources = corpus[0]
+    cfg = _cfg(tmp_path, sources)
+    res = prep.prepare(cfg)
+    out = res.dirs["candidates"]
+    clean = _rows(out)
+    index = json.load(open(os.path.join(out, "index.json")))
+    assert all(s["zip_data"]["hashes"].keys() == {"xxh64"} and s["raw_data"]["hashes"] for s in index["shards"])
+    part = next(r.name for r in Manifest.load(out).shards if r.source == "zst" and r.part == 2)
+    shard = tmp_path / "out" / "candidates" / part / "shard.00000.mds.zstd"
+    flip_bit(shard)
+    reader = ShardReader(out)
+    with pytest.raises(ShardIntegrityError) as e:
+        [reader[i] for i in range(len(reader))]
+    msg = str(e.value)
+    assert msg.startswith(f"{shard}: corrupt shard") and f"part {part} can be regenerated: rerun jobs/prepare.py" in msg
+    # a rerun with the same config rewrites exactly that part (also when it is gone altogether)
+    with pytest.warns(UserWarning, match=f"{part} is damaged"):
+        again = prep.prepare(cfg)
+    assert again.regenerated == [os.path.join(out, part)] and again.tokens_processed == 0
+    assert _rows(out) == clean
+    import shutil
+
+    shutil.rmtree(shard.parent)
+    with pytest.warns(UserWarning, match="missing or unreadable index"):
+        assert prep.prepare(cfg).regenerated == [os.path.join(out, part)]
+    assert _rows(out) == clean and prep.prepare(cfg).regenerated == []
+
+
+def test_regenerating_a_part_from_changed_input_is_refused(tmp_path, corpus):
+    sources = corpus[0]
+    cfg = _cfg(tmp_path, sources[:1], validation=[])
+    out = prep.prepare(cfg).dirs["candidates"]
+    part = Manifest.load(out).shards[1].name
+    import shutil
+
+    shutil.rmtree(os.path.join(out, part))
+    src = tmp_path / "raw" / "a.jsonl"
+    src.write_text(src.read_text().replace("alpha", "omega"))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="the input files changed since"):
+        prep.prepare(cfg)
+
+
+def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path, flip_bit):
+    """Directories written before hashes were recorded are read unchecked; undecodable bytes still name the file."""
+    from streaming import MDSWriter
+
+    from curation.shards import ShardIntegrityError, ShardReader
+
+    d = tmp_path / "old"
+    with MDSWriter(out=str(d), columns={"tokens": "ndarray:uint16", "source": "str"}, compression="zstd") as w:
+        for i in range(5):
+            w.write({"tokens": np.arange(i, i + 8, dtype=np.uint16), "source": "s"})
+    reader = ShardReader(str(d))
+    assert [reader[i]["tokens"].tolist()[0] for i in range(5)] == [0, 1, 2, 3, 4]
+    shard = d / "shard.00000.mds.zstd"
+    flip_bit(shard, offset=len(shard.read_bytes()) - 6)
+    with pytest.raises(ShardIntegrityError, match=rf"^{shard}: corrupt shard"):
+        [ShardReader(str(d))[i] for i in range(5)]

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from curation.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -31,3 +32,19 @@ def test_gpt2_tokenizer(gpt2_tokenizer):
     tok = load_tokenizer(gpt2_tokenizer)
     assert tok.eos_id == 50256 and tok.vocab_size == 50257
     assert tok.encode_batch(["Hello world"])[0] == [15496, 995]
+
+
+def test_encode_pieces_equals_whole_encoding(tmp_path, shared_data, gpt2_tokenizer):
+    """Huge documents are tokenized in pieces cut at a space between letters: same ids as a whole encoding
+    (Shakespeare and web text, with blank lines, punctuation, digits, runs of spaces and non-ASCII)."""
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:60_000]
+    text += "  double  spaces, 1234 5678 ünïcödé wörds ✓\n\n\t tabs " + text[:5000]
+    bpe = train_bpe_tokenizer(iter([text[:20_000]]), vocab_size=500, save_to=str(tmp_path / "t" / "tokenizer.json"))
+    for tok in (bpe, load_tokenizer(gpt2_tokenizer)):
+        whole = tok.encode_batch([text])[0]
+        for piece_chars in (7, 100, 4096):
+            pieces = list(tok.encode_pieces(text, piece_chars=piece_chars))
+            assert len(pieces) > len(text) // (piece_chars + 200)  # really cut into pieces
+            assert np.concatenate(pieces).tolist() == whole, piece_chars
+    no_space = "x" * 5000  # no safe cut: encoded whole, still exact
+    assert [len(p) for p in bpe.encode_pieces(no_space, piece_chars=100)] == [len(bpe.encode_batch([no_space])[0])]

@@ -139,6 +139,32 @@ def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_trai
     assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in b["refreshes"]]
 
 
+def test_a_damaged_scored_part_is_redone_by_the_rerun(exact_run, tmp_path, tiny_train, flip_bit):
+    """Issue 14: a damaged scored part failed every rerun ('the scored sequences of step 58 are not the
+    candidate stream's'). Now reading it stops the trainer naming the file; the rerun resumes from the
+    checkpoint before it, the engine redoes the part, and the outputs equal an undamaged run's."""
+    out = str(tmp_path / "damaged")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
+    _run(cfg)
+    ckpts = os.path.join(out, "checkpoints")
+    (first,) = [f for f in os.listdir(ckpts) if f.endswith("-ba5-rank0.pt")]
+    for f in os.listdir(ckpts):  # back to the state after step 5, as if the job had failed at step 7
+        if f != first:
+            os.remove(os.path.join(ckpts, f))
+    os.symlink(first, os.path.join(ckpts, "latest-rank0.pt"))
+    scored = os.path.join(out, "scored")
+    (part,) = [r.name for r in Manifest.load(scored).shards if r.state["first_step"] <= 7 < r.state["stop_step"]]
+    shard = os.path.join(scored, part, "shard.00000.mds.zstd")
+    flip_bit(shard, offset=50)
+    with pytest.raises(ValueError, match=f"^{shard}: corrupt shard.*rerun the job that wrote it \\(curate_and_train\\)"):
+        _rows(scored)
+    resumed = _run(cfg)
+    assert f"{part} is damaged" in resumed.stderr and "will be redone" in resumed.stderr
+    assert "resuming from" in resumed.stdout and "latest-rank0.pt" in resumed.stdout
+    assert_same_run(exact_run["out"], out)
+    assert Manifest.load(scored).complete and len(_rows(scored)) == len(_rows(os.path.join(exact_run["out"], "scored")))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -143,3 +143,21 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     done = Manifest.load(os.path.join(out, "selected"))
     assert {s.name for s in killed.shards} <= {s.name for s in done.shards}  # finished parts were not redone
     _assert_expected(out, setup["expected"])
+
+
+def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
+    """Issue 14: a damaged part blocked its output directory on every rerun, and a deleted one gave
+    '[Errno 2] … index.json'. Now the rerun checks the recorded parts' hashes and redoes those units."""
+    out = str(setup["dir"] / "damaged")
+    cfg = _config(setup, out)
+    assert _run(cfg).returncode == 0
+    sel = os.path.join(out, "selected")
+    parts = [s.name for s in Manifest.load(sel).shards]
+    shard = os.path.join(sel, parts[1], "shard.00000.mds.zstd")
+    flip_bit(shard, offset=40)
+    shutil.rmtree(os.path.join(sel, parts[-1]))
+    proc = _run(cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{parts[1]} is damaged" in proc.stderr and f"{parts[-1]} is damaged" in proc.stderr
+    _assert_expected(out, setup["expected"])
+    assert len(Manifest.load(sel).shards) == len(parts)

@@ -113,6 +113,34 @@ def test_train_job_writes_everything_and_a_rerun_resumes(small_demo, tmp_path, c
     assert "validation loss" in capsys.readouterr().out
 
 
+def test_damaged_selected_shard_stops_replay_and_resume_naming_it(small_demo, tmp_path, capsys, flip_bit):
+    """A damaged selected-token shard: replay and a resumed train.py stop naming it (it cannot be rewritten
+    without retraining); before, replay trained on altered masks or died in a zstd traceback."""
+    out = str(tmp_path / "run")
+    config = _config_file(small_demo, out, tmp_path / "train.yaml", checkpoint={"interval": 4, "keep": -1})
+    assert train_job.main(["--config", config]) == 0
+    capsys.readouterr()
+    ckpts = os.path.join(out, "checkpoints")
+    for f in os.listdir(ckpts):  # back to the checkpoint after step 4, as if the run had been killed later
+        if not f.endswith("-ba4-rank0.pt"):
+            os.remove(os.path.join(ckpts, f))
+    (first,) = os.listdir(ckpts)
+    os.symlink(first, os.path.join(ckpts, "latest-rank0.pt"))
+    sel = os.path.join(out, "selected")
+    shard = sorted(Path(sel).glob("steps-*/shard.*.mds.zstd"))[0]
+    flip_bit(shard)
+    rcfg = ReplayConfig.demo_default(small_demo).model_dump(mode="json")
+    rcfg.update(selected=sel, output_dir=str(tmp_path / "replay"), batch_size=8, progress_bar=False, threads=1,
+                model=demo_model_config(512, hidden=32, layers=1).model_dump(mode="json"))
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(rcfg))
+    assert replay_job.main(["--config", str(tmp_path / "replay.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {shard}: corrupt shard" in err and "cannot be rewritten without retraining" in err
+    assert train_job.main(["--config", config]) == 1  # the same command again: resumes after step 4
+    err = capsys.readouterr().err
+    assert f"{shard}: corrupt shard" in err and "cannot be rewritten without retraining" in err
+
+
 def test_bad_shard_schema_fails_naming_the_directory_and_column(small_demo, tmp_path, capsys):
     cand = os.path.join(small_demo, "data", "candidates")
     config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
@@ -153,3 +181,22 @@ def test_train_job_runs_as_a_script(small_demo, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "random: 3 steps" in proc.stdout
+
+
+def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_path, capsys, flip_bit):
+    """Issue 14: one flipped bit in a candidate shard was trained on silently (exit 0); a corrupt zstd
+    shard gave a raw traceback without a path."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(small_demo, "data"), data)
+    cand = data / "candidates"
+    shard = sorted(cand.glob("*/part-*/shard.*.mds.zstd"))[0]
+    flip_bit(shard)
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    rc = train_job.main(["--config", config, "--set", f"data.candidates={cand}", "--set", f"data.validation={data / 'validation'}",
+                         "--set", "data.tokenizer=null"])
+    err = capsys.readouterr().err
+    part = os.path.relpath(shard.parent, cand)
+    assert rc == 1 and f"error: {shard}: corrupt shard" in err
+    assert f"part {part} can be regenerated: rerun jobs/prepare.py" in err and "Traceback" not in err

@@ -101,7 +101,7 @@ def test_plain_pytorch_and_hf_labels_reproduce_the_masked_loss(selected, tmp_pat
 
     local = str(tmp_path / "copy")
     shutil.copytree(selected, local)
-    ds = StreamingDataset(local=local, shuffle=False, batch_size=8)
+    ds = StreamingDataset(local=local, shuffle=False, batch_size=8, validate_hash="xxh64")  # as README
 
     def collate(rows):
         tokens = torch.from_numpy(np.stack([r["tokens"] for r in rows]).astype(np.int64))
