@@ -29,6 +29,7 @@ from curation.engine import PROXY, REFERENCE, PartResult, ScoringDataError, Weig
 from curation.losses import target_valid
 from curation.models import build_causal_lm, model_vocab_size
 from curation.policies import RefreshMode, get_policy, train_static_reference
+from curation.refresh import RefreshWorkspace
 from curation.schedule import Schedule
 from curation.scorer import ReferenceScorer
 from curation.shards import open_shards, write_part
@@ -104,6 +105,8 @@ class WorkerSpec:
         threads: torch CPU threads (``None``: leave the process setting alone).
         score_batch_size: sequences per forward (``None``: the whole batch).
         needs_proxy: build a proxy model (selected output).
+        precision: ``fp32`` / ``amp_bf16`` (bf16 autocast on CUDA), the trainer's setting, so that the
+            workers' ℓ(w̃) (and pipelined ℓ(u)) are computed as the trainer computes ℓ(u).
     """
 
     candidates: str
@@ -118,6 +121,7 @@ class WorkerSpec:
     threads: int | None = None
     score_batch_size: int | None = None
     needs_proxy: bool = True
+    precision: str = "fp32"
 
 
 class ScoringWorker:
@@ -143,7 +147,7 @@ class ScoringWorker:
                              f"{self.order.num_samples}")
         model_cfg = ModelConfig.model_validate(spec.model)
         batch = spec.score_batch_size or self.order.batch_size
-        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch)
+        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch, precision=spec.precision)
         self.scorers: dict[str, ReferenceScorer] = {REFERENCE: ReferenceScorer(scorer_cfg)}
         if spec.needs_proxy:
             self.scorers[PROXY] = ReferenceScorer(scorer_cfg)
@@ -293,6 +297,7 @@ class RefreshSpec:
         engine_dir: where reference versions are saved (``reference-0003.safetensors``).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
+        precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
     """
 
     model: dict[str, Any]
@@ -305,6 +310,7 @@ class RefreshSpec:
     engine_dir: str
     device: str = "auto"
     threads: int | None = None
+    precision: str = "fp32"
 
 
 def reference_path(engine_dir: str, version: int) -> str:
@@ -378,6 +384,8 @@ class RefreshRunner:
         self._static_stream = CandidateStream(n, rb, seed=self.cfg.seed + 2)
         self.opt_state: dict[str, Any] | None = None
         self.opt_version: int | None = None
+        # The reference module and AdamW of a refresh, reused refresh after refresh (curation.refresh).
+        self.workspace = RefreshWorkspace()
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
         return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
@@ -424,6 +432,7 @@ class RefreshRunner:
             result = train_static_reference(
                 base, self._val_batches(self._static_stream, 0, steps), steps=steps, lr=self.spec.ref_lr,
                 weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+                precision=self.spec.precision,
             )
             weights = Weights.from_state_dict(result.model)
             log = self._entry(0, 0, result, time.perf_counter() - start)
@@ -467,6 +476,7 @@ class RefreshRunner:
             self._cand_batches(recent, self.cfg.refresh_steps, self.stream_step(version)),
             previous=prev_sd, optimizer_state=opt_state, steps=self.cfg.refresh_steps, lam=self.cfg.lam,
             lr=self.spec.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+            precision=self.spec.precision, workspace=self.workspace,
         )
         weights = Weights.from_state_dict(result.model)
         if continue_mode:

@@ -38,6 +38,7 @@ def _weights(seed: int) -> Weights:
 def _spec(root: str, out: str, *, candidates: str | None = None, vocab: int = 512, **kw) -> WorkerSpec:
     cand = candidates or os.path.join(root, "data", "candidates")
     n = len(open_shards(cand))
+    kw.setdefault("device", "cpu")  # compared with CPU float32 values, also on a machine with a GPU
     return WorkerSpec(candidates=cand, out_dir=out, model=_model().model_dump(mode="json"),
                       order=BatchOrder("stream", n, B, seed=0).to_dict(), vocab_size=vocab,
                       schedule=SCHED.to_dict(), **kw)
