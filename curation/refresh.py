@@ -87,9 +87,15 @@ class RefreshWorkspace:
     Holds at most one model and one optimizer; the model built by the first refresh is returned in
     every :class:`RefreshResult` (the caller must not keep a previous result's model as a different
     reference: it is overwritten by the next refresh).
+
+    Args:
+        keep_optimizer_state: keep the AdamW moments between refreshes (``blade-nosync`` continues them).
+            Otherwise (``blade``: a fresh optimizer every refresh) they are released after each refresh,
+            so that between refreshes the reference costs its weights only, not three times them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_optimizer_state: bool = False) -> None:
+        self.keep_optimizer_state = keep_optimizer_state
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.AdamW | None = None
         #: The ``optimizer_state`` of the last result: it views the optimizer's live tensors, so passing it
@@ -276,7 +282,10 @@ def refresh_reference(
     ref.eval()
     result.optimizer_state = opt.state_dict()
     if workspace is not None:
-        workspace.last_state = result.optimizer_state
+        if workspace.keep_optimizer_state:
+            workspace.last_state = result.optimizer_state
+        else:  # released once the caller drops the result; the next step re-creates them lazily, zeroed
+            opt.state.clear()
     return result
 
 

@@ -385,7 +385,7 @@ class RefreshRunner:
         self.opt_state: dict[str, Any] | None = None
         self.opt_version: int | None = None
         # The reference module and AdamW of a refresh, reused refresh after refresh (curation.refresh).
-        self.workspace = RefreshWorkspace()
+        self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
         return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])

@@ -200,7 +200,7 @@ class BladeAlgorithm(Algorithm):
 
         self.scorer: ReferenceScorer | None = None
         # The refresh's reference module and AdamW, reused refresh after refresh (curation.refresh).
-        self.workspace = RefreshWorkspace()
+        self.workspace = self._new_workspace()
         self.ref_version = WARMUP_EPISODE
         self.ref_opt_state: dict[str, Any] | None = None
         self.score_cache: dict[int, np.ndarray] = {}
@@ -295,7 +295,10 @@ class BladeAlgorithm(Algorithm):
         assert self.scorer is not None
         if self.scorer.device.type != "cpu":
             self.scorer.to("cpu")
-            self.workspace = RefreshWorkspace()
+            self.workspace = self._new_workspace()
+
+    def _new_workspace(self) -> RefreshWorkspace:
+        return RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _train_static(self, proxy: nn.Module) -> None:
         with self._timed("refresh"):

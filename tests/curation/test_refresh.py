@@ -279,7 +279,7 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
     from curation.refresh import RefreshWorkspace
 
     proxy = tiny_llama(0)
-    ws = RefreshWorkspace()
+    ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
     fresh_prev, fresh_state, ws_prev, ws_state = None, None, None, None
     modules, optimizers = set(), set()
     for episode in range(3):
@@ -296,6 +296,8 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         modules.add(id(b.model))
         optimizers.add(id(ws.optimizer))
+        # blade releases the AdamW moments between refreshes; blade-nosync keeps them (and continues them)
+        assert (len(ws.optimizer.state) > 0) == continue_mode
         if continue_mode:
             fresh_prev, fresh_state = a.model, copy.deepcopy(a.optimizer_state)
             ws_prev, ws_state = b.model, b.optimizer_state  # continued in place, no copy
