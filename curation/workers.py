@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,13 +211,44 @@ class ScoringWorker:
             where = self.where(int(ids[row]), step) if row is not None else f"{self.spec.candidates}: step {step}"
             raise ScoringDataError(f"{where}: {kind} {msg}") from e
 
+    def _load_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray, Tensor]:
+        """:meth:`read_step` plus the int64 token tensor, in pinned memory when scoring on CUDA (so the
+        scorer's copy to the device is asynchronous)."""
+        tokens_np, sources, ids = self.read_step(step)
+        tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        if self.scorers[REFERENCE].device.type == "cuda":
+            tokens = tokens.pin_memory()
+        return tokens_np, sources, ids, tokens
+
+    def _prefetched(self, steps: range, pool: ThreadPoolExecutor) -> Iterator[tuple[int, Any]]:
+        """``(step, loaded step)`` in order, the next step read and decoded in ``pool`` while the caller
+        scores the current one. A bad record raises when its step is reached, as without prefetching."""
+        it = iter(steps)
+        step = next(it, None)
+        pending = pool.submit(self._load_step, step) if step is not None else None
+        while step is not None:
+            nxt = next(it, None)
+            following = pool.submit(self._load_step, nxt) if nxt is not None else None
+            try:
+                loaded = pending.result()
+            except BaseException:
+                if following is not None:
+                    following.cancel()
+                raise
+            yield step, loaded
+            step, pending = nxt, following
+
     # --- one unit ----------------------------------------------------------------------------
-    def rows(self, unit: WorkUnit, counts: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
-        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``)."""
+    def rows(
+        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``).
+
+        With ``pool``, the next step is read and decoded there while the current one is scored."""
         dtype = self.candidates[0]["tokens"].dtype
-        for step in unit.steps:
-            tokens_np, sources, ids = self.read_step(step)
-            tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        loaded_steps = (self._prefetched(unit.steps, pool) if pool is not None
+                        else ((t, self._load_step(t)) for t in unit.steps))
+        for step, (tokens_np, sources, ids, tokens) in loaded_steps:
             ref16 = None
             if unit.ref_version >= 0:
                 ref16 = self._losses(REFERENCE, tokens, ids, step).to("cpu", torch.float16)
@@ -263,10 +296,13 @@ class ScoringWorker:
         spec = SCORED if unit.output == "scored" else SELECTED
         name = f"{self.subdir}/{unit.name}"
         counts: dict[str, dict[str, int]] = {}
-        # Rows are produced while the part is written (write_part consumes the generator into `<part>.tmp`
+        # Three stages overlap: a reader thread decodes step t+1, this thread scores step t, and a writer
+        # thread compresses and writes the rows of step t−1 (`write_part` consumes them into `<part>.tmp`
         # and renames it at the end), so a crash mid-unit leaves only a .tmp that the redo replaces.
-        n = write_part(os.path.join(self.spec.out_dir, name), spec, self.rows(unit, counts),
-                       vocab_size=self.spec.vocab_size)
+        with ThreadPoolExecutor(2, thread_name_prefix=f"worker{self.worker_id}-io") as pool:
+            n = _write_behind(pool, lambda rows: write_part(os.path.join(self.spec.out_dir, name), spec, rows,
+                                                            vocab_size=self.spec.vocab_size),
+                              self.rows(unit, counts, pool=pool))
         tokens = sum(c["tokens"] for c in counts.values())
         seconds = time.perf_counter() - start
         self.stats["units"] += 1
@@ -277,6 +313,62 @@ class ScoringWorker:
             tokens=tokens, kept_tokens=sum(c["kept_tokens"] for c in counts.values()), sources=counts,
             seconds=seconds, scored_tokens=tokens * (1 + int(unit.proxy_version is not None)),
         )
+
+
+_DONE = object()
+
+
+class _Aborted(Exception):
+    """Tells the writer thread that producing the rows failed (the part must not be completed)."""
+
+
+def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, Any]]], int],
+                  rows: Iterator[dict[str, Any]]) -> int:
+    """``write(rows)`` in a ``pool`` thread while this thread produces ``rows``; returns what ``write`` returns.
+
+    Rows go through a small queue (a few steps' worth), so the producer runs at most that far ahead. An
+    error while producing is raised here after the writer has stopped *without* completing (its row
+    iterator raises); an error while writing stops the producer and is raised here.
+    """
+    q: queue.Queue[Any] = queue.Queue(maxsize=256)
+
+    def consume() -> Iterator[dict[str, Any]]:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Aborted):
+                raise item
+            yield item
+
+    writer = pool.submit(write, consume())
+
+    def put(item: Any) -> None:
+        while True:
+            try:
+                q.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if writer.done():  # the writer failed: raise its error
+                    writer.result()
+                    raise RuntimeError("the part writer stopped early") from None
+
+    try:
+        for row in rows:
+            put(row)
+    except BaseException:
+        if not writer.done():
+            try:
+                put(_Aborted())
+            except BaseException:  # noqa: S110 - the writer's own error is secondary to this one
+                pass
+        try:
+            writer.result()
+        except BaseException:  # noqa: S110 - expected: the writer stops on _Aborted
+            pass
+        raise
+    put(_DONE)
+    return writer.result()
 
 
 # ------------------------------------------------------------------------------------------------
