@@ -282,3 +282,15 @@ def test_bf16_autocast_scoring_on_cuda_within_tolerance_of_float32():
     assert got.dtype == torch.float32
     assert float(((got - ref).abs() / ref.abs().clamp(min=1.0)).max()) < 3e-2
     torch.testing.assert_close(got, full, rtol=1e-3, atol=1e-3)
+
+
+def test_autocast_setting():
+    from curation.losses import autocast
+
+    cpu = torch.device("cpu")
+    x = torch.randn(4, 4)
+    for precision in ("fp32", "amp_bf16"):  # on a CPU every precision computes in float32
+        with autocast(precision, cpu):
+            assert (x @ x).dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be 'fp32' or 'amp_bf16', got 'bf16'"):
+        autocast("bf16", cpu)

@@ -303,3 +303,15 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
             ws_prev, ws_state = b.model, b.optimizer_state  # continued in place, no copy
     assert len(modules) == 1 and len(optimizers) == 1
     assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
+
+
+@pytest.mark.gpu
+def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (refresh under bf16 autocast)")
+    proxy = tiny_llama(0).cuda()
+    kw = dict(steps=5, lam=1.0, lr=1e-2)
+    a = refresh_reference(proxy, val_stream(0), cand_stream(1), **kw)
+    b = refresh_reference(proxy, val_stream(0), cand_stream(1), precision="amp_bf16", **kw)
+    assert b.objectives != a.objectives  # bf16 really ran
+    assert max(abs(x - y) / max(abs(x), 1.0) for x, y in zip(a.objectives, b.objectives, strict=True)) < 3e-2
