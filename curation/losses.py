@@ -120,17 +120,7 @@ def token_losses(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(
-            f"logits must have shape (b, L, V) matching tokens {tuple(tokens.shape)}, "
-            f"got {tuple(logits.shape)}"
-        )
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
-    tokens = tokens.to(logits.device)
-    out_valid = target_valid(tokens, None if valid is None else valid.to(logits.device))
-    if chunk_elements is None:
-        chunk_elements = CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    tokens, out_valid, chunk_elements = _checked_inputs("logits", "V", logits, tokens, valid, chunk_elements)
     b, length, vocab = logits.shape
     if length < 2 or b == 0:
         return torch.zeros((b, length), dtype=torch.float32, device=logits.device), out_valid
@@ -156,6 +146,23 @@ def token_losses(
             for chunk, tgt in zip(flat.split(rows), flat_targets.split(rows), strict=True)
         ])
     return _aligned_losses(nll_all.view(b, length), out_valid), out_valid
+
+
+def _checked_inputs(
+    what: str, last: str, x: Tensor, tokens: Tensor, valid: Tensor | None, chunk_elements: int | None
+) -> tuple[Tensor, Tensor, int]:
+    """Shape/dtype checks shared by the loss functions; ``(tokens on x's device, validity, chunk bound)``."""
+    if x.dim() != 3 or x.shape[:2] != tokens.shape:
+        raise ValueError(
+            f"{what} must have shape (b, L, {last}) matching tokens {tuple(tokens.shape)}, got {tuple(x.shape)}"
+        )
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    tokens = tokens.to(x.device)
+    out_valid = target_valid(tokens, None if valid is None else valid.to(x.device))
+    if chunk_elements is None:
+        chunk_elements = CPU_CHUNK_ELEMENTS if x.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    return tokens, out_valid, chunk_elements
 
 
 def _shifted_targets(tokens: Tensor, out_valid: Tensor) -> Tensor:
@@ -206,18 +213,9 @@ def hidden_token_losses(
     Returns:
         ``(losses, valid)`` as :func:`token_losses`.
     """
-    if hidden.dim() != 3 or hidden.shape[:2] != tokens.shape:
-        raise ValueError(
-            f"hidden must have shape (b, L, H) matching tokens {tuple(tokens.shape)}, got {tuple(hidden.shape)}"
-        )
+    tokens, out_valid, chunk_elements = _checked_inputs("hidden", "H", hidden, tokens, valid, chunk_elements)
     if head.dim() != 2 or head.shape[1] != hidden.shape[2]:
         raise ValueError(f"head must have shape (V, {hidden.shape[2]}), got {tuple(head.shape)}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
-    tokens = tokens.to(hidden.device)
-    out_valid = target_valid(tokens, None if valid is None else valid.to(hidden.device))
-    if chunk_elements is None:
-        chunk_elements = CPU_CHUNK_ELEMENTS if hidden.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
     b, length, width = hidden.shape
     if length < 2 or b == 0:
         return torch.zeros((b, length), dtype=torch.float32, device=hidden.device), out_valid
