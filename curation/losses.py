@@ -43,8 +43,10 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 25
 #: vocabulary the cross-entropy of cache-sized chunks runs ≈ 2.2× faster without gradients and ≈ 1.3×
 #: with them than in one piece (2 threads, 2048 rows). The values do not depend on the block size.
 CPU_CHUNK_ELEMENTS = 1 << 21
-#: Rows of the output-head GEMMs of :func:`hidden_token_losses` come in multiples of this.
+#: Rows of the output-head GEMMs of :func:`hidden_token_losses` come in multiples of this, and at least
+#: _MIN_GEMM_ROWS of them (a 64-row GEMM with a 32k vocabulary ran ≈ 1.3× slower per row on this CPU).
 _ROW_BLOCK = 64
+_MIN_GEMM_ROWS = 256
 
 
 def autocast(precision: str, device: torch.device) -> torch.autocast:
@@ -194,8 +196,8 @@ def hidden_token_losses(
 
     The same values as ``token_losses(F.linear(hidden, head, bias), tokens, valid)``: rows of ``hidden``
     go through the output head, the float32 log-sum-exp and the target gather about ``chunk_elements``
-    logits at a time (a multiple of 64 rows), so at most one chunk of logits (and its float32 upcast) exists
-    at once. On a CPU in float32 the values are bit for bit those of :func:`token_losses` on the full logits
+    logits at a time (a multiple of 64 rows, at least 256), so at most one chunk of logits (and a
+    ``chunk_elements`` float32 upcast) exists at once. On a CPU in float32 the values are bit for bit those of :func:`token_losses` on the full logits
     (every GEMM gets the same number of rows, which gives the rows of one big GEMM exactly; tested). Under bf16 (autocast or bf16 weights) each chunk's
     logits are bf16, as the full logits would be, and the cross-entropy runs in float32.
 
@@ -221,16 +223,21 @@ def hidden_token_losses(
         return torch.zeros((b, length), dtype=torch.float32, device=hidden.device), out_valid
     flat = hidden.reshape(b * length, width)
     flat_targets = _shifted_targets(tokens, out_valid).reshape(-1)
-    total = flat.shape[0]
-    # Every head GEMM gets exactly `rows` rows (a multiple of 64), or all rows at once: a BLAS kernel may
-    # round a row differently when it is one of a few left-over rows, so the last chunk is the *last* `rows`
-    # rows, overlapping the previous one, of which only the new ones are kept.
-    rows = min(total, max(_ROW_BLOCK, chunk_elements // max(head.shape[0], 1) // _ROW_BLOCK * _ROW_BLOCK))
+    total, vocab = flat.shape[0], max(head.shape[0], 1)
+    # Every head GEMM gets exactly `rows` rows (a multiple of 64, at least _MIN_GEMM_ROWS: small GEMMs run
+    # slower), or all rows at once: a BLAS kernel may round a row differently when it is one of a few
+    # left-over rows, so the last chunk is the *last* `rows` rows, overlapping the previous one, of which only
+    # the new ones are kept. The cross-entropy then runs `chunk_elements` logits at a time (cache-sized on a
+    # CPU; it bounds the float32 upcast of bf16 logits).
+    rows = min(total, max(_MIN_GEMM_ROWS, chunk_elements // vocab // _ROW_BLOCK * _ROW_BLOCK))
+    ce_rows = max(1, chunk_elements // vocab)
     parts = []
     for start in range(0, total, rows):
         first = min(start, total - rows)
-        logits = F.linear(flat[first : first + rows], head, bias).float()
-        nll = F.cross_entropy(logits, flat_targets[first : first + rows], reduction="none")
+        logits = F.linear(flat[first : first + rows], head, bias)
+        targets = flat_targets[first : first + rows]
+        nll = torch.cat([F.cross_entropy(lg.float(), tg, reduction="none")
+                         for lg, tg in zip(logits.split(ce_rows), targets.split(ce_rows), strict=True)])
         parts.append(nll[start - first :])
     nll_all = torch.cat(parts) if len(parts) > 1 else parts[0]
     return _aligned_losses(nll_all.view(b, length), out_valid), out_valid

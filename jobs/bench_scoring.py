@@ -16,8 +16,9 @@ of the forward that shrinks as models grow):
    decompressing the candidate shards (a reader thread, one step ahead), the decoder forward, the
    per-token loss ``ℓ(w̃)`` from the final hidden states in chunks (no full logits), float16, writing
    the scored MDS part (a writer thread). Headline: worker tokens/s ÷ bare forward tokens/s (goal ≥ 0.90).
-   For information, the per-token loss alone, both ways: from the full logits (``token_losses``) and from
-   the hidden states (``hidden_token_losses``), each ÷ the bare forward, with the logits each holds at once.
+   For information, what the per-token loss adds to the bare forward (which ends with the full logits), both
+   ways: ``token_losses`` on those logits; and decoder pass + ``hidden_token_losses`` (head GEMM, log-sum-exp
+   and gather in chunks) minus the bare forward; with the logits each holds at once.
    The in-process worker is also timed in wall-clock time, for the comparison with Ray.
 3. **Ray**: the same kind of units through :class:`curation.ray_engine.RayEngine`, 1 then 2 workers
    (``--threads`` each). The clock starts when the weights are published (actors already up); the first
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     # inflate; otherwise (GPU, several threads) wall-clock time with device synchronisation.
     clock = time.process_time if device.type == "cpu" and args.threads == 1 else time.perf_counter
     autocast = device.type == "cuda"
-    t_worker, t_worker_wall, fwd, loss, hloss = 0.0, 0.0, [], [], []
+    t_worker, t_worker_wall, fwd, loss, hloss = 0.0, 0.0, [], [], []  # hloss: decoder + chunked loss
     for u in units:  # worker and baseline interleaved unit by unit, so drifts hit both alike
         _sync(device)
         start, wall = clock(), time.perf_counter()
@@ -145,15 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                 _sync(device)
                 t2 = clock()
                 del logits
-                hidden = model.model(input_ids=tok).last_hidden_state  # untimed: the worker's decoder pass
-                _sync(device)
-                t3 = clock()
-                hidden_token_losses(hidden, model.lm_head.weight, tok)
+                hidden = model.model(input_ids=tok).last_hidden_state  # the worker's way: decoder, then
+                hidden_token_losses(hidden, model.lm_head.weight, tok)  # the head in chunks
                 _sync(device)
                 fwd.append(t1 - t0)
                 loss.append(t2 - t1)
-                hloss.append(clock() - t3)
-    t_forward, t_loss, t_hloss = sum(fwd), sum(loss), sum(hloss)
+                hloss.append(clock() - t2)
+    t_forward, t_loss, t_hloss = sum(fwd), sum(loss), sum(hloss) - sum(fwd)
     ratio = t_forward / t_worker
     chunk = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
     rows_total = args.batch * args.seq_len

@@ -161,24 +161,24 @@ def _tiny_llama(vocab: int = 64, tie: bool = False):
                                         tie_word_embeddings=tie)).eval()
 
 
-@pytest.mark.parametrize("chunk", [None, 64 * 7, 64 * 64])  # default (one chunk), 64-row chunks + overlap
+@pytest.mark.parametrize("chunk", [None, 64 * 7, 64 * 300])  # default (one GEMM), 256-row GEMMs + overlap
 def test_hidden_token_losses_equal_the_plain_cross_entropy(chunk):
     import torch.nn.functional as F
 
     from curation.losses import hidden_token_losses
 
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(3, 50, 16, generator=gen)  # 150 rows: 64 + 64 + the last 64 (22 of them new)
+    hidden = torch.randn(3, 200, 16, generator=gen)  # 600 rows: 256 + 256 + the last 256 (88 of them new)
     head, bias = torch.randn(64, 16, generator=gen), torch.randn(64, generator=gen)
-    tokens = torch.randint(0, 64, (3, 50), generator=gen)
-    valid = torch.ones(3, 50, dtype=torch.bool)
-    valid[1, 35:] = False
-    tokens[1, 35:] = -100  # padding ids are never read
+    tokens = torch.randint(0, 64, (3, 200), generator=gen)
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    valid[1, 135:] = False
+    tokens[1, 135:] = -100  # padding ids are never read
     got, gv = hidden_token_losses(hidden, head, tokens, valid, bias=bias, chunk_elements=chunk)
     logits = F.linear(hidden, head, bias)
-    want = torch.zeros(3, 50)
+    want = torch.zeros(3, 200)
     for i in range(3):
-        for n in range(1, 50):
+        for n in range(1, 200):
             if valid[i, n]:
                 want[i, n] = F.cross_entropy(logits[i, n - 1 : n].double(), tokens[i, n : n + 1]).float()
     assert torch.equal(gv, target_valid(tokens, valid))
@@ -201,9 +201,9 @@ def test_hidden_token_losses_never_hold_more_than_one_chunk_of_logits(monkeypatc
         return out
 
     monkeypatch.setattr(F, "linear", spy)
-    hidden, head = torch.randn(4, 50, 8), torch.randn(100, 8)
-    hidden_token_losses(hidden, head, torch.randint(0, 100, (4, 50)), chunk_elements=100 * 130)
-    assert shapes == [(128, 100)] * 2  # 200 rows: 128 rows of logits at a time (the second overlapping)
+    hidden, head = torch.randn(4, 150, 8), torch.randn(100, 8)
+    hidden_token_losses(hidden, head, torch.randint(0, 100, (4, 150)), chunk_elements=100 * 300)
+    assert shapes == [(256, 100)] * 3  # 600 rows: 256 rows of logits at a time (the last overlapping)
 
 
 def test_bf16_hidden_states_within_stated_tolerance_of_float32():
