@@ -156,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     ratio = t_forward / t_worker
     chunk = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
     rows_total = args.batch * args.seq_len
-    rows_chunk = min(rows_total, max(64, chunk // args.vocab // 64 * 64))
+    rows_chunk = min(rows_total, max(256, chunk // args.vocab // 64 * 64))  # curation.losses' GEMM rows
+    upcast_rows = max(1, chunk // args.vocab)  # float32 upcast of bf16 logits, per cross-entropy piece
     logit_bytes = 2 if autocast else 4
-    memory = {  # the logits each way holds at once (plus its float32 upcast), in MiB
+    memory = {  # the logits each way holds at once (plus their float32 upcast under bf16), in MiB
         "full_logits_mib": rows_total * args.vocab * (logit_bytes + 4 * (logit_bytes != 4)) / 2**20,
-        "hidden_chunk_logits_mib": rows_chunk * args.vocab * (logit_bytes + 4 * (logit_bytes != 4)) / 2**20,
+        "hidden_chunk_logits_mib": (rows_chunk * logit_bytes + upcast_rows * 4 * (logit_bytes != 4)) * args.vocab
+        / 2**20,
     }
     if device.type == "cuda":  # measured: peak allocated above the hidden states, each way
         tok = batches[-1]
