@@ -271,8 +271,9 @@ class BladeAlgorithm(Algorithm):
         """Make ``module`` the scoring reference. A freshly refreshed one stays where it was computed
         (``offload=False``): it scores the coming steps there right away and is offloaded after that
         (:meth:`_precompute`), so its weights cross to the host once per refresh, not there and back."""
-        if self.scorer is None:
-            cfg = ScorerConfig(model=self.model_config, device="cpu", precision=self.precision,
+        if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
+            where = "cuda" if next(module.parameters()).device.type == "cuda" else "cpu"
+            cfg = ScorerConfig(model=self.model_config, device=where, precision=self.precision,
                                batch_size=self.cfg.score_batch_size or self.batch_size)
             self.scorer = ReferenceScorer(cfg, model=module)
         else:
