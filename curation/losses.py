@@ -25,10 +25,13 @@ from torch import Tensor, nn
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
+    "autocast",
     "DEFAULT_CHUNK_ELEMENTS",
     "TokenBatch",
     "as_token_batch",
+    "hidden_token_losses",
     "model_logits",
+    "model_token_losses",
     "target_valid",
     "token_losses",
 ]
@@ -40,6 +43,23 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 25
 #: vocabulary the cross-entropy of cache-sized chunks runs ≈ 2.2× faster without gradients and ≈ 1.3×
 #: with them than in one piece (2 threads, 2048 rows). The values do not depend on the block size.
 CPU_CHUNK_ELEMENTS = 1 << 21
+#: Rows of the output-head GEMMs of :func:`hidden_token_losses` come in multiples of this, and at least
+#: _MIN_GEMM_ROWS of them (a 64-row GEMM with a 32k vocabulary ran ≈ 1.3× slower per row on this CPU).
+_ROW_BLOCK = 64
+_MIN_GEMM_ROWS = 256
+
+
+def autocast(precision: str, device: torch.device) -> torch.autocast:
+    """The autocast context of a ``precision`` setting (``fp32`` | ``amp_bf16``) on ``device``.
+
+    ``amp_bf16`` is bf16 autocast on CUDA, as Composer's ``amp_bf16`` runs the trainer's forward; on a CPU
+    every precision runs in float32 (the trainer refuses ``amp_bf16`` there). One function for the reference
+    scorer, the scoring workers and the refresh, so ℓ(u) and ℓ(w̃) are computed at the same precision.
+    """
+    if precision not in ("fp32", "amp_bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'amp_bf16', got {precision!r}")
+    enabled = precision == "amp_bf16" and device.type == "cuda"
+    return torch.autocast(device.type if device.type == "cuda" else "cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 def target_valid(tokens: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -102,25 +122,12 @@ def token_losses(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(
-            f"logits must have shape (b, L, V) matching tokens {tuple(tokens.shape)}, "
-            f"got {tuple(logits.shape)}"
-        )
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
-    tokens = tokens.to(logits.device)
-    out_valid = target_valid(tokens, None if valid is None else valid.to(logits.device))
-    if chunk_elements is None:
-        chunk_elements = CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    tokens, out_valid, chunk_elements = _checked_inputs("logits", "V", logits, tokens, valid, chunk_elements)
     b, length, vocab = logits.shape
     if length < 2 or b == 0:
         return torch.zeros((b, length), dtype=torch.float32, device=logits.device), out_valid
 
-    tv = out_valid[:, 1:]
-    zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
-    # targets[:, n] is predicted by logits[:, n]; the last column (predicting nothing) is a dummy 0.
-    targets = torch.cat([torch.where(tv, tokens[:, 1:], zero), torch.zeros_like(tokens[:, :1])], dim=1).long()
+    targets = _shifted_targets(tokens, out_valid)
     # Whole sequences over all L positions: a contiguous (b, L, V) reshapes to (b·L, V) without a copy,
     # whereas the strided slice `logits[:, :-1]` would be copied (for a large vocabulary that copy costs as
     # much as the cross-entropy itself). The loss of the last position is computed and dropped (1/L extra
@@ -140,12 +147,100 @@ def token_losses(
             F.cross_entropy(chunk.float(), tgt, reduction="none")
             for chunk, tgt in zip(flat.split(rows), flat_targets.split(rows), strict=True)
         ])
-    nll_all = nll_all.view(b, length)
-    nll = nll_all[:, :-1]
+    return _aligned_losses(nll_all.view(b, length), out_valid), out_valid
+
+
+def _checked_inputs(
+    what: str, last: str, x: Tensor, tokens: Tensor, valid: Tensor | None, chunk_elements: int | None
+) -> tuple[Tensor, Tensor, int]:
+    """Shape/dtype checks shared by the loss functions; ``(tokens on x's device, validity, chunk bound)``."""
+    if x.dim() != 3 or x.shape[:2] != tokens.shape:
+        raise ValueError(
+            f"{what} must have shape (b, L, {last}) matching tokens {tuple(tokens.shape)}, got {tuple(x.shape)}"
+        )
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    tokens = tokens.to(x.device)
+    out_valid = target_valid(tokens, None if valid is None else valid.to(x.device))
+    if chunk_elements is None:
+        chunk_elements = CPU_CHUNK_ELEMENTS if x.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    return tokens, out_valid, chunk_elements
+
+
+def _shifted_targets(tokens: Tensor, out_valid: Tensor) -> Tensor:
+    """``targets[:, n]`` = the token predicted at position ``n`` (``tokens[:, n + 1]``); 0 where that target
+    is invalid and in the last column (which predicts nothing), so that out-of-range ids are never read."""
+    zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
+    tv = out_valid[:, 1:]
+    return torch.cat([torch.where(tv, tokens[:, 1:], zero), torch.zeros_like(tokens[:, :1])], dim=1).long()
+
+
+def _aligned_losses(nll_all: Tensor, out_valid: Tensor) -> Tensor:
+    """``(b, L)`` losses aligned with the tokens from the ``(b, L)`` NLL of each prediction position."""
+    b = nll_all.shape[0]
     # torch.where (not multiplication) so that a non-finite logit at an invalid position stays out.
-    nll = torch.where(tv, nll, torch.zeros((), dtype=nll.dtype, device=nll.device))
-    losses = torch.cat([torch.zeros((b, 1), dtype=nll.dtype, device=nll.device), nll], dim=1)
-    return losses, out_valid
+    nll = torch.where(out_valid[:, 1:], nll_all[:, :-1], torch.zeros((), dtype=nll_all.dtype, device=nll_all.device))
+    return torch.cat([torch.zeros((b, 1), dtype=nll.dtype, device=nll.device), nll], dim=1)
+
+
+def hidden_token_losses(
+    hidden: Tensor,
+    head: Tensor,
+    tokens: Tensor,
+    valid: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    chunk_elements: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token losses from the final hidden states, without materialising the ``(b, L, V)`` logits.
+
+    The same values as ``token_losses(F.linear(hidden, head, bias), tokens, valid)``: rows of ``hidden``
+    go through the output head, the float32 log-sum-exp and the target gather about ``chunk_elements``
+    logits at a time (a multiple of 64 rows, at least 256), so at most one chunk of logits (and a
+    ``chunk_elements`` float32 upcast) exists at once. On a CPU in float32 the values are bit for bit those of :func:`token_losses` on the full logits
+    (every GEMM gets the same number of rows, which gives the rows of one big GEMM exactly; tested). Under bf16 (autocast or bf16 weights) each chunk's
+    logits are bf16, as the full logits would be, and the cross-entropy runs in float32.
+
+    Differentiable, but it pays only without gradients (scoring): with a graph every chunk's softmax is
+    kept for the backward pass anyway.
+
+    Args:
+        hidden: ``(b, L, H)`` final hidden states (after the last norm).
+        head: ``(V, H)`` output-embedding weight.
+        tokens: ``(b, L)`` token ids.
+        valid: optional ``(b, L)`` boolean mask of real tokens.
+        bias: optional ``(V,)`` bias of the head.
+        chunk_elements: logits per chunk; ``None``: as :func:`token_losses`.
+
+    Returns:
+        ``(losses, valid)`` as :func:`token_losses`.
+    """
+    tokens, out_valid, chunk_elements = _checked_inputs("hidden", "H", hidden, tokens, valid, chunk_elements)
+    if head.dim() != 2 or head.shape[1] != hidden.shape[2]:
+        raise ValueError(f"head must have shape (V, {hidden.shape[2]}), got {tuple(head.shape)}")
+    b, length, width = hidden.shape
+    if length < 2 or b == 0:
+        return torch.zeros((b, length), dtype=torch.float32, device=hidden.device), out_valid
+    flat = hidden.reshape(b * length, width)
+    flat_targets = _shifted_targets(tokens, out_valid).reshape(-1)
+    total, vocab = flat.shape[0], max(head.shape[0], 1)
+    # Every head GEMM gets exactly `rows` rows (a multiple of 64, at least _MIN_GEMM_ROWS: small GEMMs run
+    # slower), or all rows at once: a BLAS kernel may round a row differently when it is one of a few
+    # left-over rows, so the last chunk is the *last* `rows` rows, overlapping the previous one, of which only
+    # the new ones are kept. The cross-entropy then runs `chunk_elements` logits at a time (cache-sized on a
+    # CPU; it bounds the float32 upcast of bf16 logits).
+    rows = min(total, max(_MIN_GEMM_ROWS, chunk_elements // vocab // _ROW_BLOCK * _ROW_BLOCK))
+    ce_rows = max(1, chunk_elements // vocab)
+    parts = []
+    for start in range(0, total, rows):
+        first = min(start, total - rows)
+        logits = F.linear(flat[first : first + rows], head, bias)
+        targets = flat_targets[first : first + rows]
+        nll = torch.cat([F.cross_entropy(lg.float(), tg, reduction="none")
+                         for lg, tg in zip(logits.split(ce_rows), targets.split(ce_rows), strict=True)])
+        parts.append(nll[start - first :])
+    nll_all = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _aligned_losses(nll_all.view(b, length), out_valid), out_valid
 
 
 @dataclass(frozen=True)
@@ -248,3 +343,49 @@ def model_logits(model: nn.Module, tokens: Tensor, valid: Tensor | None = None) 
     if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
         return out[0]
     raise TypeError(f"cannot find logits in the output of {type(model).__name__}: {type(out).__name__}")
+
+
+#: HF ``model_type`` values whose logits are exactly ``lm_head(final hidden state)`` (no soft-capping or
+#: scaling after the head), so :func:`model_token_losses` may skip the full logits.
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2"})
+
+
+def _plain_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(decoder, head)`` when the model's logits are ``head(decoder(...).last_hidden_state)``."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if getattr(config, "final_logit_softcapping", None) is not None or getattr(config, "logit_scale", None):
+        return None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    decoder = getattr(model, "base_model", None)
+    if not isinstance(head, nn.Linear) or decoder is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def model_token_losses(
+    model: nn.Module, tokens: Tensor, valid: Tensor | None = None, *, chunk_elements: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token losses of ``tokens`` under ``model`` (``(losses, valid)`` as :func:`token_losses`).
+
+    For HF causal LMs whose logits are the output head applied to the decoder's last hidden state
+    (Llama, Mistral, Qwen, GPT-2, ...), the decoder is run alone and :func:`hidden_token_losses` computes
+    the losses chunk by chunk: the ``(b, L, V)`` logits are never materialised (for a 32k vocabulary
+    they are ≈ 30× the hidden states). Other models go through :func:`model_logits` and
+    :func:`token_losses`. On a CPU in float32 both give the same values bit for bit.
+    """
+    plain = _plain_head(model)
+    if plain is None:
+        logits = model_logits(model, tokens, valid)
+        return token_losses(logits, tokens, valid, chunk_elements=chunk_elements)
+    decoder, head = plain
+    device = head.weight.device
+    tokens = tokens.to(device)
+    kwargs: dict[str, Tensor] = {}
+    if valid is not None and not bool(valid.all()):
+        kwargs["attention_mask"] = valid.to(device=device, dtype=torch.long)
+    out = decoder(input_ids=tokens, **kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden_token_losses(hidden, head.weight, tokens, valid, bias=head.bias, chunk_elements=chunk_elements)

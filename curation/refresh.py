@@ -9,7 +9,11 @@ where ``L_val`` is the mean token loss on a validation batch and ``L_train`` the
 loss on a recent candidate batch with its current selection. ``train_static_reference`` is the same
 loop with ``λ = 0`` started from the base model (RHO-1's reference, trained once a priori).
 
-The proxy and its optimizer are never touched: the reference is a deep copy with its own AdamW.
+The proxy and its optimizer are never touched: the reference is a copy with its own AdamW. A caller
+that refreshes repeatedly passes a :class:`RefreshWorkspace`: the reference module and its AdamW are
+then built once and reused, refresh after refresh (``w_0`` copied into the same parameters on the same
+device, the AdamW moments zeroed in place), which gives the same values as a fresh copy and a fresh
+optimizer without allocating a model and its optimizer state per refresh.
 
 Pure torch: no ray, no composer.
 """
@@ -24,11 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curation.losses import TokenBatch, as_token_batch, model_logits, token_losses
+from curation.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
 from curation.selection import masked_mean
 
 __all__ = [
     "RefreshResult",
+    "RefreshWorkspace",
     "refresh_reference",
     "train_static_reference",
 ]
@@ -39,7 +44,8 @@ class RefreshResult:
     """Outcome of :func:`refresh_reference` / :func:`train_static_reference`.
 
     Attributes:
-        model: the new reference ``w̃`` (its own module, in eval mode, no gradients kept).
+        model: the new reference ``w̃`` (its own module, or the workspace's when one was given; in eval
+            mode, no gradients kept).
         optimizer_state: the reference AdamW ``state_dict()`` after the last step, to carry into the
             next refresh (``blade-nosync``) or to checkpoint.
         val_losses: ``L_val(w)`` before each step (length ``K``).
@@ -75,6 +81,63 @@ class RefreshResult:
         return self.model.state_dict()
 
 
+class RefreshWorkspace:
+    """The reference module and AdamW a refresh reuses (see the module docstring).
+
+    Holds at most one model and one optimizer; the model built by the first refresh is returned in
+    every :class:`RefreshResult` (the caller must not keep a previous result's model as a different
+    reference: it is overwritten by the next refresh).
+
+    Args:
+        keep_optimizer_state: keep the AdamW moments between refreshes (``blade-nosync`` continues them).
+            Otherwise (``blade``: a fresh optimizer every refresh) they are released after each refresh,
+            so that between refreshes the reference costs its weights only, not three times them.
+    """
+
+    def __init__(self, *, keep_optimizer_state: bool = False) -> None:
+        self.keep_optimizer_state = keep_optimizer_state
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.AdamW | None = None
+        #: The ``optimizer_state`` of the last result: it views the optimizer's live tensors, so passing it
+        #: back (``blade-nosync``) continues the optimizer in place instead of copying its state.
+        self.last_state: dict[str, Any] | None = None
+
+    def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None) -> nn.Module:
+        """``w_0`` in the reused module: the proxy's weights, or ``previous``'s."""
+        source = previous if previous is not None else proxy
+        if self.model is None:
+            self.model = copy.deepcopy(source) if isinstance(source, nn.Module) else _copy_with(proxy, source)
+            return self.model
+        state = source.state_dict() if isinstance(source, nn.Module) else source
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                t.copy_(state[name])
+        return self.model
+
+    def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
+        """The AdamW over ``params``: in its initial state (moments and step counts zeroed in place) when
+        ``fresh``, else as the last refresh left it."""
+        opt = self.optimizer
+        held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
+        if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
+            self.optimizer = torch.optim.AdamW(params, **settings)
+            return self.optimizer
+        if fresh:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        value.zero_()
+        for group in opt.param_groups:
+            group.update(settings)
+        return opt
+
+
+def _copy_with(proxy: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
+    ref = copy.deepcopy(proxy)
+    ref.load_state_dict(weights)
+    return ref
+
+
 def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBatch:
     try:
         return as_token_batch(next(it))
@@ -82,9 +145,11 @@ def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBat
         raise ValueError(f"{what} ran out after {step} of {steps} refresh steps") from None
 
 
-def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool) -> Tensor:
+def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
     batch = batch.to(device)
-    losses, valid = token_losses(model_logits(model, batch.tokens, batch.valid), batch.tokens, batch.valid)
+    with autocast(precision, device):
+        logits = model_logits(model, batch.tokens, batch.valid)
+    losses, valid = token_losses(logits, batch.tokens, batch.valid)
     if use_mask and batch.mask is not None:
         alpha = batch.mask
         if alpha.shape != valid.shape:
@@ -110,6 +175,8 @@ def refresh_reference(
     grad_clip: float | None = 1.0,
     previous: nn.Module | Mapping[str, Tensor] | None = None,
     optimizer_state: Mapping[str, Any] | None = None,
+    precision: str = "fp32",
+    workspace: RefreshWorkspace | None = None,
 ) -> RefreshResult:
     """Compute a new reference ``w̃`` by ``K = steps`` AdamW steps from ``w_0``.
 
@@ -141,6 +208,8 @@ def refresh_reference(
         grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
         previous: start from these weights (module or state dict) instead of the proxy's.
         optimizer_state: AdamW state to resume from.
+        precision: ``fp32`` or ``amp_bf16`` (forward passes under bf16 autocast on CUDA; float32 on a CPU).
+        workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
 
     Returns:
         A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
@@ -159,16 +228,26 @@ def refresh_reference(
     if lam != 0 and cand_batches is None and steps > 0:
         raise ValueError("cand_batches is required when lam != 0")
 
-    if isinstance(previous, nn.Module):
+    if workspace is not None:
+        ref = workspace.start(proxy, previous)
+        for p, q in zip(ref.parameters(), proxy.parameters(), strict=True):  # it may have been frozen for scoring
+            p.requires_grad_(q.requires_grad)
+    elif isinstance(previous, nn.Module):
         ref = copy.deepcopy(previous)
     else:
-        ref = copy.deepcopy(proxy)
-        if previous is not None:
-            ref.load_state_dict(previous)
+        ref = _copy_with(proxy, previous) if previous is not None else copy.deepcopy(proxy)
     ref.zero_grad(set_to_none=True)
     ref.train()
     params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    settings = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    if workspace is None:
+        opt = torch.optim.AdamW(params, **settings)
+    else:
+        # blade-nosync in memory: the state passed back is the workspace's own, continued in place.
+        continued = optimizer_state is not None and optimizer_state is workspace.last_state
+        opt = workspace.adamw(params, fresh=not continued, **settings)
+        if continued:
+            optimizer_state = None
     if optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
         for group in opt.param_groups:  # this call's settings win over the carried ones
@@ -185,11 +264,11 @@ def refresh_reference(
         for step in range(steps):
             vb = _next_batch(val_it, "val_batches", step, steps)
             opt.zero_grad(set_to_none=True)
-            l_val = _mean_loss(ref, vb, device, use_mask=False)
+            l_val = _mean_loss(ref, vb, device, use_mask=False, precision=precision)
             objective = l_val
             if cand_it is not None:
                 cb = _next_batch(cand_it, "cand_batches", step, steps)
-                l_train = _mean_loss(ref, cb, device, use_mask=True)
+                l_train = _mean_loss(ref, cb, device, use_mask=True, precision=precision)
                 objective = l_val + lam * l_train
                 result.train_losses.append(float(l_train.detach()))
             objective.backward()
@@ -202,6 +281,11 @@ def refresh_reference(
     opt.zero_grad(set_to_none=True)
     ref.eval()
     result.optimizer_state = opt.state_dict()
+    if workspace is not None:
+        if workspace.keep_optimizer_state:
+            workspace.last_state = result.optimizer_state
+        else:  # released once the caller drops the result; the next step re-creates them lazily, zeroed
+            opt.state.clear()
     return result
 
 
@@ -215,6 +299,7 @@ def train_static_reference(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     grad_clip: float | None = 1.0,
+    precision: str = "fp32",
 ) -> RefreshResult:
     """RHO-1's reference: a copy of ``base_model`` trained a priori on validation data.
 
@@ -230,6 +315,7 @@ def train_static_reference(
         betas: AdamW betas.
         eps: AdamW epsilon.
         grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+        precision: ``fp32`` or ``amp_bf16`` (see :func:`refresh_reference`).
 
     Returns:
         A :class:`RefreshResult` holding the static reference.
@@ -245,4 +331,5 @@ def train_static_reference(
         betas=betas,
         eps=eps,
         grad_clip=grad_clip,
+        precision=precision,
     )

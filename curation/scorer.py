@@ -24,14 +24,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from curation.losses import model_logits, token_losses
+from curation.losses import autocast, model_token_losses
 from curation.models import build_causal_lm, load_weights
 from curation.stream import CandidateStream, StreamReader
 from schemas.manifest import Manifest, ShardRecord
 from schemas.shards import SCORED
 from schemas.train_config import ScorerConfig
 
-__all__ = ["ReferenceScorer", "resolve_device", "write_scored_steps", "ScoredShards"]
+__all__ = ["ReferenceScorer", "check_finite_losses", "resolve_device", "write_scored_steps", "ScoredShards"]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -41,6 +41,16 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is visible; use device=cpu or auto")
     return torch.device(device)
+
+
+def check_finite_losses(losses: Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming the first ``(row, position)`` where ``losses`` is not finite.
+
+    One host synchronisation (a reduction to one flag); the position is searched for only on failure.
+    """
+    if not bool(torch.isfinite(losses).all()):
+        bad = (~torch.isfinite(losses)).nonzero()[0].tolist()
+        raise ValueError(f"{what} loss is not finite at (row, position) {tuple(bad)}: the {what} diverged")
 
 
 def _as_tokens(batch: Any) -> Tensor:
@@ -92,19 +102,16 @@ class ReferenceScorer:
         """float32 ``(b, L)`` losses on the scorer's device (0 at invalid positions)."""
         out = []
         bs = self.config.batch_size
-        use_bf16 = self.config.autocast_bf16 and self.device.type == "cuda"
         with torch.inference_mode():
             for i in range(0, tokens.shape[0], bs):
-                chunk = tokens[i : i + bs].to(self.device)
-                vchunk = None if valid is None else valid[i : i + bs].to(self.device)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-                    logits = model_logits(self.model, chunk, vchunk)
-                losses, _ = token_losses(logits, chunk, vchunk)
+                chunk = tokens[i : i + bs].to(self.device, non_blocking=True)
+                vchunk = None if valid is None else valid[i : i + bs].to(self.device, non_blocking=True)
+                with autocast(self.config.precision, self.device):
+                    # From the final hidden states, chunk by chunk: no (b, L, V) logits (curation.losses).
+                    losses, _ = model_token_losses(self.model, chunk, vchunk)
                 out.append(losses)
         losses = torch.cat(out) if out else torch.zeros(tokens.shape, dtype=torch.float32)
-        if not bool(torch.isfinite(losses).all()):
-            bad = (~torch.isfinite(losses)).nonzero()[0].tolist()
-            raise ValueError(f"reference loss is not finite at (row, position) {tuple(bad)}: the reference diverged")
+        check_finite_losses(losses, "reference")
         return losses
 
     def __call__(self, batch: Any) -> np.ndarray:

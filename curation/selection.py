@@ -91,6 +91,8 @@ def select_top_fraction(
     valid: Tensor | None,
     gamma: float,
     generator: torch.Generator | None = None,
+    *,
+    sync: bool | None = None,
 ) -> Tensor:
     """Keep the top-γ valid positions of the whole batch by score (Frank–Wolfe LMO, η_α = 1).
 
@@ -100,7 +102,13 @@ def select_top_fraction(
     ``⟨−scores, α⟩`` over ``{α ∈ {0, 1}^N : Σα = k, α = 0 off valid}``, i.e. with
     ``scores = ℓ(u) − ℓ(w̃)`` the LMO ``argmin ⟨ℓ(w̃) − ℓ(u), α⟩`` of DESIGN.md §2.
 
-    Runs in O(N) (one ``kthvalue`` + elementwise ops), with no Python loop over tokens.
+    Runs in O(N) (one ``kthvalue`` + elementwise ops), with no Python loop over tokens. That path reads
+    three numbers on the host (the non-finite check, ``#valid`` and the count above the threshold), which on
+    a GPU are three synchronisations (≈ 0.1 ms each, whatever the size). With ``sync=False`` (the default
+    off the CPU) the same mask is computed without any: ``k`` stays on the device and the kept positions are
+    the first ``k`` of a stable descending sort (O(N log N) on the device, ties in flat order as above); the
+    non-finite check is then an asynchronous device assertion (an internal invariant: the callers check
+    ℓ(u) and ℓ(w̃) before selecting), which on CUDA fails at the next synchronisation.
 
     Args:
         scores: scores of any shape (floating; low precision is upcast to float32, exactly), or
@@ -108,6 +116,8 @@ def select_top_fraction(
         valid: boolean mask of the same shape; ``None`` means every position is valid.
         gamma: fraction to keep, in (0, 1].
         generator: only with ``scores=None``: the seeded generator random scores come from.
+        sync: ``True``: the ``kthvalue`` path (host reads); ``False``: the synchronisation-free path;
+            ``None``: ``True`` on a CPU, ``False`` on other devices. Both give the same mask.
 
     Returns:
         Boolean mask of the shape of ``valid`` (or ``scores``), on the same device.
@@ -140,6 +150,11 @@ def select_top_fraction(
         s = s.float()  # exact for fp16/bf16, so the order (and ties) is unchanged
     v = valid.reshape(-1).to(s.device)
     bad = v & ~torch.isfinite(s)
+    if sync is None:
+        sync = s.device.type == "cpu"
+    if not sync:
+        torch._assert_async(~bad.any(), "select_top_fraction: non-finite score at a valid position")
+        return _top_k_without_sync(s, v, g).view(valid.shape)
     if bool(bad.any()):
         flat = int(bad.nonzero()[0, 0])
         pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), scores.shape))
@@ -165,6 +180,22 @@ def select_top_fraction(
     need = k - int(above.sum())
     mask = above | (at & (torch.cumsum(at, 0) <= need))
     return mask.view(valid.shape)
+
+
+def _top_k_without_sync(s: Tensor, v: Tensor, gamma: float) -> Tensor:
+    """The mask of :func:`select_top_fraction` with no host synchronisation (flat ``s``, ``v``).
+
+    ``k = num_selected(γ, #valid)`` computed on the device (float64, half up, at least 1 when anything is
+    valid, at most ``#valid``); then the positions whose rank in a stable descending sort of the scores
+    (invalid ones at −∞, so after every valid one) is below ``k``: the largest scores, ties in flat order.
+    """
+    n_valid = v.sum()
+    k = torch.floor(n_valid.double() * gamma + 0.5).clamp(min=1).minimum(n_valid.double())
+    key = torch.where(v, s, torch.full((), -math.inf, dtype=s.dtype, device=s.device))
+    order = torch.sort(key, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return (rank < k) & v
 
 
 def masked_mean(losses: Tensor, mask: Tensor) -> Tensor:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ from curation.engine import PROXY, REFERENCE, PartResult, ScoringDataError, Weig
 from curation.losses import target_valid
 from curation.models import build_causal_lm, model_vocab_size
 from curation.policies import RefreshMode, get_policy, train_static_reference
+from curation.refresh import RefreshWorkspace
 from curation.schedule import Schedule
 from curation.scorer import ReferenceScorer
 from curation.shards import open_shards, write_part
@@ -104,6 +107,8 @@ class WorkerSpec:
         threads: torch CPU threads (``None``: leave the process setting alone).
         score_batch_size: sequences per forward (``None``: the whole batch).
         needs_proxy: build a proxy model (selected output).
+        precision: ``fp32`` / ``amp_bf16`` (bf16 autocast on CUDA), the trainer's setting, so that the
+            workers' ℓ(w̃) (and pipelined ℓ(u)) are computed as the trainer computes ℓ(u).
     """
 
     candidates: str
@@ -118,6 +123,7 @@ class WorkerSpec:
     threads: int | None = None
     score_batch_size: int | None = None
     needs_proxy: bool = True
+    precision: str = "fp32"
 
 
 class ScoringWorker:
@@ -143,7 +149,7 @@ class ScoringWorker:
                              f"{self.order.num_samples}")
         model_cfg = ModelConfig.model_validate(spec.model)
         batch = spec.score_batch_size or self.order.batch_size
-        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch)
+        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch, precision=spec.precision)
         self.scorers: dict[str, ReferenceScorer] = {REFERENCE: ReferenceScorer(scorer_cfg)}
         if spec.needs_proxy:
             self.scorers[PROXY] = ReferenceScorer(scorer_cfg)
@@ -205,13 +211,44 @@ class ScoringWorker:
             where = self.where(int(ids[row]), step) if row is not None else f"{self.spec.candidates}: step {step}"
             raise ScoringDataError(f"{where}: {kind} {msg}") from e
 
+    def _load_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray, Tensor]:
+        """:meth:`read_step` plus the int64 token tensor, in pinned memory when scoring on CUDA (so the
+        scorer's copy to the device is asynchronous)."""
+        tokens_np, sources, ids = self.read_step(step)
+        tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        if self.scorers[REFERENCE].device.type == "cuda":
+            tokens = tokens.pin_memory()
+        return tokens_np, sources, ids, tokens
+
+    def _prefetched(self, steps: range, pool: ThreadPoolExecutor) -> Iterator[tuple[int, Any]]:
+        """``(step, loaded step)`` in order, the next step read and decoded in ``pool`` while the caller
+        scores the current one. A bad record raises when its step is reached, as without prefetching."""
+        it = iter(steps)
+        step = next(it, None)
+        pending = pool.submit(self._load_step, step) if step is not None else None
+        while step is not None:
+            nxt = next(it, None)
+            following = pool.submit(self._load_step, nxt) if nxt is not None else None
+            try:
+                loaded = pending.result()
+            except BaseException:
+                if following is not None:
+                    following.cancel()
+                raise
+            yield step, loaded
+            step, pending = nxt, following
+
     # --- one unit ----------------------------------------------------------------------------
-    def rows(self, unit: WorkUnit, counts: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
-        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``)."""
+    def rows(
+        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``).
+
+        With ``pool``, the next step is read and decoded there while the current one is scored."""
         dtype = self.candidates[0]["tokens"].dtype
-        for step in unit.steps:
-            tokens_np, sources, ids = self.read_step(step)
-            tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        loaded_steps = (self._prefetched(unit.steps, pool) if pool is not None
+                        else ((t, self._load_step(t)) for t in unit.steps))
+        for step, (tokens_np, sources, ids, tokens) in loaded_steps:
             ref16 = None
             if unit.ref_version >= 0:
                 ref16 = self._losses(REFERENCE, tokens, ids, step).to("cpu", torch.float16)
@@ -259,10 +296,13 @@ class ScoringWorker:
         spec = SCORED if unit.output == "scored" else SELECTED
         name = f"{self.subdir}/{unit.name}"
         counts: dict[str, dict[str, int]] = {}
-        # Rows are produced while the part is written (write_part consumes the generator into `<part>.tmp`
+        # Three stages overlap: a reader thread decodes step t+1, this thread scores step t, and a writer
+        # thread compresses and writes the rows of step t−1 (`write_part` consumes them into `<part>.tmp`
         # and renames it at the end), so a crash mid-unit leaves only a .tmp that the redo replaces.
-        n = write_part(os.path.join(self.spec.out_dir, name), spec, self.rows(unit, counts),
-                       vocab_size=self.spec.vocab_size)
+        with ThreadPoolExecutor(2, thread_name_prefix=f"worker{self.worker_id}-io") as pool:
+            n = _write_behind(pool, lambda rows: write_part(os.path.join(self.spec.out_dir, name), spec, rows,
+                                                            vocab_size=self.spec.vocab_size),
+                              self.rows(unit, counts, pool=pool))
         tokens = sum(c["tokens"] for c in counts.values())
         seconds = time.perf_counter() - start
         self.stats["units"] += 1
@@ -273,6 +313,62 @@ class ScoringWorker:
             tokens=tokens, kept_tokens=sum(c["kept_tokens"] for c in counts.values()), sources=counts,
             seconds=seconds, scored_tokens=tokens * (1 + int(unit.proxy_version is not None)),
         )
+
+
+_DONE = object()
+
+
+class _Aborted(Exception):
+    """Tells the writer thread that producing the rows failed (the part must not be completed)."""
+
+
+def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, Any]]], int],
+                  rows: Iterator[dict[str, Any]]) -> int:
+    """``write(rows)`` in a ``pool`` thread while this thread produces ``rows``; returns what ``write`` returns.
+
+    Rows go through a small queue (a few steps' worth), so the producer runs at most that far ahead. An
+    error while producing is raised here after the writer has stopped *without* completing (its row
+    iterator raises); an error while writing stops the producer and is raised here.
+    """
+    q: queue.Queue[Any] = queue.Queue(maxsize=256)
+
+    def consume() -> Iterator[dict[str, Any]]:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Aborted):
+                raise item
+            yield item
+
+    writer = pool.submit(write, consume())
+
+    def put(item: Any) -> None:
+        while True:
+            try:
+                q.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if writer.done():  # the writer failed: raise its error
+                    writer.result()
+                    raise RuntimeError("the part writer stopped early") from None
+
+    try:
+        for row in rows:
+            put(row)
+    except BaseException:
+        if not writer.done():
+            try:
+                put(_Aborted())
+            except BaseException:  # noqa: S110 - the writer's own error is secondary to this one
+                pass
+        try:
+            writer.result()
+        except BaseException:  # noqa: S110 - expected: the writer stops on _Aborted
+            pass
+        raise
+    put(_DONE)
+    return writer.result()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,6 +389,7 @@ class RefreshSpec:
         engine_dir: where reference versions are saved (``reference-0003.safetensors``).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
+        precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
     """
 
     model: dict[str, Any]
@@ -305,6 +402,7 @@ class RefreshSpec:
     engine_dir: str
     device: str = "auto"
     threads: int | None = None
+    precision: str = "fp32"
 
 
 def reference_path(engine_dir: str, version: int) -> str:
@@ -378,6 +476,8 @@ class RefreshRunner:
         self._static_stream = CandidateStream(n, rb, seed=self.cfg.seed + 2)
         self.opt_state: dict[str, Any] | None = None
         self.opt_version: int | None = None
+        # The reference module and AdamW of a refresh, reused refresh after refresh (curation.refresh).
+        self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
         return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
@@ -424,6 +524,7 @@ class RefreshRunner:
             result = train_static_reference(
                 base, self._val_batches(self._static_stream, 0, steps), steps=steps, lr=self.spec.ref_lr,
                 weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+                precision=self.spec.precision,
             )
             weights = Weights.from_state_dict(result.model)
             log = self._entry(0, 0, result, time.perf_counter() - start)
@@ -467,6 +568,7 @@ class RefreshRunner:
             self._cand_batches(recent, self.cfg.refresh_steps, self.stream_step(version)),
             previous=prev_sd, optimizer_state=opt_state, steps=self.cfg.refresh_steps, lam=self.cfg.lam,
             lr=self.spec.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+            precision=self.spec.precision, workspace=self.workspace,
         )
         weights = Weights.from_state_dict(result.model)
         if continue_mode:

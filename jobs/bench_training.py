@@ -2,6 +2,7 @@
 
     python jobs/bench_training.py                      # paper setting K/τ = 0.3 (τ = 20, K = 6), CPU
     python jobs/bench_training.py --tau 30 --refresh-steps 30 --hidden 256 --layers 4
+    python jobs/bench_training.py --device cuda --precision amp_bf16 --seq-len 1024 --json
 
 Both runs go through the same trainer (Composer, the BLADE algorithm, the same candidate stream),
 each in its own subprocess so that peak RSS is measured fairly; only the policy differs (``full``
@@ -30,13 +31,21 @@ import sys
 import tempfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # this checkout's packages (also in the worker subprocesses)
+
 PAPER_RATIO = 1.57
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=os.path.join("runs", "demo", "data"),
-                   help="prepared data (candidates/, validation/); the demo corpus is prepared there if absent")
+    p.add_argument("--data", default=None,
+                   help="prepared data (candidates/, validation/); the demo corpus is prepared there if absent "
+                   "(default: runs/demo/data, or runs/demo/data-L<seq-len> for another --seq-len)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (the demo corpus is packed to it)")
+    p.add_argument("--precision", choices=["fp32", "amp_bf16"], default="fp32",
+                   help="the trainer's precision (amp_bf16: CUDA only; governs the reference work too)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (after the text report)")
     p.add_argument("--tau", type=int, default=20)
     p.add_argument("--refresh-steps", type=int, default=6, help="K (default: K/τ = 0.3, the paper's)")
     p.add_argument("--episodes", type=int, default=2, help="measured episodes (one more runs first, unmeasured)")
@@ -52,7 +61,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--worker", choices=["full", "blade"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.data is None:
+        name = "data" if args.seq_len == 128 else f"data-L{args.seq_len}"
+        args.data = os.path.join("runs", "demo", name)
+    return args
 
 
 def _config(args: argparse.Namespace, policy: str, out_dir: str):
@@ -64,9 +77,11 @@ def _config(args: argparse.Namespace, policy: str, out_dir: str):
     data.update(
         data={"candidates": os.path.join(args.data, "candidates"), "validation": os.path.join(args.data, "validation"),
               "tokenizer": None, "scored": None},
-        model=demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers).model_dump(mode="json"),
+        model=demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers,
+                                seq_len=args.seq_len).model_dump(mode="json"),
         output_dir=out_dir, batch_size=args.batch_size, max_steps=steps, progress_bar=False, plots=False,
         write_selected=False, threads=args.threads, device=args.device, distance_interval=args.tau,
+        precision=args.precision,
         eval={"interval": 10**9, "batch_size": 16, "max_batches": 1},
         checkpoint={"interval": 10**9, "keep": 1, "resume": False},
     )
@@ -103,12 +118,17 @@ def worker(args: argparse.Namespace) -> dict:
             if step >= first and (step - first) % args.tau == 0:
                 self.marks.append((clock(), dict(run.algorithm.timers)))
 
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(args, args.worker, tmp)
         episode_clock = EpisodeClock()
         run = build_training(cfg, callbacks=[episode_clock], timing=True, clock=clock)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         run.trainer.fit()
         run.trainer.close()
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     episodes = []
     for (t0, tm0), (t1, tm1) in zip(episode_clock.marks[:-1], episode_clock.marks[1:], strict=True):
         episodes.append({"step_seconds": (t1 - t0) / args.tau,
@@ -117,29 +137,35 @@ def worker(args: argparse.Namespace) -> dict:
         "policy": args.worker,
         "episodes": episodes,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mb": gpu_peak,
         "params": sum(p.numel() for p in run.model.parameters()),
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
     }
 
 
-def _ensure_data(path: str) -> None:
+def _ensure_data(path: str, seq_len: int) -> None:
     if os.path.exists(os.path.join(path, "candidates", "index.json")):
+        from schemas.manifest import Manifest
+
+        have = Manifest.load(os.path.join(path, "candidates")).config.get("seq_len")
+        if have is not None and int(have) != seq_len:
+            raise SystemExit(f"{path} holds sequences of {have} tokens, not --seq-len {seq_len}: pass another --data")
         return
     from curation.prepare import prepare
     from schemas.config import PrepareConfig
 
-    print(f"preparing the demo corpus into {path} ...", flush=True)
+    print(f"preparing the demo corpus ({seq_len}-token sequences) into {path} ...", flush=True)
     root = os.path.dirname(os.path.abspath(path))
-    prepare(PrepareConfig.demo_default(root).model_copy(update={"output_dir": path, "progress": False}))
+    cfg = PrepareConfig.demo_default(root)
+    prepare(cfg.model_copy(update={"output_dir": path, "progress": False, "seq_len": seq_len}))
 
 
 def _run_worker(args: argparse.Namespace, policy: str, argv: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", policy, "--out", out]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(cmd, check=True, env=env)
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--data", args.data, "--worker", policy, "--out", out]
+    subprocess.run(cmd, check=True)
     with open(out, encoding="utf-8") as f:
         result = json.load(f)
     os.unlink(out)
@@ -154,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f)
         return 0
-    _ensure_data(args.data)
+    _ensure_data(args.data, args.seq_len)
     t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {"full": [], "blade": []}
     for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit both policies
@@ -183,7 +209,8 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
     median_ratio = all_b[len(all_b) // 2] / all_p[len(all_p) // 2]
     print()
     print(f"BLADE training benchmark: {plains[0]['params']:,}-parameter Llama, b = {b}, τ = {tau}, K = {k} "
-          f"(K/τ = {k / tau:.2f}), rb = {rb}, {blades[0]['threads']} thread(s), device {args.device}, "
+          f"(K/τ = {k / tau:.2f}), rb = {rb}, L = {args.seq_len}, {blades[0]['threads']} thread(s), device {args.device}, "
+          f"precision {args.precision}, "
           f"{'process CPU time' if args.clock == 'cpu' else 'wall-clock time'}; fastest of "
           f"{len(all_p)} measured episodes ({args.repeats} runs × {args.episodes}) per policy")
     print(f"  plain (full policy) step: {t_plain * 1e3:8.1f} ms   (episodes: {_span(all_p)})")
@@ -205,13 +232,31 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
     print(f"  paper setting K/τ = 0.3: {'yes' if abs(k / tau - 0.3) < 1e-9 else 'no'}; {measured:.3f}× vs the "
           f"paper's measured {PAPER_RATIO}× ({'at or below' if measured <= PAPER_RATIO else 'ABOVE'}); "
           "DESIGN.md goal ≤ 1.5×")
-    p_rss, b_rss = plains[0]["peak_rss_mb"], blades[0]["peak_rss_mb"]
+    p_rss, b_rss = max(r["peak_rss_mb"] for r in plains), max(r["peak_rss_mb"] for r in blades)
     pmb = plains[0]["params"] * 4 / 2**20
     print(f"  peak RSS (separate processes): plain {p_rss:.0f} MB, BLADE {b_rss:.0f} MB, ratio {b_rss / p_rss:.3f} "
           f"(goal ≤ 1.10). Parameters: {pmb:.1f} MB; during a refresh BLADE adds the reference, its gradients "
           f"and AdamW moments (≈ 4 × {pmb:.1f} MB), between refreshes only the offloaded reference ({pmb:.1f} MB)")
+    result = {
+        "blade_over_plain": measured, "blade_over_plain_median": median_ratio, "predicted": predicted,
+        "plain_step_ms": t_plain * 1e3, "blade_step_ms": t_blade * 1e3,
+        "breakdown": {name: m for name, m, _ in rows}, "peak_rss_ratio": b_rss / p_rss,
+        "peak_rss_mb": {"plain": p_rss, "blade": b_rss}, "params": plains[0]["params"], "tau": tau,
+        "refresh_steps": k, "refresh_batch_size": rb, "batch_size": b, "seq_len": args.seq_len,
+        "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
+        "goal_blade_over_plain": 1.5, "goal_peak_ratio": 1.1,
+    }
+    if plains[0].get("peak_gpu_mb") is not None:
+        p_gpu = max(r["peak_gpu_mb"] for r in plains)
+        b_gpu = max(r["peak_gpu_mb"] for r in blades)
+        result["peak_gpu_mem_ratio"] = b_gpu / p_gpu
+        result["peak_gpu_mb"] = {"plain": p_gpu, "blade": b_gpu}
+        print(f"  peak GPU memory (torch allocator): plain {p_gpu:.0f} MB, BLADE {b_gpu:.0f} MB, "
+              f"ratio {b_gpu / p_gpu:.3f} (goal ≤ 1.10)")
     print(f"  {seconds:.0f} s for {2 * args.repeats} runs; command: python jobs/bench_training.py "
           + " ".join(sys.argv[1:]))
+    if args.json:
+        print(json.dumps(result))
 
 
 def _span(values: list[float]) -> str:

@@ -71,6 +71,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         candidates=cfg.candidates, out_dir=out, model=cfg.model.model_dump(mode="json"), order=order.to_dict(),
         vocab_size=cand.vocab_size, policy="blade", gamma=cfg.gamma, schedule=None, device=cfg.workers.device,
         threads=cfg.workers.threads, score_batch_size=cfg.workers.score_batch_size, needs_proxy=True,
+        precision=cfg.precision,
     )
     lock.write_records()
     started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,

@@ -99,13 +99,13 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         candidates=t.data.candidates, out_dir=out, model=model,
         order=BatchOrder("stream", num, t.batch_size, t.seed).to_dict(), vocab_size=cand.vocab_size,
         policy=policy.name, gamma=t.selection.gamma, schedule=schedule.to_dict(), device=wk.device,
-        threads=wk.threads, score_batch_size=wk.score_batch_size, needs_proxy=pipelined,
+        threads=wk.threads, score_batch_size=wk.score_batch_size, needs_proxy=pipelined, precision=t.precision,
     )
     refresh_spec = RefreshSpec(
         model=model, validation=t.data.validation, candidates=t.data.candidates, stream=stream.to_dict(),
         selection=t.selection.model_dump(mode="json"), ref_lr=t.selection.ref_lr or t.optim.lr,
         refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir, device=eng.refresh_device,
-        threads=eng.refresh_threads or wk.threads,
+        threads=eng.refresh_threads or wk.threads, precision=t.precision,
     )
     lock.write_records()
     started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,

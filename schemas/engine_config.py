@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, StrictModel
 from schemas.outdir import OPERATIONAL
-from schemas.train_config import ModelConfig, TrainConfig, demo_model_config
+from schemas.train_config import ModelConfig, Precision, TrainConfig, demo_model_config
 
 __all__ = [
     "ENGINE_POLICIES",
@@ -169,6 +169,10 @@ class CurateConfig(StrictModel):
         "false = file order, where prepare.py's per-source parts make every batch single-source"
     )
     seed: int = Field(0, ge=0)
+    precision: Precision = Field(
+        "fp32", description="fp32 | amp_bf16: proxy and reference forwards under bf16 autocast on CUDA workers "
+        "(fp32 on CPU workers); losses in float32"
+    )
     output_dir: str = Field(description="selected/ (shards + manifest) and summary.json")
     workers: WorkersConfig = Field(default_factory=lambda: WorkersConfig(range_steps=10))
     ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=OPERATIONAL)

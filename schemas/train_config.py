@@ -188,7 +188,10 @@ class TrainConfig(StrictModel):
     max_steps: int = Field(150, ge=1, description="proxy steps")
     seed: int = Field(0, ge=0, description="candidate-stream seed")
     device: Device = "auto"
-    precision: Precision = "fp32"
+    precision: Precision = Field(
+        "fp32", description="fp32 | amp_bf16 (CUDA only); governs the proxy step, ℓ(u), the reference scores "
+        "ℓ(w̃) (in-process and on the Ray workers) and the refresh alike, so exact-mode masks agree"
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     write_selected: bool = Field(True, description="write selected-token shards to output_dir/selected")
     distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
@@ -263,4 +266,7 @@ class ScorerConfig(StrictModel):
     weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")
     device: Device = "auto"
     batch_size: int = Field(16, ge=1, description="sequences per scoring forward")
-    autocast_bf16: bool = Field(True, description="bf16 autocast on CUDA (ignored on CPU)")
+    precision: Precision = Field(
+        "fp32", description="amp_bf16: forward under bf16 autocast on CUDA (fp32 on a CPU), losses in float32; "
+        "the trainer passes its own `precision`, so ℓ(u) and ℓ(w̃) are computed alike"
+    )

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from curation.models import load_weights
 from curation.policies import RefreshMode, get_policy, train_static_reference
+from curation.refresh import RefreshWorkspace
 from curation.schedule import WARMUP_EPISODE, Schedule
 from curation.scorer import ReferenceScorer, ScoredShards
 from curation.selection import num_selected
@@ -153,6 +154,8 @@ class BladeAlgorithm(Algorithm):
         refresh_batch_size: sequences per validation and per candidate batch of a refresh step.
         scored: scored shards to take ``ℓ(w̃)`` from (no in-process reference then).
         distance_interval: measure ``‖u − w‖`` every this many steps.
+        precision: the trainer's ``fp32`` / ``amp_bf16``: the reference's scoring and refresh run at the
+            precision of the proxy's forward (bf16 autocast on CUDA), so Δ compares like with like.
         timing: synchronise CUDA around timed phases (benchmarks).
         clock: the clock of :attr:`timers` (``time.perf_counter``; benchmarks on a shared CPU use
             ``time.process_time``).
@@ -172,6 +175,7 @@ class BladeAlgorithm(Algorithm):
         refresh_batch_size: int,
         scored: ScoredShards | None = None,
         distance_interval: int = 1,
+        precision: str = "fp32",
         timing: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -187,6 +191,7 @@ class BladeAlgorithm(Algorithm):
         self.refresh_batch_size = refresh_batch_size
         self.scored = scored
         self.distance_interval = distance_interval
+        self.precision = precision
         self.timing = timing
         self.clock = clock
         self.schedule = Schedule(selection.warmup_steps, selection.tau, max_steps)
@@ -194,6 +199,8 @@ class BladeAlgorithm(Algorithm):
         self.in_process = self.uses_reference and scored is None
 
         self.scorer: ReferenceScorer | None = None
+        # The refresh's reference module and AdamW, reused refresh after refresh (curation.refresh).
+        self.workspace = self._new_workspace()
         self.ref_version = WARMUP_EPISODE
         self.ref_opt_state: dict[str, Any] | None = None
         self.score_cache: dict[int, np.ndarray] = {}
@@ -260,9 +267,13 @@ class BladeAlgorithm(Algorithm):
         module.load_state_dict(weights, strict=True)
         return module
 
-    def _set_reference(self, module: nn.Module, version: int) -> None:
-        if self.scorer is None:
-            cfg = ScorerConfig(model=self.model_config, device="cpu",
+    def _set_reference(self, module: nn.Module, version: int, *, offload: bool = True) -> None:
+        """Make ``module`` the scoring reference. A freshly refreshed one stays where it was computed
+        (``offload=False``): it scores the coming steps there right away and is offloaded after that
+        (:meth:`_precompute`), so its weights cross to the host once per refresh, not there and back."""
+        if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
+            where = "cuda" if next(module.parameters()).device.type == "cuda" else "cpu"
+            cfg = ScorerConfig(model=self.model_config, device=where, precision=self.precision,
                                batch_size=self.cfg.score_batch_size or self.batch_size)
             self.scorer = ReferenceScorer(cfg, model=module)
         else:
@@ -272,10 +283,23 @@ class BladeAlgorithm(Algorithm):
         self.scorer.version = version
         self.ref_version = version
         self.score_cache.clear()
-        if self.cfg.offload_reference:
-            self.scorer.to("cpu")
+        if not offload:
+            self.scorer.device = next(module.parameters()).device
+        elif self.cfg.offload_reference:
+            self._offload()
         else:
             self.scorer.to(self._train_device)
+
+    def _offload(self) -> None:
+        """Move the reference off the training device (a no-op on a CPU). The refresh workspace it lives in
+        goes with it: the next refresh builds its module on the training device again (device to device)."""
+        assert self.scorer is not None
+        if self.scorer.device.type != "cpu":
+            self.scorer.to("cpu")
+            self.workspace = self._new_workspace()
+
+    def _new_workspace(self) -> RefreshWorkspace:
+        return RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _train_static(self, proxy: nn.Module) -> None:
         with self._timed("refresh"):
@@ -288,6 +312,7 @@ class BladeAlgorithm(Algorithm):
                 proxy, self._val_batches(self._static_stream, version=0, steps=self.cfg.rho1_steps),
                 steps=self.cfg.rho1_steps,
                 lr=self.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
+                precision=self.precision,
             )
         self.refresh_log.append(self._refresh_entry(0, 0, result))
         self._set_reference(result.model, 0)
@@ -358,7 +383,7 @@ class BladeAlgorithm(Algorithm):
                 self.score_cache[t] = self.scorer(self.stream_data.batch(t)["tokens"])
                 self.counts["score_steps"] += 1
             if self.cfg.offload_reference:
-                self.scorer.to("cpu")
+                self._offload()
 
     def _refresh(self, state: State, step: int, episode: int) -> None:
         proxy = self._proxy(state)
@@ -383,11 +408,13 @@ class BladeAlgorithm(Algorithm):
                 lr=self.ref_lr,
                 weight_decay=self.cfg.ref_weight_decay,
                 grad_clip=self.cfg.ref_grad_clip,
+                precision=self.precision,
+                workspace=self.workspace,
             )
         self.ref_opt_state = result.optimizer_state if continue_mode else None
         self.counts["refreshes"] += 1
         self.refresh_log.append(self._refresh_entry(step, episode, result))
-        self._set_reference(result.model, episode)
+        self._set_reference(result.model, episode, offload=False)
 
     def _refresh_entry(self, step: int, version: int, result: Any) -> dict[str, Any]:
         return result.log_entry(step=step, version=version)

@@ -202,7 +202,7 @@ def build_training(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
         max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
-        scored=scored, distance_interval=cfg.distance_interval, timing=timing, clock=clock,
+        scored=scored, distance_interval=cfg.distance_interval, precision=cfg.precision, timing=timing, clock=clock,
     )
     stats = SelectionStats(algorithm)
     extra = {

@@ -38,6 +38,7 @@ def _weights(seed: int) -> Weights:
 def _spec(root: str, out: str, *, candidates: str | None = None, vocab: int = 512, **kw) -> WorkerSpec:
     cand = candidates or os.path.join(root, "data", "candidates")
     n = len(open_shards(cand))
+    kw.setdefault("device", "cpu")  # compared with CPU float32 values, also on a machine with a GPU
     return WorkerSpec(candidates=cand, out_dir=out, model=_model().model_dump(mode="json"),
                       order=BatchOrder("stream", n, B, seed=0).to_dict(), vocab_size=vocab,
                       schedule=SCHED.to_dict(), **kw)
@@ -127,6 +128,52 @@ def test_bad_token_names_the_shard_and_record(engine_demo, tmp_path, weights):
     with pytest.raises(ScoringDataError, match=r"cand: shard part-00001/shard.00000.mds.zstd, record 3 "
                                                r"\(sample 13, step 3\): token id 900 at position 5"):
         worker.run(WorkUnit(3, 5, "selected", 0, 0), lambda k, v: weights[(k, v)])
+    # the bad step after a good one (already handed to the writer thread): the part is not completed
+    with pytest.raises(ScoringDataError, match="token id 900"):
+        worker.run(WorkUnit(2, 4, "selected", 0, 0), lambda k, v: weights[(k, v)])
+    assert "steps-000000002-000000004" not in os.listdir(os.path.join(str(tmp_path / "out"), "worker-00"))
+
+
+def test_write_behind_overlaps_and_propagates_errors_from_either_side():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from curation.workers import _write_behind
+
+    def produce(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError("bad row")
+            yield {"i": i}
+
+    with ThreadPoolExecutor(2) as pool:
+        assert _write_behind(pool, lambda rows: [r["i"] for r in rows], produce(1000)) == list(range(1000))
+        done = []
+
+        def write(rows):
+            for r in rows:
+                done.append(r["i"])
+            done.append("completed")  # what write_part's rename would be
+            return len(done)
+
+        with pytest.raises(ValueError, match="bad row"):
+            _write_behind(pool, write, produce(600, fail_at=500))
+        assert "completed" not in done and done == list(range(len(done)))
+
+        def failing_write(rows):
+            for r in rows:
+                if r["i"] == 10:
+                    raise OSError("disk full")
+
+        produced = []
+
+        def counted(n):
+            for i in range(n):
+                produced.append(i)
+                yield {"i": i}
+
+        with pytest.raises(OSError, match="disk full"):
+            _write_behind(pool, failing_write, counted(100_000))
+        assert len(produced) < 2000  # the producer stopped soon after the writer failed
 
 
 # ------------------------------------------------------------------------------------------------

@@ -149,3 +149,148 @@ def test_values_and_gradients_equal_the_sliced_cross_entropy_bit_for_bit(shape, 
         (g_got,) = torch.autograd.grad((got * weights).sum(), logits)
         (g_want,) = torch.autograd.grad((want * weights).sum(), logits)
         assert torch.equal(g_got, g_want)  # (-0.0 == 0.0: the dropped last position may give signed zeros)
+
+
+# --- per-token losses from the final hidden states (no full logits) --------------------------------------
+def _tiny_llama(vocab: int = 64, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                        tie_word_embeddings=tie)).eval()
+
+
+@pytest.mark.parametrize("chunk", [None, 64 * 7, 64 * 300])  # default (one GEMM), 256-row GEMMs + overlap
+def test_hidden_token_losses_equal_the_plain_cross_entropy(chunk):
+    import torch.nn.functional as F
+
+    from curation.losses import hidden_token_losses
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 200, 16, generator=gen)  # 600 rows: 256 + 256 + the last 256 (88 of them new)
+    head, bias = torch.randn(64, 16, generator=gen), torch.randn(64, generator=gen)
+    tokens = torch.randint(0, 64, (3, 200), generator=gen)
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    valid[1, 135:] = False
+    tokens[1, 135:] = -100  # padding ids are never read
+    got, gv = hidden_token_losses(hidden, head, tokens, valid, bias=bias, chunk_elements=chunk)
+    logits = F.linear(hidden, head, bias)
+    want = torch.zeros(3, 200)
+    for i in range(3):
+        for n in range(1, 200):
+            if valid[i, n]:
+                want[i, n] = F.cross_entropy(logits[i, n - 1 : n].double(), tokens[i, n : n + 1]).float()
+    assert torch.equal(gv, target_valid(tokens, valid))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    same, _ = token_losses(logits, tokens, valid)
+    assert torch.equal(got, same)  # CPU float32: bit for bit the full-logits computation
+
+
+def test_hidden_token_losses_never_hold_more_than_one_chunk_of_logits(monkeypatch):
+    import torch.nn.functional as F
+
+    from curation.losses import hidden_token_losses
+
+    shapes = []
+    linear = F.linear
+
+    def spy(x, w, b=None):
+        out = linear(x, w, b)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(F, "linear", spy)
+    hidden, head = torch.randn(4, 150, 8), torch.randn(100, 8)
+    hidden_token_losses(hidden, head, torch.randint(0, 100, (4, 150)), chunk_elements=100 * 300)
+    assert shapes == [(256, 100)] * 3  # 600 rows: 256 rows of logits at a time (the last overlapping)
+
+
+def test_bf16_hidden_states_within_stated_tolerance_of_float32():
+    """bf16 hidden states and head (the workers' bf16 path): float32 losses within 1% (relative, |ℓ| ≥ 1)
+    of the float32 computation; and equal to the full bf16 logits' losses."""
+    import torch.nn.functional as F
+
+    from curation.losses import hidden_token_losses
+
+    gen = torch.Generator().manual_seed(1)
+    hidden, head = torch.randn(2, 48, 64, generator=gen), torch.randn(512, 64, generator=gen) * 0.1
+    tokens = torch.randint(0, 512, (2, 48), generator=gen)
+    ref, _ = hidden_token_losses(hidden, head, tokens)
+    got, _ = hidden_token_losses(hidden.bfloat16(), head.bfloat16(), tokens)
+    assert got.dtype == torch.float32
+    rel = (got - ref).abs() / ref.abs().clamp(min=1.0)
+    assert float(rel.max()) < 1e-2
+    full, _ = token_losses(F.linear(hidden.bfloat16(), head.bfloat16()), tokens)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_token_losses_skip_the_logits_of_hf_models_with_the_same_values(tie, monkeypatch):
+    from curation.losses import model_token_losses
+
+    model = _tiny_llama(tie=tie)
+    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(3, 16, dtype=torch.bool)
+    valid[2, :4] = False  # left padding: an attention mask is passed
+    with torch.no_grad():
+        want = token_losses(model_logits(model, tokens, valid), tokens, valid)
+        calls = []
+        monkeypatch.setattr(type(model), "forward", lambda *a, **k: calls.append(1))  # the LM head is skipped
+        got = model_token_losses(model, tokens, valid)
+    assert not calls
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_model_token_losses_fall_back_to_logits_for_other_models():
+    from curation.losses import model_token_losses
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 10)
+
+        def forward(self, tokens):
+            return self.emb(tokens)
+
+    plain = Plain()
+    tokens = torch.randint(0, 10, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model_token_losses(plain, tokens)[0], token_losses(plain(tokens), tokens)[0])
+    capped = _tiny_llama()
+    capped.config.final_logit_softcapping = 30.0  # logits are not lm_head(hidden) any more: no shortcut
+    from curation.losses import _plain_head
+
+    assert _plain_head(capped) is None and _plain_head(_tiny_llama()) is not None
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_scoring_on_cuda_within_tolerance_of_float32():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (bf16 autocast scoring path)")
+    from curation.losses import autocast, model_token_losses
+
+    model = _tiny_llama(vocab=512).cuda()
+    tokens = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(3)).cuda()
+    device = torch.device("cuda")
+    with torch.inference_mode():
+        with autocast("fp32", device):
+            ref, _ = model_token_losses(model, tokens)
+        with autocast("amp_bf16", device):
+            got, _ = model_token_losses(model, tokens)
+            full = token_losses(model_logits(model, tokens), tokens)[0]
+    assert got.dtype == torch.float32
+    assert float(((got - ref).abs() / ref.abs().clamp(min=1.0)).max()) < 3e-2
+    torch.testing.assert_close(got, full, rtol=1e-3, atol=1e-3)
+
+
+def test_autocast_setting():
+    from curation.losses import autocast
+
+    cpu = torch.device("cpu")
+    x = torch.randn(4, 4)
+    for precision in ("fp32", "amp_bf16"):  # on a CPU every precision computes in float32
+        with autocast(precision, cpu):
+            assert (x @ x).dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be 'fp32' or 'amp_bf16', got 'bf16'"):
+        autocast("bf16", cpu)

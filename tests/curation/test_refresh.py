@@ -271,3 +271,47 @@ def test_padded_batches_and_tuple_batches():
     c = candidate_batch(gen)
     result = refresh_reference(proxy, [(tokens, valid)], [(c.tokens, None, c.mask)], steps=1, **SETTINGS)
     assert result.steps == 1 and all(torch.isfinite(torch.tensor(result.objectives)))
+
+
+@pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
+def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue_mode):
+    """Three refreshes with a workspace equal three with fresh copies bit for bit; one module, one AdamW."""
+    from curation.refresh import RefreshWorkspace
+
+    proxy = tiny_llama(0)
+    ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
+    fresh_prev, fresh_state, ws_prev, ws_state = None, None, None, None
+    modules, optimizers = set(), set()
+    for episode in range(3):
+        with torch.no_grad():  # the proxy moves between refreshes
+            for p in proxy.parameters():
+                p.add_(0.01 * (episode + 1))
+        kw = dict(steps=3, lam=1.0, lr=1e-2)
+        a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh_prev,
+                              optimizer_state=fresh_state, **kw)
+        b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=ws_prev,
+                              optimizer_state=ws_state, workspace=ws, **kw)
+        assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        modules.add(id(b.model))
+        optimizers.add(id(ws.optimizer))
+        # blade releases the AdamW moments between refreshes; blade-nosync keeps them (and continues them)
+        assert (len(ws.optimizer.state) > 0) == continue_mode
+        if continue_mode:
+            fresh_prev, fresh_state = a.model, copy.deepcopy(a.optimizer_state)
+            ws_prev, ws_state = b.model, b.optimizer_state  # continued in place, no copy
+    assert len(modules) == 1 and len(optimizers) == 1
+    assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
+
+
+@pytest.mark.gpu
+def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (refresh under bf16 autocast)")
+    proxy = tiny_llama(0).cuda()
+    kw = dict(steps=5, lam=1.0, lr=1e-2)
+    a = refresh_reference(proxy, val_stream(0), cand_stream(1), **kw)
+    b = refresh_reference(proxy, val_stream(0), cand_stream(1), precision="amp_bf16", **kw)
+    assert b.objectives != a.objectives  # bf16 really ran
+    assert max(abs(x - y) / max(abs(x), 1.0) for x, y in zip(a.objectives, b.objectives, strict=True)) < 3e-2

@@ -28,7 +28,12 @@ def _reference_select(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torc
     return out.view(valid.shape)
 
 
-def test_lmo_equivalence_by_brute_force():
+# sync=True: the kthvalue path (CPU default); sync=False: the host-synchronisation-free path (GPU default).
+SYNC = pytest.mark.parametrize("sync", [True, False], ids=["kthvalue", "sync-free"])
+
+
+@SYNC
+def test_lmo_equivalence_by_brute_force(sync):
     """The mask minimises <l(w) - l(u), a> over {a in {0,1}^N : sum a = k, a = 0 off valid}."""
     gen = torch.Generator().manual_seed(1234)
     checked = 0
@@ -48,7 +53,7 @@ def test_lmo_equivalence_by_brute_force():
         vflat = valid.reshape(-1).tolist()
         n_valid = sum(vflat)
         for gamma in (0.1, 0.25, 0.5, 0.6, 0.75, 1.0):
-            mask = select_top_fraction(scores, valid, gamma)
+            mask = select_top_fraction(scores, valid, gamma, sync=sync)
             k = num_selected(gamma, n_valid)
             a = mask.reshape(-1).tolist()
             assert sum(a) == k
@@ -113,22 +118,24 @@ def test_selection_is_global_over_the_batch_not_per_row():
     assert mask.tolist() == [[True, True, True], [False, False, False]]
 
 
-def test_ties_break_by_lower_flat_index():
+@SYNC
+def test_ties_break_by_lower_flat_index(sync):
     scores = torch.tensor([[1.0, 2.0, 2.0], [2.0, 2.0, 0.0]])
-    mask = select_top_fraction(scores, torch.ones(2, 3, dtype=torch.bool), 0.5)  # k = 3
+    mask = select_top_fraction(scores, torch.ones(2, 3, dtype=torch.bool), 0.5, sync=sync)  # k = 3
     assert mask.tolist() == [[False, True, True], [True, False, False]]
     valid = torch.tensor([[True, True, False], [True, True, True]])
-    mask = select_top_fraction(scores, valid, 0.4)  # n=5, k=2: the 2.0 at [0,2] is invalid
+    mask = select_top_fraction(scores, valid, 0.4, sync=sync)  # n=5, k=2: the 2.0 at [0,2] is invalid
     assert mask.tolist() == [[False, True, False], [True, False, False]]
 
 
-def test_matches_stable_sort_reference_on_large_tied_fp16_inputs():
+@SYNC
+def test_matches_stable_sort_reference_on_large_tied_fp16_inputs(sync):
     gen = torch.Generator().manual_seed(7)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         scores = (torch.randn(8, 512, generator=gen) * 2).round().to(dtype)  # heavy ties
         valid = torch.rand(8, 512, generator=gen) < 0.9
         for gamma in (0.1, 0.6, 0.999):
-            mask = select_top_fraction(scores, valid, gamma)
+            mask = select_top_fraction(scores, valid, gamma, sync=sync)
             k = num_selected(gamma, int(valid.sum()))
             assert torch.equal(mask, _reference_select(scores, valid, k)), (dtype, gamma)
 
@@ -141,12 +148,56 @@ def test_gamma_one_keeps_every_valid_token():
     assert torch.equal(select_top_fraction(scores, None, 1), torch.ones(3, 5, dtype=torch.bool))
 
 
-def test_all_invalid_gives_empty_mask_and_one_valid_keeps_one():
+@SYNC
+def test_all_invalid_gives_empty_mask_and_one_valid_keeps_one(sync):
     scores = torch.randn(2, 4)
-    assert not select_top_fraction(scores, torch.zeros(2, 4, dtype=torch.bool), 0.5).any()
+    assert not select_top_fraction(scores, torch.zeros(2, 4, dtype=torch.bool), 0.5, sync=sync).any()
     valid = torch.zeros(2, 4, dtype=torch.bool)
     valid[1, 2] = True
-    assert select_top_fraction(scores, valid, 0.01).nonzero().tolist() == [[1, 2]]
+    assert select_top_fraction(scores, valid, 0.01, sync=sync).nonzero().tolist() == [[1, 2]]
+    assert torch.equal(select_top_fraction(scores, valid, 1.0, sync=sync), valid)
+
+
+def test_sync_free_path_reads_no_number_on_the_host(monkeypatch):
+    """Every host read of a tensor value (bool(), int(), float(), .item(), .tolist()) fails inside the call."""
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(4, 64, generator=gen) * 2).round()
+    valid = torch.rand(4, 64, generator=gen) < 0.8
+    want = select_top_fraction(scores, valid, 0.6, sync=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host synchronisation in the sync-free path")
+
+    for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = select_top_fraction(scores, valid, 0.6, sync=False)
+    monkeypatch.undo()
+    assert torch.equal(got, want) and int(got.sum()) == num_selected(0.6, int(valid.sum()))
+
+
+def test_sync_free_path_still_refuses_non_finite_scores_on_cpu():
+    scores = torch.tensor([[1.0, float("nan"), 2.0]])
+    with pytest.raises(RuntimeError, match="non-finite score"):
+        select_top_fraction(scores, None, 0.5, sync=False)
+
+
+@pytest.mark.gpu
+def test_selection_on_cuda_has_no_host_synchronisation_and_matches_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (checks the selection hot path for host synchronisations)")
+    gen = torch.Generator().manual_seed(11)
+    scores = (torch.randn(8, 1024, generator=gen) * 3).round()
+    valid = torch.rand(8, 1024, generator=gen) < 0.9
+    want = select_top_fraction(scores, valid, 0.6)
+    s, v = scores.cuda(), valid.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        delta = excess_loss(s, torch.zeros_like(s, dtype=torch.float16))
+        got = select_top_fraction(delta, v, 0.6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5, float("nan"), float("inf")])

@@ -51,6 +51,7 @@ def tiny_config(root: str, out: str, policy: str = "blade", **updates) -> TrainC
         "progress_bar": False,
         "plots": False,
         "threads": 1,
+        "device": "cpu",  # the tests compare with CPU float32 values, also on a machine with a GPU
         "selection": {"warmup_steps": 2, "tau": 3, "refresh_steps": 2, "refresh_batch_size": 2, "rho1_steps": 3,
                       "refresh_candidate_batches": 2},
         "eval": {"interval": 5, "batch_size": 16, "max_batches": 1},

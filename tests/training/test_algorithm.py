@@ -197,3 +197,37 @@ def test_a_non_finite_proxy_loss_fails_clearly(make_config):
     with pytest.raises(ValueError, match="step 3: the proxy's token loss is not finite"):
         run.trainer.fit()
     run.trainer.close()
+
+
+def test_one_precision_setting_reaches_the_reference_scorer(make_config):
+    """The trainer's `precision` is the in-process reference's (on a CPU both run in float32)."""
+    cfg = make_config("blade", "prec", max_steps=4, eval={"interval": 100})
+    run = train(cfg)["run"]
+    assert run.algorithm.precision == "fp32" and run.algorithm.scorer.config.precision == "fp32"
+
+
+@pytest.mark.gpu
+def test_exact_mode_on_cuda_in_bf16_gives_the_same_masks_from_scored_shards(make_config, tmp_path):
+    """On a GPU under amp_bf16, ℓ(w̃) scored by a worker-style scorer (the trainer's precision) gives the masks
+    of the in-process reference; and the bf16 scores stay within tolerance of float32 ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (amp_bf16 exact mode)")
+    base = make_config("rho1", "ga", max_steps=7, eval={"interval": 100})
+    ref = build_causal_lm(base.model.model_copy(update={"init_seed": 11}))
+    weights = save_weights(ref, str(tmp_path / "ref.safetensors"))
+    common = dict(max_steps=7, eval={"interval": 100}, device="cuda", precision="amp_bf16")
+    a = make_config("rho1", "ga", selection={"reference_weights": weights}, **common)
+    out_a = train(a)
+    scored = str(tmp_path / "scored")
+    reader = StreamReader.open(a.data.candidates, batch_size=a.batch_size, seed=a.seed)
+    scorer = ReferenceScorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size,
+                                          precision="amp_bf16"))
+    write_scored_steps(scored, reader, scorer, range(2, 7), episode_of=lambda t: 0, vocab_size=512)
+    b = make_config("rho1", "gb", data={"scored": scored}, **common)
+    out_b = train(b)
+    ma, mb = read_column(out_a["selected"], "loss_mask"), read_column(out_b["selected"], "loss_mask")
+    assert len(ma) == len(mb) and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
+    fp32 = ReferenceScorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size))
+    tokens = reader.read(3).tokens
+    lo, hi = scorer(tokens).astype(np.float32), fp32(tokens).astype(np.float32)
+    assert np.max(np.abs(lo - hi) / np.maximum(np.abs(hi), 1.0)) < 3e-2
