@@ -78,3 +78,39 @@ def test_no_arguments_evaluates_the_demo_runs(tmp_path, monkeypatch, capsys):
     (pair,) = res["paired"]["target_val"]
     assert pair["mean"] == pytest.approx(lo[pair["a"]]["mean"] - lo[pair["b"]]["mean"])
     assert "| blade − full |" in (tmp_path / root / "eval" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_lm_eval_section_exports_a_run_and_scores_it(tmp_path, monkeypatch):
+    from curation.harness import HARNESS_MISSING, harness_available
+
+    if not harness_available():
+        pytest.skip(HARNESS_MISSING)
+    from curation.models import build_causal_lm, save_weights
+    from curation.tokenizer import train_bpe_tokenizer
+    from tests.conftest import write_jsonl
+
+    rows = [{"question": f"Tom has {i} apples and buys 2 more. How many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
+            for i in range(4)]
+    data = write_jsonl(tmp_path / "test.jsonl", rows)
+    tok = train_bpe_tokenizer([r["question"] + "\n" + r["answer"] for r in rows] * 3, vocab_size=300,
+                              save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    run = tmp_path / "run"  # what training.run.train leaves: config.yaml + final/{model.safetensors,config.json}
+    model = build_causal_lm(demo_model_config(tok.vocab_size, hidden=32, layers=1))
+    save_weights(model, str(run / "final" / "model.safetensors"))
+    model.config.to_json_file(str(run / "final" / "config.json"))
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": tok.path}}))
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # restored after the test
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    out = tmp_path / "eval"
+    code = evaluate_job.main([
+        "--set", f"models=[{{path: {run}}}]", "--set", f"output_dir={out}", "--set", "progress=false",
+        "--set", f"sets=[{{name: gsm8k, paths: [{data}], template: '{{question}} {{answer}}'}}]",
+        "--set", f"lm_eval={{gsm8k_file: {data}, limit: 2, max_gen_toks: 4, batch_size: 2}}",
+    ])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["lm_eval"]["run"]["gsm8k_local"]["exact_match,strict-match"] == 0.0
+    assert (out / "hf" / "run" / "tokenizer.json").exists()  # the run was exported as an HF directory
+    assert "| run | gsm8k_local | exact_match,strict-match | 0.0000 |" in (out / "results.md").read_text()
