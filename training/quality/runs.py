@@ -313,7 +313,8 @@ def run_experiment(s: Setting, out: str) -> dict[str, Any]:
                 for t in s.taus}
 
     # 6. the long horizon (seed 0): does the proxy pass the static reference? full = the long full run ---
-    long_runs = {p: run(f"long-{p}", policy=p, seed=0, mcfg=start, steps=s.long_steps) for p in ("rho1", "blade")}
+    long_runs = {p: main_runs[p][0] if s.long_steps == s.steps else
+                 run(f"long-{p}", policy=p, seed=0, mcfg=start, steps=s.long_steps) for p in ("rho1", "blade")}
 
     # 7. transfer (BLADE-Tr): a larger model trained on the selected tokens vs a random-γ selection ----
     transfer: dict[str, Any] = {}

@@ -99,20 +99,21 @@ class Setting:
     ])
     gammas: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     taus: tuple[int, ...] = (25, 50, 100)
-    long_steps: int = 600  # the long horizon (full, rho1, blade; seed 0): does the proxy pass the static reference?
+    long_steps: int = 600  # the long horizon (full, rho1, blade; seed 0; = steps: the main runs' seed 0)
 
 
 CPU = Setting()
-# One H100-class GPU, about 30 minutes (an estimate: not run yet, see README): a 51M-parameter Llama with the
-# GPT-2 tokenizer, context 512, 2,000 proxy steps, 3 seeds, a 4,000-step long horizon; one refresh setting
-# (K/τ = 0.2 with batches of b sequences, the CPU sweep's winning shape at a cheaper K), no γ/τ sweeps and
-# no transfer run, to fit the time; checkpoints every 500 steps, so it can be run in pieces.
+# One H100-class GPU, about 30-40 minutes (an estimate: not run yet, see README): a 51M-parameter Llama with the
+# GPT-2 tokenizer, context 512, 2,000 proxy steps, 3 seeds; the main runs are the long horizon (long_steps =
+# steps: 2,000 steps, 9 refreshes); one refresh setting (K/τ = 0.2 with batches of b sequences, the CPU
+# sweep's winning shape at a cheaper K), no γ/τ sweeps and no transfer run, to fit the time; checkpoints every
+# 500 steps, so it can be run in pieces.
 GPU = Setting(
     tokenizer="tokenizer_gpt2/gpt2_tokenizer.json", vocab=50304, hidden=512, layers=8, transfer=False, seq_len=512,
     batch=16, base_steps=1000, steps=2000, seeds=3, lr=3e-4, warmup=200, tau=200, rho1_steps=400, eval_interval=200,
     eval_batches=20, threads=16, precision="amp_bf16", checkpoint_interval=500,
     sweep=[{"refresh_steps": 40, "ref_lr": 3e-4, "lam": 0.25, "refresh_batch_size": 16}],
-    gammas=(0.6,), taus=(200,), long_steps=4000,
+    gammas=(0.6,), taus=(200,), long_steps=2000,
 )
 QUICK = Setting(
     doc_scale=0.02, pool_doc_cap=30, skip_sources=("openintro", "hott"), vocab=1024, hidden=32, layers=1, big_hidden=48,
