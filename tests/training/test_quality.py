@@ -78,3 +78,23 @@ def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
     last = load_file(long["final_weights"])
     assert all((last[k] == load_file(long["snapshots"]["7"])[k]).all() for k in last)
     assert long["config"]["snapshots"] == [4, 7]
+
+
+def test_gpu_preset_meets_the_brief():
+    """One H100-class GPU: a 30–125M-parameter Llama, context ≥ 512, the GPT-2 tokenizer, ≥ 2,000 proxy
+    steps, 3 seeds, resumable in pieces."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.quality.setting import PRESETS, SHARED, model_config
+
+    s = PRESETS["gpu"]
+    cfg = dict(model_config(s).hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    assert 30e6 <= sum(p.numel() for p in model.parameters()) <= 125e6
+    assert s.seq_len >= 512 and s.steps >= 2000 and s.seeds == 3 and s.long_steps >= s.steps
+    assert s.tokenizer == "tokenizer_gpt2/gpt2_tokenizer.json" and s.vocab >= 50257
+    assert s.checkpoint_interval is not None and s.checkpoint_interval < s.steps
+    assert PRESETS["cpu"] == Setting()  # the default preset is the previous CPU setting
+    assert SHARED.endswith("data")
