@@ -207,11 +207,14 @@ def results_md(r: dict[str, Any], figs: dict[str, str], command: str, *, hardwar
         lines.append(f"| {label} | " + " | ".join(_iv(r[key][k]) for k in sets) + " |")
     lines += ["", "## Compute per policy (analytic FLOPs of the proxy steps; measured time)", "",
               "| policy | proxy fwd+bwd | reference scoring | reference training | total vs full | "
-              "measured time vs full |", "|---|---|---|---|---|---|"]
+              "measured time vs full | measured refresh / scoring / selection (ms per step, wall clock) |",
+              "|---|---|---|---|---|---|---|"]
     for p in POLICIES:
         f = r["flops"][p]
+        parts = r.get("part_seconds", {}).get(p)
+        measured = " / ".join(f"{parts[k] * 1e3:.0f}" for k in ("refresh", "score", "select")) if parts else ""
         lines.append(f"| {p} | {f['proxy']:.3g} | {f['scoring']:.3g} | {f['refresh']:.3g} | {f['total'] / ff:.2f}× | "
-                     f"{statistics.fmean(r['step_seconds'][p]) / full_t:.2f}× |")
+                     f"{statistics.fmean(r['step_seconds'][p]) / full_t:.2f}× | {measured} |")
     lines += ["", "## Refresh-strength sweep (blade, seed 0; chosen by validation loss)", "",
               "| setting | final validation loss | mean ‖u − w‖ |", "|---|---|---|"]
     for row in r["sweep"]:

@@ -372,6 +372,10 @@ def run_experiment(s: Setting, out: str) -> dict[str, Any]:
         "blade_vs_nosync": _compare(ev["blade"], ev["blade-nosync"]),
         "equal_compute_steps": eq_steps, "flops": flops, "flops_at_step": flops_at_step,
         "step_seconds": {p: [r["step_seconds"] for r in rs] for p, rs in main_runs.items()},
+        # the algorithm's own timers (wall clock, seconds per proxy step): refresh (incl. rho1's static
+        # reference), reference scoring, selection
+        "part_seconds": {p: {k: statistics.fmean(r["summary"]["seconds"].get(k, 0.0) / r["summary"]["steps"] for r in rs)
+                             for k in ("refresh", "score", "select")} for p, rs in main_runs.items()},
         "base_eval": _means(base_ev), "big_base_eval": _means(big_base_ev) if big_base_ev else None,
         "final_val": {p: [_final_val(r, s.steps) for r in rs] for p, rs in main_runs.items()},
         "val_curves": {p: [full_curve(k, s.steps) if p == "full" else r["summary"]["validation"]
