@@ -1,0 +1,2 @@
+"""The quality benchmark of ``jobs/bench_quality.py``: its settings (``setting``), runs (``runs``) and report
+(``report``)."""
