@@ -1,6 +1,5 @@
 """curation.harness: lm-evaluation-harness on a local GSM8K-style file, offline, on a tiny HF directory
-(the wiring, not the score). The slow test needs the `eval` extra (pip install -e ".[dev,eval]") and skips,
-naming it, without it."""
+(the wiring, not the score). Needs the `eval` extra, which CI installs (README's set-up command)."""
 
 from __future__ import annotations
 
