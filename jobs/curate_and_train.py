@@ -119,7 +119,6 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
             device=wk.device, gpus=wk.gpus,
         )
         # Composer takes seconds to import: done while the actors start and load their models.
-        from training.checkpoint import checkpoint_write_errors
         from training.engine_hooks import (
             EngineMaskedBatches,
             EngineScores,
@@ -138,12 +137,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
               f"{eng.mode} mode, {eng.refresh} refresh, "
               + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
-        try:
-            if int(run.trainer.state.timestamp.batch) < t.max_steps:  # a rerun of a finished run only reports
-                with checkpoint_write_errors(os.path.join(t.output_dir, "checkpoints")):
-                    run.trainer.fit()
-        finally:
-            run.trainer.close()
+        run.fit()  # a rerun of a finished run only reports
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()

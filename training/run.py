@@ -64,6 +64,17 @@ class TrainRun:
     resumed_from: str | None = None
     manifest_extra: dict[str, Any] | None = None
 
+    def fit(self) -> None:
+        """Train to ``max_duration`` (a rerun of a finished run only reports), then close the trainer.
+
+        A checkpoint write that fails (full disk) becomes an OSError naming ``checkpoints/``."""
+        try:
+            if self.trainer.state.timestamp < self.trainer.state.max_duration:
+                with checkpoint_write_errors(os.path.join(self.output_dir, "checkpoints")):
+                    self.trainer.fit()
+        finally:
+            self.trainer.close()
+
 
 def _every(interval: int, last: int, event_name: str):
     from composer.core import Event
@@ -266,12 +277,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks, timing=timing)
         lock.write_records()
-        try:
-            if int(run.trainer.state.timestamp.batch) < cfg.max_steps:  # a rerun of a finished run only reports
-                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
-                    run.trainer.fit()
-        finally:
-            run.trainer.close()
+        run.fit()
         extra = {"resumed_from": run.resumed_from,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
@@ -317,12 +323,7 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
     with open_output_dir(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
         run = build_replay(cfg, callbacks=[curve])
         lock.write_records()
-        try:
-            if run.trainer.state.timestamp < run.trainer.state.max_duration:
-                with checkpoint_write_errors(os.path.join(cfg.output_dir, "checkpoints")):
-                    run.trainer.fit()
-        finally:
-            run.trainer.close()
+        run.fit()
         out = _finish(run, cfg.model, False, {})
         atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
     out["validation"] = curve.points
