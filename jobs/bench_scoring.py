@@ -12,7 +12,7 @@ of the forward that shrinks as models grow):
 1. **bare forward**: ``model(input_ids).logits`` under ``inference_mode`` on the same batches, already in
    memory: the pass a trainer would run anyway. Timed interleaved with the worker, unit by unit, in CPU
    time of the process with one CPU thread (robust to other load on a shared machine), else wall-clock.
-2. **worker**: :class:`curation.workers.ScoringWorker` scoring work units end to end: reading and
+2. **worker**: :class:`curation.engine.workers.ScoringWorker` scoring work units end to end: reading and
    decompressing the candidate shards (a reader thread, one step ahead), the decoder forward, the
    per-token loss ``ℓ(w̃)`` from the final hidden states in chunks (no full logits), float16, writing
    the scored MDS part (a writer thread). Headline: worker tokens/s ÷ bare forward tokens/s (goal ≥ 0.90).
@@ -20,7 +20,7 @@ of the forward that shrinks as models grow):
    ways: ``token_losses`` on those logits; and decoder pass + ``hidden_token_losses`` (head GEMM, log-sum-exp
    and gather in chunks) minus the bare forward; with the logits each holds at once.
    The in-process worker is also timed in wall-clock time, for the comparison with Ray.
-3. **Ray**: the same kind of units through :class:`curation.ray_engine.RayEngine`, 1 then 2 workers
+3. **Ray**: the same kind of units through :class:`curation.engine.ray_backend.RayEngine`, 1 then 2 workers
    (``--threads`` each). The clock starts when the weights are published (actors already up); the first
    unit each worker scores carries the one-off start-up (fetching the weights from the object store,
    first kernels), so the **steady-state** throughput is counted from the end of the first recorded unit
@@ -45,11 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
-from curation.engine import REFERENCE, Weights, WorkUnit
-from curation.losses import CPU_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS, hidden_token_losses, token_losses
-from curation.models import build_causal_lm
-from curation.shards import merge_part_indexes, write_part
-from curation.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.core.losses import CPU_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS, hidden_token_losses, token_losses
+from curation.engine.plan import REFERENCE, WorkUnit
+from curation.engine.weights import Weights
+from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.io.models import build_causal_lm
+from curation.io.shards import merge_part_indexes, write_part
 from schemas.shards import CANDIDATE
 from schemas.train_config import ModelConfig
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = t_forward / t_worker
     chunk = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
     rows_total = args.batch * args.seq_len
-    rows_chunk = min(rows_total, max(256, chunk // args.vocab // 64 * 64))  # curation.losses' GEMM rows
+    rows_chunk = min(rows_total, max(256, chunk // args.vocab // 64 * 64))  # curation.core.losses' GEMM rows
     upcast_rows = max(1, chunk // args.vocab)  # float32 upcast of bf16 logits, per cross-entropy piece
     logit_bytes = 2 if autocast else 4
     memory = {  # the logits each way holds at once (plus their float32 upcast under bf16), in MiB
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- 3: 1 vs 2 workers on Ray ----------------------------------------------------------------------
     if not args.no_ray:
-        from curation.ray_engine import RayEngine, init_ray
+        from curation.engine.ray_backend import RayEngine, init_ray
 
         init_ray("local", num_cpus=max(os.cpu_count() or 1, 2 * args.threads), need_cpus=2 * args.threads)
         first = args.range_steps + args.steps

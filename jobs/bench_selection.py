@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from curation.losses import token_losses
-from curation.selection import excess_loss, select_top_fraction
+from curation.core.losses import token_losses
+from curation.core.selection import excess_loss, select_top_fraction
 
 GOAL = 0.02
 

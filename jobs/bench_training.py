@@ -152,7 +152,7 @@ def _ensure_data(path: str, seq_len: int) -> None:
         if have is not None and int(have) != seq_len:
             raise SystemExit(f"{path} holds sequences of {have} tokens, not --seq-len {seq_len}: pass another --data")
         return
-    from curation.prepare import prepare
+    from curation.ingest.prepare import prepare
     from schemas.config import PrepareConfig
 
     print(f"preparing the demo corpus ({seq_len}-token sequences) into {path} ...", flush=True)

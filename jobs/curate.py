@@ -21,10 +21,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.engine import PROXY, REFERENCE, EngineError, Weights, plan_batch_units
-from curation.models import build_causal_lm, check_vocab
-from curation.ray_engine import RayEngine, init_ray
-from curation.workers import BatchOrder, WorkerSpec
+from curation.engine.plan import PROXY, REFERENCE, EngineError, plan_batch_units
+from curation.engine.ray_backend import RayEngine, init_ray
+from curation.engine.weights import Weights
+from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.io.models import build_causal_lm, check_vocab
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text

@@ -29,13 +29,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.engine import EngineError, TrainingPlan
-from curation.models import save_weights
-from curation.policies import RefreshMode, get_policy
-from curation.ray_engine import RayEngine, init_ray
-from curation.schedule import Schedule
-from curation.stream import CandidateStream
-from curation.workers import BatchOrder, RefreshSpec, WorkerSpec, reference_path
+from curation.core.policies import RefreshMode, get_policy
+from curation.core.schedule import Schedule
+from curation.core.stream import CandidateStream
+from curation.engine.plan import EngineError, TrainingPlan
+from curation.engine.ray_backend import RayEngine, init_ray
+from curation.engine.refresh_runner import RefreshSpec, reference_path
+from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.io.models import save_weights
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
@@ -50,7 +51,7 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
         return
     if cfg.prepare is None:
         raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
-    from curation.prepare import prepare
+    from curation.ingest.prepare import prepare
 
     print(f"preparing the corpus into {cfg.prepare.output_dir} ...", flush=True)
     prepare(cfg.prepare)

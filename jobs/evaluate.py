@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from curation.evaluation import (  # noqa: E402
+from curation.evaluation.heldout import (
     EvalError,
     evaluate_models,
     export_hf,
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate_models(refs, cfg.sets, max_len=cfg.max_len, batch_size=cfg.batch_size, rounds=cfg.bootstrap,
                               seed=cfg.seed, eos_token=cfg.eos_token, device=device, progress=cfg.progress)
         if cfg.lm_eval is not None:
-            from curation.harness import run_harness
+            from curation.evaluation.harness import run_harness
 
             dirs = {}
             for ref in refs:  # the harness loads HF directories: export runs (and other weights) as one

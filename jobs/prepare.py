@@ -12,8 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.corpus import BadRecordError
-from curation.prepare import prepare
+from curation.ingest.corpus import BadRecordError
+from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig, parse_job_config
 from schemas.outdir import describe_os_error
 

@@ -176,7 +176,7 @@ class PrepareConfig(StrictModel):
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> PrepareConfig:
-        """The embedded default: the generated domain-shift demo corpus (see ``curation.demo``)."""
+        """The embedded default: the generated domain-shift demo corpus (see ``curation.ingest.demo``)."""
         raw = os.path.join(root, "raw")
         return cls(
             sources=[

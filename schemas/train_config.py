@@ -55,7 +55,7 @@ __all__ = [
     "demo_model_config",
 ]
 
-#: Selection policies (curation.policies.POLICY_NAMES; repeated here because schemas/ has no torch).
+#: Selection policies (curation.core.policies.POLICY_NAMES; repeated here because schemas/ has no torch).
 POLICY_CHOICES = ("full", "random", "rho1", "blade", "blade-nosync")
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "amp_bf16"]
@@ -260,7 +260,7 @@ class ReplayConfig(StrictModel):
 
 
 class ScorerConfig(StrictModel):
-    """A reference scorer (curation.scorer.ReferenceScorer): one model, loaded once."""
+    """A reference scorer (curation.engine.scorer.ReferenceScorer): one model, loaded once."""
 
     model: ModelConfig
     weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")

@@ -117,8 +117,8 @@ def _merge(base: dict, updates: dict) -> dict:
 @pytest.fixture(scope="session")
 def engine_demo(tmp_path_factory) -> str:
     """Root of a small prepared demo (``root/data/{candidates,validation,tokenizer}``)."""
-    from curation.demo import write_demo_corpus
-    from curation.prepare import prepare
+    from curation.ingest.demo import write_demo_corpus
+    from curation.ingest.prepare import prepare
     from schemas.config import PrepareConfig
 
     root = str(tmp_path_factory.mktemp("engine_demo"))

@@ -4,7 +4,7 @@ One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``bla
 
 * ``AFTER_DATALOADER`` (full batch of proxy step ``t``): when the schedule says so
   (``t = W, W+τ, ...``) refresh the reference synchronously with the core
-  :func:`~curation.refresh.refresh_reference` (through the policy: ``blade`` restarts from ``u``,
+  :func:`~curation.core.refresh.refresh_reference` (through the policy: ``blade`` restarts from ``u``,
   ``blade-nosync`` continues); then attach ``ℓ(w̃)`` of this batch as ``batch["ref_loss"]``. The
   scores come from scored shards when ``data.scored`` is set (written by the Ray engine), else
   from the in-process reference, which pre-computes the scores of the coming steps of the episode
@@ -50,14 +50,14 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import Tensor, nn
 
-from curation.models import load_weights
-from curation.policies import RefreshMode, get_policy, train_static_reference
-from curation.refresh import RefreshWorkspace
-from curation.schedule import WARMUP_EPISODE, Schedule
-from curation.scorer import ReferenceScorer, ScoredShards
-from curation.selection import num_selected
-from curation.stats import param_distance
-from curation.stream import CandidateStream
+from curation.core.policies import RefreshMode, get_policy, train_static_reference
+from curation.core.refresh import RefreshWorkspace
+from curation.core.schedule import WARMUP_EPISODE, Schedule
+from curation.core.selection import num_selected
+from curation.core.stats import param_distance
+from curation.core.stream import CandidateStream
+from curation.engine.scorer import ReferenceScorer, ScoredShards
+from curation.io.models import load_weights
 from schemas.train_config import ModelConfig, ScorerConfig, SelectionConfig
 from training.data import StreamBatches, TokenRows
 
@@ -199,7 +199,7 @@ class BladeAlgorithm(Algorithm):
         self.in_process = self.uses_reference and scored is None
 
         self.scorer: ReferenceScorer | None = None
-        # The refresh's reference module and AdamW, reused refresh after refresh (curation.refresh).
+        # The refresh's reference module and AdamW, reused refresh after refresh (curation.core.refresh).
         self.workspace = self._new_workspace()
         self.ref_version = WARMUP_EPISODE
         self.ref_opt_state: dict[str, Any] | None = None

@@ -23,9 +23,9 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
-from curation.policies import ScoreKind
-from curation.shards import publish_parts, verify_part, write_part
-from curation.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
+from curation.core.policies import ScoreKind
+from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
+from curation.io.shards import publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
 from training.algorithm import BladeAlgorithm, SelectionRecord
@@ -221,7 +221,7 @@ class SelectionStats(Callback):
                 metrics[f"blade/delta_q{int(q * 100):02d}"] = st.quantiles[q]
             counts = st.counts
         else:
-            from curation.stats import SourceCounts as BatchCounts
+            from curation.core.stats import SourceCounts as BatchCounts
 
             counts = BatchCounts.from_batch(mask, valid, rec.sources)
         for src, n in counts.valid.items():

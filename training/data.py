@@ -9,7 +9,7 @@ Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
   loss is normalised over the whole batch's kept tokens under microbatching.
 
 The training loader (:class:`StreamBatches`) yields one pre-collated batch per proxy step from
-:class:`curation.stream.StreamReader`, starting at any step. Composer saves its position in the
+:class:`curation.io.stream_reader.StreamReader`, starting at any step. Composer saves its position in the
 checkpoint (``state_dict``/``load_state_dict``: the dataset resumes itself, nothing is replayed).
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from curation.stream import StreamReader
+from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.shards import ShardSchemaError, validate_shard_dir
 
@@ -80,7 +80,7 @@ def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str
     Raises:
         ValueError: naming the two files whose tokenizers differ.
     """
-    from curation.tokenizer import tokenizer_json_path
+    from curation.ingest.tokenizer import tokenizer_json_path
     from schemas.manifest import sha256_file
 
     known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
@@ -232,7 +232,7 @@ class TokenRows(Dataset):
     """
 
     def __init__(self, path: str, spec: str, *, use_mask: bool = False, model_vocab: int | None = None) -> None:
-        from curation.shards import open_shards
+        from curation.io.shards import open_shards
 
         self.path = path
         self.use_mask = use_mask

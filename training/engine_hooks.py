@@ -1,9 +1,9 @@
 """The trainer side of the Ray engine (DESIGN.md §3): Composer glue for the exact and pipelined modes.
 
-The engine handle (:class:`curation.ray_engine.RayEngine`) is used duck-typed (``wait_part``,
+The engine handle (:class:`curation.engine.ray_backend.RayEngine`) is used duck-typed (``wait_part``,
 ``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.
 
-* **exact**: :class:`EngineScores` stands in for :class:`curation.scorer.ScoredShards` in
+* **exact**: :class:`EngineScores` stands in for :class:`curation.engine.scorer.ScoredShards` in
   :class:`training.algorithm.BladeAlgorithm`: ``ℓ(w̃)`` of step ``t`` is read from the engine's scored part
   holding ``t``, waiting until a worker has written it. The trainer selects with its own ``ℓ(u)``.
 * **pipelined**: :class:`EngineMaskedBatches` yields each step's tokens with the finished ``loss_mask``
@@ -29,11 +29,12 @@ from composer.loggers import Logger
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from curation.engine import PartCache, TrainingPlan
-from curation.policies import get_policy
-from curation.stats import param_distance
-from curation.stream import CandidateStream
-from curation.workers import RecentMasks
+from curation.core.policies import get_policy
+from curation.core.stats import param_distance
+from curation.core.stream import CandidateStream
+from curation.engine.ledger import PartCache
+from curation.engine.plan import TrainingPlan
+from curation.engine.refresh_runner import RecentMasks
 from schemas.train_config import TrainConfig
 from training.algorithm import SelectionRecord
 
@@ -269,7 +270,7 @@ def build_pipelined_training(
     """
     import os
 
-    from curation.models import model_vocab_size
+    from curation.io.models import model_vocab_size
     from schemas.manifest import Manifest
     from training.callbacks import SelectionStats
     from training.data import check_tokenizer, shard_dir_info, stream_loader

@@ -26,8 +26,8 @@ from composer.models import ComposerModel
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from curation.losses import model_logits, token_losses
-from curation.selection import masked_mean
+from curation.core.losses import model_logits, token_losses
+from curation.core.selection import masked_mean
 
 __all__ = ["MaskedCausalLM", "LMOutputs", "TokenLoss", "TokenPerplexity", "kept_mask"]
 

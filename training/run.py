@@ -27,9 +27,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from curation.models import build_causal_lm, check_vocab, model_vocab_size, save_weights, weights_fingerprint
-from curation.scorer import ScoredShards, resolve_device
-from curation.stream import StreamReader
+from curation.engine.scorer import ScoredShards, resolve_device
+from curation.io.models import (
+    build_causal_lm,
+    check_vocab,
+    model_vocab_size,
+    save_weights,
+    weights_fingerprint,
+)
+from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest, atomic_write_text
 from schemas.outdir import open_output_dir
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig

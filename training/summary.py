@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from curation.stats import DEFAULT_QUANTILES, Histogram
+from curation.core.stats import DEFAULT_QUANTILES, Histogram
 from schemas.manifest import atomic_write_text
 
 __all__ = ["build_summary", "write_summary", "plot_summary"]

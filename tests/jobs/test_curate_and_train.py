@@ -15,7 +15,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from curation.shards import ShardReader
+from curation.io.shards import ShardReader
 from schemas.manifest import Manifest
 from schemas.shards import validate_shard_dir
 

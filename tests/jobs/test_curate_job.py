@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import yaml
 
-from curation.engine import PROXY, REFERENCE, Weights, WorkUnit
-from curation.models import build_causal_lm
-from curation.shards import ShardReader, merge_part_indexes, open_shards, write_part
-from curation.stream import CandidateStream
-from curation.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.core.stream import CandidateStream
+from curation.engine.plan import PROXY, REFERENCE, WorkUnit
+from curation.engine.weights import Weights
+from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.io.models import build_causal_lm
+from curation.io.shards import ShardReader, merge_part_indexes, open_shards, write_part
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import demo_model_config

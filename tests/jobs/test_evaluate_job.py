@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from curation.demo import write_demo_corpus
-from curation.prepare import prepare
+from curation.ingest.demo import write_demo_corpus
+from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig
 from schemas.eval_config import EvaluateConfig
 from schemas.train_config import TrainConfig, demo_model_config
@@ -82,12 +82,12 @@ def test_no_arguments_evaluates_the_demo_runs(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_lm_eval_section_exports_a_run_and_scores_it(tmp_path, monkeypatch):
-    from curation.harness import HARNESS_MISSING, harness_available
+    from curation.evaluation.harness import HARNESS_MISSING, harness_available
 
     if not harness_available():
         pytest.skip(HARNESS_MISSING)
-    from curation.models import build_causal_lm, save_weights
-    from curation.tokenizer import train_bpe_tokenizer
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+    from curation.io.models import build_causal_lm, save_weights
     from tests.conftest import write_jsonl
 
     rows = [{"question": f"Tom has {i} apples and buys 2 more. How many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from curation.demo import DEMO_FILES
-from curation.prepare import prepare
+from curation.ingest.demo import DEMO_FILES
+from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import (

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from curation.demo import write_demo_corpus
-from curation.prepare import prepare
-from curation.shards import read_column
+from curation.ingest.demo import write_demo_corpus
+from curation.ingest.prepare import prepare
+from curation.io.shards import read_column
 from schemas.config import PrepareConfig, load_config
 from schemas.shards import validate_shard_dir
 from schemas.train_config import ReplayConfig, TrainConfig, demo_model_config

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from curation.demo import write_demo_corpus
-from curation.prepare import prepare
+from curation.ingest.demo import write_demo_corpus
+from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig
 from schemas.train_config import TrainConfig, demo_model_config
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from composer.core import Callback
 
-from curation.losses import token_losses
-from curation.models import build_causal_lm, save_weights
-from curation.scorer import ReferenceScorer, write_scored_steps
-from curation.selection import num_selected
-from curation.shards import read_column
-from curation.stream import StreamReader
+from curation.core.losses import token_losses
+from curation.core.selection import num_selected
+from curation.engine.scorer import ReferenceScorer, write_scored_steps
+from curation.io.models import build_causal_lm, save_weights
+from curation.io.shards import read_column
+from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.train_config import ScorerConfig
 from training.run import train

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from curation.models import build_causal_lm, check_vocab
-from curation.shards import merge_part_indexes, write_part
-from curation.stream import StreamReader
+from curation.io.models import build_causal_lm, check_vocab
+from curation.io.shards import merge_part_indexes, write_part
+from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, ShardSchemaError
 from schemas.train_config import demo_model_config

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from curation.models import build_causal_lm
+from curation.io.models import build_causal_lm
 from schemas.train_config import demo_model_config
 from training.data import annotate_batch, make_data_spec, split_batch
 from training.model import MaskedCausalLM, TokenLoss, TokenPerplexity

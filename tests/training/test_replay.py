@@ -11,8 +11,8 @@ import pytest
 import torch
 from streaming import StreamingDataset
 
-from curation.models import build_causal_lm
-from curation.shards import read_column
+from curation.io.models import build_causal_lm
+from curation.io.shards import read_column
 from schemas.outdir import ConfigMismatch
 from schemas.train_config import ReplayConfig, demo_model_config
 from training.data import TokenRows, rows_loader

@@ -12,7 +12,7 @@ import torch
 from composer.core import Callback
 from safetensors.torch import load_file
 
-from curation.shards import read_column
+from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
 from training.checkpoint import checkpoint_damage, load_checkpoint, weights_only_loading

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from curation.evaluation import Interval
+from curation.evaluation.heldout import Interval
 from training.quality.setting import POLICIES
 
 __all__ = ["seed_interval", "make_figures", "results_md"]
@@ -182,7 +182,7 @@ def results_md(r: dict[str, Any], figs: dict[str, str], command: str, *, hardwar
         "- Validation (target) = first 500 GSM8K train problems (not in the pool). Evaluation sets (in no pool and "
         "no validation set, never used for any choice): "
         + ", ".join(f"{k} ({r['eval_documents'][k]} docs; {g})" for k, g in r["eval_sets"].items()) + ".",
-        "- Metric: whole-document token loss (`curation.evaluation`, nats per token, mean over all tokens of a set). "
+        "- Metric: whole-document token loss (`curation.evaluation.heldout`, nats per token, mean over all tokens of a set). "
         "Differences are paired by seed: mean over seeds with a 95% t interval (one seed: a document bootstrap).",
         "",
         "## Held-out loss per policy at equal proxy steps (lower is better; mean ± std over seeds)", "",

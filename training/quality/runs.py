@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import yaml
 
-from curation.evaluation import DocScores, export_hf, paired_difference, read_set, score_documents
-from curation.models import build_causal_lm, save_weights
-from curation.prepare import prepare
-from curation.tokenizer import load_tokenizer
+from curation.evaluation.heldout import DocScores, export_hf, paired_difference, read_set, score_documents
+from curation.ingest.prepare import prepare
+from curation.ingest.tokenizer import load_tokenizer
+from curation.io.models import build_causal_lm, save_weights
 from schemas.config import SourceConfig
 from schemas.manifest import atomic_write_text, sha256_file
 from schemas.outdir import ConfigMismatch, check_config_record, operational_keys

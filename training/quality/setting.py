@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from curation.schedule import Schedule
+from curation.core.schedule import Schedule
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
 
@@ -138,7 +138,7 @@ def _src(name: str, files: list[str], how: dict[str, Any], **kw: Any) -> SourceC
 
 
 def eval_sources(s: Setting) -> list[SourceConfig]:
-    """The evaluation sets (read by curation.evaluation, whole documents)."""
+    """The evaluation sets (read by curation.evaluation.heldout, whole documents)."""
     out = [_src(name, files, how, max_documents=_cap(n, s.doc_scale, s.eval_docs))
            for name, files, how, n, _ in EVAL_FILES]
     for name, files, how, _, base_docs, held, _ in SOURCES:

@@ -1,0 +1,335 @@
+"""Reference refresh (BLADE's inner problem) and the RHO-1 static reference (DESIGN.md §2).
+
+``refresh_reference`` starts from a *copy* of the proxy ``u`` (synchronisation, ``w_0 ← u``), or of
+the previous reference for the ``blade-nosync`` ablation, and takes ``K`` AdamW steps on
+
+    L_val(w) + λ · L_train(α, w),
+
+where ``L_val`` is the mean token loss on a validation batch and ``L_train`` the α-masked mean
+loss on a recent candidate batch with its current selection. ``train_static_reference`` is the same
+loop with ``λ = 0`` started from the base model (RHO-1's reference, trained once a priori).
+
+The proxy and its optimizer are never touched: the reference is a copy with its own AdamW. A caller
+that refreshes repeatedly passes a :class:`RefreshWorkspace`: the reference module and its AdamW are
+then built once and reused, refresh after refresh (``w_0`` copied into the same parameters on the same
+device, the AdamW moments zeroed in place), which gives the same values as a fresh copy and a fresh
+optimizer without allocating a model and its optimizer state per refresh.
+
+Pure torch: no ray, no composer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
+from curation.core.selection import masked_mean
+
+__all__ = [
+    "RefreshResult",
+    "RefreshWorkspace",
+    "refresh_reference",
+    "train_static_reference",
+]
+
+
+@dataclass
+class RefreshResult:
+    """Outcome of :func:`refresh_reference` / :func:`train_static_reference`.
+
+    Attributes:
+        model: the new reference ``w̃`` (its own module, or the workspace's when one was given; in eval
+            mode, no gradients kept).
+        optimizer_state: the reference AdamW ``state_dict()`` after the last step, to carry into the
+            next refresh (``blade-nosync``) or to checkpoint.
+        val_losses: ``L_val(w)`` before each step (length ``K``).
+        train_losses: ``L_train(α, w)`` before each step (length ``K``; empty when ``λ = 0``).
+        objectives: ``L_val + λ L_train`` before each step (length ``K``).
+        grad_norms: total gradient norm before clipping at each step (length ``K``).
+    """
+
+    model: nn.Module
+    optimizer_state: dict[str, Any]
+    val_losses: list[float] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    objectives: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Number of optimizer steps taken (``K``)."""
+        return len(self.objectives)
+
+    def log_entry(self, *, step: int, version: int) -> dict[str, Any]:
+        """The run log's record of this refresh (first/last validation loss and objective)."""
+        return {
+            "step": step, "version": version, "steps": self.steps,
+            "val_loss_first": self.val_losses[0] if self.val_losses else None,
+            "val_loss_last": self.val_losses[-1] if self.val_losses else None,
+            "objective_first": self.objectives[0] if self.objectives else None,
+            "objective_last": self.objectives[-1] if self.objectives else None,
+        }
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The reference weights (``model.state_dict()``)."""
+        return self.model.state_dict()
+
+
+class RefreshWorkspace:
+    """The reference module and AdamW a refresh reuses (see the module docstring).
+
+    Holds at most one model and one optimizer; the model built by the first refresh is returned in
+    every :class:`RefreshResult` (the caller must not keep a previous result's model as a different
+    reference: it is overwritten by the next refresh).
+
+    Args:
+        keep_optimizer_state: keep the AdamW moments between refreshes (``blade-nosync`` continues them).
+            Otherwise (``blade``: a fresh optimizer every refresh) they are released after each refresh,
+            so that between refreshes the reference costs its weights only, not three times them.
+    """
+
+    def __init__(self, *, keep_optimizer_state: bool = False) -> None:
+        self.keep_optimizer_state = keep_optimizer_state
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.AdamW | None = None
+        #: The ``optimizer_state`` of the last result: it views the optimizer's live tensors, so passing it
+        #: back (``blade-nosync``) continues the optimizer in place instead of copying its state.
+        self.last_state: dict[str, Any] | None = None
+
+    def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None) -> nn.Module:
+        """``w_0`` in the reused module: the proxy's weights, or ``previous``'s."""
+        source = previous if previous is not None else proxy
+        if self.model is None:
+            self.model = copy.deepcopy(source) if isinstance(source, nn.Module) else _copy_with(proxy, source)
+            return self.model
+        state = source.state_dict() if isinstance(source, nn.Module) else source
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                t.copy_(state[name])
+        return self.model
+
+    def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
+        """The AdamW over ``params``: in its initial state (moments and step counts zeroed in place) when
+        ``fresh``, else as the last refresh left it."""
+        opt = self.optimizer
+        held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
+        if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
+            self.optimizer = torch.optim.AdamW(params, **settings)
+            return self.optimizer
+        if fresh:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        value.zero_()
+        for group in opt.param_groups:
+            group.update(settings)
+        return opt
+
+
+def _copy_with(proxy: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
+    ref = copy.deepcopy(proxy)
+    ref.load_state_dict(weights)
+    return ref
+
+
+def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBatch:
+    try:
+        return as_token_batch(next(it))
+    except StopIteration:
+        raise ValueError(f"{what} ran out after {step} of {steps} refresh steps") from None
+
+
+def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
+    batch = batch.to(device)
+    with autocast(precision, device):
+        logits = model_logits(model, batch.tokens, batch.valid)
+    losses, valid = token_losses(logits, batch.tokens, batch.valid)
+    if use_mask and batch.mask is not None:
+        alpha = batch.mask
+        if alpha.shape != valid.shape:
+            raise ValueError(
+                f"candidate mask has shape {tuple(alpha.shape)}, tokens have {tuple(valid.shape)}"
+            )
+        alpha = alpha & valid if alpha.dtype == torch.bool else alpha.float() * valid
+        return masked_mean(losses, alpha)
+    return masked_mean(losses, valid)
+
+
+def refresh_reference(
+    proxy: nn.Module,
+    val_batches: Iterable[Any],
+    cand_batches: Iterable[Any] | None,
+    *,
+    steps: int,
+    lam: float = 1.0,
+    lr: float = 8e-5,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    grad_clip: float | None = 1.0,
+    previous: nn.Module | Mapping[str, Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    precision: str = "fp32",
+    workspace: RefreshWorkspace | None = None,
+) -> RefreshResult:
+    """Compute a new reference ``w̃`` by ``K = steps`` AdamW steps from ``w_0``.
+
+    ``w_0`` is a deep copy of ``proxy`` (BLADE: synchronisation), or, when ``previous`` is given,
+    the proxy's architecture loaded with ``previous``'s weights (``blade-nosync``: the reference
+    continues from its last weights). Each step draws one validation batch and (when ``λ ≠ 0``)
+    one candidate batch and minimises ``L_val(w) + λ · masked_mean(ℓ(w), α)``; gradients are
+    clipped to ``grad_clip`` (total L2 norm) before the step. Defaults are the paper's
+    (η_w = 8e-5, weight decay 0.01, λ = 1, clipping 1.0, constant LR).
+
+    Batches may be :class:`~curation.core.losses.TokenBatch`, token tensors, ``(tokens, valid, mask)``
+    tuples or mappings (see :func:`~curation.core.losses.as_token_batch`); a candidate batch's ``mask``
+    is its current selection α over loss positions (``None``: all valid tokens).
+
+    ``proxy`` is not modified (parameters, buffers, gradients, train/eval mode), and its optimizer
+    is not involved. The reference gets a fresh AdamW unless ``optimizer_state`` (from a previous
+    :class:`RefreshResult`) is given.
+
+    Args:
+        proxy: the proxy model ``u`` (HF causal LM or a module returning logits).
+        val_batches: iterable of validation batches (at least ``steps`` of them).
+        cand_batches: iterable of candidate batches with selections; may be ``None`` if ``lam == 0``.
+        steps: ``K``; 0 returns a copy of ``w_0`` unchanged.
+        lam: ``λ``, weight of the candidate term.
+        lr: ``η_w``.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+        previous: start from these weights (module or state dict) instead of the proxy's.
+        optimizer_state: AdamW state to resume from.
+        precision: ``fp32`` or ``amp_bf16`` (forward passes under bf16 autocast on CUDA; float32 on a CPU).
+        workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
+
+    Returns:
+        A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
+
+    Raises:
+        ValueError: on bad settings or when an iterator runs out before ``steps`` batches.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps (K) must be an int >= 0, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if not lam >= 0:
+        raise ValueError(f"lam (λ) must be >= 0, got {lam!r}")
+    if grad_clip is not None and not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip!r}")
+    if lam != 0 and cand_batches is None and steps > 0:
+        raise ValueError("cand_batches is required when lam != 0")
+
+    if workspace is not None:
+        ref = workspace.start(proxy, previous)
+        for p, q in zip(ref.parameters(), proxy.parameters(), strict=True):  # it may have been frozen for scoring
+            p.requires_grad_(q.requires_grad)
+    elif isinstance(previous, nn.Module):
+        ref = copy.deepcopy(previous)
+    else:
+        ref = _copy_with(proxy, previous) if previous is not None else copy.deepcopy(proxy)
+    ref.zero_grad(set_to_none=True)
+    ref.train()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    settings = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    if workspace is None:
+        opt = torch.optim.AdamW(params, **settings)
+    else:
+        # blade-nosync in memory: the state passed back is the workspace's own, continued in place.
+        continued = optimizer_state is not None and optimizer_state is workspace.last_state
+        opt = workspace.adamw(params, fresh=not continued, **settings)
+        if continued:
+            optimizer_state = None
+    if optimizer_state is not None:
+        opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
+        for group in opt.param_groups:  # this call's settings win over the carried ones
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    try:
+        device = next(ref.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    result = RefreshResult(model=ref, optimizer_state={})
+    val_it = iter(val_batches)
+    cand_it = iter(cand_batches) if (cand_batches is not None and lam != 0) else None
+    with torch.inference_mode(False), torch.enable_grad():
+        for step in range(steps):
+            vb = _next_batch(val_it, "val_batches", step, steps)
+            opt.zero_grad(set_to_none=True)
+            l_val = _mean_loss(ref, vb, device, use_mask=False, precision=precision)
+            objective = l_val
+            if cand_it is not None:
+                cb = _next_batch(cand_it, "cand_batches", step, steps)
+                l_train = _mean_loss(ref, cb, device, use_mask=True, precision=precision)
+                objective = l_val + lam * l_train
+                result.train_losses.append(float(l_train.detach()))
+            objective.backward()
+            # max_norm=inf measures the total norm without clipping
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"))
+            opt.step()
+            result.val_losses.append(float(l_val.detach()))
+            result.objectives.append(float(objective.detach()))
+            result.grad_norms.append(float(norm))
+    opt.zero_grad(set_to_none=True)
+    ref.eval()
+    result.optimizer_state = opt.state_dict()
+    if workspace is not None:
+        if workspace.keep_optimizer_state:
+            workspace.last_state = result.optimizer_state
+        else:  # released once the caller drops the result; the next step re-creates them lazily, zeroed
+            opt.state.clear()
+    return result
+
+
+def train_static_reference(
+    base_model: nn.Module,
+    val_batches: Iterable[Any],
+    *,
+    steps: int,
+    lr: float = 8e-5,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    grad_clip: float | None = 1.0,
+    precision: str = "fp32",
+) -> RefreshResult:
+    """RHO-1's reference: a copy of ``base_model`` trained a priori on validation data.
+
+    The same loop as :func:`refresh_reference` with ``λ = 0`` (validation loss only), run once
+    before training; the ``rho1`` policy never refreshes it. ``base_model`` is not modified.
+
+    Args:
+        base_model: the model the proxy starts from.
+        val_batches: iterable of at least ``steps`` validation batches.
+        steps: number of AdamW steps ``N``.
+        lr: learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+        precision: ``fp32`` or ``amp_bf16`` (see :func:`refresh_reference`).
+
+    Returns:
+        A :class:`RefreshResult` holding the static reference.
+    """
+    return refresh_reference(
+        base_model,
+        val_batches,
+        None,
+        steps=steps,
+        lam=0.0,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        grad_clip=grad_clip,
+        precision=precision,
+    )

@@ -1,0 +1,126 @@
+"""The coordinator's state (DESIGN.md §3): which unit a worker does next, completion, failures, redo.
+
+Pure Python: no ray. The Ray coordinator actor wraps one :class:`Coordinator`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from typing import Any
+
+from curation.engine.plan import (
+    WorkUnit,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# coordinator state
+# ------------------------------------------------------------------------------------------------
+class Coordinator:
+    """Assignment of work units to workers (pure state; the Ray coordinator actor wraps it).
+
+    A unit is *ready* when the weights it needs are published and, with a trainer, when it ends no more
+    than ``lookahead`` steps after the step the trainer is about to take (back-pressure). Units are
+    handed out in step order. A worker asking again while it still holds a unit gets the same unit back:
+    that is a worker restarted by Ray redoing the unit it crashed in (counted in :attr:`redone`).
+
+    Args:
+        units: all units of the run (any order).
+        done: names of units already finished (resume).
+        lookahead: the back-pressure bound, or ``None`` (no trainer: batch curation).
+    """
+
+    def __init__(self, units: Iterable[WorkUnit], *, done: Iterable[str] = (), lookahead: int | None = None) -> None:
+        self.units = sorted(units, key=lambda u: u.first)
+        self._firsts = [u.first for u in self.units]
+        self.by_name = {u.name: u for u in self.units}
+        if len(self.by_name) != len(self.units):
+            raise ValueError("work units overlap")
+        unknown = set(done) - set(self.by_name)
+        if unknown:
+            raise ValueError(f"finished parts {sorted(unknown)[:3]} are not units of this plan")
+        self.done: set[str] = set(done)
+        self.assigned: dict[int, str] = {}
+        self.published: set[tuple[str, int]] = set()
+        self.lookahead = lookahead
+        self.trainer_step = 0
+        self.failed: str | None = None
+        self.stopped = False
+        self.redone = 0
+        self.handed_out = 0
+
+    # --- inputs ------------------------------------------------------------------------------
+    def publish(self, kind: str, version: int) -> None:
+        self.published.add((kind, int(version)))
+
+    def retract(self, kind: str, version: int) -> None:
+        self.published.discard((kind, int(version)))
+
+    def trainer_at(self, step: int) -> None:
+        """The trainer is about to take ``step`` (monotone)."""
+        self.trainer_step = max(self.trainer_step, int(step))
+
+    def fail(self, message: str) -> None:
+        if self.failed is None:
+            self.failed = message
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    # --- queries -----------------------------------------------------------------------------
+    def ready(self, unit: WorkUnit) -> bool:
+        if any(k not in self.published for k in unit.needs()):
+            return False
+        return self.lookahead is None or unit.stop <= self.trainer_step + self.lookahead
+
+    def pending(self) -> list[WorkUnit]:
+        """Units neither finished nor held by a worker, in step order."""
+        held = set(self.assigned.values())
+        return [u for u in self.units if u.name not in self.done and u.name not in held]
+
+    def next_unit(self, worker: int) -> tuple[str, WorkUnit | None]:
+        """``("work", unit)``, ``("wait", None)`` (nothing ready yet) or ``("stop", None)``."""
+        if self.failed is not None or self.stopped:
+            return "stop", None
+        if worker in self.assigned:
+            self.redone += 1
+            return "work", self.by_name[self.assigned[worker]]
+        pending = self.pending()
+        if not pending:
+            return "stop", None
+        for unit in pending:
+            if self.ready(unit):
+                self.assigned[worker] = unit.name
+                self.handed_out += 1
+                return "work", unit
+            if self.lookahead is not None and unit.stop > self.trainer_step + self.lookahead:
+                break  # later units are further ahead still
+        return "wait", None
+
+    def complete(self, worker: int, name: str) -> WorkUnit:
+        held = self.assigned.get(worker)
+        if held != name:
+            raise ValueError(f"worker {worker} reports {name} finished but holds {held}")
+        del self.assigned[worker]
+        self.done.add(name)
+        return self.by_name[name]
+
+    def unit_for(self, step: int) -> WorkUnit | None:
+        i = bisect.bisect_right(self._firsts, step) - 1
+        if i >= 0 and step < self.units[i].stop:
+            return self.units[i]
+        return None
+
+    def finished(self) -> bool:
+        return len(self.done) == len(self.units)
+
+    def needed(self) -> set[tuple[str, int]]:
+        """Weights still needed by units not finished."""
+        return {k for u in self.units if u.name not in self.done for k in u.needs()}
+
+    def progress(self) -> dict[str, Any]:
+        return {
+            "units_done": len(self.done), "units_total": len(self.units), "working": dict(self.assigned),
+            "trainer_step": self.trainer_step, "redone": self.redone, "failed": self.failed,
+        }

@@ -1,0 +1,185 @@
+"""The output directory's part ledger (written by the coordinator only) and the trainer's part reader.
+
+* :class:`PartLedger`: a part is recorded only after it is on disk; the root index lists recorded
+  parts in step order.
+* :class:`PartCache`: the trainer's reader of the rows of one step from a finished part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from curation.io.shards import ShardReader, publish_parts, recovery_hint, verify_part
+from schemas.manifest import Manifest, ShardRecord, SourceCounts
+from schemas.outdir import config_diff
+from schemas.shards import SPECS
+
+
+# ------------------------------------------------------------------------------------------------
+# the output directory's manifest (single writer)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class PartResult:
+    """What a worker reports after writing a unit's part."""
+
+    worker: int
+    unit: str
+    name: str  # part directory relative to the output directory
+    first: int
+    stop: int
+    samples: int
+    tokens: int
+    kept_tokens: int
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)  # source → sequences/tokens/kept_tokens
+    seconds: float = 0.0
+    scored_tokens: int = 0
+
+
+class PartLedger:
+    """The manifest of an engine output directory (scored or selected shards).
+
+    Parts live in per-worker subdirectories (``worker-03/steps-000000010-000000015``). A part is recorded
+    (with its step range in ``state``) only after the worker has written it completely; the root
+    ``index.json`` lists recorded parts in step order, so the directory reads like a single-process one
+    (:class:`curation.engine.scorer.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
+    recorded (a killed worker's half-written ``.tmp`` or an unrecorded copy) are removed, and every recorded
+    part is checked against the hashes in its index: a damaged or missing one is unrecorded (its counts
+    subtracted, listed in :attr:`dropped`) so that the rerun redoes its unit.
+
+    Args:
+        out_dir: the output directory.
+        kind: ``scored`` or ``selected``.
+        job: producing job (new manifest).
+        run_key: what must be equal for a rerun to resume here (stream, plan, models, settings); a
+            directory written with another run key is refused.
+        fields: other manifest fields (``config``, ``vocab_size``, ``seq_len``, fingerprints, ``extra``).
+    """
+
+    def __init__(self, out_dir: str, *, kind: str, job: str, run_key: Mapping[str, Any], **fields: Any) -> None:
+        self.out_dir = out_dir
+        self.spec = SPECS[kind]
+        os.makedirs(out_dir, exist_ok=True)
+        key = json.loads(json.dumps(dict(run_key)))
+        existing = Manifest.load_if_exists(out_dir)
+        if existing is not None:
+            old = existing.extra.get("run_key")
+            if existing.kind != kind or old != key:
+                diff = [d.split(":", 1)[0] for d in config_diff(old or {}, key)]  # the leaf keys that differ
+                raise ValueError(
+                    f"{out_dir} holds {existing.kind} shards of a different run (differs in: {', '.join(diff) or 'kind'}); "
+                    "use a new output directory or delete this one"
+                )
+            self.manifest = existing
+        else:
+            extra = dict(fields.pop("extra", {}) or {})
+            extra["run_key"] = key
+            self.manifest = Manifest(kind=kind, job=job, extra=extra, **fields)
+        self.dropped: list[str] = self._drop_damaged()
+        self._remove_unrecorded()
+        self._publish()
+
+    def _drop_damaged(self) -> list[str]:
+        """Unrecord the parts whose files are missing or do not match their hashes; their units are redone."""
+        dropped = []
+        for rec in list(self.manifest.shards):
+            problem = verify_part(os.path.join(self.out_dir, rec.name)) if rec.complete else None
+            if problem is None:
+                continue
+            if "sources" not in rec.state:
+                raise ValueError(
+                    f"{self.out_dir}/{rec.name} is damaged ({problem}) and this directory was written before parts "
+                    "recorded their own counts, so it cannot be redone in place; use a new output directory"
+                )
+            warnings.warn(f"{self.out_dir}/{rec.name} is damaged ({problem}); its steps "
+                          f"[{rec.state['first_step']}, {rec.state['stop_step']}) will be redone", stacklevel=3)
+            self.manifest.shards.remove(rec)
+            for src, c in rec.state["sources"].items():
+                left = self.manifest.counts(src).model_dump()
+                self.manifest.sources[src] = SourceCounts(**{k: v - c.get(k, 0) for k, v in left.items()})
+            self.manifest.complete = False
+            dropped.append(rec.name)
+        return dropped
+
+    def _remove_unrecorded(self) -> None:
+        recorded = {r.name for r in self.manifest.shards if r.complete}
+        for entry in sorted(os.listdir(self.out_dir)):
+            path = os.path.join(self.out_dir, entry)
+            if not (entry.startswith("worker-") and os.path.isdir(path)):
+                continue
+            for part in sorted(os.listdir(path)):
+                if part.endswith(".tmp") or f"{entry}/{part}" not in recorded:
+                    shutil.rmtree(os.path.join(path, part))
+
+    def done_units(self) -> dict[str, ShardRecord]:
+        """unit name → its record."""
+        return {r.state["unit"]: r for r in self.manifest.shards if r.complete}
+
+    def record(self, result: PartResult) -> ShardRecord:
+        """Record a finished part (it must be on disk), merge the index, save the manifest."""
+        if result.unit in self.done_units():
+            raise ValueError(f"{self.out_dir}: {result.unit} is already recorded")
+        if not os.path.isfile(os.path.join(self.out_dir, result.name, "index.json")):
+            raise ValueError(f"{self.out_dir}/{result.name}: the part is not on disk")
+        rec = ShardRecord(
+            name=result.name, samples=result.samples, tokens=result.tokens,
+            state={"unit": result.unit, "first_step": result.first, "stop_step": result.stop,
+                   "kept_tokens": result.kept_tokens, "worker": result.worker, "sources": result.sources},
+        )
+        self.manifest.shards.append(rec)
+        self.manifest.shards.sort(key=lambda r: int(r.state["first_step"]))
+        for src, c in result.sources.items():
+            self.manifest.sources[src] = self.manifest.counts(src) + SourceCounts(**c)
+        # Other copies of the same unit (an unrecorded leftover of a crashed attempt) go first.
+        for entry in os.listdir(self.out_dir):
+            other = os.path.join(self.out_dir, entry, result.unit)
+            if entry.startswith("worker-") and f"{entry}/{result.unit}" != result.name and os.path.isdir(other):
+                shutil.rmtree(other)
+        self._publish()
+        return rec
+
+    def finish(self, extra: Mapping[str, Any] | None = None) -> None:
+        self.manifest.complete = True
+        if extra:
+            self.manifest.extra.update(extra)
+        self._publish()
+
+    def _publish(self) -> None:
+        publish_parts(self.out_dir, self.manifest)
+
+
+# ------------------------------------------------------------------------------------------------
+# the trainer's view of finished parts
+# ------------------------------------------------------------------------------------------------
+class PartCache:
+    """Rows of one step from a finished part directory (parts are immutable once recorded).
+
+    Reads the part's own ``index.json``, not the root index, so it never races with the coordinator
+    rewriting the root index. Keeps the last few parts open.
+    """
+
+    def __init__(self, out_dir: str, batch_size: int, *, keep: int = 4) -> None:
+        self.out_dir = out_dir
+        self.batch_size = batch_size
+        self.keep = keep
+        self._open: dict[str, ShardReader] = {}
+
+    def rows(self, part: str, first: int, step: int) -> list[dict[str, Any]]:
+        reader = self._open.get(part)
+        if reader is None:
+            reader = ShardReader(os.path.join(self.out_dir, part),
+                                 hint=lambda name: recovery_hint(self.out_dir, os.path.join(part, name)))
+            self._open[part] = reader
+            while len(self._open) > self.keep:
+                self._open.pop(next(iter(self._open)))
+        b = self.batch_size
+        start = (step - first) * b
+        if start + b > len(reader):
+            raise ValueError(f"{self.out_dir}/{part}: holds {len(reader)} rows, step {step} needs rows "
+                             f"[{start}, {start + b})")
+        return [reader[start + i] for i in range(b)]

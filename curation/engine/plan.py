@@ -1,0 +1,209 @@
+"""The engine's plan (DESIGN.md §3): how the work is cut into units and which weights each needs.
+
+* :class:`WorkUnit` / :func:`plan_training_units` / :func:`plan_batch_units`: the work is cut into
+  *step ranges* of the deterministic candidate stream; each unit is scored with one reference version
+  (and, pipelined, one proxy snapshot) and becomes one MDS part.
+* :class:`TrainingPlan`: which proxy snapshots the trainer publishes (refresh start points, pipelined
+  snapshots every ``P`` steps) and which refresh each snapshot starts.
+
+The rest of the Ray-free engine: :mod:`curation.engine.coordinator` (which unit a worker does next),
+:mod:`curation.engine.ledger` (the output manifest), :mod:`curation.engine.weights` (weights in the
+object store). :mod:`curation.engine.ray_backend` wraps them in actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from curation.core.schedule import WARMUP_EPISODE, Schedule
+
+__all__ = ["EngineError", "ScoringDataError", "WorkUnit", "plan_training_units", "plan_batch_units", "TrainingPlan",
+           "worker_dir", "PROXY", "REFERENCE"]
+
+#: Weights kinds in the registry: a proxy snapshot (version = its step) or a reference (version = episode).
+PROXY, REFERENCE = "proxy", "reference"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on (a worker failed on bad data, a refresh failed, a worker died for good)."""
+
+
+class ScoringDataError(ValueError):
+    """Bad candidate data met by a worker; the message names the shard file and record. Not retried."""
+
+
+def worker_dir(worker_id: int) -> str:
+    """Subdirectory of a worker's parts."""
+    return f"worker-{worker_id:02d}"
+
+
+# ------------------------------------------------------------------------------------------------
+# work units and the plan
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkUnit:
+    """Steps ``first ≤ t < stop`` of the candidate stream, written as one part.
+
+    Attributes:
+        first: first step.
+        stop: step after the last.
+        output: ``scored`` (``ℓ(w̃)`` per token) or ``selected`` (finished masks).
+        ref_version: reference version scoring these steps; ``-1``: none (warm-up: every valid token kept).
+        proxy_version: step of the proxy snapshot ``u^(s)`` used for ``ℓ(u)`` (selected output), or ``None``.
+    """
+
+    first: int
+    stop: int
+    output: str
+    ref_version: int = WARMUP_EPISODE
+    proxy_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first < self.stop:
+            raise ValueError(f"a work unit needs 0 <= first < stop, got [{self.first}, {self.stop})")
+        if self.output not in ("scored", "selected"):
+            raise ValueError(f"output must be 'scored' or 'selected', got {self.output!r}")
+
+    @property
+    def name(self) -> str:
+        """Part directory name (same layout as the single-process writers: ``steps-<first>-<stop>``)."""
+        return f"steps-{self.first:09d}-{self.stop:09d}"
+
+    @property
+    def steps(self) -> range:
+        return range(self.first, self.stop)
+
+    def needs(self) -> list[tuple[str, int]]:
+        """Registry keys of the weights this unit is scored with."""
+        keys = []
+        if self.ref_version >= 0:
+            keys.append((REFERENCE, self.ref_version))
+        if self.proxy_version is not None:
+            keys.append((PROXY, self.proxy_version))
+        return keys
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> WorkUnit:
+        return cls(**d)
+
+
+def _cut(start: int, stop: int, boundaries: Iterable[int], range_steps: int) -> list[tuple[int, int]]:
+    """Cut ``[start, stop)`` at every boundary, then into pieces of at most ``range_steps``."""
+    cuts = sorted({b for b in boundaries if start < b < stop} | {start, stop})
+    out = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        out.extend((s, min(s + range_steps, b)) for s in range(a, b, range_steps))
+    return out
+
+
+def plan_training_units(
+    schedule: Schedule,
+    *,
+    stop_step: int,
+    mode: str,
+    range_steps: int,
+    snapshot_period: int = 1,
+    refreshed: bool = True,
+) -> list[WorkUnit]:
+    """The work units of an online run of ``stop_step`` proxy steps.
+
+    * ``exact``: scored units for the steps after the warm-up; each stays inside one episode (one reference).
+    * ``pipelined``: selected units for every step; warm-up units need no weights, the others one reference
+      version and the proxy snapshot ``u^(s)``, ``s = W + P·⌊(t − W)/P⌋``, so a unit never straddles an
+      episode or snapshot boundary.
+
+    Args:
+        schedule: warm-up, τ.
+        stop_step: number of proxy steps.
+        mode: ``exact`` or ``pipelined``.
+        range_steps: maximum steps per unit.
+        snapshot_period: ``P`` (pipelined).
+        refreshed: ``False`` for a static reference (``rho1``: version 0 scores every step).
+    """
+    if mode not in ("exact", "pipelined"):
+        raise ValueError(f"mode must be 'exact' or 'pipelined', got {mode!r}")
+    if range_steps < 1 or snapshot_period < 1:
+        raise ValueError(f"range_steps and snapshot_period must be >= 1, got {range_steps}, {snapshot_period}")
+    w, tau = schedule.warmup, schedule.tau
+    episodes = range(w, stop_step, tau)
+    units = []
+    if mode == "exact":
+        for a, b in _cut(min(w, stop_step), stop_step, episodes, range_steps):
+            units.append(WorkUnit(a, b, "scored", schedule.reference_version(a, refreshed=refreshed)))
+        return units
+    snapshots = range(w, stop_step, snapshot_period)
+    for a, b in _cut(0, stop_step, [w, *episodes, *snapshots], range_steps):
+        if schedule.is_warmup(a):
+            units.append(WorkUnit(a, b, "selected"))
+        else:
+            s = w + snapshot_period * ((a - w) // snapshot_period)
+            units.append(WorkUnit(a, b, "selected", schedule.reference_version(a, refreshed=refreshed), s))
+    return units
+
+
+def plan_batch_units(num_steps: int, range_steps: int) -> list[WorkUnit]:
+    """Units of a batch curation pass: every step selected with reference 0 and proxy 0."""
+    return [WorkUnit(a, b, "selected", 0, 0) for a, b in _cut(0, num_steps, (), range_steps)]
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """When the trainer publishes proxy snapshots and which refreshes they start.
+
+    Attributes:
+        schedule: warm-up / τ / total steps.
+        mode: ``exact`` or ``pipelined``.
+        refreshes: whether the reference is refreshed (``blade``, ``blade-nosync``); ``False`` for ``rho1``.
+        snapshot_period: ``P`` (pipelined).
+        overlap_steps: ``δ``: refresh ``e`` starts from ``u^(W + eτ − δ)`` (0 = synchronous).
+    """
+
+    schedule: Schedule
+    mode: str
+    refreshes: bool
+    snapshot_period: int = 1
+    overlap_steps: int = 0
+
+    @property
+    def stop_step(self) -> int:
+        assert self.schedule.total_steps is not None
+        return self.schedule.total_steps
+
+    def refresh_versions(self) -> range:
+        return range(self.schedule.num_refreshes() if self.refreshes else 0)
+
+    def refresh_source(self, version: int) -> int:
+        """Proxy step a refresh starts from: ``max(0, W + eτ − δ)``."""
+        return max(0, self.schedule.refresh_step(version) - self.overlap_steps)
+
+    def staleness(self, version: int) -> int:
+        """``δ`` actually used by refresh ``version`` (smaller than configured when clipped at step 0)."""
+        return self.schedule.refresh_step(version) - self.refresh_source(version)
+
+    def refresh_sources(self) -> dict[int, int]:
+        """proxy step → refresh version started from it."""
+        return {self.refresh_source(e): e for e in self.refresh_versions()}
+
+    def publish_steps(self) -> list[int]:
+        """Steps ``s`` whose weights ``u^(s)`` (before step ``s``) the trainer publishes."""
+        steps = set(self.refresh_sources())
+        if self.mode == "pipelined":
+            steps.update(range(self.schedule.warmup, self.stop_step, self.snapshot_period))
+        return sorted(steps)
+
+    def units(self, range_steps: int) -> list[WorkUnit]:
+        return plan_training_units(
+            self.schedule, stop_step=self.stop_step, mode=self.mode, range_steps=range_steps,
+            snapshot_period=self.snapshot_period, refreshed=self.refreshes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule.to_dict(), "mode": self.mode, "refreshes": self.refreshes,
+                "snapshot_period": self.snapshot_period, "overlap_steps": self.overlap_steps}
+
+

@@ -1,0 +1,369 @@
+"""Plain worker classes of the engine: the scoring worker and the reference refresh (no ray).
+
+* :class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference
+  ``w̃`` (and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own
+  subdirectory. Models are built once; new weights arrive as :class:`~curation.engine.weights.Weights` with a
+  version and are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.ReferenceScorer`
+  (``torch.inference_mode``, bf16 autocast on CUDA).
+* :class:`RefreshRunner` computes reference versions: the BLADE refresh from a proxy snapshot and the
+  recent masks, or RHO-1's static reference. Its batches are built exactly like the single-process
+  trainer's (:class:`training.algorithm.BladeAlgorithm`), so the two paths compute the same reference.
+
+Both run in-process in tests and, unchanged, inside the Ray actors of :mod:`curation.engine.ray_backend`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from curation.core.losses import target_valid
+from curation.core.policies import get_policy
+from curation.core.schedule import Schedule
+from curation.core.stream import CandidateStream
+from curation.engine.ledger import PartResult
+from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
+from curation.engine.scorer import ReferenceScorer
+from curation.engine.weights import Weights
+from curation.io.models import model_vocab_size
+from curation.io.shards import open_shards, write_part
+from schemas.shards import SCORED, SELECTED
+from schemas.train_config import ModelConfig, ScorerConfig
+
+__all__ = ["BatchOrder", "WorkerSpec", "ScoringWorker", "f16_scores"]
+
+
+def f16_scores(x: np.ndarray) -> np.ndarray:
+    """Scores at shard precision (float16; |Δ| beyond the float16 range is clipped, NaN kept)."""
+    return np.clip(x, -65504.0, 65504.0).astype(np.float16)
+
+
+@dataclass(frozen=True)
+class BatchOrder:
+    """Which candidate sequences form step ``t``.
+
+    ``stream``: the training stream (:class:`curation.core.stream.CandidateStream`: endless seeded epochs).
+    ``blocks``: one pass for batch curation: blocks of ``batch_size`` consecutive sequences in file order
+    (or in one seeded permutation with ``shuffle``); the last block may be shorter.
+    """
+
+    kind: str
+    num_samples: int
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stream", "blocks"):
+            raise ValueError(f"order kind must be 'stream' or 'blocks', got {self.kind!r}")
+        CandidateStream(self.num_samples, self.batch_size, self.seed)  # validates the numbers
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of one ``blocks`` pass."""
+        return -(-self.num_samples // self.batch_size)
+
+    def ids(self, step: int) -> np.ndarray:
+        stream = CandidateStream(self.num_samples, self.batch_size, self.seed)
+        if self.kind == "stream":
+            return stream.batch_ids(step)
+        if not 0 <= step < self.num_steps:
+            raise ValueError(f"step {step} outside the pass of {self.num_steps} steps")
+        start, stop = step * self.batch_size, min((step + 1) * self.batch_size, self.num_samples)
+        return stream.positions(start, stop) if self.shuffle else np.arange(start, stop, dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
+                "seed": self.seed, "shuffle": self.shuffle}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a scoring worker needs (passed to the actor; workers read no config files or env vars).
+
+    Attributes:
+        candidates: candidate-shard directory.
+        out_dir: output directory (the worker writes ``out_dir/worker-NN/<unit>``).
+        model: the architecture of proxy and reference (``ModelConfig`` as a dict).
+        order: the :class:`BatchOrder` as a dict.
+        vocab_size: the candidate shards' vocabulary (token column dtype).
+        policy: selection policy (scores ``Δ = ℓ(u) − ℓ(w̃)``).
+        gamma: γ.
+        schedule: for the ``episode`` column of selected output (``None``: episode 0, batch curation).
+        device: ``auto`` / ``cpu`` / ``cuda``.
+        threads: torch CPU threads (``None``: leave the process setting alone).
+        score_batch_size: sequences per forward (``None``: the whole batch).
+        needs_proxy: build a proxy model (selected output).
+        precision: ``fp32`` / ``amp_bf16`` (bf16 autocast on CUDA), the trainer's setting, so that the
+            workers' ℓ(w̃) (and pipelined ℓ(u)) are computed as the trainer computes ℓ(u).
+    """
+
+    candidates: str
+    out_dir: str
+    model: dict[str, Any]
+    order: dict[str, Any]
+    vocab_size: int
+    policy: str = "blade"
+    gamma: float = 0.6
+    schedule: dict[str, Any] | None = None
+    device: str = "auto"
+    threads: int | None = None
+    score_batch_size: int | None = None
+    needs_proxy: bool = True
+    precision: str = "fp32"
+
+
+class ScoringWorker:
+    """Scores work units and writes them as parts (see the module docstring).
+
+    Args:
+        spec: the worker's settings.
+        worker_id: its index (names its output subdirectory).
+    """
+
+    def __init__(self, spec: WorkerSpec, worker_id: int) -> None:
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.worker_id = worker_id
+        self.subdir = worker_dir(worker_id)
+        self.order = BatchOrder(**spec.order)
+        self.policy = get_policy(spec.policy)
+        self.schedule = Schedule.from_dict(spec.schedule) if spec.schedule else None
+        self.candidates = open_shards(spec.candidates, "candidate")
+        if len(self.candidates) != self.order.num_samples:
+            raise ValueError(f"{spec.candidates}: holds {len(self.candidates)} sequences, the plan expects "
+                             f"{self.order.num_samples}")
+        model_cfg = ModelConfig.model_validate(spec.model)
+        batch = spec.score_batch_size or self.order.batch_size
+        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch, precision=spec.precision)
+        self.scorers: dict[str, ReferenceScorer] = {REFERENCE: ReferenceScorer(scorer_cfg)}
+        if spec.needs_proxy:
+            self.scorers[PROXY] = ReferenceScorer(scorer_cfg)
+        self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
+        self.versions: dict[str, int | None] = {k: None for k in self.scorers}
+        self.stats = {"units": 0, "tokens": 0, "seconds": 0.0, "weight_loads": 0}
+
+    # --- weights -----------------------------------------------------------------------------
+    def set_weights(self, kind: str, version: int, weights: Weights) -> None:
+        scorer = self.scorers[kind]
+        scorer.load_weights(weights.state_dict(), version)
+        self.versions[kind] = version
+        self.stats["weight_loads"] += 1
+
+    def _ensure(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> None:
+        for kind, version in unit.needs():
+            if self.versions.get(kind) != version:
+                self.set_weights(kind, version, fetch(kind, version))
+
+    # --- data --------------------------------------------------------------------------------
+    def where(self, sample: int, step: int) -> str:
+        shard, record = self.candidates.locate(sample)
+        return f"{self.spec.candidates}: shard {shard}, record {record} (sample {sample}, step {step})"
+
+    def read_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """``(tokens (b, L), sources, sample ids)`` of ``step``; bad records raise :class:`ScoringDataError`."""
+        ids = self.order.ids(step)
+        rows, length = [], None
+        for i in ids:
+            try:
+                row = self.candidates[int(i)]
+                tokens = np.asarray(row["tokens"])
+            except Exception as e:  # a corrupt shard: name it
+                raise ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})") from e
+            if tokens.ndim != 1 or (length is not None and tokens.shape[0] != length):
+                raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
+                                       f"({length},)")
+            length = tokens.shape[0]
+            if tokens.size and int(tokens.max()) >= self.model_vocab:
+                pos = int(np.argmax(tokens >= self.model_vocab))
+                raise ScoringDataError(
+                    f"{self.where(int(i), step)}: token id {int(tokens[pos])} at position {pos} is outside the "
+                    f"model's vocabulary ({self.model_vocab} ids): tokenizer and model do not match"
+                )
+            rows.append((tokens, str(row["source"])))
+        return np.stack([t for t, _ in rows]), [s for _, s in rows], ids
+
+    def _losses(self, kind: str, tokens: Tensor, ids: np.ndarray, step: int) -> Tensor:
+        try:
+            return self.scorers[kind].losses(tokens)
+        except ValueError as e:  # non-finite loss: name the record
+            msg = str(e)
+            row = None
+            if "(row, position)" in msg:
+                try:
+                    row = int(msg.split("(row, position) (")[1].split(",")[0])
+                except (IndexError, ValueError):
+                    row = None
+            where = self.where(int(ids[row]), step) if row is not None else f"{self.spec.candidates}: step {step}"
+            raise ScoringDataError(f"{where}: {kind} {msg}") from e
+
+    def _load_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray, Tensor]:
+        """:meth:`read_step` plus the int64 token tensor, in pinned memory when scoring on CUDA (so the
+        scorer's copy to the device is asynchronous)."""
+        tokens_np, sources, ids = self.read_step(step)
+        tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        if self.scorers[REFERENCE].device.type == "cuda":
+            tokens = tokens.pin_memory()
+        return tokens_np, sources, ids, tokens
+
+    def _prefetched(self, steps: range, pool: ThreadPoolExecutor) -> Iterator[tuple[int, Any]]:
+        """``(step, loaded step)`` in order, the next step read and decoded in ``pool`` while the caller
+        scores the current one. A bad record raises when its step is reached, as without prefetching."""
+        it = iter(steps)
+        step = next(it, None)
+        pending = pool.submit(self._load_step, step) if step is not None else None
+        while step is not None:
+            nxt = next(it, None)
+            following = pool.submit(self._load_step, nxt) if nxt is not None else None
+            try:
+                loaded = pending.result()
+            except BaseException:
+                if following is not None:
+                    following.cancel()
+                raise
+            yield step, loaded
+            step, pending = nxt, following
+
+    # --- one unit ----------------------------------------------------------------------------
+    def rows(
+        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``).
+
+        With ``pool``, the next step is read and decoded there while the current one is scored."""
+        dtype = self.candidates[0]["tokens"].dtype
+        loaded_steps = (self._prefetched(unit.steps, pool) if pool is not None
+                        else ((t, self._load_step(t)) for t in unit.steps))
+        for step, (tokens_np, sources, ids, tokens) in loaded_steps:
+            ref16 = None
+            if unit.ref_version >= 0:
+                ref16 = self._losses(REFERENCE, tokens, ids, step).to("cpu", torch.float16)
+            if unit.output == "scored":
+                assert ref16 is not None, "scored units always have a reference"
+                ref_np = ref16.numpy()
+                for i, src in enumerate(sources):
+                    c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
+                    c["sequences"] += 1
+                    c["tokens"] += tokens_np.shape[1]
+                    yield {"tokens": tokens_np[i].astype(dtype), "source": src, "ref_loss": ref_np[i],
+                           "episode": int(unit.ref_version)}
+                continue
+            valid = target_valid(tokens)
+            if ref16 is None:  # warm-up: every valid token, no score
+                mask = valid
+                scores = torch.full(valid.shape, float("nan"))
+            else:
+                proxy = self._losses(PROXY, tokens, ids, step)
+                # Exactly the trainer's exact-mode call: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
+                mask, scores = self.policy.select(proxy, valid.to(proxy.device), self.spec.gamma, ref_losses=ref16)
+            mask_np = mask.cpu().numpy().astype(np.uint8)
+            score_np = f16_scores(scores.float().cpu().numpy())
+            episode = self.schedule.episode(step) if self.schedule is not None else 0
+            for i, src in enumerate(sources):
+                c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
+                c["sequences"] += 1
+                c["tokens"] += tokens_np.shape[1]
+                c["kept_tokens"] += int(mask_np[i].sum())
+                yield {"tokens": tokens_np[i].astype(dtype), "loss_mask": mask_np[i], "score": score_np[i],
+                       "source": src, "step": int(step), "episode": int(episode)}
+
+    def run(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> PartResult:
+        """Score ``unit`` and write its part (replacing any leftover of an earlier attempt).
+
+        Args:
+            unit: the work unit.
+            fetch: ``(kind, version) → Weights``; called only when the held version differs.
+
+        Raises:
+            ScoringDataError: bad candidate data (names shard file and record).
+        """
+        start = time.perf_counter()
+        self._ensure(unit, fetch)
+        spec = SCORED if unit.output == "scored" else SELECTED
+        name = f"{self.subdir}/{unit.name}"
+        counts: dict[str, dict[str, int]] = {}
+        # Three stages overlap: a reader thread decodes step t+1, this thread scores step t, and a writer
+        # thread compresses and writes the rows of step t−1 (`write_part` consumes them into `<part>.tmp`
+        # and renames it at the end), so a crash mid-unit leaves only a .tmp that the redo replaces.
+        with ThreadPoolExecutor(2, thread_name_prefix=f"worker{self.worker_id}-io") as pool:
+            n = _write_behind(pool, lambda rows: write_part(os.path.join(self.spec.out_dir, name), spec, rows,
+                                                            vocab_size=self.spec.vocab_size),
+                              self.rows(unit, counts, pool=pool))
+        tokens = sum(c["tokens"] for c in counts.values())
+        seconds = time.perf_counter() - start
+        self.stats["units"] += 1
+        self.stats["tokens"] += tokens
+        self.stats["seconds"] += seconds
+        return PartResult(
+            worker=self.worker_id, unit=unit.name, name=name, first=unit.first, stop=unit.stop, samples=n,
+            tokens=tokens, kept_tokens=sum(c["kept_tokens"] for c in counts.values()), sources=counts,
+            seconds=seconds, scored_tokens=tokens * (1 + int(unit.proxy_version is not None)),
+        )
+
+
+_DONE = object()
+
+
+class _Aborted(Exception):
+    """Tells the writer thread that producing the rows failed (the part must not be completed)."""
+
+
+def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, Any]]], int],
+                  rows: Iterator[dict[str, Any]]) -> int:
+    """``write(rows)`` in a ``pool`` thread while this thread produces ``rows``; returns what ``write`` returns.
+
+    Rows go through a small queue (a few steps' worth), so the producer runs at most that far ahead. An
+    error while producing is raised here after the writer has stopped *without* completing (its row
+    iterator raises); an error while writing stops the producer and is raised here.
+    """
+    q: queue.Queue[Any] = queue.Queue(maxsize=256)
+
+    def consume() -> Iterator[dict[str, Any]]:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Aborted):
+                raise item
+            yield item
+
+    writer = pool.submit(write, consume())
+
+    def put(item: Any) -> None:
+        while True:
+            try:
+                q.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if writer.done():  # the writer failed: raise its error
+                    writer.result()
+                    raise RuntimeError("the part writer stopped early") from None
+
+    try:
+        for row in rows:
+            put(row)
+    except BaseException:
+        if not writer.done():
+            try:
+                put(_Aborted())
+            except BaseException:  # noqa: S110 - the writer's own error is secondary to this one
+                pass
+        try:
+            writer.result()
+        except BaseException:  # noqa: S110 - expected: the writer stops on _Aborted
+            pass
+        raise
+    put(_DONE)
+    return writer.result()
+
+

@@ -1,0 +1,317 @@
+"""refresh_reference and train_static_reference on tiny Llamas built from a config."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from curation.core.losses import TokenBatch, model_logits, token_losses
+from curation.core.refresh import refresh_reference, train_static_reference
+from curation.core.selection import masked_mean
+from curation.core.stats import param_distance
+
+VOCAB = 32
+SEQ = 24
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def candidate_batch(gen: torch.Generator, b: int = 4) -> TokenBatch:
+    """Candidate domain: uniform noise over the low half of the vocabulary, random selection α."""
+    tokens = torch.randint(0, VOCAB // 2, (b, SEQ), generator=gen)
+    mask = torch.rand(b, SEQ, generator=gen) < 0.6
+    return TokenBatch(tokens, None, mask)
+
+
+def val_batch(gen: torch.Generator, b: int = 4) -> TokenBatch:
+    """Validation domain: counting sequences (+1 mod 16) in the high half: easy to learn, disjoint."""
+    start = torch.randint(0, VOCAB // 2, (b, 1), generator=gen)
+    return TokenBatch(VOCAB // 2 + (start + torch.arange(SEQ)) % (VOCAB // 2))
+
+
+def val_stream(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield val_batch(gen)
+
+
+def cand_stream(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield candidate_batch(gen)
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batch: TokenBatch) -> float:
+    losses, valid = token_losses(model_logits(model, batch.tokens, batch.valid), batch.tokens, batch.valid)
+    return float(masked_mean(losses, valid))
+
+
+def trained_proxy(steps: int = 4) -> tuple[LlamaForCausalLM, torch.optim.AdamW]:
+    """A tiny Llama trained a few steps on candidate data, with its own AdamW state."""
+    proxy = tiny_llama(0)
+    opt = torch.optim.AdamW(proxy.parameters(), lr=3e-3, weight_decay=0.01)
+    cands = cand_stream(100)
+    for _ in range(steps):
+        b = next(cands)
+        opt.zero_grad()
+        losses, valid = token_losses(proxy(input_ids=b.tokens).logits, b.tokens)
+        masked_mean(losses, valid).backward()
+        opt.step()
+    return proxy, opt
+
+
+SETTINGS = {"lam": 1.0, "lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
+
+
+def test_k_zero_returns_the_proxy_weights_exactly_without_aliasing():
+    proxy, _ = trained_proxy(2)
+    result = refresh_reference(proxy, [], [], steps=0)
+    assert result.steps == 0 and result.val_losses == []
+    ref_sd, proxy_sd = result.state_dict(), proxy.state_dict()
+    assert ref_sd.keys() == proxy_sd.keys()
+    for k in proxy_sd:
+        assert torch.equal(ref_sd[k], proxy_sd[k]), k
+        assert ref_sd[k].data_ptr() != proxy_sd[k].data_ptr(), k
+    assert param_distance(result.model, proxy) == 0.0
+    assert not result.model.training
+
+
+def test_proxy_parameters_optimizer_and_mode_unchanged_by_refresh():
+    proxy, opt = trained_proxy(3)
+    proxy.train()
+    # gradients present on the proxy, as mid-step
+    b = next(cand_stream(5))
+    losses, valid = token_losses(proxy(input_ids=b.tokens).logits, b.tokens)
+    masked_mean(losses, valid).backward()
+    params_before = copy.deepcopy(proxy.state_dict())
+    grads_before = {n: p.grad.clone() for n, p in proxy.named_parameters()}
+    opt_before = copy.deepcopy(opt.state_dict())
+
+    result = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+
+    assert result.steps == 3 and param_distance(result.model, proxy) > 0
+    for k, v in proxy.state_dict().items():
+        assert torch.equal(v, params_before[k]), k
+    for n, p in proxy.named_parameters():
+        assert torch.equal(p.grad, grads_before[n]), n
+    opt_after = opt.state_dict()
+    assert opt_after["param_groups"] == opt_before["param_groups"]
+    for i, st in opt_before["state"].items():
+        for key, val in st.items():
+            assert torch.equal(opt_after["state"][i][key], val), (i, key)
+    assert proxy.training
+    # the reference owns its tensors: changing it cannot reach the proxy
+    with torch.no_grad():
+        for p in result.model.parameters():
+            p.add_(1.0)
+    for k, v in proxy.state_dict().items():
+        assert torch.equal(v, params_before[k]), k
+
+
+def test_refreshed_reference_has_lower_validation_loss_than_the_proxy():
+    proxy, _ = trained_proxy(4)
+    held_out = val_batch(torch.Generator().manual_seed(999), b=8)
+    proxy_val = mean_loss(proxy, held_out)
+    result = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=25, **SETTINGS)
+    ref_val = mean_loss(result.model, held_out)
+    assert ref_val < proxy_val - 0.5, (proxy_val, ref_val)
+    assert result.val_losses[-1] < result.val_losses[0]
+    assert len(result.train_losses) == len(result.objectives) == 25
+    for o, v, t in zip(result.objectives, result.val_losses, result.train_losses, strict=True):
+        assert o == pytest.approx(v + SETTINGS["lam"] * t, rel=1e-5)
+
+
+def test_lambda_weighs_the_candidate_term():
+    proxy, _ = trained_proxy(2)
+    with_cand = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+    settings = dict(SETTINGS, lam=0.0)
+    no_cand = refresh_reference(proxy, val_stream(1), None, steps=3, **settings)
+    assert no_cand.train_losses == [] and no_cand.objectives == no_cand.val_losses
+    assert param_distance(with_cand.model, no_cand.model) > 0
+
+
+def test_candidate_mask_restricts_the_candidate_loss():
+    """Only α-selected candidate tokens contribute: changing unselected tokens changes nothing."""
+    proxy, _ = trained_proxy(1)
+    gen = torch.Generator().manual_seed(3)
+    cand = candidate_batch(gen)
+    mask = torch.zeros_like(cand.mask)
+    mask[:, 1:5] = True
+    tokens_b = cand.tokens.clone()
+    tokens_b[:, 8:] = (tokens_b[:, 8:] + 1) % VOCAB  # positions >= 8 are unselected and never context
+    vals = [val_batch(torch.Generator().manual_seed(4))]
+    a = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, mask)], steps=1, **SETTINGS)
+    b = refresh_reference(proxy, vals, [TokenBatch(tokens_b, None, mask)], steps=1, **SETTINGS)
+    assert a.train_losses == b.train_losses
+    assert param_distance(a.model, b.model) == 0.0
+    c = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, ~mask)], steps=1, **SETTINGS)
+    assert c.train_losses != a.train_losses
+
+
+def test_nosync_starts_from_previous_reference():
+    proxy, _ = trained_proxy(2)
+    previous = refresh_reference(proxy, val_stream(7), cand_stream(8), steps=4, **SETTINGS).model
+    # K = 0 from `previous` returns previous's weights, not the proxy's
+    same = refresh_reference(proxy, [], [], steps=0, previous=previous)
+    assert param_distance(same.model, previous) == 0.0 and param_distance(same.model, proxy) > 0
+    # state dicts work as well as modules
+    same_sd = refresh_reference(proxy, [], [], steps=0, previous=previous.state_dict())
+    assert param_distance(same_sd.model, previous) == 0.0
+    # K > 0: identical to refreshing `previous` itself as if it were the proxy, different from sync
+    cont = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, previous=previous, **SETTINGS)
+    manual = refresh_reference(previous, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+    sync = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+    assert param_distance(cont.model, manual.model) == 0.0
+    assert param_distance(cont.model, sync.model) > 0
+    assert param_distance(cont.model, previous) > 0  # previous itself is untouched by continuing
+    assert param_distance(same.model, previous) == 0.0
+
+
+def test_optimizer_state_carry_equals_one_long_run():
+    proxy, _ = trained_proxy(2)
+    vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
+    long = refresh_reference(proxy, vals, cands, steps=4, **SETTINGS)
+    first = refresh_reference(proxy, vals[:2], cands[:2], steps=2, **SETTINGS)
+    second = refresh_reference(
+        proxy,
+        vals[2:],
+        cands[2:],
+        steps=2,
+        previous=first.model,
+        optimizer_state=first.optimizer_state,
+        **SETTINGS,
+    )
+    assert param_distance(second.model, long.model) == 0.0
+    fresh = refresh_reference(proxy, vals[2:], cands[2:], steps=2, previous=first.model, **SETTINGS)
+    assert param_distance(fresh.model, long.model) > 0
+
+
+def test_gradient_clipping_applies():
+    proxy, _ = trained_proxy(1)
+    tight = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=1, lam=1.0, lr=1e-2, grad_clip=1e-6)
+    loose = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=1, lam=1.0, lr=1e-2, grad_clip=None)
+    assert tight.grad_norms == pytest.approx(loose.grad_norms)  # reported norm is before clipping
+    assert tight.grad_norms[0] > 1e-3
+    # Adam normalises the step size, so compare the second moment instead: clipped grads are tiny
+    sq_tight = sum(float(s["exp_avg_sq"].sum()) for s in tight.optimizer_state["state"].values())
+    sq_loose = sum(float(s["exp_avg_sq"].sum()) for s in loose.optimizer_state["state"].values())
+    assert sq_tight < 1e-9 * sq_loose
+
+
+def test_running_out_of_batches_and_bad_settings_raise():
+    proxy = tiny_llama(0)
+    with pytest.raises(ValueError, match="val_batches ran out after 1 of 2"):
+        refresh_reference(proxy, [val_batch(torch.Generator())], cand_stream(0), steps=2)
+    with pytest.raises(ValueError, match="cand_batches ran out after 0 of 1"):
+        refresh_reference(proxy, val_stream(0), [], steps=1)
+    with pytest.raises(ValueError, match="cand_batches is required"):
+        refresh_reference(proxy, val_stream(0), None, steps=1)
+    with pytest.raises(ValueError, match="steps"):
+        refresh_reference(proxy, [], [], steps=-1)
+    with pytest.raises(ValueError, match="lr"):
+        refresh_reference(proxy, [], [], steps=0, lr=0.0)
+
+
+def test_static_reference_trains_a_copy_of_the_base_on_validation_data():
+    base = tiny_llama(3)
+    before = copy.deepcopy(base.state_dict())
+    held_out = val_batch(torch.Generator().manual_seed(999), b=8)
+    result = train_static_reference(base, val_stream(1), steps=20, lr=1e-2)
+    assert mean_loss(result.model, held_out) < mean_loss(base, held_out) - 0.5
+    assert result.train_losses == []
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class _PlainLM(nn.Module):
+    """A non-HF causal LM: forward(tokens) -> logits (bigram model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(VOCAB, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table(tokens)
+
+
+def test_plain_modules_returning_logits_are_accepted():
+    torch.manual_seed(0)
+    model = _PlainLM()
+    held_out = val_batch(torch.Generator().manual_seed(999))
+    result = refresh_reference(model, val_stream(1), cand_stream(2), steps=10, lam=0.5, lr=0.1)
+    assert mean_loss(result.model, held_out) < mean_loss(model, held_out)
+
+
+def test_padded_batches_and_tuple_batches():
+    proxy = tiny_llama(0)
+    gen = torch.Generator().manual_seed(0)
+    v = val_batch(gen)
+    valid = torch.ones_like(v.tokens, dtype=torch.bool)
+    valid[:, -5:] = False
+    tokens = v.tokens.clone()
+    tokens[:, -5:] = 0
+    c = candidate_batch(gen)
+    result = refresh_reference(proxy, [(tokens, valid)], [(c.tokens, None, c.mask)], steps=1, **SETTINGS)
+    assert result.steps == 1 and all(torch.isfinite(torch.tensor(result.objectives)))
+
+
+@pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
+def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue_mode):
+    """Three refreshes with a workspace equal three with fresh copies bit for bit; one module, one AdamW."""
+    from curation.core.refresh import RefreshWorkspace
+
+    proxy = tiny_llama(0)
+    ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
+    fresh_prev, fresh_state, ws_prev, ws_state = None, None, None, None
+    modules, optimizers = set(), set()
+    for episode in range(3):
+        with torch.no_grad():  # the proxy moves between refreshes
+            for p in proxy.parameters():
+                p.add_(0.01 * (episode + 1))
+        kw = dict(steps=3, lam=1.0, lr=1e-2)
+        a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh_prev,
+                              optimizer_state=fresh_state, **kw)
+        b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=ws_prev,
+                              optimizer_state=ws_state, workspace=ws, **kw)
+        assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        modules.add(id(b.model))
+        optimizers.add(id(ws.optimizer))
+        # blade releases the AdamW moments between refreshes; blade-nosync keeps them (and continues them)
+        assert (len(ws.optimizer.state) > 0) == continue_mode
+        if continue_mode:
+            fresh_prev, fresh_state = a.model, copy.deepcopy(a.optimizer_state)
+            ws_prev, ws_state = b.model, b.optimizer_state  # continued in place, no copy
+    assert len(modules) == 1 and len(optimizers) == 1
+    assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
+
+
+@pytest.mark.gpu
+def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (refresh under bf16 autocast)")
+    proxy = tiny_llama(0).cuda()
+    kw = dict(steps=5, lam=1.0, lr=1e-2)
+    a = refresh_reference(proxy, val_stream(0), cand_stream(1), **kw)
+    b = refresh_reference(proxy, val_stream(0), cand_stream(1), precision="amp_bf16", **kw)
+    assert b.objectives != a.objectives  # bf16 really ran
+    assert max(abs(x - y) / max(abs(x), 1.0) for x, y in zip(a.objectives, b.objectives, strict=True)) < 3e-2

@@ -1,0 +1,68 @@
+"""Schedule: warm-up, episodes, refreshes, reference versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from curation.core.schedule import WARMUP_EPISODE, Schedule
+
+
+def test_warmup_episodes_and_refreshes_by_hand():
+    s = Schedule(warmup=3, tau=4, total_steps=12)
+    steps = range(12)
+    assert [s.is_warmup(t) for t in steps] == [True] * 3 + [False] * 9
+    assert [s.episode(t) for t in steps] == [-1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert [t for t in steps if s.refresh_due(t)] == [3, 7, 11]
+    assert [s.reference_version(t) for t in steps] == [-1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert [s.reference_version(t, refreshed=False) for t in steps] == [-1] * 3 + [0] * 9
+    assert s.num_refreshes() == 3
+    assert list(s.steps_scored_by(1)) == [7, 8, 9, 10]
+    assert list(s.steps_scored_by(2)) == [11]  # clipped to total_steps
+    assert list(s.steps_scored_by(5)) == []
+    assert s.refresh_step(2) == 11
+    assert not s.refresh_due(15)  # past the end: nothing left to score
+
+
+def test_every_refresh_starts_the_episode_it_scores():
+    s = Schedule(warmup=5, tau=3, total_steps=40)
+    for t in range(40):
+        if s.refresh_due(t):
+            assert s.steps_scored_by(s.episode(t))[0] == t
+        if not s.is_warmup(t):
+            assert t in s.steps_scored_by(s.reference_version(t))
+
+
+def test_no_warmup_matches_design_episode_formula():
+    s = Schedule(warmup=0, tau=5)
+    assert all(s.episode(t) == t // 5 for t in range(50))
+    assert [t for t in range(20) if s.refresh_due(t)] == [0, 5, 10, 15]
+    with pytest.raises(ValueError, match="total_steps"):
+        s.num_refreshes()
+
+
+def test_warmup_longer_than_run():
+    s = Schedule(warmup=10, tau=4, total_steps=8)
+    assert s.num_refreshes() == 0 and all(s.episode(t) == WARMUP_EPISODE for t in range(8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup": -1, "tau": 2}, "warmup"),
+        ({"warmup": 0, "tau": 0}, "tau"),
+        ({"warmup": 0, "tau": 1.5}, "tau"),
+        ({"warmup": 0, "tau": 2, "total_steps": -3}, "total_steps"),
+    ],
+)
+def test_bad_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule(**kwargs)
+
+
+def test_negative_step_raises_and_round_trip():
+    s = Schedule(warmup=2, tau=3, total_steps=9)
+    with pytest.raises(ValueError, match="step t"):
+        s.episode(-1)
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s

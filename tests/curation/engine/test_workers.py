@@ -1,0 +1,226 @@
+"""The plain worker classes in-process (no Ray): scoring units, selecting, bad data, the refresh."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+from composer.core import Callback
+
+from curation.core.losses import target_valid
+from curation.core.schedule import Schedule
+from curation.core.selection import excess_loss, num_selected, select_top_fraction
+from curation.core.stream import CandidateStream
+from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit
+from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec
+from curation.engine.scorer import ReferenceScorer
+from curation.engine.weights import Weights
+from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.io.models import build_causal_lm
+from curation.io.shards import ShardReader, open_shards, write_part
+from schemas.shards import CANDIDATE, validate_shard_dir
+from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig, demo_model_config
+
+B = 8
+SCHED = Schedule(2, 4, 14)
+
+
+def _model(seed: int = 0) -> ModelConfig:
+    m = demo_model_config(512, hidden=32, layers=1)
+    return m.model_copy(update={"init_seed": seed})
+
+
+def _weights(seed: int) -> Weights:
+    return Weights.from_state_dict(build_causal_lm(_model(seed)))
+
+
+def _spec(root: str, out: str, *, candidates: str | None = None, vocab: int = 512, **kw) -> WorkerSpec:
+    cand = candidates or os.path.join(root, "data", "candidates")
+    n = len(open_shards(cand))
+    kw.setdefault("device", "cpu")  # compared with CPU float32 values, also on a machine with a GPU
+    return WorkerSpec(candidates=cand, out_dir=out, model=_model().model_dump(mode="json"),
+                      order=BatchOrder("stream", n, B, seed=0).to_dict(), vocab_size=vocab,
+                      schedule=SCHED.to_dict(), **kw)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return {(REFERENCE, 0): _weights(1), (PROXY, 2): _weights(2), (PROXY, 0): _weights(2)}
+
+
+def _rows(path):
+    r = ShardReader(path)
+    return [r[i] for i in range(len(r))]
+
+
+def test_scored_unit_holds_the_reference_scorer_losses(engine_demo, tmp_path, weights):
+    out = str(tmp_path / "scored")
+    worker = ScoringWorker(_spec(engine_demo, out, needs_proxy=False), 3)
+    res = worker.run(WorkUnit(2, 4, "scored", 0), lambda k, v: weights[(k, v)])
+    assert res.name == "worker-03/steps-000000002-000000004" and res.samples == 2 * B
+    validate_shard_dir(os.path.join(out, res.name), "scored")
+    scorer = ReferenceScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+    scorer.load_weights(weights[(REFERENCE, 0)].state_dict(), 0)
+    rows = _rows(os.path.join(out, res.name))
+    for j, t in enumerate((2, 3)):
+        tokens, _, _ = worker.read_step(t)
+        got = rows[j * B:(j + 1) * B]
+        assert np.array_equal(np.stack([r["tokens"] for r in got]), tokens)
+        assert np.array_equal(np.stack([r["ref_loss"] for r in got]), scorer(tokens))
+        assert {r["episode"] for r in got} == {0}
+
+
+def test_selected_unit_is_the_top_gamma_of_each_step(engine_demo, tmp_path, weights):
+    out = str(tmp_path / "selected")
+    worker = ScoringWorker(_spec(engine_demo, out, gamma=0.5, needs_proxy=True), 0)
+    res = worker.run(WorkUnit(2, 4, "selected", 0, 2), lambda k, v: weights[(k, v)])
+    validate_shard_dir(os.path.join(out, res.name), "selected")
+    scorers = {}
+    for kind in (REFERENCE, PROXY):
+        scorers[kind] = ReferenceScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+        scorers[kind].load_weights(weights[(kind, 0 if kind == REFERENCE else 2)].state_dict())
+    rows = _rows(os.path.join(out, res.name))
+    for j, t in enumerate((2, 3)):
+        tokens, _, _ = worker.read_step(t)
+        tt = torch.from_numpy(tokens.astype(np.int64))
+        valid = target_valid(tt)
+        delta = excess_loss(scorers[PROXY].losses(tt), scorers[REFERENCE].losses(tt).half())
+        want = select_top_fraction(delta, valid, 0.5)
+        got = rows[j * B:(j + 1) * B]
+        mask = np.stack([r["loss_mask"] for r in got]).astype(bool)
+        assert np.array_equal(mask, want.numpy()) and mask.sum() == num_selected(0.5, int(valid.sum()))
+        assert np.array_equal(np.stack([r["score"] for r in got]), delta.numpy().astype(np.float16))
+        assert {(r["step"], r["episode"]) for r in got} == {(t, SCHED.episode(t))}
+    assert res.kept_tokens == sum(int(r["loss_mask"].sum()) for r in rows)
+    warm = worker.run(WorkUnit(0, 2, "selected"), lambda k, v: pytest.fail("warm-up needs no weights"))
+    rows = _rows(os.path.join(out, warm.name))
+    assert all(r["loss_mask"][1:].all() and not r["loss_mask"][0] and np.isnan(r["score"]).all() for r in rows)
+    assert {r["episode"] for r in rows} == {-1}
+
+
+def test_a_redone_unit_replaces_the_leftover_of_the_crashed_attempt(engine_demo, tmp_path, weights):
+    out = str(tmp_path / "scored")
+    worker = ScoringWorker(_spec(engine_demo, out, needs_proxy=False), 0)
+    unit = WorkUnit(2, 3, "scored", 0)
+    tmp = os.path.join(out, "worker-00", unit.name + ".tmp")
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "shard.00000.mds.zstd"), "wb").write(b"half written")
+    res = worker.run(unit, lambda k, v: weights[(k, v)])
+    assert sorted(os.listdir(os.path.join(out, "worker-00"))) == [unit.name] and res.samples == B
+    assert worker.stats["weight_loads"] == 1
+    worker.run(WorkUnit(3, 4, "scored", 0), lambda k, v: pytest.fail("version unchanged: no fetch"))
+
+
+def test_bad_token_names_the_shard_and_record(engine_demo, tmp_path, weights):
+    rows = [{"tokens": np.full(16, i % 7, dtype=np.uint16), "source": "s"} for i in range(20)]
+    rows[13]["tokens"][5] = 900  # outside the model's 512 ids
+    cand = str(tmp_path / "cand")
+    write_part(os.path.join(cand, "part-00000"), CANDIDATE, rows[:10], vocab_size=1000)
+    write_part(os.path.join(cand, "part-00001"), CANDIDATE, rows[10:], vocab_size=1000)
+    from curation.io.shards import merge_part_indexes
+
+    merge_part_indexes(cand, ["part-00000", "part-00001"])
+    spec = _spec(engine_demo, str(tmp_path / "out"), candidates=cand, vocab=1000, needs_proxy=True)
+    spec = WorkerSpec(**{**spec.__dict__, "order": BatchOrder("blocks", 20, 4).to_dict(), "schedule": None})
+    worker = ScoringWorker(spec, 0)
+    worker.run(WorkUnit(0, 3, "selected", 0, 0), lambda k, v: weights[(k, v)])  # records 0..11 are fine
+    with pytest.raises(ScoringDataError, match=r"cand: shard part-00001/shard.00000.mds.zstd, record 3 "
+                                               r"\(sample 13, step 3\): token id 900 at position 5"):
+        worker.run(WorkUnit(3, 5, "selected", 0, 0), lambda k, v: weights[(k, v)])
+    # the bad step after a good one (already handed to the writer thread): the part is not completed
+    with pytest.raises(ScoringDataError, match="token id 900"):
+        worker.run(WorkUnit(2, 4, "selected", 0, 0), lambda k, v: weights[(k, v)])
+    assert "steps-000000002-000000004" not in os.listdir(os.path.join(str(tmp_path / "out"), "worker-00"))
+
+
+def test_write_behind_overlaps_and_propagates_errors_from_either_side():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from curation.engine.workers import _write_behind
+
+    def produce(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError("bad row")
+            yield {"i": i}
+
+    with ThreadPoolExecutor(2) as pool:
+        assert _write_behind(pool, lambda rows: [r["i"] for r in rows], produce(1000)) == list(range(1000))
+        done = []
+
+        def write(rows):
+            for r in rows:
+                done.append(r["i"])
+            done.append("completed")  # what write_part's rename would be
+            return len(done)
+
+        with pytest.raises(ValueError, match="bad row"):
+            _write_behind(pool, write, produce(600, fail_at=500))
+        assert "completed" not in done and done == list(range(len(done)))
+
+        def failing_write(rows):
+            for r in rows:
+                if r["i"] == 10:
+                    raise OSError("disk full")
+
+        produced = []
+
+        def counted(n):
+            for i in range(n):
+                produced.append(i)
+                yield {"i": i}
+
+        with pytest.raises(OSError, match="disk full"):
+            _write_behind(pool, failing_write, counted(100_000))
+        assert len(produced) < 2000  # the producer stopped soon after the writer failed
+
+
+# ------------------------------------------------------------------------------------------------
+# the refresh computes what the single-process trainer computes
+# ------------------------------------------------------------------------------------------------
+class _Snap(Callback):
+    def __init__(self, holder, step):
+        self.holder, self.step = holder, step
+
+    def batch_start(self, state, logger):
+        if int(state.timestamp.batch) == self.step:
+            alg = self.holder["alg"]
+            self.holder["proxy"] = copy.deepcopy(state.model.model.state_dict())
+            self.holder["recent"] = list(alg.recent)
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.step + 1:
+            self.holder["reference"] = copy.deepcopy(self.holder["alg"].scorer.model.state_dict())
+
+
+@pytest.mark.parametrize("policy", ["blade", "rho1"])
+def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_path, tiny_train, policy):
+    from training.run import build_training
+
+    cfg = TrainConfig.model_validate(tiny_train(str(tmp_path / "train"), max_steps=3, write_selected=False,
+                                                selection={"policy": policy}))
+    holder = {}
+    run = build_training(cfg, callbacks=[_Snap(holder, cfg.selection.warmup_steps)])
+    holder["alg"] = run.algorithm
+    run.trainer.fit()
+    run.trainer.close()
+    spec = RefreshSpec(model=cfg.model.model_dump(mode="json"), validation=cfg.data.validation,
+                       candidates=cfg.data.candidates, stream=CandidateStream(len(open_shards(cfg.data.candidates)),
+                                                                              cfg.batch_size, cfg.seed).to_dict(),
+                       selection=cfg.selection.model_dump(mode="json"), ref_lr=cfg.optim.lr,
+                       refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"))
+    os.makedirs(spec.engine_dir)
+    runner = RefreshRunner(spec)
+    if policy == "blade":
+        w, log = runner.refresh(0, Weights.from_state_dict(holder["proxy"]), RecentMasks.from_pairs(holder["recent"]),
+                                source_step=2)
+        assert log["step"] == 2 and log["staleness"] == 0 and log["recent_steps"] == [0, 1]
+    else:
+        w, log = runner.static()
+    got = w.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in holder["reference"].items())
+    assert os.path.exists(os.path.join(spec.engine_dir, "reference-0000.safetensors"))
+    assert os.path.exists(os.path.join(spec.engine_dir, "reference-0000.json"))
