@@ -4,6 +4,7 @@
     python jobs/train.py --set policy=rho1                # full | random | rho1 | blade | blade-nosync → runs/demo/train/rho1
     python jobs/train.py --config jobs/configs/train_demo.yaml --set max_steps=60 --set selection.gamma=0.5
     python jobs/train.py --print-config
+    python jobs/train.py --set parallel.workers=2         # 2 data-parallel trainer processes (Ray Train, gloo on CPUs)
 
 Writes checkpoints (rerun the same command to resume), selected-token shards, logs/metrics.jsonl,
 summary.json and plots/ under output_dir (see training/run.py for the layout).
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     from training.run import train
 
     try:
-        out = train(cfg)
-    except (ShardSchemaError, ValueError, FileNotFoundError) as e:
+        if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
+            from training.parallel import train_parallel
+
+            out = train_parallel(cfg)
+        else:
+            out = train(cfg)
+    except (ShardSchemaError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a read-only directory...: what failed and where

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from curation.core.distributed import current_ranks
 from curation.engine.scorer import ScoredShards, resolve_device
 from curation.io.models import (
     build_causal_lm,
@@ -120,6 +121,10 @@ def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
 
     rows = TokenRows(path, "candidate", model_vocab=model_vocab)
     loader = rows_loader(rows, batch_size=eval_cfg.batch_size, max_batches=eval_cfg.max_batches)
+    if current_ranks().world_size > 1:  # a data-parallel worker evaluates its share of the rows
+        from training.parallel import rank_eval_loader
+
+        loader = rank_eval_loader(loader)
     return Evaluator(label="eval", dataloader=make_data_spec(loader), metric_names=["TokenLoss", "TokenPerplexity"])
 
 
@@ -184,12 +189,15 @@ def make_trainer(
 
 def build_training(
     cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
-    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter,
+    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter, ranks: Any | None = None,
 ) -> TrainRun:
     """Check the data against the model and wire the Composer trainer for ``cfg``.
 
     ``scored`` is a live source of reference scores (``read(step)``, ``path``) used instead of
     ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
+
+    ``ranks`` (a :class:`curation.core.distributed.Ranks` with ``world_size > 1``): wire one worker of the
+    data-parallel trainer instead (:mod:`training.parallel`).
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
@@ -215,11 +223,17 @@ def build_training(
     if scored is None and cfg.data.scored is not None:
         scored = ScoredShards(cfg.data.scored, reader.stream)
 
+    dp = None
+    if ranks is not None and ranks.world_size > 1:
+        from training.parallel import data_parallel_parts
+
+        dp = data_parallel_parts(cfg, ranks, stream_data)
     algorithm = BladeAlgorithm(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
         max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
         scored=scored, distance_interval=cfg.distance_interval, precision=cfg.precision, timing=timing, clock=clock,
+        parallel=dp.selection if dp else None,
     )
     stats = SelectionStats(algorithm)
     extra = {
@@ -228,11 +242,12 @@ def build_training(
         "schedule": algorithm.schedule.to_dict(),
         "gamma": cfg.selection.gamma,
         "candidates": os.path.abspath(cfg.data.candidates),
+        "world_size": cfg.parallel.workers,
     }
     writer = None
     cbs: list[Any] = [stats]
     if cfg.write_selected:
-        writer = SelectedShardWriter(
+        writer = (dp.writer if dp else SelectedShardWriter)(
             os.path.join(cfg.output_dir, "selected"), algorithm=algorithm, vocab_size=cand.vocab_size,
             seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
             flush_every=cfg.checkpoint.interval,
@@ -247,11 +262,13 @@ def build_training(
     resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
     trainer = make_trainer(
-        model=model, train_loader=stream_loader(stream_data), total_steps=cfg.max_steps, optim=cfg.optim,
+        model=model, train_loader=stream_loader(dp.batches if dp else stream_data), total_steps=cfg.max_steps,
+        optim=cfg.optim,
         algorithms=[algorithm], callbacks=cbs, loggers=loggers, eval_path=cfg.data.validation, eval_cfg=cfg.eval,
         vocab=vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume, run_name="train",
-        device=device, precision=cfg.precision, microbatch_size=cfg.microbatch_size or cfg.batch_size,
-        progress_bar=cfg.progress_bar, seed=cfg.seed,
+        device=device, precision=cfg.precision,
+        microbatch_size=dp.microbatch_size if dp else cfg.microbatch_size or cfg.batch_size,
+        progress_bar=cfg.progress_bar and not (dp and ranks.rank), seed=cfg.seed,
     )
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
                     writer=writer, resumed_from=resume, manifest_extra=extra)

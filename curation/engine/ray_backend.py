@@ -621,3 +621,72 @@ class RayEngine:
             for actor in [*self.workers, self.coordinator, self.refresh]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
+
+
+# ================================================================================================
+# The data-parallel trainer (issue 11): a Ray Train worker group (TorchTrainer hosting Composer).
+# Self-contained section: the train-loop function lives on the training side (training/parallel.py),
+# which does not import ray; only the placement, failure config and error unwrapping are here.
+# ================================================================================================
+def shutdown_ray() -> None:
+    """End the local Ray instance this process started (``init_ray`` returned True)."""
+    ray.shutdown()
+
+
+def _group_fits(workers: int, cpus: float, gpus: float) -> None:
+    """Refuse a worker group the cluster can never place (Ray Train would retry its start forever)."""
+    total = ray.cluster_resources()
+    have_cpu, have_gpu = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
+    if workers * cpus > have_cpu or workers * gpus > have_gpu:
+        raise ValueError(
+            f"parallel.workers={workers} trainer workers × (CPU {cpus:g}, GPU {gpus:g}) do not fit the Ray cluster "
+            f"(CPU {have_cpu:g}, GPU {have_gpu:g} in all): lower parallel.workers or the resources per worker, "
+            "or add nodes"
+        )
+
+
+def run_trainer_group(
+    train_fn: Any, config: dict[str, Any], *, workers: int, cpus_per_worker: float, gpus_per_worker: float,
+    backend: str, max_failures: int, timeout_s: int, storage_path: str, name: str, fatal_file: str | None = None,
+) -> None:
+    """Run ``train_fn(config)`` on ``workers`` Ray Train workers (``TorchTrainer``) and wait for it.
+
+    Ray Train sets up the process group (``backend``: gloo or nccl, collectives time out after
+    ``timeout_s``) before ``train_fn`` runs, places the workers on the cluster this process joined (next to
+    the engine's actors), and restarts the whole group up to ``max_failures`` times after a worker failure
+    (``train_fn`` is then run again from the start: it resumes from its own checkpoints). ``storage_path`` is
+    Ray Train's run state: on a multi-node cluster a path every node can reach.
+
+    ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
+    exists after the run, its message is raised as a ValueError.
+
+    Raises:
+        ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
+        RuntimeError: the group failed more than ``max_failures`` times (the workers' errors by rank).
+    """
+    import json
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    _group_fits(workers, cpus_per_worker, gpus_per_worker)
+    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    trainer = TorchTrainer(
+        train_fn, train_loop_config=config, torch_config=TorchConfig(backend=backend, timeout_s=timeout_s),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus_per_worker > 0,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    failure: BaseException | None = None
+    try:
+        trainer.fit()
+    except TrainingFailedError as e:
+        failure = e
+    if fatal_file is not None and os.path.exists(fatal_file):
+        with open(fatal_file, encoding="utf-8") as f:
+            raise ValueError(json.load(f)["message"]) from failure
+    if failure is not None:
+        per_rank = getattr(failure, "worker_failures", None) or {}
+        detail = "; ".join(f"rank {r}: {_message(err)}" for r, err in sorted(per_rank.items())) or _message(failure)
+        raise RuntimeError(f"the trainer worker group failed {max_failures + 1} times: {detail}") from failure
