@@ -39,11 +39,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from composer.core import Callback
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from curation.core.distributed import GlobalSelection, Ranks, current_ranks, expected_kept, global_rows
 from curation.core.distributed import select_across_ranks as _select_across_ranks
 from curation.core.selection import random_scores
+from curation.engine.plan import EngineError
+from curation.io.models import save_weights
 from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSchemaError
 from schemas.train_config import TrainConfig
@@ -51,14 +54,14 @@ from training.callbacks import JSONLinesLogger, SelectedShardWriter
 from training.data import StreamBatches
 
 __all__ = ["RankBatches", "RankZeroShardWriter", "ParallelSelection", "DataParallelParts", "data_parallel_parts",
-           "rank_eval_loader",            "train_worker", "train_parallel", "FATAL_FILE"]
+           "rank_eval_loader", "StepTimes",           "train_worker", "train_parallel", "run_worker_group", "trainer_cpus", "FATAL_FILE"]
 
 #: Where a worker records an error that retrying cannot fix (relative to output_dir).
 FATAL_FILE = os.path.join("parallel", "fatal.json")
 #: One line per worker start: rank, pid, attempt time, checkpoint resumed from (relative to output_dir).
 ATTEMPTS_FILE = os.path.join("parallel", "attempts.jsonl")
 #: Errors that a restart of the worker group cannot fix.
-FATAL_ERRORS = (ValueError, ShardSchemaError, FileNotFoundError)
+FATAL_ERRORS = (ValueError, ShardSchemaError, FileNotFoundError, EngineError)
 
 
 class RankBatches(IterableDataset):
@@ -192,6 +195,22 @@ class RankZeroShardWriter(SelectedShardWriter):
             super().fit_end(state, logger)
 
 
+class StepTimes(Callback):
+    """Wall and process CPU time at the end of every step (``jobs/bench_scaling.py``); written by each rank to
+    ``output_dir/parallel/step_times-rank<r>.json`` at the end of the fit."""
+
+    def __init__(self, output_dir: str, rank: int = 0) -> None:
+        self.path = os.path.join(output_dir, "parallel", f"step_times-rank{rank}.json")
+        self.points: list[tuple[int, float, float]] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.points.append((int(state.timestamp.batch), time.perf_counter(), time.process_time()))
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        atomic_write_text(self.path, json.dumps(self.points))
+
+
 # ------------------------------------------------------------------------------------------------
 # the train-loop function of a Ray Train worker, and the driver
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +239,7 @@ def train_worker(config: dict[str, Any]) -> None:
     try:
         if cfg.threads is None:  # one trainer per reserved CPU, not torch's default of every core
             torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
-        _run_worker(cfg, ranks)
+        _run_worker(cfg, ranks, config)
     except FATAL_ERRORS as e:
         os.makedirs(os.path.dirname(_fatal_path(out)), exist_ok=True)
         atomic_write_text(_fatal_path(out), json.dumps({"rank": ranks.rank, "error": type(e).__name__,
@@ -228,10 +247,24 @@ def train_worker(config: dict[str, Any]) -> None:
         raise
 
 
-def _run_worker(cfg: TrainConfig, ranks: Ranks) -> None:
+def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
     from training.run import _finish, build_training
 
-    run = build_training(cfg, ranks=ranks)
+    callbacks = [StepTimes(cfg.output_dir, ranks.rank)] if config.get("step_times") else []
+    engine = config.get("engine")
+    scored = None
+    if engine is not None:  # exact mode next to the Ray engine: every rank reads the scores of its rows
+        from training.engine_hooks import EngineScores
+
+        scored = EngineScores(engine["client"], engine["scored_dir"], engine["stream"], timeout_s=engine["timeout_s"])
+    run = build_training(cfg, ranks=ranks, callbacks=callbacks, scored=scored)
+    sync = None
+    if engine is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
+        from training.engine_hooks import EngineSync
+
+        sync = EngineSync(engine["client"], engine["plan"], algorithm=run.algorithm,
+                          distance_interval=cfg.distance_interval)
+        run.trainer.state.callbacks.insert(0, sync)
     _record_attempt(cfg.output_dir, ranks, run.resumed_from)
     if ranks.rank > 0:  # one metrics log: rank 0's
         dests = run.trainer.logger.destinations
@@ -244,42 +277,74 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks) -> None:
         extra = {"resumed_from": run.resumed_from, "world_size": ranks.world_size,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
-        out = _finish(run, cfg.model, cfg.plots, extra)
-        out["selected"] = extra["selected_dir"]
+        if engine is not None:  # the driver writes the summary, with the engine's report
+            final = os.path.join(cfg.output_dir, "final")
+            save_weights(run.model.model, os.path.join(final, "model.safetensors"))
+            run.model.model.config.to_json_file(os.path.join(final, "config.json"))
+            out = {"final": final, "stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
+                   "publish_seconds": sync.publish_seconds if sync else 0.0,
+                   "trainer_wait_seconds": engine["client"].wait_seconds}
+        else:
+            out = _finish(run, cfg.model, cfg.plots, extra)
+            out["selected"] = extra["selected_dir"]
         atomic_write_text(os.path.join(cfg.output_dir, "parallel", "outputs.json"), json.dumps(out))
 
 
-def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: int | None = None) -> dict[str, Any]:
+def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: int | None = None,
+                   step_times: bool = False) -> dict[str, Any]:
     """``jobs/train.py`` with ``parallel.workers > 1``: lock ``output_dir``, run the worker group on Ray
     (a local instance unless ``address`` or a ``ray job submit`` names a cluster), return the output paths.
+    ``step_times``: every rank records its step times (:class:`StepTimes`).
 
     Raises:
         ValueError: bad settings or data (the failing worker's message), or a group that cannot be placed.
         OutputDirError: the directory is in use or was written with another config.
     """
-    from curation.engine.ray_backend import init_ray, run_trainer_group
+    from curation.engine.ray_backend import init_ray, shutdown_ray
     from schemas.outdir import open_output_dir
 
-    p = cfg.parallel
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        for stale in (_fatal_path(cfg.output_dir), os.path.join(cfg.output_dir, "parallel", "outputs.json")):
-            if os.path.exists(stale):  # a rerun (after fixing the cause of an error) starts clean
-                os.remove(stale)
         lock.write_records()
-        started = init_ray(address, num_cpus=num_cpus, need_cpus=int(np.ceil(p.workers * p.cpus_per_worker)))
+        started = init_ray(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg))
         try:
-            run_trainer_group(
-                train_worker, {"train": cfg.model_dump(mode="json")}, workers=p.workers,
-                cpus_per_worker=p.cpus_per_worker, gpus_per_worker=p.gpus_per_worker, backend=p.resolved_backend,
-                max_failures=p.max_failures, timeout_s=p.timeout_s,
-                storage_path=os.path.join(os.path.abspath(cfg.output_dir), "parallel", "ray_train"),
-                name="train", fatal_file=_fatal_path(cfg.output_dir),
-            )
+            return run_worker_group(cfg, step_times=step_times)
         finally:
             if started:
-                import curation.engine.ray_backend as rb
+                shutdown_ray()
 
-                rb.shutdown_ray()
-        with open(os.path.join(cfg.output_dir, "parallel", "outputs.json"), encoding="utf-8") as f:
-            return json.load(f)
+
+def trainer_cpus(cfg: TrainConfig) -> int:
+    """Ray CPUs the worker group reserves (a local Ray instance must have at least these, plus the engine's)."""
+    return int(np.ceil(cfg.parallel.workers * cfg.parallel.cpus_per_worker))
+
+
+def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool = False) -> dict[str, Any]:
+    """Run the worker group of ``cfg`` on the Ray cluster this process joined (the caller holds ``output_dir``'s
+    lock) and return what rank 0 wrote to ``parallel/outputs.json``.
+
+    ``engine``: the running :class:`~curation.engine.ray_backend.RayEngine` of ``jobs/curate_and_train.py``
+    (exact mode) with ``scored_dir``, ``stream``, ``plan``, ``timeout_s``: the workers read its scores, rank 0
+    publishes proxy snapshots to it; the driver checks the engine while the group runs and stops the group
+    when the engine fails.
+    """
+    from curation.engine.ray_backend import engine_client, run_trainer_group
+
+    p = cfg.parallel
+    os.makedirs(os.path.join(cfg.output_dir, "parallel"), exist_ok=True)
+    for stale in (_fatal_path(cfg.output_dir), os.path.join(cfg.output_dir, "parallel", "outputs.json")):
+        if os.path.exists(stale):  # a rerun (after fixing the cause of an error) starts clean
+            os.remove(stale)
+    config: dict[str, Any] = {"train": cfg.model_dump(mode="json"), "step_times": step_times}
+    monitor = on_error = None
+    if engine is not None:
+        handle = engine.pop("engine")
+        config["engine"] = {**engine, "client": engine_client(handle)}
+        monitor, on_error = handle.check, handle.close
+    run_trainer_group(
+        train_worker, config, workers=p.workers, cpus_per_worker=p.cpus_per_worker,
+        gpus_per_worker=p.gpus_per_worker, backend=p.resolved_backend, max_failures=p.max_failures,
+        timeout_s=p.timeout_s, storage_path=os.path.join(os.path.abspath(cfg.output_dir), "parallel", "ray_train"),
+        name="train", fatal_file=_fatal_path(cfg.output_dir), monitor=monitor, on_monitor_error=on_error,
+    )
+    with open(os.path.join(cfg.output_dir, "parallel", "outputs.json"), encoding="utf-8") as f:
+        return json.load(f)

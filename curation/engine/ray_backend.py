@@ -648,6 +648,7 @@ def _group_fits(workers: int, cpus: float, gpus: float) -> None:
 def run_trainer_group(
     train_fn: Any, config: dict[str, Any], *, workers: int, cpus_per_worker: float, gpus_per_worker: float,
     backend: str, max_failures: int, timeout_s: int, storage_path: str, name: str, fatal_file: str | None = None,
+    monitor: Any = None, on_monitor_error: Any = None,
 ) -> None:
     """Run ``train_fn(config)`` on ``workers`` Ray Train workers (``TorchTrainer``) and wait for it.
 
@@ -659,6 +660,10 @@ def run_trainer_group(
 
     ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
     exists after the run, its message is raised as a ValueError.
+
+    ``monitor()``: called every 2 s while the group runs (the engine's ``check``); when it raises,
+    ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
+    and the monitor's error is raised once the group has ended.
 
     Raises:
         ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
@@ -679,14 +684,99 @@ def run_trainer_group(
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
     failure: BaseException | None = None
-    try:
-        trainer.fit()
-    except TrainingFailedError as e:
-        failure = e
+    monitored: BaseException | None = None
+    if monitor is None:
+        try:
+            trainer.fit()
+        except TrainingFailedError as e:
+            failure = e
+    else:
+        import threading
+
+        box: dict[str, BaseException] = {}
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+                box["error"] = e
+
+        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(2.0)
+            if monitored is None and thread.is_alive():
+                try:
+                    monitor()
+                except Exception as e:  # noqa: BLE001 - raised below, after the group ended
+                    monitored = e
+                    if on_monitor_error is not None:
+                        on_monitor_error()
+        failure = box.get("error")
+        if monitored is not None:
+            raise monitored
+        if failure is not None and not isinstance(failure, TrainingFailedError):
+            raise failure
     if fatal_file is not None and os.path.exists(fatal_file):
         with open(fatal_file, encoding="utf-8") as f:
             raise ValueError(json.load(f)["message"]) from failure
     if failure is not None:
         per_rank = getattr(failure, "worker_failures", None) or {}
         detail = "; ".join(f"rank {r}: {_message(err)}" for r, err in sorted(per_rank.items())) or _message(failure)
-        raise RuntimeError(f"the trainer worker group failed {max_failures + 1} times: {detail}") from failure
+        raise RuntimeError(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") from failure
+
+
+class EngineClient:
+    """A trainer worker's handle on a running engine (picklable: the coordinator's actor handle travels in the
+    worker group's config). The duck-typed engine API of :mod:`training.engine_hooks`: ``wait_part`` (every
+    rank: each needs the scores of its rows), ``trainer_at`` and ``publish_proxy`` (rank 0 only: the weights are
+    identical on every rank), ``reference``, ``progress``.
+    """
+
+    def __init__(self, coordinator: Any, engine_dir: str) -> None:
+        self.coordinator = coordinator
+        self.engine_dir = engine_dir
+        self.wait_seconds = 0.0
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except RayTaskError as e:
+            raise EngineError(_message(e)) from None
+        except RayActorError as e:
+            raise EngineError(f"the engine stopped (its coordinator is gone): {_message(e)}") from None
+
+    def wait_part(self, step: int, *, timeout_s: float = 1800.0) -> dict[str, Any]:
+        start = time.monotonic()
+        while True:
+            info = self._get(self.coordinator.wait_part.remote(step, 2.0))
+            if info is not None:
+                self.wait_seconds += time.monotonic() - start
+                return info
+            if time.monotonic() - start > timeout_s:
+                raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s: {self.progress()}")
+
+    def trainer_at(self, step: int) -> None:
+        self.coordinator.trainer_at.remote(int(step))
+
+    def publish_proxy(self, step: int, model: nn.Module, recent: RecentMasks | None = None) -> None:
+        weights = Weights.from_state_dict(model)
+        path = proxy_path(self.engine_dir, step)
+        weights.save(path)
+        if recent is not None and recent.steps:
+            recent.save(path.replace(".safetensors", ".recent.safetensors"))
+        self._get(self.coordinator.publish_proxy.remote(int(step), [ray.put(weights)], recent))
+
+    def reference(self, version: int, *, timeout_s: float = 1800.0) -> Weights:
+        ref = self._get(self.coordinator.weights.remote(REFERENCE, int(version), timeout_s))
+        if ref is None:
+            raise EngineError(f"reference {version} not available after {timeout_s:.0f}s")
+        return self._get(ref[0])
+
+    def progress(self) -> dict[str, Any]:
+        return self._get(self.coordinator.progress.remote())
+
+
+def engine_client(engine: RayEngine) -> EngineClient:
+    """The handle trainer workers use to reach ``engine`` (its coordinator)."""
+    return EngineClient(engine.coordinator, engine.engine_dir)
