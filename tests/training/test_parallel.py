@@ -48,11 +48,11 @@ def _attempts(out: str) -> list[dict]:
 
 
 def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
-    """Wait for the first checkpoint of the run in ``out``, then SIGKILL the rank-1 trainer process."""
+    """Wait for the first complete checkpoint of the run in ``out``, then SIGKILL the rank-1 trainer process."""
     seen: dict = {}
-    ck = os.path.join(out, "checkpoints", "ep0-ba4-rank0.pt")
+    latest = os.path.join(out, "checkpoints", "latest-rank0.pt")  # a link, made once the checkpoint is written
     while not done.is_set():
-        if os.path.exists(ck) and os.path.exists(os.path.join(out, ATTEMPTS_FILE)):
+        if os.path.exists(latest) and os.path.exists(os.path.join(out, ATTEMPTS_FILE)):
             pid = next(a["pid"] for a in _attempts(out) if a["rank"] == 1)
             os.kill(pid, signal.SIGKILL)
             seen["killed"] = pid
