@@ -3,6 +3,7 @@
     python jobs/curate_and_train.py                          # embedded demo: prepare if missing, local Ray, ~3 min on 2 CPUs
     python jobs/curate_and_train.py --set engine.mode=pipelined --set engine.snapshot_period=4
     python jobs/curate_and_train.py --set engine.refresh=overlapped --set engine.overlap_steps=5
+    python jobs/curate_and_train.py --set train.parallel.workers=2   # the trainer as 2 Ray Train workers (exact mode)
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/curate_and_train.py --config my.yaml
 
 ``output_dir`` (``train.output_dir``)::
@@ -109,9 +110,12 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         threads=eng.refresh_threads or wk.threads, precision=t.precision,
     )
     lock.write_records()
+    parallel = t.parallel.workers > 1  # the trainer as a Ray Train worker group (training/parallel.py)
+    if parallel:
+        from training.parallel import run_worker_group, trainer_cpus
     started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                       need_cpus=wk.count * wk.threads)
-    engine = None
+                       need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0))
+    engine = run = None
     try:
         engine = RayEngine(
             units=plan.units(wk.range_steps), worker_spec=worker_spec, workers=wk.count, threads=wk.threads,
@@ -128,17 +132,25 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         )
         from training.run import build_training
 
-        if pipelined:
+        if parallel:
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
+                  f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
+            res = run_worker_group(t, engine={"engine": engine, "scored_dir": out, "stream": stream, "plan": plan,
+                                              "timeout_s": eng.wait_timeout_s})
+        elif pipelined:
             run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
                 engine, out, stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
         else:
             run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s))
-        sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
-        run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
-        print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
-              f"{eng.mode} mode, {eng.refresh} refresh, "
-              + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
-        run.fit()  # a rerun of a finished run only reports
+        if run is not None:
+            sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
+            run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
+                  f"{eng.mode} mode, {eng.refresh} refresh, "
+                  + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
+            run.fit()  # a rerun of a finished run only reports
+            res = {"stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
+                   "publish_seconds": sync.publish_seconds, "trainer_wait_seconds": engine.wait_seconds}
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
@@ -150,10 +162,11 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
 
             ray.shutdown()
 
-    hf = run.model.model
     final = os.path.join(t.output_dir, "final")
-    save_weights(hf, os.path.join(final, "model.safetensors"))
-    hf.config.to_json_file(os.path.join(final, "config.json"))
+    if run is not None:  # (a worker group's rank 0 wrote them)
+        hf = run.model.model
+        save_weights(hf, os.path.join(final, "model.safetensors"))
+        hf.config.to_json_file(os.path.join(final, "config.json"))
     refs = report["refreshes"]
     if refs:
         last = max(r["version"] for r in refs)
@@ -162,17 +175,17 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
         "snapshot_period": plan.snapshot_period if pipelined else None,
         "staleness_delta": {str(r["version"]): r.get("staleness", 0) for r in refs},
-        "trainer_wait_seconds": report["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
-        "publish_seconds": sync.publish_seconds,
+        "trainer_wait_seconds": res["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
+        "publish_seconds": res["publish_seconds"], "trainer_workers": t.parallel.workers,
         "units_redone_after_restart": report["progress"]["redone"], "scored": report["stats"],
         "engine_seconds_this_run": report["seconds"], "job_seconds_this_run": time.perf_counter() - start,
         "output_dir": out,
     }
-    extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": run.resumed_from,
+    extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": res["resumed_from"],
              "stream": stream.to_dict(), "selected_dir": os.path.join(t.output_dir, "selected")}
     from training.summary import write_summary
 
-    summary, pngs = write_summary(t.output_dir, run.stats.summary_data(), extra=extra, plots=t.plots)
+    summary, pngs = write_summary(t.output_dir, res["stats"], extra=extra, plots=t.plots)
     return {"summary": summary, "plots": pngs, "final": final, "engine": engine_summary,
             "selected": extra["selected_dir"], "scored": None if pipelined else out}
 

@@ -7,6 +7,7 @@ single-process run, one uninterrupted 2-worker run, one 2-worker run whose rank-
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from curation.core.selection import num_selected
@@ -26,6 +28,8 @@ from training.parallel import ATTEMPTS_FILE, train_parallel
 from training.run import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS, B, W = 12, 8, 2  # tiny_config: W=2, τ=3 (refreshes before steps 2, 5, 8, 11), checkpoints every 4 steps
 
@@ -61,10 +65,25 @@ def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
     return seen
 
 
-def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray):
+def _train_job():
+    spec = importlib.util.spec_from_file_location("train_job", os.path.join(REPO, "jobs", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray, tmp_path):
     single = train(make_config("blade", "single", max_steps=STEPS))
-    par_cfg = make_config("blade", "two", max_steps=STEPS, parallel={"workers": 2})
-    two = train_parallel(par_cfg)
+    # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
+    par_cfg = make_config("blade", "two", max_steps=STEPS)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(par_cfg.model_dump(mode="json")), encoding="utf-8")
+    assert _train_job().main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
+    assert yaml.safe_load((tmp_path / "two" / "config.yaml").read_text(encoding="utf-8"))["parallel"]["workers"] == 2
+    par_cfg = par_cfg.model_copy(update={"parallel": par_cfg.parallel.model_copy(update={"workers": 2})})
+    out = par_cfg.output_dir
+    two = {"selected": os.path.join(out, "selected"), "summary": os.path.join(out, "summary.json"),
+           "final_weights": os.path.join(out, "final", "model.safetensors")}
 
     # --- masks, k, shards against the single-process run ---------------------------------------------
     a, b = _columns(single["selected"]), _columns(two["selected"])
