@@ -231,6 +231,8 @@ def train_worker(config: dict[str, Any]) -> None:
 
     Re-run from the start on every group restart: the run resumes from its newest checkpoint.
     """
+    if os.path.isdir(config.get("cwd") or ""):  # relative paths of the config mean what they mean to the driver
+        os.chdir(config["cwd"])
     cfg = TrainConfig.model_validate(config["train"])
     out = cfg.output_dir
     if os.path.exists(_fatal_path(out)):
@@ -334,7 +336,7 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
     for stale in (_fatal_path(cfg.output_dir), os.path.join(cfg.output_dir, "parallel", "outputs.json")):
         if os.path.exists(stale):  # a rerun (after fixing the cause of an error) starts clean
             os.remove(stale)
-    config: dict[str, Any] = {"train": cfg.model_dump(mode="json"), "step_times": step_times}
+    config: dict[str, Any] = {"train": cfg.model_dump(mode="json"), "step_times": step_times, "cwd": os.getcwd()}
     monitor = on_error = None
     if engine is not None:
         handle = engine.pop("engine")
