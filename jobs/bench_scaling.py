@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from curation.ingest.prepare import prepare
         from schemas.config import PrepareConfig
 
-        prepare(PrepareConfig.demo_default(os.path.dirname(os.path.abspath(args.data))))
+        prepare(PrepareConfig.demo_default(os.path.dirname(os.path.normpath(args.data))))  # as jobs/prepare.py
     from curation.engine.ray_backend import init_ray, shutdown_ray
     from training.parallel import StepTimes, train_parallel
     from training.run import train
