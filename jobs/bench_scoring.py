@@ -1,4 +1,4 @@
-"""Benchmark: scoring-worker throughput vs a bare forward pass, and 1 vs 2 workers on Ray (DESIGN.md §6).
+"""Benchmark: scoring-worker throughput vs a bare forward pass, and 1 vs 2 workers on Ray (docs/DESIGN.md §6).
 
     python jobs/bench_scoring.py                    # CPU, one torch thread per worker (and for the baseline)
     python jobs/bench_scoring.py --device cuda      # on a GPU (bf16 autocast, as the workers run there)

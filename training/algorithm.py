@@ -1,4 +1,4 @@
-"""Exact online BLADE as a Composer ``Algorithm`` (DESIGN.md §2, §3 "exact" mode).
+"""Exact online BLADE as a Composer ``Algorithm`` (docs/DESIGN.md §2, §3 "exact" mode).
 
 One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``blade-nosync``):
 

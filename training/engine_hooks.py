@@ -1,4 +1,4 @@
-"""The trainer side of the Ray engine (DESIGN.md §3): Composer glue for the exact and pipelined modes.
+"""The trainer side of the Ray engine (docs/DESIGN.md §3): Composer glue for the exact and pipelined modes.
 
 The engine handle (:class:`curation.engine.ray_backend.RayEngine`) is used duck-typed (``wait_part``,
 ``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.

@@ -1,4 +1,4 @@
-"""The proxy-step schedule: warm-up, episodes, reference refreshes (DESIGN.md §2).
+"""The proxy-step schedule: warm-up, episodes, reference refreshes (docs/DESIGN.md §2).
 
 Proxy steps are numbered ``t = 0, 1, 2, ...`` (``t`` is the step about to be taken).
 
@@ -8,7 +8,7 @@ Proxy steps are numbered ``t = 0, 1, 2, ...`` (``t`` is the step about to be tak
 * The episode of step ``t ≥ W`` is therefore ``e = ⌊(t − W) / τ⌋``, and equals the reference
   version that scores it. During warm-up the episode is ``-1`` (no reference).
 
-DESIGN.md writes ``e = ⌊t/τ⌋``, which counts episodes from step 0 and leaves the warm-up prefix
+The original design note wrote ``e = ⌊t/τ⌋``, which counts episodes from step 0 and leaves the warm-up prefix
 unnumbered; the two agree when ``W = 0``. Counting from the end of the warm-up makes the first
 refresh (at ``t = W``) episode 0 whatever ``W`` is, so every episode has exactly τ steps.
 

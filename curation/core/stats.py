@@ -1,4 +1,4 @@
-"""Per-batch selection statistics for run summaries (DESIGN.md §6, usability).
+"""Per-batch selection statistics for run summaries (docs/DESIGN.md §6, usability).
 
 * :class:`SourceCounts`: valid and kept tokens per source (mergeable with ``+``).
 * :class:`Histogram`: fixed-edge histogram of Δ with under/overflow bins (mergeable with ``+``;

@@ -1,4 +1,4 @@
-"""The engine's plan (DESIGN.md §3): how the work is cut into units and which weights each needs.
+"""The engine's plan (docs/DESIGN.md §3): how the work is cut into units and which weights each needs.
 
 * :class:`WorkUnit` / :func:`plan_training_units` / :func:`plan_batch_units`: the work is cut into
   *step ranges* of the deterministic candidate stream; each unit is scored with one reference version

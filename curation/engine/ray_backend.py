@@ -1,4 +1,4 @@
-"""The engine on Ray (DESIGN.md §3): coordinator, scoring workers and refresh as actors.
+"""The engine on Ray (docs/DESIGN.md §3): coordinator, scoring workers and refresh as actors.
 
 This is the only module of the project that imports ray. The actors wrap the plain classes of
 :mod:`curation.engine` and :mod:`curation.engine.workers`; the driver (a job, or the trainer's process) holds a

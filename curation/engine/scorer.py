@@ -6,7 +6,7 @@ sequences to per-token reference losses ``ℓ(w̃)`` as numpy float16 (``__call_
 as a Ray actor (the Ray engine wraps the class; nothing here imports ray). New reference weights
 arrive with :meth:`ReferenceScorer.load_weights` (a version number travels with them).
 
-Scored shards (DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
+Scored shards (docs/DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
 stream *by step*: a part ``steps-<first>-<stop>/`` holds the ``b`` sequences of each step
 ``first ≤ t < stop`` in stream order, and the manifest records each part's step range. The trainer
 (:class:`ScoredShards`) looks a step up by range, so parts may be written by different workers in
