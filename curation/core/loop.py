@@ -14,14 +14,15 @@ It is a re-statement, not a wrapper: no Composer, no Ray, no shards. It reuses o
 :mod:`~curation.core.refresh`, :mod:`~curation.core.schedule`, :class:`~curation.core.stream.CandidateStream`)
 and spells out every convention the trainers follow, so that on a CPU in float32 the single-process
 trainer (exact mode), the Ray engine in exact mode and the pipelined engine with ``P = 1`` equal it bit for
-bit (``tests/training/test_oracle.py``, ``tests/jobs/test_oracle_engine.py``):
+bit (``tests/jobs/test_oracle.py``; on the full demo config it writes the very ``final/model.safetensors``
+of ``jobs/train.py``). The conventions:
 
 * step ``t`` trains on the sequences ``CandidateStream(N, b, seed).batch_ids(t)``;
 * the proxy step is AdamW (constant LR, the total gradient norm clipped) on the mean loss of the kept
   tokens, ``Σ α ℓ(u) / Σ α`` (:func:`~curation.core.selection.masked_mean`); ℓ(u) comes from the logits
   of that same forward pass. (The Composer trainer writes ``Σ α ℓ · (1 / k)``, normalised over the whole
   batch under microbatching: the same gradient bits, since float32 ``1 / k`` equals ``1 / k`` rounded from
-  float64 for every ``k`` ≤ 2·10⁶ kept tokens — checked exhaustively);
+  float64 for every ``k`` ≤ 2·10⁶ kept tokens, all checked);
 * ℓ(w̃) is computed without gradients, ``score_batch_size`` sequences per forward, and rounded to float16
   (the precision of a scored shard) before ``Δ = ℓ(u) − ℓ(w̃)`` is taken in float32;
 * refresh ``e`` draws its validation batches ``e·K + k`` (``k < K``) of ``CandidateStream(N_val, rb,
