@@ -46,8 +46,8 @@ from torch import nn
 from curation.core.policies import RefreshMode
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import REFERENCE, EngineError, ScoringDataError, TrainingPlan, WorkUnit
-from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec, proxy_path
-from curation.engine.state import EngineState, RefreshTask, gpu_shares, recent_path
+from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec
+from curation.engine.state import EngineState, RefreshTask, gpu_shares, save_snapshot
 from curation.engine.weights import Weights
 from curation.engine.workers import ScoringWorker, WorkerSpec
 
@@ -423,10 +423,7 @@ class RayEngine:
     def publish_proxy(self, step: int, model: nn.Module, recent: RecentMasks | None = None) -> None:
         """Save ``u^(step)`` (and the recent masks) under ``engine_dir``, put it in the object store once, register it."""
         weights = Weights.from_state_dict(model)
-        path = proxy_path(self.engine_dir, step)
-        weights.save(path)
-        if recent is not None and recent.steps:
-            recent.save(recent_path(self.engine_dir, step))
+        save_snapshot(self.engine_dir, step, weights, recent)
         self._get(self.coordinator.publish_proxy.remote(int(step), [ray.put(weights)], recent))
 
     def reference(self, version: int, *, timeout_s: float = 1800.0) -> Weights:

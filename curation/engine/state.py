@@ -34,9 +34,10 @@ from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
 from curation.engine.refresh_runner import RecentMasks, load_recent, proxy_path, reference_path, refresh_logs
+from curation.engine.weights import Weights
 from schemas.manifest import SourceCounts
 
-__all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "weights_on_disk"]
+__all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
 
 #: The refresh modes whose reference is refreshed every τ steps from a published proxy snapshot.
 _REFRESHED = (RefreshMode.SYNC, RefreshMode.CONTINUE)
@@ -48,6 +49,13 @@ _FILE = {REFERENCE: re.compile(r"reference-(\d+)\.safetensors"), PROXY: re.compi
 def recent_path(engine_dir: str, step: int) -> str:
     """The recent masks saved next to the proxy snapshot ``u^(step)`` (inputs of the refresh it starts)."""
     return proxy_path(engine_dir, step).replace(".safetensors", ".recent.safetensors")
+
+
+def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMasks | None = None) -> None:
+    """Save ``u^(step)`` (and the recent masks, if any) before it is published, so a resumed run finds them."""
+    weights.save(proxy_path(engine_dir, step))
+    if recent is not None and recent.steps:
+        recent.save(recent_path(engine_dir, step))
 
 
 def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:

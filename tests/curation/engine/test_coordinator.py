@@ -14,7 +14,16 @@ from curation.core.schedule import Schedule
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan
 from curation.engine.refresh_runner import RecentMasks, proxy_path, reference_path
-from curation.engine.state import EngineState, RefreshTask, RunStats, gpu_shares, recent_path, weights_on_disk
+from curation.engine.state import (
+    EngineState,
+    RefreshTask,
+    RunStats,
+    gpu_shares,
+    recent_path,
+    save_snapshot,
+    weights_on_disk,
+)
+from curation.engine.weights import Weights
 from curation.io.shards import write_part
 from schemas.shards import SCORED, SELECTED
 
@@ -97,6 +106,12 @@ def test_weights_on_disk_reads_versions_from_the_names_the_engine_writes(tmp_pat
     assert weights_on_disk(d, REFERENCE) == {0: reference_path(d, 0), 12: reference_path(d, 12)}
     assert weights_on_disk(d, PROXY) == {6: proxy_path(d, 6), 10: proxy_path(d, 10)}  # not the .recent masks
     assert recent_path(d, 6) == os.path.join(d, "proxy-000000006.recent.safetensors")
+    w = Weights({"w": np.arange(3, dtype=np.float32)})
+    save_snapshot(d, 14, w, RecentMasks())  # no recent steps (warm-up): no masks file
+    save_snapshot(d, 18, w, RecentMasks.from_pairs([(17, np.ones((1, 2), np.uint8))]))
+    assert sorted(weights_on_disk(d, PROXY)) == [6, 10, 14, 18] and not os.path.exists(recent_path(d, 14))
+    assert Weights.load(proxy_path(d, 18)).fingerprint() == w.fingerprint()
+    assert RecentMasks.load(recent_path(d, 18)).steps == [17]
 
 
 def test_resume_publishes_what_a_killed_run_left_and_reruns_the_interrupted_refresh(tmp_path):
