@@ -29,11 +29,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.core.policies import RefreshMode, get_policy
+from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.plan import EngineError, TrainingPlan
-from curation.engine.ray_backend import RayEngine, init_ray
+from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io.models import save_weights
@@ -41,8 +41,6 @@ from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
-
-_MODES = {RefreshMode.SYNC: "sync", RefreshMode.CONTINUE: "continue", RefreshMode.STATIC: "static"}
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -109,16 +107,13 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         threads=eng.refresh_threads or wk.threads, precision=t.precision,
     )
     lock.write_records()
-    started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                       need_cpus=wk.count * wk.threads)
-    engine = None
-    try:
-        engine = RayEngine(
+    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                     need_cpus=wk.count * wk.threads), RayEngine(
             units=plan.units(wk.range_steps), worker_spec=worker_spec, workers=wk.count, threads=wk.threads,
             ledger=ledger, engine_dir=engine_dir, lookahead=eng.lookahead, plan=plan,
-            policy_mode=_MODES[policy.refresh_mode], refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
+            refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
             device=wk.device, gpus=wk.gpus,
-        )
+    ) as engine:
         # Composer takes seconds to import: done while the actors start and load their models.
         from training.engine_hooks import (
             EngineMaskedBatches,
@@ -142,13 +137,6 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
-    finally:
-        if engine is not None:
-            engine.close()
-        if started:
-            import ray
-
-            ray.shutdown()
 
     hf = run.model.model
     final = os.path.join(t.output_dir, "final")
