@@ -126,9 +126,9 @@ class RefreshData:
         self.precision = precision
         self.validation_tokens = validation_tokens
         self.step_tokens = step_tokens
-        self.val_stream = CandidateStream(num_validation, refresh_batch_size, seed=selection.seed + VALIDATION_SEED_OFFSET)
-        self.static_stream = CandidateStream(num_validation, refresh_batch_size,
-                                             seed=selection.seed + STATIC_SEED_OFFSET)
+        n, rb = num_validation, refresh_batch_size
+        self.val_stream = CandidateStream(n, rb, seed=selection.seed + VALIDATION_SEED_OFFSET)
+        self.static_stream = CandidateStream(n, rb, seed=selection.seed + STATIC_SEED_OFFSET)
 
     def validation_batches(self, version: int) -> Iterator[dict[str, Tensor]]:
         """The ``K`` validation batches of reference ``version`` (read lazily, one per refresh step)."""

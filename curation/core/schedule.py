@@ -95,6 +95,19 @@ class Schedule:
         """The step before which reference ``version`` is computed: ``W + version·τ``."""
         return self.warmup + _check_int("version", version, 0) * self.tau
 
+    def episode_starts(self, stop: int | None = None) -> range:
+        """The first steps of the episodes that start before ``stop`` (default ``total_steps``):
+        ``W, W + τ, ...``, the steps a refresh is due before (in a run that refreshes).
+
+        Raises:
+            ValueError: ``stop`` and ``total_steps`` are both ``None``.
+        """
+        if stop is None:
+            if self.total_steps is None:
+                raise ValueError("episode_starts needs a stop step or total_steps")
+            stop = self.total_steps
+        return range(self.warmup, _check_int("stop", stop, 0), self.tau)
+
     def steps_scored_by(self, version: int) -> range:
         """Steps scored by reference ``version`` (one episode; clipped to ``total_steps``)."""
         start = self.refresh_step(version)

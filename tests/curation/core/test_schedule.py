@@ -87,3 +87,13 @@ def test_same_episodes_ignores_total_steps_only():
     assert not s.same_episodes({"warmup": 2, "tau": 4, "total_steps": 12})
     assert not s.same_episodes({"warmup": 3, "tau": 5, "total_steps": 12})
     assert not s.same_episodes({})
+
+
+def test_episode_starts_are_the_refresh_steps():
+    s = Schedule(warmup=3, tau=4, total_steps=12)
+    assert list(s.episode_starts()) == [3, 7, 11] == [t for t in range(12) if s.refresh_due(t)]
+    assert list(s.episode_starts(11)) == [3, 7] and list(s.episode_starts(2)) == []
+    assert len(s.episode_starts()) == s.num_refreshes()
+    assert list(Schedule(warmup=0, tau=5).episode_starts(11)) == [0, 5, 10]
+    with pytest.raises(ValueError, match="needs a stop step"):
+        Schedule(warmup=0, tau=5).episode_starts()
