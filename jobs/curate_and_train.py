@@ -104,7 +104,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         model=model, validation=t.data.validation, candidates=t.data.candidates, stream=stream.to_dict(),
         selection=t.selection.model_dump(mode="json"), ref_lr=t.selection.ref_lr or t.optim.lr,
         refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir, device=eng.refresh_device,
-        threads=eng.refresh_threads or wk.threads, precision=t.precision,
+        threads=eng.refresh_threads or wk.threads, precision=t.precision, schedule=schedule.to_dict(),
     )
     lock.write_records()
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
@@ -127,7 +127,8 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
             run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
                 engine, out, stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
         else:
-            run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s))
+            run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s),
+                                 schedule=schedule)
         sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
         run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
         print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from curation.core.schedule import Schedule
 from curation.engine.scorer import ScoredShards, resolve_device
 from curation.io.models import (
     build_causal_lm,
@@ -184,12 +185,14 @@ def make_trainer(
 
 def build_training(
     cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
-    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter,
+    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter, schedule: Schedule | None = None,
 ) -> TrainRun:
     """Check the data against the model and wire the Composer trainer for ``cfg``.
 
     ``scored`` is a live source of reference scores (``read(step)``, ``path``) used instead of
     ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
+    ``schedule`` is the run's schedule when the caller already built it (the Ray engine's job), else it is
+    built here from ``cfg.selection`` and ``cfg.max_steps``.
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
@@ -217,7 +220,8 @@ def build_training(
 
     algorithm = BladeAlgorithm(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
-        max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
+        schedule=schedule or Schedule(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps),
+        batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
         scored=scored, distance_interval=cfg.distance_interval, precision=cfg.precision, timing=timing, clock=clock,
     )

@@ -129,8 +129,8 @@ def plan_training_units(
         raise ValueError(f"mode must be 'exact' or 'pipelined', got {mode!r}")
     if range_steps < 1 or snapshot_period < 1:
         raise ValueError(f"range_steps and snapshot_period must be >= 1, got {range_steps}, {snapshot_period}")
-    w, tau = schedule.warmup, schedule.tau
-    episodes = range(w, stop_step, tau)
+    w = schedule.warmup
+    episodes = schedule.episode_starts(stop_step)
     units = []
     if mode == "exact":
         for a, b in _cut(min(w, stop_step), stop_step, episodes, range_steps):
