@@ -30,11 +30,11 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from curation.core.policies import get_policy
+from curation.core.refresh_data import RecentMasks
 from curation.core.stats import param_distance
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
-from curation.engine.refresh_runner import RecentMasks
 from schemas.train_config import TrainConfig
 from training.algorithm import SelectionRecord
 

@@ -44,9 +44,10 @@ except ImportError as e:  # pragma: no cover - ray is a hard dependency of the p
 from torch import nn
 
 from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import REFERENCE, EngineError, ScoringDataError, TrainingPlan, WorkUnit
-from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec
+from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.state import EngineState, RefreshTask, gpu_shares, save_snapshot
 from curation.engine.weights import Weights
 from curation.engine.workers import ScoringWorker, WorkerSpec

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
 from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
-from curation.engine.refresh_runner import RecentMasks, load_recent, proxy_path, reference_path, refresh_logs
+from curation.engine.refresh_runner import load_recent, proxy_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
 from schemas.manifest import SourceCounts
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan
-from curation.engine.refresh_runner import RecentMasks, proxy_path, reference_path
+from curation.engine.refresh_runner import proxy_path, reference_path
 from curation.engine.state import (
     EngineState,
     RefreshTask,

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.plan import PROXY, REFERENCE, TrainingPlan, plan_batch_units
 from curation.engine.ray_backend import RayEngine
-from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec, proxy_path
+from curation.engine.refresh_runner import RefreshRunner, RefreshSpec, proxy_path
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.models import build_causal_lm
