@@ -26,12 +26,12 @@ from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
-from training.data import check_tokenizer, shard_dir_info
 
 
 def _weights(path: str, what: str) -> Weights:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -36,7 +35,6 @@ from curation.engine.plan import EngineError, TrainingPlan
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
-from curation.io.models import save_weights
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
@@ -70,7 +68,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
-    from training.data import check_tokenizer, shard_dir_info  # no Composer yet: see below
+    from curation.io.shards import check_tokenizer, shard_dir_info
 
     cand = shard_dir_info(t.data.candidates, "candidate")
     val = shard_dir_info(t.data.validation, "candidate")
@@ -139,14 +137,8 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
 
-    hf = run.model.model
-    final = os.path.join(t.output_dir, "final")
-    save_weights(hf, os.path.join(final, "model.safetensors"))
-    hf.config.to_json_file(os.path.join(final, "config.json"))
     refs = report["refreshes"]
-    if refs:
-        last = max(r["version"] for r in refs)
-        shutil.copyfile(reference_path(engine_dir, last), os.path.join(final, "reference.safetensors"))
+    final = run.write_final(reference_path(engine_dir, max(r["version"] for r in refs)) if refs else None)
     engine_summary = {
         "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
         "snapshot_period": plan.snapshot_period if pipelined else None,

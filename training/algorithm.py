@@ -54,6 +54,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import Tensor, nn
 
+from curation.core.losses import target_valid
 from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
@@ -279,11 +280,8 @@ class BladeAlgorithm(Algorithm):
 
     @staticmethod
     def _valid(batch: dict[str, Any]) -> Tensor:
-        tokens = batch["tokens"]
         v = batch.get("valid")
-        v = torch.ones(tokens.shape, dtype=torch.bool) if v is None else v.bool().cpu().clone()
-        v[:, 0] = False
-        return v
+        return target_valid(batch["tokens"].cpu(), None if v is None else v.cpu().bool())
 
     def _ref_losses(self, step: int, batch: dict[str, Any], version: int) -> np.ndarray:
         if self.scored is not None:

@@ -71,10 +71,12 @@ class RecentMasks:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str) -> RecentMasks:
-        """Inverse of :meth:`save`."""
+    def load(cls, path: str, *, missing_ok: bool = False) -> RecentMasks:
+        """Inverse of :meth:`save`; with ``missing_ok`` a file that does not exist reads as no recent steps."""
         from safetensors.numpy import load_file
 
+        if missing_ok and not os.path.exists(path):
+            return cls()
         data = load_file(path)
         return cls([int(s) for s in data["steps"]], data.get("masks"))
 

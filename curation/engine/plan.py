@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from curation.core.schedule import WARMUP_EPISODE, Schedule
+from curation.io.shards import part_name
 
 __all__ = ["EngineError", "ScoringDataError", "WorkUnit", "plan_training_units", "plan_batch_units", "TrainingPlan",
            "worker_dir", "PROXY", "REFERENCE"]
@@ -68,8 +69,8 @@ class WorkUnit:
 
     @property
     def name(self) -> str:
-        """Part directory name (same layout as the single-process writers: ``steps-<first>-<stop>``)."""
-        return f"steps-{self.first:09d}-{self.stop:09d}"
+        """Part directory name (the single-process writers' layout: :func:`curation.io.shards.part_name`)."""
+        return part_name(self.first, self.stop)
 
     @property
     def steps(self) -> range:

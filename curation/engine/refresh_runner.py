@@ -193,10 +193,6 @@ class RefreshRunner:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_recent(path: str) -> RecentMasks:
-    return RecentMasks.load(path) if os.path.exists(path) else RecentMasks()
-
-
 def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:
     """The logs of every reference version computed so far (this run and the runs it resumed)."""
     import glob

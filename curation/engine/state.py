@@ -34,7 +34,7 @@ from curation.core.refresh_data import RecentMasks
 from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
-from curation.engine.refresh_runner import load_recent, proxy_path, reference_path, refresh_logs
+from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
 from schemas.manifest import SourceCounts
 
@@ -232,7 +232,8 @@ class EngineState:
             self._launch_task(RefreshTask(0, static=True))
         for version in self._interrupted:
             assert self.plan is not None
-            self._start_refresh(version, load_recent(recent_path(self.engine_dir, self.plan.refresh_source(version))))
+            recent = RecentMasks.load(recent_path(self.engine_dir, self.plan.refresh_source(version)), missing_ok=True)
+            self._start_refresh(version, recent)
         self._interrupted = []
         self.prune()
 

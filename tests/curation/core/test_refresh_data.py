@@ -115,3 +115,15 @@ def test_recent_masks_round_trip(tmp_path):
     assert back.steps == [7, 8] and np.array_equal(back.masks, m)
     RecentMasks().save(path)
     assert RecentMasks.load(path) == RecentMasks()
+
+
+def test_recent_masks_round_trip_and_missing_file(tmp_path):
+    masks = np.zeros((2, 3, 4), dtype=np.uint8)
+    masks[1, 2, 3] = 1
+    RecentMasks([7, 8], masks).save(str(tmp_path / "r.safetensors"))
+    back = RecentMasks.load(str(tmp_path / "r.safetensors"))
+    assert back.steps == [7, 8] and np.array_equal(back.masks, masks)
+    empty = RecentMasks.load(str(tmp_path / "absent.safetensors"), missing_ok=True)
+    assert empty.steps == [] and empty.masks is None
+    with pytest.raises(Exception, match="absent"):
+        RecentMasks.load(str(tmp_path / "absent.safetensors"))
