@@ -1,1 +1,9 @@
-"""curation package."""
+"""BLADE curation: one sub-package per concern (docs/DESIGN.md §4).
+
+* :mod:`curation.ingest`: corpus files → packed candidate / validation shards.
+* :mod:`curation.core`: the algorithm, pure torch (no ray, no composer, no file formats).
+* :mod:`curation.io`: MDS shards and model weights on disk.
+* :mod:`curation.engine`: who scores which steps with which weights, where and when;
+  :mod:`curation.engine.ray_backend` is the only module that imports ray.
+* :mod:`curation.evaluation`: held-out losses, compute accounting, lm-evaluation-harness.
+"""

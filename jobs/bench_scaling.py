@@ -23,6 +23,7 @@ about a minute on 2 cores) is not counted: it is paid once per job.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -93,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         from schemas.config import PrepareConfig
 
         prepare(PrepareConfig.demo_default(os.path.dirname(os.path.normpath(args.data))))  # as jobs/prepare.py
-    from curation.engine.ray_backend import init_ray, shutdown_ray
+    from curation.engine.ray_backend import ray_session
     from training.parallel import StepTimes, train_parallel
     from training.run import train
 
     need = max(args.workers) * args.threads
-    started = init_ray(None, num_cpus=max(need, os.cpu_count() or 1), need_cpus=need) if max(args.workers) > 1 else False
     tmp = tempfile.mkdtemp(prefix="bench_scaling-")
     results = []
-    try:
+    with ray_session(None, need_cpus=need), contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
         for n in args.workers:
             out = os.path.join(tmp, f"w{n}")
             cfg = _config(args, n, out)
@@ -112,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
             seq_len = json.load(open(os.path.join(args.data, "candidates", "manifest.json"), encoding="utf-8"))["seq_len"]
             results.append(_measure(out, n, args.skip, args.batch_size * seq_len))
             shutil.rmtree(out, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if started:
-            shutdown_ray()
     base = results[0]
     print(f"trainer throughput, policy {args.policy}, b={args.batch_size}, Llama {args.hidden}×{args.layers}, "
           f"{'GPU' if args.gpus else f'CPU, {args.threads} thread(s)'} per worker, steps {args.skip + 1}–{args.steps}:")

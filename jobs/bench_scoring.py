@@ -1,4 +1,4 @@
-"""Benchmark: scoring-worker throughput vs a bare forward pass, and 1 vs 2 workers on Ray (DESIGN.md §6).
+"""Benchmark: scoring-worker throughput vs a bare forward pass, and 1 vs 2 workers on Ray (docs/DESIGN.md §6).
 
     python jobs/bench_scoring.py                    # CPU, one torch thread per worker (and for the baseline)
     python jobs/bench_scoring.py --device cuda      # on a GPU (bf16 autocast, as the workers run there)
@@ -195,31 +195,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- 3: 1 vs 2 workers on Ray ----------------------------------------------------------------------
     if not args.no_ray:
-        from curation.engine.ray_backend import RayEngine, init_ray
+        from curation.engine.ray_backend import RayEngine, ray_session
 
-        init_ray("local", num_cpus=max(os.cpu_count() or 1, 2 * args.threads), need_cpus=2 * args.threads)
         first = args.range_steps + args.steps
         stop = first + args.ray_steps + 2 * args.range_steps  # + the start-up unit of each of 2 workers
         ray_units = [WorkUnit(a, min(a + args.range_steps, stop), "scored", 0)
                      for a in range(first, stop, args.range_steps)]
         runs = {}
-        try:
+        with ray_session("local", num_cpus=max(os.cpu_count() or 1, 2 * args.threads), need_cpus=2 * args.threads):
             for n in (1, 2):
                 out = os.path.join(work, f"ray-{n}")
-                engine = RayEngine(units=ray_units, worker_spec=spec(out, args.threads), workers=n, threads=args.threads,
-                                   ledger=dict(out_dir=out, kind="scored", job="bench", run_key={"n": n},
-                                               vocab_size=args.vocab),
-                                   engine_dir=os.path.join(out, "engine"), device=args.device,
-                                   gpus=None if args.device == "cuda" else 0)
-                try:
+                with RayEngine(units=ray_units, worker_spec=spec(out, args.threads), workers=n, threads=args.threads,
+                               ledger=dict(out_dir=out, kind="scored", job="bench", run_key={"n": n},
+                                           vocab_size=args.vocab),
+                               engine_dir=os.path.join(out, "engine"), device=args.device,
+                               gpus=None if args.device == "cuda" else 0) as engine:
                     engine.pids  # noqa: B018 - waits until every worker has loaded its model
                     runs[n] = _timed_ray_run(engine, ref)
-                finally:
-                    engine.close()
-        finally:
-            import ray
-
-            ray.shutdown()
         steady = {n: r["steady_tokens_per_s"] for n, r in runs.items()}
         result["ray"] = {"steps": args.ray_steps, "runs": runs, "tokens_per_s_1_worker": steady[1],
                          "tokens_per_s_2_workers": steady[2], "speedup": steady[2] / steady[1],

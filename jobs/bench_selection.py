@@ -1,4 +1,4 @@
-"""Benchmark: cost of Δ + top-γ selection relative to one forward pass (goal < 2%, DESIGN.md §6).
+"""Benchmark: cost of Δ + top-γ selection relative to one forward pass (goal < 2%, docs/DESIGN.md §6).
 
     python jobs/bench_selection.py                      # small Llama, batch 8 × 512, this machine
     python jobs/bench_selection.py --device cuda --json # on a GPU, machine-readable

@@ -14,7 +14,7 @@ fastest measured episode of each policy is compared (runs alternate ``full``/``b
 load on a shared machine does not decide the ratio; ``--clock wall --threads N`` for wall-clock time. Evaluation, checkpoints and shard
 writing are off in both runs; ‖u − w‖ is measured once per episode.
 
-Predicted ratio from counting passes (DESIGN.md §6, issue 4): plain step = 1 forward+backward over
+Predicted ratio from counting passes (docs/DESIGN.md §6, issue 4): plain step = 1 forward+backward over
 b sequences; scoring the same batch with the reference ≈ 1/3 (a forward only); a refresh step =
 one forward+backward over ``rb`` validation and ``rb`` candidate sequences = 2·rb/b plain steps,
 done K times every τ steps:  1 + 1/3 + (K/τ)·(2·rb/b).
@@ -231,7 +231,7 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
           f"(measured / predicted = {measured / predicted:.3f}; goal: within 10%)")
     print(f"  paper setting K/τ = 0.3: {'yes' if abs(k / tau - 0.3) < 1e-9 else 'no'}; {measured:.3f}× vs the "
           f"paper's measured {PAPER_RATIO}× ({'at or below' if measured <= PAPER_RATIO else 'ABOVE'}); "
-          "DESIGN.md goal ≤ 1.5×")
+          "docs/DESIGN.md goal ≤ 1.5×")
     p_rss, b_rss = max(r["peak_rss_mb"] for r in plains), max(r["peak_rss_mb"] for r in blades)
     pmb = plains[0]["params"] * 4 / 2**20
     print(f"  peak RSS (separate processes): plain {p_rss:.0f} MB, BLADE {b_rss:.0f} MB, ratio {b_rss / p_rss:.3f} "

@@ -22,16 +22,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from curation.engine.plan import PROXY, REFERENCE, EngineError, plan_batch_units
-from curation.engine.ray_backend import RayEngine, init_ray
+from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
-from training.data import check_tokenizer, shard_dir_info
 
 
 def _weights(path: str, what: str) -> Weights:
@@ -75,26 +75,16 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         precision=cfg.precision,
     )
     lock.write_records()
-    started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                       need_cpus=cfg.workers.count * cfg.workers.threads)
-    engine = None
-    try:
-        engine = RayEngine(
+    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                     need_cpus=cfg.workers.count * cfg.workers.threads), RayEngine(
             units=units, worker_spec=spec, workers=cfg.workers.count, threads=cfg.workers.threads, ledger=ledger,
             engine_dir=os.path.join(cfg.output_dir, "engine"), max_restarts=cfg.workers.max_restarts,
             device=cfg.workers.device, gpus=cfg.workers.gpus,
             fixed_weights={(REFERENCE, 0): reference, (PROXY, 0): proxy},
-        )
+    ) as engine:
         engine.run(progress=cfg.progress, desc="curate")
         report = engine.report()
         engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
-    finally:
-        if engine is not None:
-            engine.close()
-        if started:
-            import ray
-
-            ray.shutdown()
     manifest = Manifest.load(out)
     seconds = time.perf_counter() - start
     per_source = {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens,

@@ -30,20 +30,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.core.policies import RefreshMode, get_policy
+from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.plan import EngineError, TrainingPlan
-from curation.engine.ray_backend import RayEngine, init_ray
+from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
-from curation.io.models import save_weights
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
 from schemas.shards import ShardSchemaError
-
-_MODES = {RefreshMode.SYNC: "sync", RefreshMode.CONTINUE: "continue", RefreshMode.STATIC: "static"}
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -73,7 +70,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
-    from training.data import check_tokenizer, shard_dir_info  # no Composer yet: see below
+    from curation.io.shards import check_tokenizer, shard_dir_info
 
     cand = shard_dir_info(t.data.candidates, "candidate")
     val = shard_dir_info(t.data.validation, "candidate")
@@ -107,22 +104,20 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         model=model, validation=t.data.validation, candidates=t.data.candidates, stream=stream.to_dict(),
         selection=t.selection.model_dump(mode="json"), ref_lr=t.selection.ref_lr or t.optim.lr,
         refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir, device=eng.refresh_device,
-        threads=eng.refresh_threads or wk.threads, precision=t.precision,
+        threads=eng.refresh_threads or wk.threads, precision=t.precision, schedule=schedule.to_dict(),
     )
     lock.write_records()
     parallel = t.parallel.workers > 1  # the trainer as a Ray Train worker group (training/parallel.py)
     if parallel:
         from training.parallel import run_worker_group, trainer_cpus
-    started = init_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                       need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0))
-    engine = run = None
-    try:
-        engine = RayEngine(
+    run = None
+    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                     need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), RayEngine(
             units=plan.units(wk.range_steps), worker_spec=worker_spec, workers=wk.count, threads=wk.threads,
             ledger=ledger, engine_dir=engine_dir, lookahead=eng.lookahead, plan=plan,
-            policy_mode=_MODES[policy.refresh_mode], refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
+            refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
             device=wk.device, gpus=wk.gpus,
-        )
+    ) as engine:
         # Composer takes seconds to import: done while the actors start and load their models.
         from training.engine_hooks import (
             EngineMaskedBatches,
@@ -141,7 +136,8 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
             run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
                 engine, out, stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
         else:
-            run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s))
+            run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s),
+                                 schedule=schedule)
         if run is not None:
             sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
             run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
@@ -154,23 +150,16 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
-    finally:
-        if engine is not None:
-            engine.close()
-        if started:
-            import ray
 
-            ray.shutdown()
-
-    final = os.path.join(t.output_dir, "final")
-    if run is not None:  # (a worker group's rank 0 wrote them)
-        hf = run.model.model
-        save_weights(hf, os.path.join(final, "model.safetensors"))
-        hf.config.to_json_file(os.path.join(final, "config.json"))
     refs = report["refreshes"]
-    if refs:
-        last = max(r["version"] for r in refs)
-        shutil.copyfile(reference_path(engine_dir, last), os.path.join(final, "reference.safetensors"))
+    last_reference = reference_path(engine_dir, max(r["version"] for r in refs)) if refs else None
+    if run is not None:
+        final = run.write_final(last_reference)
+    else:  # rank 0 of the worker group wrote final/model.safetensors
+        final = res["final"]
+        if last_reference is not None:
+            shutil.copyfile(last_reference, os.path.join(final, "reference.safetensors.tmp"))
+            os.replace(os.path.join(final, "reference.safetensors.tmp"), os.path.join(final, "reference.safetensors"))
     engine_summary = {
         "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
         "snapshot_period": plan.snapshot_period if pipelined else None,

@@ -84,6 +84,13 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
+def check_unique_names(names: Sequence[str], what: str) -> None:
+    """Raise ``ValueError("<what> [names given more than once]")`` when a name repeats."""
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{what} {dup}")
+
+
 def _check_gamma(v: float) -> float:
     if not (0.0 < v <= 1.0):
         raise ValueError(f"gamma must be in (0, 1], got {v!r}")
@@ -168,10 +175,7 @@ class PrepareConfig(StrictModel):
     @model_validator(mode="after")
     def _unique_names(self) -> PrepareConfig:
         for group in ("sources", "validation"):
-            names = [s.name for s in getattr(self, group)]
-            dup = sorted({n for n in names if names.count(n) > 1})
-            if dup:
-                raise ValueError(f"{group}: duplicate source names {dup}")
+            check_unique_names([s.name for s in getattr(self, group)], f"{group}: duplicate source names")
         return self
 
     @classmethod

@@ -73,7 +73,7 @@ class WorkersConfig(StrictModel):
 
 
 class EngineConfig(StrictModel):
-    """How the engine runs next to the trainer (DESIGN.md §3)."""
+    """How the engine runs next to the trainer (docs/DESIGN.md §3)."""
 
     mode: Literal["exact", "pipelined"] = Field(
         "exact",

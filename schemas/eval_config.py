@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.config import DEMO_ROOT, SourceConfig, StrictModel
+from schemas.config import DEMO_ROOT, SourceConfig, StrictModel, check_unique_names
 
 __all__ = ["EvalModelSpec", "LmEvalConfig", "EvaluateConfig"]
 
@@ -70,10 +70,7 @@ class EvaluateConfig(StrictModel):
 
     @model_validator(mode="after")
     def _unique_set_names(self) -> EvaluateConfig:
-        names = [s.name for s in self.sets]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"sets: duplicate names {dup}")
+        check_unique_names([s.name for s in self.sets], "sets: duplicate names")
         return self
 
     @classmethod

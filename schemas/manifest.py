@@ -1,4 +1,4 @@
-"""Run manifests: the JSON file written next to every output directory (DESIGN.md §5).
+"""Run manifests: the JSON file written next to every output directory (docs/DESIGN.md §5).
 
 A manifest records what produced the directory (schema version, resolved config, tokenizer and model
 fingerprints), what it holds (per-source counts) and which shards are finished, so that a rerun skips

@@ -1,4 +1,4 @@
-"""MDS column specs for the three shard kinds (DESIGN.md §5) and a shard-directory validator.
+"""MDS column specs for the three shard kinds (docs/DESIGN.md §5) and a shard-directory validator.
 
 No torch, no ray: only the standard library (the validator reads MDS ``index.json`` files).
 

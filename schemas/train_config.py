@@ -3,7 +3,7 @@
 No torch here: models are described by a Hugging Face config dict (built locally, nothing from a
 hub) or a local directory.
 
-Defaults, scaled down from the paper (DESIGN.md §2) for the embedded demo (tiny Llama trained from
+Defaults, scaled down from the paper (docs/DESIGN.md §2) for the embedded demo (tiny Llama trained from
 scratch on ≈2250 sequences of 128 tokens on a CPU):
 
 =================== ========================== ======================================================
@@ -114,7 +114,7 @@ class DataConfig(StrictModel):
 
 
 class SelectionConfig(StrictModel):
-    """Token selection (DESIGN.md §2). See the module docstring for paper vs demo defaults."""
+    """Token selection (docs/DESIGN.md §2). See the module docstring for paper vs demo defaults."""
 
     policy: Literal["full", "random", "rho1", "blade", "blade-nosync"] = Field("blade", description="selection policy")
     gamma: Gamma = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")

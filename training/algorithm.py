@@ -1,4 +1,4 @@
-"""Exact online BLADE as a Composer ``Algorithm`` (DESIGN.md §2, §3 "exact" mode).
+"""Exact online BLADE as a Composer ``Algorithm`` (docs/DESIGN.md §2, §3 "exact" mode).
 
 One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``blade-nosync``):
 
@@ -23,6 +23,11 @@ Selection is over the whole candidate batch, except under microbatching
 data-parallel training: the mask must exist before each microbatch's backward pass). The loss is
 still normalised by the whole batch's kept tokens.
 
+The refresh's inputs (validation batches, the recent batches' rows and masks, its settings) come from
+:class:`curation.core.refresh_data.RefreshData`, as those of the engine's refresh actor do; the step
+arithmetic (warm-up, episodes, refresh steps, episode ends) from the run's
+:class:`curation.core.schedule.Schedule`.
+
 Checkpoints: :meth:`BladeAlgorithm.state_dict` holds the reference weights and (``blade-nosync``)
 its optimizer state, the schedule, the reference version, the next step, the recent batches'
 masks, the refresh log and the global RNG states (restored at ``FIT_START``: Composer skips its
@@ -36,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -50,55 +54,20 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import Tensor, nn
 
-from curation.core.policies import RefreshMode, get_policy, train_static_reference
+from curation.core.losses import target_valid
+from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import RefreshWorkspace
+from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.core.selection import num_selected
-from curation.core.stats import param_distance
-from curation.core.stream import CandidateStream
+from curation.core.stats import SelectionRecord, param_distance
 from curation.engine.scorer import ReferenceScorer, ScoredShards
 from curation.io.models import load_weights
 from schemas.train_config import ModelConfig, ScorerConfig, SelectionConfig
+from training.checkpoint import rng_state, set_rng_state
 from training.data import StreamBatches, TokenRows
 
 __all__ = ["BladeAlgorithm", "SelectionRecord"]
-
-
-@dataclass
-class SelectionRecord:
-    """What one proxy step trained on (CPU numpy, full batch).
-
-    Attributes:
-        step: proxy step.
-        episode: schedule episode (-1 during warm-up).
-        ref_version: reference version that scored it (-1: none).
-        tokens: ``(b, L)`` token ids.
-        mask: ``(b, L)`` bool α (kept loss positions).
-        valid: ``(b, L)`` bool validity of loss positions.
-        scores: ``(b, L)`` float32 policy scores (Δ for excess-loss policies; NaN when unscored).
-        sources: one label per row.
-        sample_ids: ``(b,)`` candidate ids.
-        distance: ``‖u − w‖₂`` after the step (``None`` when not measured).
-    """
-
-    step: int
-    episode: int
-    ref_version: int
-    tokens: np.ndarray
-    mask: np.ndarray
-    valid: np.ndarray
-    scores: np.ndarray
-    sources: list[str]
-    sample_ids: np.ndarray
-    distance: float | None = None
-
-    @property
-    def n_kept(self) -> int:
-        return int(self.mask.sum())
-
-    @property
-    def n_valid(self) -> int:
-        return int(self.valid.sum())
 
 
 @dataclass
@@ -113,29 +82,6 @@ class _Pending:
     full: dict[str, Any] | None = None  # data-parallel: the whole candidate batch of the step
 
 
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    out: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
-        "numpy_meta": [str(np_state[0]), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    meta = state["numpy_meta"]
-    np.random.set_state((meta[0], state["numpy_keys"].numpy().astype(np.uint32), meta[1], meta[2], meta[3]))
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
@@ -148,7 +94,7 @@ class BladeAlgorithm(Algorithm):
         stream_data: the training stream (the reference reads the coming batches from it).
         validation: validation rows (the refresh's ``L_val`` and the RHO-1 reference).
         model_config: the proxy's model config (recorded with the reference scorer).
-        max_steps: proxy steps of the run.
+        schedule: the run's schedule (``total_steps`` = the run's proxy steps).
         batch_size: ``b``.
         microbatch_size: sequences per forward/backward (``None`` = ``b``).
         ref_lr: ``η_w`` (the proxy's LR unless the selection config sets one).
@@ -172,7 +118,7 @@ class BladeAlgorithm(Algorithm):
         stream_data: StreamBatches,
         validation: TokenRows,
         model_config: ModelConfig,
-        max_steps: int,
+        schedule: Schedule,
         batch_size: int,
         microbatch_size: int | None = None,
         ref_lr: float,
@@ -188,19 +134,15 @@ class BladeAlgorithm(Algorithm):
         self.parallel = parallel
         self.policy = get_policy(selection.policy)
         self.stream_data = stream_data
-        self.validation = validation
         self.model_config = model_config
-        self.max_steps = max_steps
         self.batch_size = batch_size
         self.microbatch_size = microbatch_size or batch_size
-        self.ref_lr = ref_lr
-        self.refresh_batch_size = refresh_batch_size
         self.scored = scored
         self.distance_interval = distance_interval
         self.precision = precision
         self.timing = timing
         self.clock = clock
-        self.schedule = Schedule(selection.warmup_steps, selection.tau, max_steps)
+        self.schedule = schedule
         self.uses_reference = self.policy.needs_reference
         self.in_process = self.uses_reference and scored is None
 
@@ -220,12 +162,12 @@ class BladeAlgorithm(Algorithm):
         self._loaded_reference: dict[str, Tensor] | None = None
         self._loaded_rng: dict[str, Any] | None = None
         self._train_device = torch.device("cpu")
-        val_n = len(validation)
-        if val_n == 0:
-            raise ValueError(f"{validation.path}: the validation set is empty")
-        # Deterministic validation batches per refresh version (and for the RHO-1 reference).
-        self._val_stream = CandidateStream(val_n, refresh_batch_size, seed=selection.seed + 1)
-        self._static_stream = CandidateStream(val_n, refresh_batch_size, seed=selection.seed + 2)
+        self.refresh_data = RefreshData(
+            selection=selection, schedule=schedule, refresh_batch_size=refresh_batch_size, lr=ref_lr,
+            precision=precision, num_validation=len(validation), validation_path=validation.path,
+            validation_tokens=lambda ids: torch.stack([validation[int(i)]["tokens"] for i in ids]),
+            step_tokens=lambda step: stream_data.batch(step)["tokens"],
+        )
 
     def __repr__(self) -> str:
         return f"BladeAlgorithm(policy={self.policy.name!r})"
@@ -258,7 +200,7 @@ class BladeAlgorithm(Algorithm):
                 "the checkpoint and the algorithm state disagree"
             )
         if self._loaded_rng is not None:
-            _set_rng_state(self._loaded_rng)
+            set_rng_state(self._loaded_rng)
             self._loaded_rng = None
         if not self.in_process:
             return
@@ -314,12 +256,7 @@ class BladeAlgorithm(Algorithm):
                 load_weights(module, self.cfg.reference_weights)
                 self._set_reference(module.to("cpu"), 0)
                 return
-            result = train_static_reference(
-                proxy, self._val_batches(self._static_stream, version=0, steps=self.cfg.rho1_steps),
-                steps=self.cfg.rho1_steps,
-                lr=self.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
-                precision=self.precision,
-            )
+            result = self.refresh_data.train_static(proxy)
         self.refresh_log.append(self._refresh_entry(0, 0, result))
         self._set_reference(result.model, 0)
 
@@ -332,7 +269,7 @@ class BladeAlgorithm(Algorithm):
         warm = self.schedule.is_warmup(step)
         episode = self.schedule.episode(step)
         if self.in_process and self.policy.refreshes and self.schedule.refresh_due(step):
-            self._refresh(state, step, episode)
+            self._refresh(state, episode)
         version = WARMUP_EPISODE
         if self.uses_reference and not warm:
             version = self.schedule.reference_version(step, refreshed=self.policy.refreshes)
@@ -353,11 +290,8 @@ class BladeAlgorithm(Algorithm):
 
     @staticmethod
     def _valid(batch: dict[str, Any]) -> Tensor:
-        tokens = batch["tokens"]
         v = batch.get("valid")
-        v = torch.ones(tokens.shape, dtype=torch.bool) if v is None else v.bool().cpu().clone()
-        v[:, 0] = False
-        return v
+        return target_valid(batch["tokens"].cpu(), None if v is None else v.cpu().bool())
 
     def _ref_losses(self, step: int, batch: dict[str, Any], version: int) -> np.ndarray:
         if self.scored is not None:
@@ -384,11 +318,9 @@ class BladeAlgorithm(Algorithm):
     def _precompute(self, step: int) -> None:
         """Score the coming steps of the episode with the reference, then offload it."""
         assert self.scorer is not None, "no reference to score with"
-        episode = self.schedule.episode(step)
-        end = self.schedule.warmup + (episode + 1) * self.schedule.tau
+        end = self.schedule.episode_end(step)
         if self.cfg.score_lookahead is not None:
             end = min(end, step + self.cfg.score_lookahead)
-        end = min(end, self.max_steps)
         with self._timed("score"):
             self.scorer.to(self._train_device)
             for t in range(step, max(end, step + 1)):
@@ -401,7 +333,7 @@ class BladeAlgorithm(Algorithm):
             if self.cfg.offload_reference:
                 self._offload()
 
-    def _refresh(self, state: State, step: int, episode: int) -> None:
+    def _refresh(self, state: State, episode: int) -> None:
         proxy = self._proxy(state)
         for p in proxy.parameters():  # Composer zeroes them (set_to_none) before the step anyway
             p.grad = None
@@ -413,54 +345,17 @@ class BladeAlgorithm(Algorithm):
             self.scorer.model = None  # blade: the old reference is not needed any more
         self.score_cache.clear()
         with self._timed("refresh"):
-            result = self.policy.refresh(
-                proxy,
-                self._val_batches(self._val_stream, version=episode, steps=self.cfg.refresh_steps),
-                self._cand_batches(state.batch, steps=self.cfg.refresh_steps),
-                previous=previous,
-                optimizer_state=self.ref_opt_state if continue_mode else None,
-                steps=self.cfg.refresh_steps,
-                lam=self.cfg.lam,
-                lr=self.ref_lr,
-                weight_decay=self.cfg.ref_weight_decay,
-                grad_clip=self.cfg.ref_grad_clip,
-                precision=self.precision,
-                workspace=self.workspace,
+            result = self.refresh_data.refresh(
+                self.policy, proxy, episode, RecentMasks.from_pairs(list(self.recent)), previous=previous,
+                optimizer_state=self.ref_opt_state if continue_mode else None, workspace=self.workspace,
             )
         self.ref_opt_state = result.optimizer_state if continue_mode else None
         self.counts["refreshes"] += 1
-        self.refresh_log.append(self._refresh_entry(step, episode, result))
+        self.refresh_log.append(self._refresh_entry(self.schedule.refresh_step(episode), episode, result))
         self._set_reference(result.model, episode, offload=False)
 
     def _refresh_entry(self, step: int, version: int, result: Any) -> dict[str, Any]:
         return result.log_entry(step=step, version=version)
-
-    def _val_batches(self, stream: CandidateStream, *, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
-        for k in range(steps):
-            ids = stream.batch_ids(version * steps + k)
-            yield {"tokens": torch.stack([self.validation[int(i)]["tokens"] for i in ids])}
-
-    def _cand_batches(self, current: dict[str, Any], *, steps: int) -> Iterator[dict[str, Tensor]]:
-        """Rows of the recent trained batches with their masks, cycled, ``refresh_batch_size`` at a time.
-
-        Before anything was trained (``W = 0``, first refresh) the current batch with every valid
-        token (no selection exists yet) stands in.
-        """
-        if steps == 0 or self.cfg.lam == 0:
-            return iter(())
-        if self.recent:
-            tokens = torch.cat([self.stream_data.batch(s)["tokens"] for s, _ in self.recent])
-            masks = torch.cat([torch.from_numpy(m.astype(bool)) for _, m in self.recent])
-        else:
-            tokens, masks = current["tokens"], self._valid(current)
-        n, rb = tokens.shape[0], self.refresh_batch_size
-
-        def gen() -> Iterator[dict[str, Tensor]]:
-            for k in range(steps):
-                idx = torch.arange(k * rb, (k + 1) * rb) % n
-                yield {"tokens": tokens[idx], "mask": masks[idx]}
-
-        return gen()
 
     # --- after the forward pass: select ------------------------------------------------------
     def _select(self, state: State) -> None:
@@ -585,7 +480,7 @@ class BladeAlgorithm(Algorithm):
             "refresh_log": list(self.refresh_log),
             "timers": dict(self.timers),
             "counts": dict(self.counts),
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -593,11 +488,8 @@ class BladeAlgorithm(Algorithm):
             raise ValueError(
                 f"checkpoint was written by policy {state.get('policy')!r}, this run uses {self.policy.name!r}"
             )
-        saved = dict(state.get("schedule") or {})
-        mine = self.schedule.to_dict()
-        saved.pop("total_steps", None)  # a finished run may be extended with more steps
-        mine.pop("total_steps")
-        if saved != mine or float(state.get("gamma", -1)) != float(self.cfg.gamma):
+        same = self.schedule.same_episodes(state.get("schedule") or {})  # total_steps may differ: extended runs
+        if not same or float(state.get("gamma", -1)) != float(self.cfg.gamma):
             raise ValueError(
                 f"checkpoint schedule {state.get('schedule')} / gamma {state.get('gamma')} differ from this run's "
                 f"{self.schedule.to_dict()} / {self.cfg.gamma}: resume with the same selection settings"

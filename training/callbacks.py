@@ -25,20 +25,15 @@ from composer.loggers import Logger, LoggerDestination
 
 from curation.core.policies import ScoreKind
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
-from curation.io.shards import publish_parts, verify_part, write_part
+from curation.io.shards import part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
 from training.algorithm import BladeAlgorithm, SelectionRecord
 
-__all__ = ["SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger", "part_name"]
+__all__ = ["SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger"]
 
 #: Δ quantile levels logged per step.
 LOGGED_QUANTILES = (0.1, 0.5, 0.9)
-
-
-def part_name(first: int, stop: int) -> str:
-    """Name of the part holding steps ``first ≤ t < stop``."""
-    return f"steps-{first:09d}-{stop:09d}"
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import random
 import re
 import shutil
 import warnings
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = ["SAFE_GLOBALS", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
-           "resume_checkpoint", "checkpoint_write_errors"]
+           "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
 def _safe_globals() -> list[Any]:
@@ -149,3 +150,29 @@ def checkpoint_write_errors(folder: str) -> Iterator[None]:
         code = errno.ENOSPC if free < _NEARLY_FULL else errno.EIO
         raise OSError(code, f"{os.strerror(code)} while writing a checkpoint ({free / 2**20:.0f} MiB free; "
                             f"torch: {msg.strip().splitlines()[0]})", folder) from e
+
+
+def rng_state() -> dict[str, Any]:
+    """The global torch / numpy / Python (and CUDA) RNG states as tensors and plain values (so a checkpoint
+    holding them loads with ``weights_only=True``); :func:`set_rng_state` restores them."""
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_meta": [str(np_state[0]), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states captured by :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    meta = state["numpy_meta"]
+    np.random.set_state((meta[0], state["numpy_keys"].numpy().astype(np.uint32), meta[1], meta[2], meta[3]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

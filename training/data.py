@@ -1,5 +1,5 @@
 """Data for the trainer: the candidate stream consumed by step, validation batches, replay of
-selected-token shards, and the checks that the data fits the model.
+selected-token shards (token ids checked against the model's vocabulary on read).
 
 Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
 
@@ -8,30 +8,29 @@ Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
 * ``kept_total`` / ``rows_total``: written on the full batch by :func:`annotate_batch` so the
   loss is normalised over the whole batch's kept tokens under microbatching.
 
-The training loader (:class:`StreamBatches`) yields one pre-collated batch per proxy step from
-:class:`curation.io.stream_reader.StreamReader`, starting at any step. Composer saves its position in the
-checkpoint (``state_dict``/``load_state_dict``: the dataset resumes itself, nothing is replayed).
+The training loaders are :class:`StepBatches`: one pre-collated batch per proxy step, starting at any
+step; :class:`StreamBatches` reads them from :class:`curation.io.stream_reader.StreamReader` (the engine's
+loader, :class:`training.engine_hooks.EngineMaskedBatches`, from the engine's parts). Composer saves their
+position in the checkpoint (``state_dict``/``load_state_dict``: the dataset resumes itself, nothing is
+replayed). The directory checks (shard schema, manifest, tokenizer) are in :mod:`curation.io.shards`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from curation.core.losses import target_valid
+from curation.core.stream import CandidateStream
+from curation.io.models import check_token_range
 from curation.io.stream_reader import StreamReader
-from schemas.manifest import Manifest
-from schemas.shards import ShardSchemaError, validate_shard_dir
 
 __all__ = [
-    "ShardDirInfo",
-    "shard_dir_info",
-    "check_tokenizer",
+    "StepBatches",
     "StreamBatches",
     "TokenRows",
     "collate_rows",
@@ -40,74 +39,55 @@ __all__ = [
     "split_batch",
     "stream_loader",
     "rows_loader",
-    "check_token_range",
 ]
-
-
-@dataclass(frozen=True)
-class ShardDirInfo:
-    """What a shard directory's manifest says about it."""
-
-    path: str
-    kind: str
-    vocab_size: int
-    seq_len: int | None
-    tokenizer_fingerprint: str | None
-    manifest: Manifest
-
-
-def shard_dir_info(path: str, spec: str) -> ShardDirInfo:
-    """Validate ``path`` against the shard ``spec`` and read its manifest.
-
-    Raises:
-        ShardSchemaError: wrong columns/encodings (names directory, shard and column), or no manifest.
-    """
-    validate_shard_dir(path, spec)
-    if not os.path.exists(Manifest.path_in(path)):
-        raise ShardSchemaError(f"{path}: no manifest.json (not written by this project's jobs)")
-    m = Manifest.load(path)
-    if m.vocab_size is None:
-        raise ShardSchemaError(f"{Manifest.path_in(path)}: manifest has no vocab_size")
-    return ShardDirInfo(path, m.kind, m.vocab_size, m.seq_len, m.tokenizer_fingerprint, m)
-
-
-def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str | None:
-    """All directories must come from one tokenizer (and from ``tokenizer`` when given).
-
-    Returns:
-        The common tokenizer fingerprint (``None`` when no manifest records one).
-
-    Raises:
-        ValueError: naming the two files whose tokenizers differ.
-    """
-    from curation.ingest.tokenizer import tokenizer_json_path
-    from schemas.manifest import sha256_file
-
-    known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
-    if tokenizer is not None:
-        path = tokenizer_json_path(tokenizer)
-        known.insert(0, (path, sha256_file(path)))
-    for where, fp in known[1:]:
-        if fp != known[0][1]:
-            raise ValueError(
-                f"tokenizer mismatch: {where} was written with tokenizer sha256 {fp[:12]}…, "
-                f"but {known[0][0]} has {known[0][1][:12]}…"
-            )
-    return known[0][1] if known else None
-
-
-def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
-    """Token ids must be < the model's vocabulary (else the embedding lookup fails obscurely)."""
-    top = int(tokens.max()) if tokens.size else 0
-    if top >= vocab_size:
-        raise ValueError(f"{where}: token id {top} is out of range for the model's vocabulary of {vocab_size}")
 
 
 # ------------------------------------------------------------------------------------------------
 # training stream
 # ------------------------------------------------------------------------------------------------
-class StreamBatches(IterableDataset):
-    """One batch per proxy step ``start_step ≤ t < stop_step`` of the candidate stream.
+class StepBatches(IterableDataset):
+    """One batch per proxy step ``start_step ≤ t < stop_step`` of a candidate stream (:meth:`batch`).
+
+    Implements Composer's dataset resumption protocol (``state.dataset_state``) once for every
+    step-indexed loader: the position is the step, so a resumed run starts at the checkpoint's step and
+    replays nothing; a checkpoint of another stream (candidates, batch size or seed) is refused.
+
+    Args:
+        stream: the candidate stream the steps index.
+        stop_step: the step after the last one (``max_steps``).
+        model_vocab: the model's vocabulary (subclasses check token ids against it).
+    """
+
+    def __init__(self, stream: CandidateStream, stop_step: int, *, model_vocab: int | None = None) -> None:
+        super().__init__()
+        self.stream = stream
+        self.start_step = 0
+        self.stop_step = stop_step
+        self.model_vocab = model_vocab
+
+    def batch(self, step: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for t in range(self.start_step, self.stop_step):
+            yield self.batch(t)
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        b = self.stream.batch_size
+        done = num_samples // b if from_beginning else self.start_step + num_samples // b
+        return {"step": int(done), "stream": self.stream.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("stream") != self.stream.to_dict():
+            raise ValueError(
+                f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
+                f"{self.stream.to_dict()} (same candidates, batch_size and seed are needed to resume)"
+            )
+        self.start_step = int(state["step"])
+
+
+class StreamBatches(StepBatches):
+    """The candidate stream's batches read from its shards (the single-process trainer's loader).
 
     Args:
         reader: the candidate stream and shards.
@@ -116,11 +96,8 @@ class StreamBatches(IterableDataset):
     """
 
     def __init__(self, reader: StreamReader, stop_step: int, *, model_vocab: int | None = None) -> None:
-        super().__init__()
+        super().__init__(reader.stream, stop_step, model_vocab=model_vocab)
         self.reader = reader
-        self.start_step = 0
-        self.stop_step = stop_step
-        self.model_vocab = model_vocab
 
     def batch(self, step: int) -> dict[str, Any]:
         """The collated batch of ``step`` (also used by the reference to pre-compute scores)."""
@@ -134,24 +111,6 @@ class StreamBatches(IterableDataset):
             "step": int(step),
         }
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for t in range(self.start_step, self.stop_step):
-            yield self.batch(t)
-
-    # Composer's dataset resumption protocol (state.dataset_state): resume by step, replay nothing.
-    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
-        b = self.reader.stream.batch_size
-        done = num_samples // b if from_beginning else self.start_step + num_samples // b
-        return {"step": int(done), "stream": self.reader.stream.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("stream") != self.reader.stream.to_dict():
-            raise ValueError(
-                f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
-                f"{self.reader.stream.to_dict()} (same candidates, batch_size and seed are needed to resume)"
-            )
-        self.start_step = int(state["step"])
-
 
 def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """Write ``kept_total`` and ``rows_total`` on a full batch (before Composer splits it).
@@ -161,14 +120,12 @@ def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:
     overwrites it once it knows what it will keep.
     """
     tokens = batch["tokens"]
-    b, length = tokens.shape
     valid = batch.get("valid")
-    v = torch.ones((b, length), dtype=torch.bool) if valid is None else valid.bool().cpu().clone()
-    v[:, 0] = False
+    v = target_valid(tokens.cpu(), None if valid is None else valid.cpu().bool())
     mask = batch.get("loss_mask")
     kept = v if mask is None else (mask.bool().cpu() & v)
     batch["kept_total"] = int(kept.sum())
-    batch["rows_total"] = int(b)
+    batch["rows_total"] = int(tokens.shape[0])
     return batch
 
 
@@ -213,7 +170,7 @@ def make_data_spec(dataloader: Any):
     )
 
 
-def stream_loader(dataset: StreamBatches) -> DataLoader:
+def stream_loader(dataset: StepBatches) -> DataLoader:
     """The training DataLoader: batches are pre-collated by step, read in the main process."""
     return DataLoader(dataset, batch_size=None, num_workers=0)
 

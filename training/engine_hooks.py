@@ -1,4 +1,4 @@
-"""The trainer side of the Ray engine (DESIGN.md §3): Composer glue for the exact and pipelined modes.
+"""The trainer side of the Ray engine (docs/DESIGN.md §3): Composer glue for the exact and pipelined modes.
 
 The engine handle (:class:`curation.engine.ray_backend.RayEngine`) is used duck-typed (``wait_part``,
 ``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,16 +27,20 @@ import torch
 from composer.core import Algorithm, Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
-from torch.utils.data import IterableDataset
 
+from curation.core.losses import target_valid
 from curation.core.policies import get_policy
+from curation.core.refresh_data import RecentMasks
 from curation.core.stats import param_distance
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
-from curation.engine.refresh_runner import RecentMasks
+from curation.io.models import check_token_range
 from schemas.train_config import TrainConfig
 from training.algorithm import SelectionRecord
+from training.callbacks import SelectionStats
+from training.data import StepBatches
+from training.run import TrainRun, training_inputs, wire_training
 
 __all__ = ["EngineScores", "EngineSync", "EngineMaskedBatches", "EngineSelection", "build_pipelined_training"]
 
@@ -142,7 +146,7 @@ class EngineSync(Callback):
         return param_distance(proxy, self._ref_module)
 
 
-class EngineMaskedBatches(IterableDataset):
+class EngineMaskedBatches(StepBatches):
     """One batch per proxy step with the engine's finished mask (pipelined mode); waits for the part.
 
     Args:
@@ -156,13 +160,9 @@ class EngineMaskedBatches(IterableDataset):
 
     def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, stop_step: int, *,
                  model_vocab: int | None = None, timeout_s: float = 1800.0) -> None:
-        super().__init__()
+        super().__init__(stream, stop_step, model_vocab=model_vocab)
         self.engine = engine
         self.out_dir = out_dir
-        self.stream = stream
-        self.start_step = 0
-        self.stop_step = stop_step
-        self.model_vocab = model_vocab
         self.timeout_s = timeout_s
         self.cache = PartCache(out_dir, stream.batch_size)
 
@@ -172,9 +172,8 @@ class EngineMaskedBatches(IterableDataset):
         if any(int(r["step"]) != step for r in rows):
             raise ValueError(f"{self.out_dir}/{info['part']}: rows of step {step} are labelled with another step")
         tokens = np.stack([np.asarray(r["tokens"]) for r in rows]).astype(np.int64)
-        if self.model_vocab is not None and tokens.size and int(tokens.max()) >= self.model_vocab:
-            raise ValueError(f"{self.out_dir}/{info['part']} (step {step}): token id {int(tokens.max())} is out of "
-                             f"range for the model's vocabulary of {self.model_vocab}")
+        if self.model_vocab is not None:
+            check_token_range(tokens, self.model_vocab, f"{self.out_dir}/{info['part']} (step {step})")
         return {
             "tokens": torch.from_numpy(tokens),
             "loss_mask": torch.from_numpy(np.stack([np.asarray(r["loss_mask"]) for r in rows]).astype(bool)),
@@ -185,22 +184,6 @@ class EngineMaskedBatches(IterableDataset):
             "episode": int(rows[0]["episode"]),
             "ref_version": int(info["ref_version"]),
         }
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for t in range(self.start_step, self.stop_step):
-            yield self.batch(t)
-
-    # Composer's dataset resumption protocol (as training.data.StreamBatches).
-    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
-        b = self.stream.batch_size
-        done = num_samples // b if from_beginning else self.start_step + num_samples // b
-        return {"step": int(done), "stream": self.stream.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("stream") != self.stream.to_dict():
-            raise ValueError(f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
-                             f"{self.stream.to_dict()}")
-        self.start_step = int(state["step"])
 
 
 class EngineSelection(Algorithm):
@@ -225,8 +208,7 @@ class EngineSelection(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         batch = state.batch
         tokens = batch["tokens"].cpu()
-        valid = torch.ones(tokens.shape, dtype=torch.bool)
-        valid[:, 0] = False
+        valid = target_valid(tokens)
         mask = batch["loss_mask"].cpu().bool() & valid
         rec = SelectionRecord(
             step=int(batch["step"]), episode=int(batch["episode"]), ref_version=int(batch["ref_version"]),
@@ -254,7 +236,7 @@ class EngineSelection(Algorithm):
 
 def build_pipelined_training(
     cfg: TrainConfig, *, batches: Callable[[int], EngineMaskedBatches], callbacks: Sequence[Any] = (),
-) -> Any:
+) -> TrainRun:
     """Wire a plain masked-loss Composer trainer on the engine's masks (pipelined mode).
 
     Same model, optimizer, evaluation, checkpoints and logs as :func:`training.run.build_training`; only the
@@ -268,33 +250,9 @@ def build_pipelined_training(
     Returns:
         A :class:`training.run.TrainRun` whose ``algorithm`` is the :class:`EngineSelection`.
     """
-    import os
-
-    from curation.io.models import model_vocab_size
-    from schemas.manifest import Manifest
-    from training.callbacks import SelectionStats
-    from training.data import check_tokenizer, shard_dir_info, stream_loader
-    from training.model import MaskedCausalLM
-    from training.run import TrainRun, _build_model, _resume_path, make_trainer, setup_device
-
-    device = setup_device(cfg.threads, cfg.device, cfg.precision)
-    cand = shard_dir_info(cfg.data.candidates, "candidate")
-    val = shard_dir_info(cfg.data.validation, "candidate")
-    check_tokenizer([cand, val], cfg.data.tokenizer)
-    hf = _build_model(cfg.model, max(cand.vocab_size, val.vocab_size), Manifest.path_in(cand.path))
-    vocab = model_vocab_size(hf)
-    model = MaskedCausalLM(hf)
-    data = batches(vocab)
+    inputs = training_inputs(cfg)
+    data = batches(inputs.vocab)
     selection = EngineSelection(cfg.selection.policy, recent_batches=cfg.selection.refresh_candidate_batches)
     stats = SelectionStats(selection)
-    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    trainer = make_trainer(
-        model=model, train_loader=stream_loader(data), total_steps=cfg.max_steps, optim=cfg.optim,
-        algorithms=[selection], callbacks=[stats, *callbacks], loggers=[], eval_path=cfg.data.validation,
-        eval_cfg=cfg.eval, vocab=vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume,
-        run_name="train", device=device, precision=cfg.precision, microbatch_size=cfg.batch_size,
-        progress_bar=cfg.progress_bar, seed=cfg.seed,
-    )
-    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=selection, stats=stats,
-                    resumed_from=resume)
+    return wire_training(cfg, inputs, data=data, algorithm=selection, stats=stats, callbacks=[stats, *callbacks],
+                         microbatch_size=cfg.batch_size)

@@ -33,25 +33,24 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from composer.core import Callback
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from curation.core.distributed import GlobalSelection, Ranks, current_ranks, expected_kept, global_rows
 from curation.core.distributed import select_across_ranks as _select_across_ranks
 from curation.core.selection import random_scores
 from curation.engine.plan import EngineError
-from curation.io.models import save_weights
 from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSchemaError
 from schemas.train_config import TrainConfig
 from training.callbacks import JSONLinesLogger, SelectedShardWriter
-from training.data import StreamBatches
+from training.data import StepBatches, StreamBatches
 
 __all__ = ["RankBatches", "RankZeroShardWriter", "ParallelSelection", "DataParallelParts", "data_parallel_parts",
            "rank_eval_loader", "StepTimes",           "train_worker", "train_parallel", "run_worker_group", "trainer_cpus", "FATAL_FILE"]
@@ -64,27 +63,18 @@ ATTEMPTS_FILE = os.path.join("parallel", "attempts.jsonl")
 FATAL_ERRORS = (ValueError, ShardSchemaError, FileNotFoundError, EngineError)
 
 
-class RankBatches(IterableDataset):
-    """This rank's rows of each step's candidate batch (resumes by step, like :class:`StreamBatches`).
-
-    Composer counts the samples of every rank (``num_samples`` is global), so the saved position is the
-    global step and resuming works with any number of workers.
-    """
+class RankBatches(StepBatches):
+    """This rank's rows of each step's candidate batch (resumes by step like every :class:`StepBatches`:
+    Composer counts the samples of every rank, so the saved position is the global step and resuming works
+    with any number of workers)."""
 
     def __init__(self, stream: StreamBatches, ranks: Ranks) -> None:
-        super().__init__()
-        self.stream = stream
+        super().__init__(stream.stream, stream.stop_step, model_vocab=stream.model_vocab)
+        self.full = stream
         self.ranks = ranks
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for t in range(self.stream.start_step, self.stream.stop_step):
-            yield rank_slice(self.stream.batch(t), self.ranks)
-
-    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
-        return self.stream.state_dict(num_samples, from_beginning)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state)
+    def batch(self, step: int) -> dict[str, Any]:
+        return rank_slice(self.full.batch(step), self.ranks)
 
 
 def rank_slice(batch: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
@@ -239,6 +229,8 @@ def train_worker(config: dict[str, Any]) -> None:
         return  # an earlier attempt hit an error that a restart cannot fix; the driver reports it
     ranks = current_ranks()
     try:
+        if ranks.rank > 0:  # one progress bar
+            cfg = cfg.model_copy(update={"progress_bar": False})
         if cfg.threads is None:  # one trainer per reserved CPU, not torch's default of every core
             torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
         _run_worker(cfg, ranks, config)
@@ -250,7 +242,7 @@ def train_worker(config: dict[str, Any]) -> None:
 
 
 def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
-    from training.run import _finish, build_training
+    from training.run import build_training, finish_training
 
     callbacks = [StepTimes(cfg.output_dir, ranks.rank)] if config.get("step_times") else []
     engine = config.get("engine")
@@ -280,14 +272,11 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
         if engine is not None:  # the driver writes the summary, with the engine's report
-            final = os.path.join(cfg.output_dir, "final")
-            save_weights(run.model.model, os.path.join(final, "model.safetensors"))
-            run.model.model.config.to_json_file(os.path.join(final, "config.json"))
-            out = {"final": final, "stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
+            out = {"final": run.write_final(None), "stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
                    "publish_seconds": sync.publish_seconds if sync else 0.0,
                    "trainer_wait_seconds": engine["client"].wait_seconds}
         else:
-            out = _finish(run, cfg.model, cfg.plots, extra)
+            out = finish_training(run, cfg.plots, extra)
             out["selected"] = extra["selected_dir"]
         atomic_write_text(os.path.join(cfg.output_dir, "parallel", "outputs.json"), json.dumps(out))
 
@@ -302,17 +291,13 @@ def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: in
         ValueError: bad settings or data (the failing worker's message), or a group that cannot be placed.
         OutputDirError: the directory is in use or was written with another config.
     """
-    from curation.engine.ray_backend import init_ray, shutdown_ray
+    from curation.engine.ray_backend import ray_session
     from schemas.outdir import open_output_dir
 
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         lock.write_records()
-        started = init_ray(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg))
-        try:
+        with ray_session(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg)):
             return run_worker_group(cfg, step_times=step_times)
-        finally:
-            if started:
-                shutdown_ray()
 
 
 def trainer_cpus(cfg: TrainConfig) -> int:

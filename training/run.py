@@ -13,14 +13,22 @@
 
 A rerun with the same ``output_dir`` resumes from ``checkpoints/latest-rank0.pt`` (loaded with
 ``weights_only=True``) and ends with the same outputs as an uninterrupted run.
+
+Every trainer of a :class:`~schemas.train_config.TrainConfig` is wired by one path:
+:func:`training_inputs` (device, checked data, the model) → a loader and an algorithm of its own →
+:func:`wire_training` (resume point, the Composer trainer of :func:`make_trainer`); the single-process
+trainer is :func:`build_training`, the Ray engine's pipelined one
+:func:`training.engine_hooks.build_pipelined_training`. :meth:`TrainRun.write_final` is the one writer of
+``final/``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +36,7 @@ import torch
 from torch import nn
 
 from curation.core.distributed import current_ranks
+from curation.core.schedule import Schedule
 from curation.engine.scorer import ScoredShards, resolve_device
 from curation.io.models import (
     build_causal_lm,
@@ -36,6 +45,7 @@ from curation.io.models import (
     save_weights,
     weights_fingerprint,
 )
+from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest, atomic_write_text
 from schemas.outdir import open_output_dir
@@ -44,18 +54,20 @@ from training.algorithm import BladeAlgorithm
 from training.callbacks import JSONLinesLogger, SelectedShardWriter, SelectionStats, ValidationCurve
 from training.checkpoint import checkpoint_write_errors, resume_checkpoint, weights_only_loading
 from training.data import (
+    StepBatches,
     StreamBatches,
     TokenRows,
-    check_tokenizer,
     make_data_spec,
     rows_loader,
-    shard_dir_info,
     stream_loader,
 )
 from training.model import MaskedCausalLM
 from training.summary import write_summary
 
-__all__ = ["TrainRun", "build_training", "train", "build_replay", "replay"]
+__all__ = [
+    "TrainRun", "TrainingInputs", "training_inputs", "wire_training", "build_model", "resume_path", "setup_device",
+    "make_trainer", "build_training", "train", "build_replay", "replay",
+]
 
 
 @dataclass
@@ -81,6 +93,23 @@ class TrainRun:
                     self.trainer.fit()
         finally:
             self.trainer.close()
+
+    def write_final(self, reference: Mapping[str, torch.Tensor] | str | None = None) -> str:
+        """Write ``final/``: the trained model (``model.safetensors`` + the HF ``config.json``) and, when
+        given, the last reference w̃ as ``reference.safetensors`` (weights, or a safetensors file copied
+        as is). Each file is written atomically. Returns the ``final/`` directory.
+        """
+        hf = self.model.model
+        final = os.path.join(self.output_dir, "final")
+        save_weights(hf, os.path.join(final, "model.safetensors"))
+        hf.config.to_json_file(os.path.join(final, "config.json"))
+        target = os.path.join(final, "reference.safetensors")
+        if isinstance(reference, str):
+            shutil.copyfile(reference, target + ".tmp")
+            os.replace(target + ".tmp", target)
+        elif reference is not None:
+            save_weights(reference, target)
+        return final
 
 
 def _every(interval: int, last: int, event_name: str):
@@ -108,10 +137,12 @@ def _common_algorithms(cfg: OptimConfig) -> list[Any]:
     return [GradientClipping(clipping_type="norm", clipping_threshold=cfg.grad_clip)]
 
 
-def _build_model(model_cfg: ModelConfig, vocab_size: int, where: str) -> nn.Module:
+def build_model(model_cfg: ModelConfig, infos: Sequence[ShardDirInfo]) -> MaskedCausalLM:
+    """The run's model, refused when it embeds fewer ids than the data's vocabulary (names the setting
+    ``model`` and the manifest of ``infos[0]``)."""
     hf = build_causal_lm(model_cfg)
-    check_vocab(hf, vocab_size, what=where, setting="model")
-    return hf
+    check_vocab(hf, max(i.vocab_size for i in infos), what=Manifest.path_in(infos[0].path), setting="model")
+    return MaskedCausalLM(hf)
 
 
 def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
@@ -128,7 +159,12 @@ def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
     return Evaluator(label="eval", dataloader=make_data_spec(loader), metric_names=["TokenLoss", "TokenPerplexity"])
 
 
-def _resume_path(output_dir: str, resume: bool) -> str | None:
+def resume_path(output_dir: str, resume: bool) -> str | None:
+    """The checkpoint a run in ``output_dir`` resumes from (None: a new run).
+
+    Raises:
+        ValueError: checkpoints exist but ``resume`` is off.
+    """
     folder = os.path.join(output_dir, "checkpoints")
     if not os.path.lexists(os.path.join(folder, "latest-rank0.pt")):  # (a dangling link: damaged, see below)
         return None
@@ -138,8 +174,6 @@ def _resume_path(output_dir: str, resume: bool) -> str | None:
             "or use a new output_dir"
         )
     return resume_checkpoint(folder)  # the newest intact one (a damaged latest one falls back, with a warning)
-
-
 
 
 def setup_device(threads: int | None, device: str, precision: str) -> torch.device:
@@ -187,23 +221,29 @@ def make_trainer(
             seed=seed,
         )
 
-def build_training(
-    cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
-    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter, ranks: Any | None = None,
-) -> TrainRun:
-    """Check the data against the model and wire the Composer trainer for ``cfg``.
 
-    ``scored`` is a live source of reference scores (``read(step)``, ``path``) used instead of
-    ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
+@dataclass
+class TrainingInputs:
+    """What every trainer of a :class:`TrainConfig` starts from: the device, the checked data, the model."""
+
+    device: torch.device
+    candidates: ShardDirInfo
+    validation: ShardDirInfo
+    tokenizer_fingerprint: str | None
+    model: MaskedCausalLM
+    vocab: int  # ids the model embeds (token ids read are checked against it)
+
+
+def training_inputs(cfg: TrainConfig) -> TrainingInputs:
+    """Set up the device, check the data directories against each other and build the model.
 
     ``ranks`` (a :class:`curation.core.distributed.Ranks` with ``world_size > 1``): wire one worker of the
     data-parallel trainer instead (:mod:`training.parallel`).
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
-        ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
+        ValueError: tokenizer, ``seq_len`` or vocabulary mismatch (names the files/settings), or bad settings.
     """
-
     device = setup_device(cfg.threads, cfg.device, cfg.precision)
     cand = shard_dir_info(cfg.data.candidates, "candidate")
     val = shard_dir_info(cfg.data.validation, "candidate")
@@ -213,10 +253,53 @@ def build_training(
     fingerprint = check_tokenizer(infos, cfg.data.tokenizer)
     if cand.seq_len is not None and val.seq_len is not None and cand.seq_len != val.seq_len:
         raise ValueError(f"seq_len differs: {cand.path} has {cand.seq_len}, {val.path} has {val.seq_len}")
+    model = build_model(cfg.model, infos)
+    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
 
-    hf = _build_model(cfg.model, max(i.vocab_size for i in infos), Manifest.path_in(cand.path))
-    vocab = model_vocab_size(hf)
-    model = MaskedCausalLM(hf)
+
+def wire_training(
+    cfg: TrainConfig, inputs: TrainingInputs, *, data: StepBatches, algorithm: Any, stats: SelectionStats,
+    callbacks: Sequence[Any], loggers: Sequence[Any] = (), microbatch_size: int,
+    writer: SelectedShardWriter | None = None, manifest_extra: dict[str, Any] | None = None,
+) -> TrainRun:
+    """The Composer trainer of ``cfg`` on ``data`` with ``algorithm``, resuming from ``output_dir``'s checkpoints.
+
+    Raises:
+        ValueError: ``output_dir`` holds checkpoints and ``checkpoint.resume`` is off.
+    """
+    resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    trainer = make_trainer(
+        model=inputs.model, train_loader=stream_loader(data), total_steps=cfg.max_steps, optim=cfg.optim,
+        algorithms=[algorithm], callbacks=callbacks, loggers=loggers, eval_path=cfg.data.validation,
+        eval_cfg=cfg.eval, vocab=inputs.vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume,
+        run_name="train", device=inputs.device, precision=cfg.precision, microbatch_size=microbatch_size,
+        progress_bar=cfg.progress_bar, seed=cfg.seed,
+    )
+    return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
+                    writer=writer, resumed_from=resume, manifest_extra=manifest_extra)
+
+
+def build_training(
+    cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
+    scored: Any | None = None, clock: Callable[[], float] = time.perf_counter, schedule: Schedule | None = None,
+    ranks: Any | None = None,
+) -> TrainRun:
+    """Check the data against the model and wire the Composer trainer for ``cfg``.
+
+    ``scored`` is a live source of reference scores (``read(step)``, ``path``) used instead of
+    ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
+    ``schedule`` is the run's schedule when the caller already built it (the Ray engine's job), else it is
+    built here from ``cfg.selection`` and ``cfg.max_steps``.
+    ``ranks`` (a :class:`curation.core.distributed.Ranks` with ``world_size > 1``): wire one worker of the
+    data-parallel trainer instead (:mod:`training.parallel`).
+
+    Raises:
+        ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
+        ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
+    """
+    inputs = training_inputs(cfg)
+    cand, vocab, hf = inputs.candidates, inputs.vocab, inputs.model.model
     reader = StreamReader.open(cfg.data.candidates, batch_size=cfg.batch_size, seed=cfg.seed)
     stream_data = StreamBatches(reader, cfg.max_steps, model_vocab=vocab)
     validation = TokenRows(cfg.data.validation, "candidate", model_vocab=vocab)
@@ -230,7 +313,8 @@ def build_training(
         dp = data_parallel_parts(cfg, ranks, stream_data)
     algorithm = BladeAlgorithm(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
-        max_steps=cfg.max_steps, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
+        schedule=schedule or Schedule(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps),
+        batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
         scored=scored, distance_interval=cfg.distance_interval, precision=cfg.precision, timing=timing, clock=clock,
         parallel=dp.selection if dp else None,
@@ -252,37 +336,26 @@ def build_training(
             seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
             flush_every=cfg.checkpoint.interval,
             manifest_fields={
-                "config": cfg.model_dump(mode="json"), "tokenizer_fingerprint": fingerprint,
+                "config": cfg.model_dump(mode="json"), "tokenizer_fingerprint": inputs.tokenizer_fingerprint,
                 "model_fingerprints": {"initial_proxy": weights_fingerprint(hf)}, "extra": extra,
             },
         )
         cbs.append(writer)
     cbs.extend(callbacks)
-
-    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    trainer = make_trainer(
-        model=model, train_loader=stream_loader(dp.batches if dp else stream_data), total_steps=cfg.max_steps,
-        optim=cfg.optim,
-        algorithms=[algorithm], callbacks=cbs, loggers=loggers, eval_path=cfg.data.validation, eval_cfg=cfg.eval,
-        vocab=vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume, run_name="train",
-        device=device, precision=cfg.precision,
-        microbatch_size=dp.microbatch_size if dp else cfg.microbatch_size or cfg.batch_size,
-        progress_bar=cfg.progress_bar and not (dp and ranks.rank), seed=cfg.seed,
-    )
-    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    writer=writer, resumed_from=resume, manifest_extra=extra)
+    return wire_training(cfg, inputs, data=dp.batches if dp else stream_data, algorithm=algorithm, stats=stats,
+                         callbacks=cbs, loggers=loggers,
+                         microbatch_size=dp.microbatch_size if dp else cfg.microbatch_size or cfg.batch_size,
+                         writer=writer, manifest_extra=extra)
 
 
-def _finish(run: TrainRun, model_cfg: ModelConfig, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
-    hf = run.model.model
-    final = os.path.join(run.output_dir, "final")
-    save_weights(hf, os.path.join(final, "model.safetensors"))
-    hf.config.to_json_file(os.path.join(final, "config.json"))
-    out = {"final_weights": os.path.join(final, "model.safetensors")}
+def finish_training(run: TrainRun, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """After the fit: ``final/`` (proxy + last reference) and the summary (+ plots); returns their paths."""
+    # the last reference w̃ (rho1: the static one), e.g. for reference_weights
     reference = run.algorithm.reference_state_dict() if run.algorithm is not None else None
-    if reference is not None:  # the last reference w̃ (rho1: the static one), e.g. for reference_weights
-        out["final_reference"] = save_weights(reference, os.path.join(final, "reference.safetensors"))
+    final = run.write_final(reference)
+    out = {"final_weights": os.path.join(final, "model.safetensors")}
+    if reference is not None:
+        out["final_reference"] = os.path.join(final, "reference.safetensors")
     if run.stats is not None:
         summary, pngs = write_summary(run.output_dir, run.stats.summary_data(), extra=extra, plots=plots)
         out.update(summary=summary, plots=pngs)
@@ -304,7 +377,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
         extra = {"resumed_from": run.resumed_from,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
-        out = _finish(run, cfg.model, cfg.plots, extra)
+        out = finish_training(run, cfg.plots, extra)
     out["selected"] = extra["selected_dir"]
     out["run"] = run
     return out
@@ -320,14 +393,13 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     sel = shard_dir_info(cfg.selected, "selected")
     infos = [sel] + ([shard_dir_info(cfg.validation, "candidate")] if cfg.validation else [])
     check_tokenizer(infos, cfg.tokenizer)
-    hf = _build_model(cfg.model, max(i.vocab_size for i in infos), Manifest.path_in(sel.path))
-    vocab = model_vocab_size(hf)
-    model = MaskedCausalLM(hf)
+    model = build_model(cfg.model, infos)
+    vocab = model_vocab_size(model.model)
     rows = TokenRows(cfg.selected, "selected", use_mask=True, model_vocab=vocab)
     loader = rows_loader(rows, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
     steps_per_epoch = len(loader)
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
-    resume = _resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     trainer = make_trainer(
         model=model, train_loader=loader, total_steps=total, optim=cfg.optim, algorithms=[],
         callbacks=callbacks, loggers=[], eval_path=cfg.validation, eval_cfg=cfg.eval, vocab=vocab,
@@ -347,7 +419,7 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
         run = build_replay(cfg, callbacks=[curve])
         lock.write_records()
         run.fit()
-        out = _finish(run, cfg.model, False, {})
+        out = finish_training(run, False, {})
         atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
     out["validation"] = curve.points
     out["run"] = run

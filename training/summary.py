@@ -1,4 +1,4 @@
-"""Run summary: one JSON file and PNG plots (DESIGN.md §6, usability).
+"""Run summary: one JSON file and PNG plots (docs/DESIGN.md §6, usability).
 
 ``summary.json`` holds tokens seen / kept per source, the validation loss curve, Δ quantiles per
 episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,

@@ -1,6 +1,6 @@
 """Per-token losses of a causal LM and the glue to get logits out of a model.
 
-Conventions used everywhere in :mod:`curation` (DESIGN.md §2):
+Conventions used everywhere in :mod:`curation` (docs/DESIGN.md §2):
 
 * A batch is ``tokens`` of shape ``(b, L)`` plus an optional boolean ``valid`` of the same shape
   marking real tokens (``False`` for padding or tokens the caller wants ignored).

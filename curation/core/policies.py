@@ -1,4 +1,4 @@
-"""Selection policies behind one interface (DESIGN.md §2).
+"""Selection policies behind one interface (docs/DESIGN.md §2).
 
 A policy decides only two things: the *scores* of a candidate batch, and *whether and how the
 reference is refreshed*. Selection itself always goes through

@@ -1,4 +1,4 @@
-"""Reference refresh (BLADE's inner problem) and the RHO-1 static reference (DESIGN.md §2).
+"""Reference refresh (BLADE's inner problem) and the RHO-1 static reference (docs/DESIGN.md §2).
 
 ``refresh_reference`` starts from a *copy* of the proxy ``u`` (synchronisation, ``w_0 ← u``), or of
 the previous reference for the ``blade-nosync`` ablation, and takes ``K`` AdamW steps on

@@ -1,4 +1,4 @@
-"""The proxy-step schedule: warm-up, episodes, reference refreshes (DESIGN.md §2).
+"""The proxy-step schedule: warm-up, episodes, reference refreshes (docs/DESIGN.md §2).
 
 Proxy steps are numbered ``t = 0, 1, 2, ...`` (``t`` is the step about to be taken).
 
@@ -8,7 +8,7 @@ Proxy steps are numbered ``t = 0, 1, 2, ...`` (``t`` is the step about to be tak
 * The episode of step ``t ≥ W`` is therefore ``e = ⌊(t − W) / τ⌋``, and equals the reference
   version that scores it. During warm-up the episode is ``-1`` (no reference).
 
-DESIGN.md writes ``e = ⌊t/τ⌋``, which counts episodes from step 0 and leaves the warm-up prefix
+The original design note wrote ``e = ⌊t/τ⌋``, which counts episodes from step 0 and leaves the warm-up prefix
 unnumbered; the two agree when ``W = 0``. Counting from the end of the warm-up makes the first
 refresh (at ``t = W``) episode 0 whatever ``W`` is, so every episode has exactly τ steps.
 
@@ -20,6 +20,7 @@ Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -94,6 +95,19 @@ class Schedule:
         """The step before which reference ``version`` is computed: ``W + version·τ``."""
         return self.warmup + _check_int("version", version, 0) * self.tau
 
+    def episode_starts(self, stop: int | None = None) -> range:
+        """The first steps of the episodes that start before ``stop`` (default ``total_steps``):
+        ``W, W + τ, ...``, the steps a refresh is due before (in a run that refreshes).
+
+        Raises:
+            ValueError: ``stop`` and ``total_steps`` are both ``None``.
+        """
+        if stop is None:
+            if self.total_steps is None:
+                raise ValueError("episode_starts needs a stop step or total_steps")
+            stop = self.total_steps
+        return range(self.warmup, _check_int("stop", stop, 0), self.tau)
+
     def steps_scored_by(self, version: int) -> range:
         """Steps scored by reference ``version`` (one episode; clipped to ``total_steps``)."""
         start = self.refresh_step(version)
@@ -102,6 +116,28 @@ class Schedule:
             stop = min(stop, self.total_steps)
             start = min(start, stop)
         return range(start, stop)
+
+    def episode_end(self, t: int) -> int:
+        """The step after the last step of ``t``'s episode (``W + (e+1)·τ``, clipped to ``total_steps``).
+
+        The steps ``t ≤ s < episode_end(t)`` are scored by the same reference as ``t``: what a reference
+        can score ahead right after it is computed.
+
+        Raises:
+            ValueError: ``t`` is a warm-up step (no episode).
+        """
+        e = self.episode(t)
+        if e == WARMUP_EPISODE:
+            raise ValueError(f"step {t} is a warm-up step (W = {self.warmup}): it belongs to no episode")
+        return self.steps_scored_by(e).stop
+
+    def same_episodes(self, saved: Mapping[str, Any]) -> bool:
+        """Whether a schedule saved with :meth:`to_dict` numbers steps as this one does: the same ``W`` and
+        ``τ`` (``total_steps`` may differ: a finished run may be extended with more steps)."""
+        theirs, mine = dict(saved), self.to_dict()
+        theirs.pop("total_steps", None)
+        mine.pop("total_steps")
+        return theirs == mine
 
     def num_refreshes(self) -> int:
         """Number of refreshes in a run of ``total_steps`` steps.

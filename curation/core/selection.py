@@ -1,4 +1,4 @@
-"""Excess-loss scores, top-γ token selection (the Frank–Wolfe LMO of DESIGN.md §2) and the
+"""Excess-loss scores, top-γ token selection (the Frank–Wolfe LMO of docs/DESIGN.md §2) and the
 masked proxy objective.
 
 ``select_top_fraction`` is the only selection code path: every policy (``full``, ``random``,
@@ -100,7 +100,7 @@ def select_top_fraction(
     largest scores, ties broken by lower flat (row-major) index. Invalid positions are never kept
     and their scores are not read (they may be NaN). The result is the minimiser of
     ``⟨−scores, α⟩`` over ``{α ∈ {0, 1}^N : Σα = k, α = 0 off valid}``, i.e. with
-    ``scores = ℓ(u) − ℓ(w̃)`` the LMO ``argmin ⟨ℓ(w̃) − ℓ(u), α⟩`` of DESIGN.md §2.
+    ``scores = ℓ(u) − ℓ(w̃)`` the LMO ``argmin ⟨ℓ(w̃) − ℓ(u), α⟩`` of docs/DESIGN.md §2.
 
     Runs in O(N) (one ``kthvalue`` + elementwise ops), with no Python loop over tokens. That path reads
     three numbers on the host (the non-finite check, ``#valid`` and the count above the threshold), which on

@@ -1,4 +1,4 @@
-"""Per-batch selection statistics for run summaries (DESIGN.md §6, usability).
+"""Per-batch selection statistics for run summaries (docs/DESIGN.md §6, usability).
 
 * :class:`SourceCounts`: valid and kept tokens per source (mergeable with ``+``).
 * :class:`Histogram`: fixed-edge histogram of Δ with under/overflow bins (mergeable with ``+``;
@@ -6,6 +6,7 @@
 * :func:`delta_quantiles`: exact quantiles of Δ over the valid positions of one batch.
 * :func:`param_distance`: ``‖u − w‖₂`` between two models or state dicts.
 * :func:`batch_stats`: all of the per-batch ones at once.
+* :class:`SelectionRecord`: what one proxy step trained on (the input of the above in a run).
 
 Everything returns plain Python numbers (``to_dict()`` is JSON-ready). Pure torch.
 """
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -25,6 +27,7 @@ __all__ = [
     "DEFAULT_QUANTILES",
     "BatchStats",
     "Histogram",
+    "SelectionRecord",
     "SourceCounts",
     "batch_stats",
     "delta_quantiles",
@@ -279,3 +282,40 @@ def batch_stats(
         histogram=Histogram.from_values(delta.detach()[valid], edges),
         quantiles=delta_quantiles(delta, valid, quantiles),
     )
+
+
+@dataclass
+class SelectionRecord:
+    """What one proxy step trained on (CPU numpy, full batch).
+
+    Attributes:
+        step: proxy step.
+        episode: schedule episode (-1 during warm-up).
+        ref_version: reference version that scored it (-1: none).
+        tokens: ``(b, L)`` token ids.
+        mask: ``(b, L)`` bool α (kept loss positions).
+        valid: ``(b, L)`` bool validity of loss positions.
+        scores: ``(b, L)`` float32 policy scores (Δ for excess-loss policies; NaN when unscored).
+        sources: one label per row.
+        sample_ids: ``(b,)`` candidate ids.
+        distance: ``‖u − w‖₂`` after the step (``None`` when not measured).
+    """
+
+    step: int
+    episode: int
+    ref_version: int
+    tokens: np.ndarray
+    mask: np.ndarray
+    valid: np.ndarray
+    scores: np.ndarray
+    sources: list[str]
+    sample_ids: np.ndarray
+    distance: float | None = None
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def n_valid(self) -> int:
+        return int(self.valid.sum())

@@ -1,4 +1,4 @@
-"""The deterministic candidate stream: ``(seed, step) → sample ids`` (DESIGN.md §3).
+"""The deterministic candidate stream: ``(seed, step) → sample ids`` (docs/DESIGN.md §3).
 
 Every consumer of candidate batches (the trainer's loader in single-process runs, the Ray
 coordinator and its scoring workers later) asks this one function which sequences make up proxy

@@ -1,4 +1,4 @@
-"""The coordinator's state (DESIGN.md §3): which unit a worker does next, completion, failures, redo.
+"""The coordinator's state (docs/DESIGN.md §3): which unit a worker does next, completion, failures, redo.
 
 Pure Python: no ray. The Ray coordinator actor wraps one :class:`Coordinator`.
 """

@@ -1,4 +1,4 @@
-"""The engine's plan (DESIGN.md §3): how the work is cut into units and which weights each needs.
+"""The engine's plan (docs/DESIGN.md §3): how the work is cut into units and which weights each needs.
 
 * :class:`WorkUnit` / :func:`plan_training_units` / :func:`plan_batch_units`: the work is cut into
   *step ranges* of the deterministic candidate stream; each unit is scored with one reference version
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from curation.core.schedule import WARMUP_EPISODE, Schedule
+from curation.io.shards import part_name
 
 __all__ = ["EngineError", "ScoringDataError", "WorkUnit", "plan_training_units", "plan_batch_units", "TrainingPlan",
            "worker_dir", "PROXY", "REFERENCE"]
@@ -68,8 +69,8 @@ class WorkUnit:
 
     @property
     def name(self) -> str:
-        """Part directory name (same layout as the single-process writers: ``steps-<first>-<stop>``)."""
-        return f"steps-{self.first:09d}-{self.stop:09d}"
+        """Part directory name (the single-process writers' layout: :func:`curation.io.shards.part_name`)."""
+        return part_name(self.first, self.stop)
 
     @property
     def steps(self) -> range:
@@ -129,8 +130,8 @@ def plan_training_units(
         raise ValueError(f"mode must be 'exact' or 'pipelined', got {mode!r}")
     if range_steps < 1 or snapshot_period < 1:
         raise ValueError(f"range_steps and snapshot_period must be >= 1, got {range_steps}, {snapshot_period}")
-    w, tau = schedule.warmup, schedule.tau
-    episodes = range(w, stop_step, tau)
+    w = schedule.warmup
+    episodes = schedule.episode_starts(stop_step)
     units = []
     if mode == "exact":
         for a, b in _cut(min(w, stop_step), stop_step, episodes, range_steps):

@@ -1,5 +1,10 @@
 """The reference refresh of the engine (no ray): BLADE's refresh from a proxy snapshot and the recent
 masks, or RHO-1's static reference. Runs in-process in tests and inside the Ray refresh actor.
+
+Its inputs (validation and candidate batches, the refresh call) come from
+:class:`curation.core.refresh_data.RefreshData`, as the single-process trainer's do; this module adds the
+engine's side: reading the shard directories, saving each version (and ``blade-nosync``'s optimizer state)
+to disk.
 """
 
 from __future__ import annotations
@@ -7,17 +12,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from curation.core.losses import target_valid
-from curation.core.policies import RefreshMode, get_policy, train_static_reference
+from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import RefreshWorkspace
+from curation.core.refresh_data import RecentMasks, RefreshData
+from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
 from curation.io.models import build_causal_lm
@@ -45,6 +50,8 @@ class RefreshSpec:
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
         precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
+        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (``None``: the warm-up and τ
+            of ``selection``, open-ended).
     """
 
     model: dict[str, Any]
@@ -58,6 +65,7 @@ class RefreshSpec:
     device: str = "auto"
     threads: int | None = None
     precision: str = "fp32"
+    schedule: dict[str, Any] | None = None
 
 
 def reference_path(engine_dir: str, version: int) -> str:
@@ -66,37 +74,6 @@ def reference_path(engine_dir: str, version: int) -> str:
 
 def proxy_path(engine_dir: str, step: int) -> str:
     return os.path.join(engine_dir, f"proxy-{step:09d}.safetensors")
-
-
-@dataclass
-class RecentMasks:
-    """The recent trained steps and their masks (what ``L_train(α, w)`` of a refresh uses)."""
-
-    steps: list[int] = field(default_factory=list)
-    masks: np.ndarray | None = None  # (n, b, L) uint8
-
-    def save(self, path: str) -> None:
-        from safetensors.numpy import save_file
-
-        data = {"steps": np.asarray(self.steps, dtype=np.int64)}
-        if self.masks is not None:
-            data["masks"] = np.ascontiguousarray(self.masks, dtype=np.uint8)
-        tmp = path + ".tmp"
-        save_file(data, tmp)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str) -> RecentMasks:
-        from safetensors.numpy import load_file
-
-        data = load_file(path)
-        return cls([int(s) for s in data["steps"]], data.get("masks"))
-
-    @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[int, np.ndarray]]) -> RecentMasks:
-        if not pairs:
-            return cls()
-        return cls([int(s) for s, _ in pairs], np.stack([np.asarray(m, dtype=np.uint8) for _, m in pairs]))
 
 
 class RefreshRunner:
@@ -120,15 +97,18 @@ class RefreshRunner:
         self.model_cfg = ModelConfig.model_validate(spec.model)
         self.proxy = build_causal_lm(self.model_cfg).to(self.device)
         self.validation = open_shards(spec.validation, "candidate")
-        if len(self.validation) == 0:
-            raise ValueError(f"{spec.validation}: the validation set is empty")
         self.stream = CandidateStream.from_dict(spec.stream)
         self.candidates = open_shards(spec.candidates, "candidate")
-        rb = spec.refresh_batch_size
-        n = len(self.validation)
-        # The same deterministic validation batches as the single-process trainer.
-        self._val_stream = CandidateStream(n, rb, seed=self.cfg.seed + 1)
-        self._static_stream = CandidateStream(n, rb, seed=self.cfg.seed + 2)
+        self.schedule = (Schedule.from_dict(spec.schedule) if spec.schedule is not None
+                         else Schedule(self.cfg.warmup_steps, self.cfg.tau))
+        # The same batches and settings as the single-process trainer's refreshes.
+        self.data = RefreshData(
+            selection=self.cfg, schedule=self.schedule, refresh_batch_size=spec.refresh_batch_size, lr=spec.ref_lr,
+            precision=spec.precision, num_validation=len(self.validation),
+            validation_path=spec.validation,
+            validation_tokens=lambda ids: self._tokens(self.validation, ids),
+            step_tokens=lambda step: self._tokens(self.candidates, self.stream.batch_ids(step)),
+        )
         self.opt_state: dict[str, Any] | None = None
         self.opt_version: int | None = None
         # The reference module and AdamW of a refresh, reused refresh after refresh (curation.core.refresh).
@@ -136,30 +116,6 @@ class RefreshRunner:
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
         return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
-
-    def _val_batches(self, stream: CandidateStream, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
-        for k in range(steps):
-            yield {"tokens": self._tokens(self.validation, stream.batch_ids(version * steps + k))}
-
-    def _cand_batches(self, recent: RecentMasks, steps: int, current_step: int) -> Iterator[dict[str, Tensor]]:
-        """Rows of the recent trained steps with their masks, cycled; before anything was trained (``W = 0``)
-        the batch of the refresh step with every valid token stands in (as in the single-process trainer)."""
-        if steps == 0 or self.cfg.lam == 0:
-            return iter(())
-        if recent.steps:
-            tokens = torch.cat([self._tokens(self.candidates, self.stream.batch_ids(s)) for s in recent.steps])
-            masks = torch.from_numpy(np.asarray(recent.masks).astype(bool)).reshape(tokens.shape)
-        else:
-            tokens = self._tokens(self.candidates, self.stream.batch_ids(current_step))
-            masks = target_valid(tokens)
-        n, rb = tokens.shape[0], self.spec.refresh_batch_size
-
-        def gen() -> Iterator[dict[str, Tensor]]:
-            for k in range(steps):
-                idx = torch.arange(k * rb, (k + 1) * rb) % n
-                yield {"tokens": tokens[idx], "mask": masks[idx]}
-
-        return gen()
 
     def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
         return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}
@@ -175,12 +131,7 @@ class RefreshRunner:
             weights = Weights.from_state_dict(base)
             log = {"step": 0, "version": 0, "steps": 0, "weights": self.cfg.reference_weights}
         else:
-            steps = self.cfg.rho1_steps
-            result = train_static_reference(
-                base, self._val_batches(self._static_stream, 0, steps), steps=steps, lr=self.spec.ref_lr,
-                weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
-                precision=self.spec.precision,
-            )
+            result = self.data.train_static(base)
             weights = Weights.from_state_dict(result.model)
             log = self._entry(0, 0, result, time.perf_counter() - start)
         self._save(0, weights, log)
@@ -216,15 +167,9 @@ class RefreshRunner:
                 raise ValueError(f"blade-nosync refresh {version} needs reference {version - 1}")
             prev_sd = {k: v.to(self.device) for k, v in previous.state_dict().items()}
             opt_state = self._optimizer_state(version - 1)
-        step = self.stream_step(version)
-        result = self.policy.refresh(
-            self.proxy,
-            self._val_batches(self._val_stream, version, self.cfg.refresh_steps),
-            self._cand_batches(recent, self.cfg.refresh_steps, self.stream_step(version)),
-            previous=prev_sd, optimizer_state=opt_state, steps=self.cfg.refresh_steps, lam=self.cfg.lam,
-            lr=self.spec.ref_lr, weight_decay=self.cfg.ref_weight_decay, grad_clip=self.cfg.ref_grad_clip,
-            precision=self.spec.precision, workspace=self.workspace,
-        )
+        step = self.schedule.refresh_step(version)
+        result = self.data.refresh(self.policy, self.proxy, version, recent, previous=prev_sd,
+                                   optimizer_state=opt_state, workspace=self.workspace)
         weights = Weights.from_state_dict(result.model)
         if continue_mode:
             self.opt_state, self.opt_version = result.optimizer_state, version
@@ -236,10 +181,6 @@ class RefreshRunner:
         self._save(version, weights, log)
         return weights, log
 
-    def stream_step(self, version: int) -> int:
-        """The step before which reference ``version`` is due (``W + eτ``)."""
-        return self.cfg.warmup_steps + version * self.cfg.tau
-
     def _opt_path(self, version: int) -> str:
         return os.path.join(self.spec.engine_dir, f"reference-{version:04d}.optim.pt")
 
@@ -250,10 +191,6 @@ class RefreshRunner:
         if not os.path.exists(path):
             raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")
         return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_recent(path: str) -> RecentMasks:
-    return RecentMasks.load(path) if os.path.exists(path) else RecentMasks()
 
 
 def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:

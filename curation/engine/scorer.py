@@ -6,7 +6,7 @@ sequences to per-token reference losses ``ℓ(w̃)`` as numpy float16 (``__call_
 as a Ray actor (the Ray engine wraps the class; nothing here imports ray). New reference weights
 arrive with :meth:`ReferenceScorer.load_weights` (a version number travels with them).
 
-Scored shards (DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
+Scored shards (docs/DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
 stream *by step*: a part ``steps-<first>-<stop>/`` holds the ``b`` sequences of each step
 ``first ≤ t < stop`` in stream order, and the manifest records each part's step range. The trainer
 (:class:`ScoredShards`) looks a step up by range, so parts may be written by different workers in
@@ -124,10 +124,6 @@ class ReferenceScorer:
 # ------------------------------------------------------------------------------------------------
 # scored shards
 # ------------------------------------------------------------------------------------------------
-def _part_name(first: int, stop: int) -> str:
-    return f"steps-{first:09d}-{stop:09d}"
-
-
 def write_scored_steps(
     out_dir: str,
     reader: StreamReader,
@@ -158,7 +154,7 @@ def write_scored_steps(
     Returns:
         The part's record.
     """
-    from curation.io.shards import merge_part_indexes, write_part
+    from curation.io.shards import merge_part_indexes, part_name, write_part
 
     if steps.step != 1 or len(steps) == 0:
         raise ValueError(f"steps must be a non-empty contiguous range, got {steps}")
@@ -170,7 +166,7 @@ def write_scored_steps(
         raise ValueError(
             f"{out_dir}: scored for stream {manifest.extra.get('stream')}, not {reader.stream.to_dict()}"
         )
-    name = _part_name(steps.start, steps.stop)
+    name = part_name(steps.start, steps.stop)
     for rec in manifest.shards:
         if rec.name == name and rec.complete:
             return rec

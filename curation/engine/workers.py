@@ -34,7 +34,7 @@ from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
 from curation.engine.scorer import ReferenceScorer
 from curation.engine.weights import Weights
-from curation.io.models import model_vocab_size
+from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
 from schemas.shards import SCORED, SELECTED
 from schemas.train_config import ModelConfig, ScorerConfig
@@ -184,12 +184,7 @@ class ScoringWorker:
                 raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
                                        f"({length},)")
             length = tokens.shape[0]
-            if tokens.size and int(tokens.max()) >= self.model_vocab:
-                pos = int(np.argmax(tokens >= self.model_vocab))
-                raise ScoringDataError(
-                    f"{self.where(int(i), step)}: token id {int(tokens[pos])} at position {pos} is outside the "
-                    f"model's vocabulary ({self.model_vocab} ids): tokenizer and model do not match"
-                )
+            check_token_range(tokens, self.model_vocab, self.where(int(i), step), error=ScoringDataError)
             rows.append((tokens, str(row["source"])))
         return np.stack([t for t, _ in rows]), [s for _, s in rows], ids
 

@@ -30,7 +30,7 @@ from torch import nn
 from curation.core.losses import model_logits, token_losses
 from curation.ingest.corpus import BadRecordError, iter_documents
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer
-from curation.io.models import build_causal_lm, model_vocab_size
+from curation.io.models import build_causal_lm, check_vocab
 from schemas.config import SourceConfig
 from schemas.eval_config import EvalModelSpec
 from schemas.manifest import Manifest
@@ -199,10 +199,11 @@ def load_model(ref: ModelRef, *, eos_token: str = "<|endoftext|>",
         model = build_causal_lm(ModelConfig(path=ref.model_dir, weights=ref.weights))
     except (OSError, ValueError) as e:
         raise EvalError(f"model {ref.name}: cannot load {ref.weights or ref.model_dir}: {e}") from e
-    n = model_vocab_size(model)
-    if tok.vocab_size > n:
-        raise EvalError(f"model {ref.name}: tokenizer {tok.path} has {tok.vocab_size} ids but the model "
-                        f"({ref.model_dir}) embeds only {n}: not this model's tokenizer")
+    try:
+        check_vocab(model, tok.vocab_size, what=f"tokenizer {tok.path}", setting=ref.model_dir,
+                    fix="not this model's tokenizer")
+    except ValueError as e:
+        raise EvalError(f"model {ref.name}: {e}") from None
     return model.to(device).eval(), tok
 
 

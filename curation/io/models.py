@@ -11,6 +11,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -24,6 +25,7 @@ __all__ = [
     "load_weights",
     "cpu_state_dict",
     "check_vocab",
+    "check_token_range",
 ]
 
 
@@ -64,24 +66,54 @@ def model_vocab_size(model: nn.Module) -> int:
     return int(model.get_input_embeddings().weight.shape[0])
 
 
-def check_vocab(model: nn.Module, vocab_size: int, *, what: str, setting: str = "model") -> None:
+def check_vocab(model: nn.Module, vocab_size: int, *, what: str, setting: str = "model",
+                fix: str | None = None) -> None:
     """Fail clearly when a tokenizer/shard vocabulary of ``vocab_size`` ids does not fit the model.
+
+    The one check of a *declared* vocabulary (a manifest's or a tokenizer's) against the model; the ids
+    actually read are checked by :func:`check_token_range`.
 
     Args:
         model: the causal LM.
         vocab_size: ids the data can contain (from a shard manifest or a tokenizer).
         what: where ``vocab_size`` comes from (a file), named in the message.
-        setting: the config key of the model, named in the message.
+        setting: the config key (or directory) of the model, named in the message.
+        fix: what to do about it; default: set ``<setting>.hf_config.vocab_size`` or use the model's tokenizer.
 
     Raises:
         ValueError: when the model embeds fewer ids than the data holds.
     """
     n = model_vocab_size(model)
     if n < vocab_size:
+        fix = fix or f"set {setting}.hf_config.vocab_size >= {vocab_size} or use the model's tokenizer"
         raise ValueError(
             f"vocabulary mismatch: {what} has vocab_size {vocab_size} but the model ({setting}) embeds only {n} ids; "
-            f"set {setting}.hf_config.vocab_size >= {vocab_size} or use the model's tokenizer"
+            f"{fix}"
         )
+
+
+def check_token_range(tokens: np.ndarray, model_vocab: int, where: str, *,
+                      error: type[Exception] = ValueError) -> None:
+    """Every token id must be ``< model_vocab`` (else the embedding lookup fails obscurely, on CUDA later).
+
+    The one check of the ids *read* (one sequence or a batch) against the model's vocabulary; a declared
+    vocabulary is checked by :func:`check_vocab`.
+
+    Args:
+        tokens: ``(L,)`` or ``(b, L)`` token ids.
+        model_vocab: ids the model embeds (:func:`model_vocab_size`).
+        where: the file, record or step the tokens come from, named in the message.
+        error: the exception class to raise (a caller's own ``ValueError`` subclass).
+
+    Raises:
+        ValueError: (or ``error``) naming ``where``, the first id out of range and its position.
+    """
+    if not tokens.size or int(tokens.max()) < model_vocab:
+        return
+    at = np.unravel_index(int(np.argmax(tokens >= model_vocab)), tokens.shape)
+    pos = f"position {at[-1]}" if tokens.ndim == 1 else f"row {at[0]}, position {at[-1]}"
+    raise error(f"{where}: token id {int(tokens[at])} at {pos} is outside the model's vocabulary ({model_vocab} ids): "
+                "tokenizer and model do not match")
 
 
 def cpu_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:

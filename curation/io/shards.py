@@ -11,6 +11,10 @@ MDS index (``StreamingDataset(..., validate_hash="xxh64")`` checks them too). :c
 them when it first loads a shard and raises :class:`ShardIntegrityError` naming the file and saying how to
 regenerate the part; :func:`verify_part` checks a whole part (jobs use it on a rerun to rewrite corrupt or
 missing parts). Directories written before hashes were recorded are read without the check.
+
+Parts of step-indexed directories (scored and selected-token shards) are named by :func:`part_name`; a
+directory's manifest is read and checked against its shard spec by :func:`shard_dir_info`, and
+:func:`check_tokenizer` refuses directories made with different tokenizers.
 """
 
 from __future__ import annotations
@@ -21,20 +25,31 @@ import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from schemas.manifest import Manifest, atomic_write_text
-from schemas.shards import ShardSpec, validate_shard_dir
+from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
-    "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint",
+    "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name",
+    "ShardDirInfo", "shard_dir_info", "check_tokenizer",
 ]
 
 #: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
 SHARD_HASH = "xxh64"
+
+
+def part_name(first: int, stop: int) -> str:
+    """Name of the part holding the steps ``first ≤ t < stop`` of the candidate stream.
+
+    One layout for every writer (the trainer's selected-token shards, the single-process scorer, the
+    engine's work units); zero-padded, so the names sort in step order.
+    """
+    return f"steps-{first:09d}-{stop:09d}"
 
 
 class ShardIntegrityError(ValueError):
@@ -284,3 +299,58 @@ def read_column(path: str, column: str) -> list[Any]:
         v = ds[i][column]
         out.append(np.asarray(v) if isinstance(v, np.ndarray) else v)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# what a shard directory's manifest says, and the checks every job makes before reading one
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardDirInfo:
+    """What a shard directory's manifest says about it."""
+
+    path: str
+    kind: str
+    vocab_size: int
+    seq_len: int | None
+    tokenizer_fingerprint: str | None
+    manifest: Manifest
+
+
+def shard_dir_info(path: str, spec: str) -> ShardDirInfo:
+    """Validate ``path`` against the shard ``spec`` and read its manifest.
+
+    Raises:
+        ShardSchemaError: wrong columns/encodings (names directory, shard and column), or no manifest.
+    """
+    validate_shard_dir(path, spec)
+    if not os.path.exists(Manifest.path_in(path)):
+        raise ShardSchemaError(f"{path}: no manifest.json (not written by this project's jobs)")
+    m = Manifest.load(path)
+    if m.vocab_size is None:
+        raise ShardSchemaError(f"{Manifest.path_in(path)}: manifest has no vocab_size")
+    return ShardDirInfo(path, m.kind, m.vocab_size, m.seq_len, m.tokenizer_fingerprint, m)
+
+
+def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str | None:
+    """All directories must come from one tokenizer (and from ``tokenizer`` when given).
+
+    Returns:
+        The common tokenizer fingerprint (``None`` when no manifest records one).
+
+    Raises:
+        ValueError: naming the two files whose tokenizers differ.
+    """
+    from curation.ingest.tokenizer import tokenizer_json_path
+    from schemas.manifest import sha256_file
+
+    known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
+    if tokenizer is not None:
+        path = tokenizer_json_path(tokenizer)
+        known.insert(0, (path, sha256_file(path)))
+    for where, fp in known[1:]:
+        if fp != known[0][1]:
+            raise ValueError(
+                f"tokenizer mismatch: {where} was written with tokenizer sha256 {fp[:12]}…, "
+                f"but {known[0][0]} has {known[0][1][:12]}…"
+            )
+    return known[0][1] if known else None

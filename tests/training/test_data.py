@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from curation.io.models import build_causal_lm, check_vocab
-from curation.io.shards import merge_part_indexes, write_part
+from curation.io.shards import check_tokenizer, merge_part_indexes, shard_dir_info, write_part
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, ShardSchemaError
-from schemas.train_config import demo_model_config
-from training.data import StreamBatches, annotate_batch, check_tokenizer, shard_dir_info
+from training.data import StreamBatches, annotate_batch
 
 
 def _cand(demo_root: str) -> str:
@@ -86,8 +84,29 @@ def test_tokenizer_mismatch_names_both_files(tmp_path, demo_root):
         check_tokenizer(infos, str(wrong_tok))
 
 
-def test_vocabulary_mismatch_names_the_setting(demo_root):
-    model = build_causal_lm(demo_model_config(256, hidden=32, layers=1))
-    with pytest.raises(ValueError, match=r"vocab_size 512 .* model \(model\) embeds only 256.*model.hf_config.vocab_size"):
-        check_vocab(model, 512, what="x/manifest.json", setting="model")
-    check_vocab(model, 200, what="x", setting="model")  # a larger (padded) model vocabulary is fine
+def test_annotate_batch_takes_a_non_bool_validity_mask():
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    valid = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.uint8)  # position 0 never counts anyway
+    assert annotate_batch({"tokens": tokens, "valid": valid})["kept_total"] == 2 + 3
+    assert valid.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]  # the batch's own mask is left alone
+
+
+class _NoEngine:
+    def wait_part(self, step, timeout_s):
+        raise AssertionError("the resume protocol reads no part")
+
+
+def test_engine_batches_resume_by_step_with_the_same_protocol(demo_root, tmp_path):
+    from training.engine_hooks import EngineMaskedBatches
+
+    reader = StreamReader.open(_cand(demo_root), batch_size=8, seed=3)
+    engine = EngineMaskedBatches(_NoEngine(), str(tmp_path), reader.stream, 6)
+    local = StreamBatches(reader, stop_step=6)
+    for num_samples, from_beginning in [(4 * 8, True), (2 * 8 + 3, True)]:
+        assert engine.state_dict(num_samples, from_beginning) == local.state_dict(num_samples, from_beginning)
+    engine.load_state_dict(local.state_dict(num_samples=3 * 8, from_beginning=True))
+    assert engine.start_step == 3
+    assert engine.state_dict(num_samples=2 * 8, from_beginning=False)["step"] == 5  # counted from the resumed step
+    other = StreamReader.open(_cand(demo_root), batch_size=4, seed=3).stream
+    with pytest.raises(ValueError, match="same candidates, batch_size and seed"):
+        EngineMaskedBatches(_NoEngine(), str(tmp_path), other, 6).load_state_dict(engine.state_dict(0, False))

@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from curation.core.selection import num_selected
-from curation.engine.ray_backend import init_ray, shutdown_ray
+from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from training.parallel import ATTEMPTS_FILE, train_parallel
@@ -36,10 +36,8 @@ STEPS, B, W = 12, 8, 2  # tiny_config: W=2, τ=3 (refreshes before steps 2, 5, 8
 
 @pytest.fixture(scope="module")
 def local_ray():
-    started = init_ray("local", num_cpus=2)
-    yield
-    if started:
-        shutdown_ray()
+    with ray_session("local", num_cpus=2):
+        yield
 
 
 def _columns(path: str) -> dict[str, list]:

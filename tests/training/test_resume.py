@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import shutil
 
 import numpy as np
@@ -15,7 +16,13 @@ from safetensors.torch import load_file
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
-from training.checkpoint import checkpoint_damage, load_checkpoint, weights_only_loading
+from training.checkpoint import (
+    checkpoint_damage,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+    weights_only_loading,
+)
 from training.run import train
 
 
@@ -212,3 +219,16 @@ def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resu
     assert out["run"].resumed_from == os.path.join(folder, "latest-rank0.pt")  # → step 4, intact
     assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt")) is None
     assert read_column(out["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    def draw():
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    draw()  # move every generator off its seed state
+    path = str(tmp_path / "rng.pt")
+    torch.save(rng_state(), path)
+    first = draw()
+    set_rng_state(torch.load(path, weights_only=True))
+    assert draw() == first

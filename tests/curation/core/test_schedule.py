@@ -66,3 +66,34 @@ def test_negative_step_raises_and_round_trip():
     with pytest.raises(ValueError, match="step t"):
         s.episode(-1)
     assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_episode_end_by_hand():
+    # W = 3, τ = 4, 12 steps: episode 0 = steps 3..6, episode 1 = 7..10, episode 2 = 11 (clipped at 12)
+    s = Schedule(warmup=3, tau=4, total_steps=12)
+    assert [s.episode_end(t) for t in range(3, 12)] == [7, 7, 7, 7, 11, 11, 11, 11, 12]
+    assert Schedule(warmup=0, tau=5).episode_end(12) == 15  # open-ended: not clipped
+    for t in range(3, 12):  # the same steps as the reference that scores t
+        assert s.episode_end(t) == s.steps_scored_by(s.reference_version(t)).stop
+    with pytest.raises(ValueError, match="step 2 is a warm-up step"):
+        s.episode_end(2)
+
+
+def test_same_episodes_ignores_total_steps_only():
+    s = Schedule(warmup=3, tau=4, total_steps=12)
+    assert s.same_episodes(s.to_dict())
+    assert s.same_episodes({"warmup": 3, "tau": 4, "total_steps": 40})  # a finished run extended
+    assert s.same_episodes({"warmup": 3, "tau": 4})
+    assert not s.same_episodes({"warmup": 2, "tau": 4, "total_steps": 12})
+    assert not s.same_episodes({"warmup": 3, "tau": 5, "total_steps": 12})
+    assert not s.same_episodes({})
+
+
+def test_episode_starts_are_the_refresh_steps():
+    s = Schedule(warmup=3, tau=4, total_steps=12)
+    assert list(s.episode_starts()) == [3, 7, 11] == [t for t in range(12) if s.refresh_due(t)]
+    assert list(s.episode_starts(11)) == [3, 7] and list(s.episode_starts(2)) == []
+    assert len(s.episode_starts()) == s.num_refreshes()
+    assert list(Schedule(warmup=0, tau=5).episode_starts(11)) == [0, 5, 10]
+    with pytest.raises(ValueError, match="needs a stop step"):
+        Schedule(warmup=0, tau=5).episode_starts()

@@ -1,4 +1,4 @@
-"""select_top_fraction (the LMO of DESIGN.md §2), excess_loss, num_selected and masked_mean."""
+"""select_top_fraction (the LMO of docs/DESIGN.md §2), excess_loss, num_selected and masked_mean."""
 
 from __future__ import annotations
 

@@ -9,11 +9,13 @@ import time
 import numpy as np
 import pytest
 
+from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.plan import PROXY, REFERENCE, TrainingPlan, plan_batch_units
 from curation.engine.ray_backend import RayEngine
-from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec, proxy_path
+from curation.engine.refresh_runner import RefreshRunner, RefreshSpec, proxy_path
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.models import build_causal_lm
@@ -145,7 +147,7 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     Weights.from_state_dict(model).save(proxy_path(engine_dir, 2))
     recent.save(proxy_path(engine_dir, 2).replace(".safetensors", ".recent.safetensors"))
     engine = RayEngine(units=plan.units(2), worker_spec=wspec, workers=2, threads=1, ledger=ledger,
-                       engine_dir=engine_dir, lookahead=4, plan=plan, policy_mode="sync", refresh_spec=rspec,
+                       engine_dir=engine_dir, lookahead=4, plan=plan, refresh_mode=RefreshMode.SYNC, refresh_spec=rspec,
                        device="cpu")
     try:
         engine.trainer_at(2)

@@ -11,11 +11,12 @@ import torch
 from composer.core import Callback
 
 from curation.core.losses import target_valid
+from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.core.selection import excess_loss, num_selected, select_top_fraction
 from curation.core.stream import CandidateStream
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit
-from curation.engine.refresh_runner import RecentMasks, RefreshRunner, RefreshSpec
+from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.scorer import ReferenceScorer
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec

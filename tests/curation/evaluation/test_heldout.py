@@ -183,7 +183,7 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, tok):
     small = tmp_path / "small"
     export_hf(_model(270), tok.path, str(small))  # a 270-id model with the 300-id tokenizer
     (ref,) = resolve_models([EvalModelSpec(path=str(small))])
-    with pytest.raises(EvalError, match=r"tokenizer .*tokenizer.json has 300 ids but the model .* embeds only 270"):
+    with pytest.raises(EvalError, match=r"tokenizer .*tokenizer.json has vocab_size 300 but the model .* embeds only 270 ids; not this model"):
         load_model(ref)
     # a run evaluated with a tokenizer other than the one its shards were made with
     from schemas.manifest import Manifest

@@ -1,11 +1,19 @@
-"""Models from a config dict or a local directory; weights as safetensors."""
+"""Models from a config dict or a local directory; weights as safetensors; the vocabulary checks."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from curation.io.models import build_causal_lm, load_weights, save_weights, weights_fingerprint
+from curation.io.models import (
+    build_causal_lm,
+    check_token_range,
+    check_vocab,
+    load_weights,
+    save_weights,
+    weights_fingerprint,
+)
 from schemas.train_config import ModelConfig, demo_model_config
 
 
@@ -40,3 +48,34 @@ def test_model_config_needs_exactly_one_source_and_keeps_remote_code_off():
     assert ModelConfig(path="x").trust_remote_code is False
     with pytest.raises(ValueError, match="not a local model directory"):
         build_causal_lm(ModelConfig(path="/nonexistent/model"))
+
+
+def test_vocabulary_mismatch_names_the_setting():
+    model = build_causal_lm(demo_model_config(256, hidden=32, layers=1))
+    with pytest.raises(ValueError, match=r"vocab_size 512 .* model \(model\) embeds only 256.*model.hf_config.vocab_size"):
+        check_vocab(model, 512, what="x/manifest.json", setting="model")
+    check_vocab(model, 200, what="x", setting="model")  # a larger (padded) model vocabulary is fine
+    check_vocab(model, 256, what="x", setting="model")  # exactly the model's ids
+    # another caller's advice replaces the default one (the evaluation names the model directory)
+    with pytest.raises(ValueError) as e:
+        check_vocab(model, 300, what="tokenizer t/tokenizer.json", setting="runs/a/final", fix="not this model's tokenizer")
+    assert str(e.value) == ("vocabulary mismatch: tokenizer t/tokenizer.json has vocab_size 300 but the model "
+                            "(runs/a/final) embeds only 256 ids; not this model's tokenizer")
+
+
+class _OwnError(ValueError):
+    pass
+
+
+def test_token_range_names_the_place_the_first_bad_id_and_its_position():
+    check_token_range(np.array([0, 5, 9], dtype=np.uint16), 10, "x")  # every id < 10
+    check_token_range(np.zeros((0,), dtype=np.uint16), 10, "x")  # nothing to check
+    with pytest.raises(ValueError) as e:
+        check_token_range(np.array([3, 12, 10, 4], dtype=np.uint16), 10, "cand/shard.00000.mds.zstd, record 3")
+    assert str(e.value) == ("cand/shard.00000.mds.zstd, record 3: token id 12 at position 1 is outside the model's "
+                            "vocabulary (10 ids): tokenizer and model do not match")
+    batch = np.array([[1, 2, 3], [4, 10, 99]], dtype=np.int64)  # a batch: the first bad id in row order
+    with pytest.raises(ValueError, match=r"^runs/c \(step 7\): token id 10 at row 1, position 1 is outside"):
+        check_token_range(batch, 10, "runs/c (step 7)")
+    with pytest.raises(_OwnError, match="token id 10 at position 0"):  # a caller's own error class
+        check_token_range(np.array([10]), 10, "w", error=_OwnError)

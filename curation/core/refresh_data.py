@@ -1,0 +1,207 @@
+"""What a reference refresh reads, built in one place (DESIGN.md §2).
+
+Both the single-process trainer (:class:`training.algorithm.BladeAlgorithm`) and the engine's refresh
+actor (:class:`curation.engine.refresh_runner.RefreshRunner`) compute reference versions; they must
+feed :func:`~curation.core.refresh.refresh_reference` the same batches with the same settings, or the
+engine's references (and so its masks) would differ from the trainer's. :class:`RefreshData` is that
+one recipe; the callers only say how to read token rows:
+
+* **validation batches** (``L_val``) of reference version ``e``: ``K`` batches of ``refresh_batch_size``
+  validation rows, batch ``k`` taking the ids of step ``e·K + k`` of a
+  :class:`~curation.core.stream.CandidateStream` over the validation set seeded ``seed + 1``
+  (:data:`VALIDATION_SEED_OFFSET`). RHO-1's static reference draws its ``rho1_steps`` batches the
+  same way from a stream seeded ``seed + 2`` (:data:`STATIC_SEED_OFFSET`), version 0.
+* **candidate batches** (``L_train(α, w)``) of version ``e``: the rows of the recent trained steps
+  (:class:`RecentMasks`, oldest first) with their masks α, cycled ``refresh_batch_size`` rows at a
+  time. Before anything was trained (``W = 0``, first refresh) the candidate batch of the refresh step
+  ``W + e·τ`` (:meth:`~curation.core.schedule.Schedule.refresh_step`) with every valid target stands in.
+* **the call**: ``K = refresh_steps``, ``λ``, ``η_w``, weight decay, clipping and precision, through the
+  policy's refresh (``blade``: from ``u``; ``blade-nosync``: from the previous reference).
+
+Pure torch + numpy: no ray, no composer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from curation.core.losses import target_valid
+from curation.core.policies import SelectionPolicy
+from curation.core.refresh import RefreshResult, RefreshWorkspace, train_static_reference
+from curation.core.schedule import Schedule
+from curation.core.stream import CandidateStream
+from schemas.train_config import SelectionConfig
+
+__all__ = ["STATIC_SEED_OFFSET", "VALIDATION_SEED_OFFSET", "RecentMasks", "RefreshData"]
+
+#: The validation stream of the refreshes is seeded ``selection.seed + VALIDATION_SEED_OFFSET``.
+VALIDATION_SEED_OFFSET = 1
+#: The validation stream of RHO-1's static reference is seeded ``selection.seed + STATIC_SEED_OFFSET``.
+STATIC_SEED_OFFSET = 2
+
+
+@dataclass
+class RecentMasks:
+    """The recent trained steps and their masks (what ``L_train(α, w)`` of a refresh uses).
+
+    Attributes:
+        steps: the proxy steps, oldest first.
+        masks: ``(n, b, L)`` uint8 α of those steps (``None`` when there are none).
+    """
+
+    steps: list[int] = field(default_factory=list)
+    masks: np.ndarray | None = None  # (n, b, L) uint8
+
+    def save(self, path: str) -> None:
+        """Write to a safetensors file (atomically: a temporary file renamed into place)."""
+        from safetensors.numpy import save_file
+
+        data = {"steps": np.asarray(self.steps, dtype=np.int64)}
+        if self.masks is not None:
+            data["masks"] = np.ascontiguousarray(self.masks, dtype=np.uint8)
+        tmp = path + ".tmp"
+        save_file(data, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, *, missing_ok: bool = False) -> RecentMasks:
+        """Inverse of :meth:`save`; with ``missing_ok`` a file that does not exist reads as no recent steps."""
+        from safetensors.numpy import load_file
+
+        if missing_ok and not os.path.exists(path):
+            return cls()
+        data = load_file(path)
+        return cls([int(s) for s in data["steps"]], data.get("masks"))
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[int, np.ndarray]]) -> RecentMasks:
+        """From ``(step, mask)`` pairs, oldest first (a trainer's window of recent steps)."""
+        if not pairs:
+            return cls()
+        return cls([int(s) for s, _ in pairs], np.stack([np.asarray(m, dtype=np.uint8) for _, m in pairs]))
+
+
+class RefreshData:
+    """Builds the inputs of every refresh of a run and runs it (see the module docstring).
+
+    Args:
+        selection: the run's selection settings (seed, ``K``, ``λ``, ``rho1_steps``, weight decay, clipping).
+        schedule: the run's schedule (where reference version ``e`` is due).
+        refresh_batch_size: rows per validation and per candidate batch of a refresh step.
+        lr: ``η_w``.
+        precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes.
+        num_validation: rows in the validation set.
+        validation_path: the validation set's directory (named in errors).
+        validation_tokens: ``ids → (len(ids), L)`` int64 tokens of those validation rows.
+        step_tokens: ``step → (b, L)`` int64 tokens of the candidate batch of that proxy step.
+
+    Raises:
+        ValueError: the validation set is empty (names ``validation_path``).
+    """
+
+    def __init__(
+        self,
+        *,
+        selection: SelectionConfig,
+        schedule: Schedule,
+        refresh_batch_size: int,
+        lr: float,
+        precision: str,
+        num_validation: int,
+        validation_path: str,
+        validation_tokens: Callable[[np.ndarray], Tensor],
+        step_tokens: Callable[[int], Tensor],
+    ) -> None:
+        if num_validation == 0:
+            raise ValueError(f"{validation_path}: the validation set is empty")
+        self.cfg = selection
+        self.schedule = schedule
+        self.batch_size = refresh_batch_size
+        self.lr = lr
+        self.precision = precision
+        self.validation_tokens = validation_tokens
+        self.step_tokens = step_tokens
+        n, rb = num_validation, refresh_batch_size
+        self.val_stream = CandidateStream(n, rb, seed=selection.seed + VALIDATION_SEED_OFFSET)
+        self.static_stream = CandidateStream(n, rb, seed=selection.seed + STATIC_SEED_OFFSET)
+
+    def validation_batches(self, version: int) -> Iterator[dict[str, Tensor]]:
+        """The ``K`` validation batches of reference ``version`` (read lazily, one per refresh step)."""
+        return self._val_batches(self.val_stream, version, self.cfg.refresh_steps)
+
+    def static_batches(self) -> Iterator[dict[str, Tensor]]:
+        """The ``rho1_steps`` validation batches of RHO-1's static reference."""
+        return self._val_batches(self.static_stream, 0, self.cfg.rho1_steps)
+
+    def _val_batches(self, stream: CandidateStream, version: int, steps: int) -> Iterator[dict[str, Tensor]]:
+        for k in range(steps):
+            yield {"tokens": self.validation_tokens(stream.batch_ids(version * steps + k))}
+
+    def candidate_batches(self, version: int, recent: RecentMasks) -> Iterator[dict[str, Tensor]]:
+        """The ``K`` candidate batches (``tokens``, ``mask`` = α) of reference ``version``.
+
+        The rows of ``recent``'s steps are read now and cycled; without recent steps, the refresh step's
+        candidate batch with every valid target. Nothing when ``K = 0`` or ``λ = 0`` (no ``L_train`` term).
+        """
+        steps = self.cfg.refresh_steps
+        if steps == 0 or self.cfg.lam == 0:
+            return iter(())
+        if recent.steps:
+            tokens = torch.cat([self.step_tokens(s) for s in recent.steps])
+            masks = torch.from_numpy(np.asarray(recent.masks).astype(bool)).reshape(tokens.shape)
+        else:
+            tokens = self.step_tokens(self.schedule.refresh_step(version))
+            masks = target_valid(tokens)
+        n, rb = tokens.shape[0], self.batch_size
+
+        def gen() -> Iterator[dict[str, Tensor]]:
+            for k in range(steps):
+                idx = torch.arange(k * rb, (k + 1) * rb) % n
+                yield {"tokens": tokens[idx], "mask": masks[idx]}
+
+        return gen()
+
+    def refresh(
+        self,
+        policy: SelectionPolicy,
+        proxy: nn.Module,
+        version: int,
+        recent: RecentMasks,
+        *,
+        previous: Mapping[str, Tensor] | None = None,
+        optimizer_state: Mapping[str, Any] | None = None,
+        workspace: RefreshWorkspace | None = None,
+    ) -> RefreshResult:
+        """Reference ``version`` from ``proxy`` (``u``) through ``policy``'s refresh.
+
+        Args:
+            policy: ``blade`` (from ``u``) or ``blade-nosync`` (from ``previous``, continuing ``optimizer_state``).
+            proxy: the proxy at the refresh step (not modified).
+            version: the reference version (its validation batches; its refresh step when ``recent`` is empty).
+            recent: the recent trained steps and their masks.
+            previous: ``blade-nosync``: the previous reference's weights.
+            optimizer_state: ``blade-nosync``: the previous refresh's AdamW state.
+            workspace: the reference module and AdamW reused refresh after refresh.
+        """
+        cfg = self.cfg
+        return policy.refresh(
+            proxy, self.validation_batches(version), self.candidate_batches(version, recent),
+            previous=previous, optimizer_state=optimizer_state, steps=cfg.refresh_steps, lam=cfg.lam, lr=self.lr,
+            weight_decay=cfg.ref_weight_decay, grad_clip=cfg.ref_grad_clip, precision=self.precision,
+            workspace=workspace,
+        )
+
+    def train_static(self, base: nn.Module) -> RefreshResult:
+        """RHO-1's static reference (version 0): ``rho1_steps`` steps on validation data from ``base``."""
+        cfg = self.cfg
+        return train_static_reference(
+            base, self.static_batches(), steps=cfg.rho1_steps, lr=self.lr, weight_decay=cfg.ref_weight_decay,
+            grad_clip=cfg.ref_grad_clip, precision=self.precision,
+        )

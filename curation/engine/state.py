@@ -1,0 +1,340 @@
+"""The coordinator's decisions beyond unit assignment (docs/DESIGN.md §3), Ray-free.
+
+:class:`EngineState` is everything the Ray coordinator actor decides; the actor only forwards calls to
+it, awaits, and launches refresh tasks. It runs in-process in tests.
+
+* **Weights registry**: which ``(kind, version)`` are published (the :class:`~curation.engine.coordinator.Coordinator`
+  knows) and a *handle* for each (an ``ObjectRef`` on Ray, anything in-process), loaded from
+  ``engine_dir`` when asked for and not held.
+* **Resume from disk**: the references (``reference-0003.safetensors``) and proxy snapshots
+  (``proxy-000000010.safetensors``) a killed run left are published again; a refresh whose source snapshot
+  is on disk but whose reference is not was interrupted, and :meth:`EngineState.start` runs it again with
+  the recent masks saved next to the snapshot.
+* **Refresh triggering**, from the policy's :class:`~curation.core.policies.RefreshMode`: ``STATIC`` starts
+  the static reference (version 0) once; ``SYNC`` and ``CONTINUE`` start refresh ``e`` when its source
+  snapshot ``u^(W + eτ − δ)`` is published (``CONTINUE`` also hands over reference ``e − 1``); ``NONE``
+  (given weights) never starts one.
+* **Snapshot retention** (:meth:`EngineState.prune`): a proxy snapshot is dropped (registry and disk) once
+  no unit left to do, no running refresh and no refresh still to start needs it; references stay on disk.
+* **Run statistics** (:class:`RunStats`, per source :class:`schemas.manifest.SourceCounts`), the output
+  ledger, progress and report.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from curation.core.policies import RefreshMode
+from curation.core.refresh_data import RecentMasks
+from curation.engine.coordinator import Coordinator
+from curation.engine.ledger import PartLedger, PartResult
+from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
+from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
+from curation.engine.weights import Weights
+from schemas.manifest import SourceCounts
+
+__all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
+
+#: The refresh modes whose reference is refreshed every τ steps from a published proxy snapshot.
+_REFRESHED = (RefreshMode.SYNC, RefreshMode.CONTINUE)
+#: Weights files of ``engine_dir`` (the names :func:`proxy_path` / :func:`reference_path` write); the
+#: ``proxy-*.recent.safetensors`` masks and ``reference-*.json`` logs do not match.
+_FILE = {REFERENCE: re.compile(r"reference-(\d+)\.safetensors"), PROXY: re.compile(r"proxy-(\d+)\.safetensors")}
+
+
+def recent_path(engine_dir: str, step: int) -> str:
+    """The recent masks saved next to the proxy snapshot ``u^(step)`` (inputs of the refresh it starts)."""
+    return proxy_path(engine_dir, step).replace(".safetensors", ".recent.safetensors")
+
+
+def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMasks | None = None) -> None:
+    """Save ``u^(step)`` (and the recent masks, if any) before it is published, so a resumed run finds them."""
+    weights.save(proxy_path(engine_dir, step))
+    if recent is not None and recent.steps:
+        recent.save(recent_path(engine_dir, step))
+
+
+def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:
+    """version → path of the ``kind`` weights saved under ``engine_dir``, in version order."""
+    found = {}
+    for name in os.listdir(engine_dir):
+        if m := _FILE[kind].fullmatch(name):
+            found[int(m.group(1))] = os.path.join(engine_dir, name)
+    return dict(sorted(found.items()))
+
+
+def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float | None = None,
+               device: str = "auto") -> tuple[float, float]:
+    """GPUs requested per worker and by the refresh actor, on a cluster with ``total`` GPUs.
+
+    One GPU each when the cluster has enough, else an equal fractional share (e.g. one GPU shared by two
+    workers and the refresh: 1/3 each), none without GPUs or with ``device=cpu``; ``per_worker`` given:
+    that, and what is left (at most one) for the refresh.
+
+    Raises:
+        ValueError: ``device=cuda`` on a cluster without GPUs.
+    """
+    if device == "cpu":
+        return 0.0, 0.0
+    if device == "cuda" and total == 0:
+        raise ValueError("workers.device=cuda but the Ray cluster has no GPU")
+    slots = workers + int(refresh)
+    if per_worker is not None:
+        left = max(0.0, total - per_worker * workers)
+        return per_worker, (min(1.0, left) if refresh else 0.0)
+    if total == 0:
+        return 0.0, 0.0
+    share = 1.0 if total >= slots else total / slots
+    return share, (share if refresh else 0.0)
+
+
+@dataclass
+class RunStats:
+    """What the workers reported this run: totals, and per source sequences / tokens / kept tokens."""
+
+    tokens: int = 0
+    kept_tokens: int = 0
+    parts: int = 0
+    seconds: float = 0.0
+    sources: dict[str, SourceCounts] = field(default_factory=dict)
+
+    def add(self, result: PartResult) -> None:
+        self.tokens += result.tokens
+        self.kept_tokens += result.kept_tokens
+        self.parts += 1
+        self.seconds += result.seconds
+        for src, c in result.sources.items():
+            self.sources[src] = self.sources.get(src, SourceCounts()) + SourceCounts(**c)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the ``stats`` of the engine report, in the job summaries and manifests)."""
+        return {"tokens": self.tokens, "kept_tokens": self.kept_tokens, "parts": self.parts, "seconds": self.seconds,
+                "sources": {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens}
+                            for s, c in self.sources.items()}}
+
+
+@dataclass(frozen=True)
+class RefreshTask:
+    """A reference version to compute: the static reference, or a refresh from the snapshot ``u^(source_step)``.
+
+    Attributes:
+        version: reference version (episode).
+        source_step: step of the proxy snapshot it starts from (0 for the static reference).
+        static: RHO-1's static reference (``proxy``, ``recent`` and ``previous`` unused).
+        proxy: handle of the source snapshot.
+        recent: the recent masks (``L_train`` of the refresh).
+        previous: handle of reference ``version − 1`` (``CONTINUE`` only).
+    """
+
+    version: int
+    source_step: int = 0
+    static: bool = False
+    proxy: Any = None
+    recent: RecentMasks | None = None
+    previous: Any = None
+
+
+class EngineState:
+    """The coordinator's state and decisions (see the module docstring).
+
+    Args:
+        units: all work units of the run.
+        ledger: the output directory's ledger (its finished units are not redone).
+        engine_dir: where weights versions are kept.
+        lookahead: back-pressure bound (``None``: no trainer).
+        plan: the training plan (``None``: batch curation with given weights).
+        refresh_mode: the policy's refresh mode (``NONE``: given weights).
+        load: ``path → handle`` of a weights file.
+        launch: starts a :class:`RefreshTask`, returns the handle of the reference it will produce; the
+            caller reports its end with :meth:`refresh_done`.
+    """
+
+    def __init__(self, units: Iterable[WorkUnit], *, ledger: PartLedger, engine_dir: str, lookahead: int | None = None,
+                 plan: TrainingPlan | None = None, refresh_mode: RefreshMode = RefreshMode.NONE,
+                 load: Callable[[str], Any], launch: Callable[[RefreshTask], Any] | None = None) -> None:
+        self.ledger = ledger
+        self.core = Coordinator(units, done=set(ledger.done_units()), lookahead=lookahead)
+        self.engine_dir = engine_dir
+        os.makedirs(engine_dir, exist_ok=True)
+        self.plan = plan
+        self.refresh_mode = RefreshMode(refresh_mode)
+        if plan is not None and plan.refreshes != (self.refresh_mode in _REFRESHED):
+            raise ValueError(f"refresh mode {self.refresh_mode.value!r} does not match a plan with "
+                             f"refreshes={plan.refreshes}")
+        self._load = load
+        self._launch = launch
+        self.handles: dict[tuple[str, int], Any] = {}
+        self.refreshing: dict[int, int] = {}  # version → source step
+        self.stats = RunStats()
+        self.started = time.time()
+        self._interrupted = self._resume_from_disk()
+
+    # --- registry ------------------------------------------------------------------------------
+    def _resume_from_disk(self) -> list[int]:
+        """Publish the weights a killed run left on disk; returns the refreshes it interrupted."""
+        for version in weights_on_disk(self.engine_dir, REFERENCE):
+            self.core.publish(REFERENCE, version)
+        if self.plan is None:
+            return []
+        for step, path in weights_on_disk(self.engine_dir, PROXY).items():
+            self.core.publish(PROXY, step)
+            self.handles[(PROXY, step)] = self._load(path)
+        published = self.core.published
+        return [v for s, v in sorted(self.plan.refresh_sources().items())
+                if (REFERENCE, v) not in published and (PROXY, s) in published]
+
+    def published(self, kind: str, version: int) -> bool:
+        return (kind, int(version)) in self.core.published
+
+    def handle(self, kind: str, version: int) -> Any:
+        """The handle of published weights, loaded from ``engine_dir`` when not held.
+
+        Raises:
+            EngineError: the file is missing.
+        """
+        key = (kind, int(version))
+        h = self.handles.get(key)
+        if h is None:
+            path = reference_path(self.engine_dir, version) if kind == REFERENCE else proxy_path(self.engine_dir, version)
+            if not os.path.exists(path):
+                raise EngineError(f"weights {kind} {version} are registered but {path} is missing")
+            h = self.handles[key] = self._load(path)
+        return h
+
+    def publish_weights(self, kind: str, version: int, handle: Any) -> None:
+        """Register given weights (batch curation: the checkpoints)."""
+        self.handles[(kind, int(version))] = handle
+        self.core.publish(kind, version)
+
+    def publish_proxy(self, step: int, handle: Any, recent: RecentMasks | None = None) -> bool:
+        """Register ``u^(step)`` and start the refresh it is the source of; ``False``: already registered."""
+        key = (PROXY, int(step))
+        if key in self.core.published:
+            return False
+        self.handles[key] = handle
+        self.core.publish(PROXY, step)
+        if self.plan is not None and self.refresh_mode in _REFRESHED:
+            version = self.plan.refresh_sources().get(int(step))
+            if version is not None and not self.published(REFERENCE, version):
+                self._start_refresh(version, recent or RecentMasks())
+        self.prune()
+        return True
+
+    # --- refreshes -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start what needs no trainer: the static reference (``STATIC``), refreshes interrupted by a kill."""
+        if self.refresh_mode is RefreshMode.STATIC and not self.published(REFERENCE, 0):
+            self._launch_task(RefreshTask(0, static=True))
+        for version in self._interrupted:
+            assert self.plan is not None
+            recent = RecentMasks.load(recent_path(self.engine_dir, self.plan.refresh_source(version)), missing_ok=True)
+            self._start_refresh(version, recent)
+        self._interrupted = []
+        self.prune()
+
+    def _start_refresh(self, version: int, recent: RecentMasks) -> None:
+        assert self.plan is not None
+        source = self.plan.refresh_source(version)
+        previous = None
+        if self.refresh_mode is RefreshMode.CONTINUE and version > 0:
+            if not self.published(REFERENCE, version - 1):
+                raise EngineError(f"refresh {version} (blade-nosync) needs reference {version - 1}, which is missing")
+            previous = self.handle(REFERENCE, version - 1)
+        self._launch_task(RefreshTask(version, source, proxy=self.handle(PROXY, source), recent=recent,
+                                      previous=previous))
+
+    def _launch_task(self, task: RefreshTask) -> None:
+        assert self._launch is not None, "a refresh is due but the engine has no refresh actor"
+        self.handles[(REFERENCE, task.version)] = self._launch(task)
+        self.refreshing[task.version] = task.source_step
+        self.core.publish(REFERENCE, task.version)
+
+    def refresh_done(self, version: int, error: str | None = None) -> None:
+        """A launched refresh ended (``error``: its message; the engine then fails with it)."""
+        if error is not None:
+            self.core.fail(f"refresh of reference {version} failed: {error}")
+        self.refreshing.pop(version, None)
+        self.prune()
+
+    def prune(self) -> list[int]:
+        """Drop the proxy snapshots nothing needs any more (registry and disk) and the handles of references
+        other than the latest that no unit needs (their files stay); returns the dropped snapshot steps."""
+        needed = self.core.needed() | {(PROXY, s) for s in self.refreshing.values()}
+        if self.plan is not None:  # refreshes not started yet need their source snapshot
+            for step, version in self.plan.refresh_sources().items():
+                if not self.published(REFERENCE, version):
+                    needed.add((PROXY, step))
+        latest_ref = max((v for k, v in self.core.published if k == REFERENCE), default=None)
+        dropped = []
+        for key in list(self.handles):
+            kind, version = key
+            if key in needed or (kind == REFERENCE and version == latest_ref):
+                continue
+            del self.handles[key]
+            if kind == PROXY:
+                self.core.retract(PROXY, version)
+                dropped.append(version)
+                for path in (proxy_path(self.engine_dir, version), recent_path(self.engine_dir, version)):
+                    if os.path.exists(path):
+                        os.remove(path)
+        return dropped
+
+    # --- workers and trainer -------------------------------------------------------------------
+    def complete(self, worker: int, result: PartResult) -> None:
+        """A worker wrote its unit's part: record it and count it."""
+        self.core.complete(worker, result.unit)
+        self.ledger.record(result)
+        self.stats.add(result)
+        self.prune()
+
+    def part_info(self, step: int) -> dict[str, Any] | None:
+        """``{part, first, stop, ref_version}`` of the finished part holding ``step``, ``None`` while not finished.
+
+        Raises:
+            EngineError: the engine failed, or no unit covers ``step``.
+        """
+        if self.core.failed is not None:
+            raise EngineError(self.core.failed)
+        unit = self.core.unit_for(step)
+        if unit is None:
+            raise EngineError(f"no work unit covers step {step}")
+        if unit.name not in self.core.done:
+            return None
+        rec = self.ledger.done_units()[unit.name]
+        return {"part": rec.name, "first": unit.first, "stop": unit.stop, "ref_version": unit.ref_version}
+
+    def unfinishable(self) -> list[str]:
+        """Units left to do whose weights are not published and not being refreshed: once the trainer is done,
+        nothing will publish them (a damaged part whose proxy snapshot was already dropped)."""
+        coming = {(REFERENCE, v) for v in self.refreshing}
+        return [u.name for u in self.core.pending()
+                if any(k not in self.core.published and k not in coming for k in u.needs())]
+
+    def check_finishable(self) -> None:
+        """After the trainer: raise :class:`EngineError` naming the :meth:`unfinishable` parts, if any."""
+        stuck = self.unfinishable()
+        if stuck:
+            raise EngineError(
+                f"parts {', '.join(stuck[:3])} of {self.ledger.out_dir} were damaged and cannot be redone: the proxy "
+                "snapshots they were scored with are gone (the trainer is past them); use a new output directory"
+            )
+
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
+        if not self.core.finished():
+            raise EngineError(f"finish() with {len(self.core.units) - len(self.core.done)} units not done")
+        self.ledger.finish(extra)
+
+    # --- reporting -----------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        return {**self.core.progress(), "tokens": self.stats.tokens, "kept_tokens": self.stats.kept_tokens,
+                "refreshing": sorted(self.refreshing),
+                "references": sorted(v for k, v in self.core.published if k == REFERENCE)}
+
+    def report(self) -> dict[str, Any]:
+        return {"progress": self.progress(), "stats": self.stats.to_dict(), "refreshes": refresh_logs(self.engine_dir),
+                "seconds": time.time() - self.started}
