@@ -37,8 +37,7 @@ from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
-from schemas.shards import ShardSchemaError
+from schemas.outdir import OutputDirLock, open_output_dir, report_job_errors
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -162,14 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateAndTrainConfig, description=__doc__.splitlines()[0],
                               default=CurateAndTrainConfig.demo_default, argv=argv,
                               set_example="engine.mode=pipelined --set train.output_dir=runs/demo/pipelined")
-    try:
-        out = curate_and_train(cfg)
-    except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'curate_and_train into {cfg.train.output_dir} failed')}",
-              file=sys.stderr)
+    out = report_job_errors(lambda: curate_and_train(cfg), f"curate_and_train into {cfg.train.output_dir} failed",
+                            expected=(EngineError,))
+    if out is None:
         return 1
     with open(out["summary"], encoding="utf-8") as f:
         s = json.load(f)
