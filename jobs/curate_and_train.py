@@ -35,6 +35,7 @@ from curation.engine.plan import EngineError, TrainingPlan
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import OutputDirLock, open_output_dir, report_job_errors
@@ -67,7 +68,6 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
-    from curation.io.shards import check_tokenizer, shard_dir_info
 
     cand = shard_dir_info(t.data.candidates, "candidate")
     val = shard_dir_info(t.data.validation, "candidate")
