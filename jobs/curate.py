@@ -30,8 +30,7 @@ from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
-from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
-from schemas.shards import ShardSchemaError
+from schemas.outdir import OutputDirLock, open_output_dir, report_job_errors
 
 
 def _weights(path: str, what: str) -> Weights:
@@ -104,13 +103,8 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateConfig, description=__doc__.splitlines()[0], default=CurateConfig.demo_default,
                               argv=argv, set_example="gamma=0.4 --set output_dir=runs/demo/curate/gamma0.4")
-    try:
-        s = curate(cfg)
-    except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'curating into {cfg.output_dir} failed')}", file=sys.stderr)
+    s = report_job_errors(lambda: curate(cfg), f"curating into {cfg.output_dir} failed", expected=(EngineError,))
+    if s is None:
         return 1
     print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")
     for name, c in s["per_source"].items():

@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+from curation.core.distributed import WorkerGroupFailed
 from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
@@ -37,10 +38,10 @@ from curation.engine.plan import EngineError, TrainingPlan
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import OutputDirLock, describe_os_error, open_output_dir
-from schemas.shards import ShardSchemaError
+from schemas.outdir import OutputDirLock, open_output_dir, report_job_errors
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -70,7 +71,6 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
     start = time.perf_counter()
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     _ensure_data(cfg)
-    from curation.io.shards import check_tokenizer, shard_dir_info
 
     cand = shard_dir_info(t.data.candidates, "candidate")
     val = shard_dir_info(t.data.validation, "candidate")
@@ -183,14 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateAndTrainConfig, description=__doc__.splitlines()[0],
                               default=CurateAndTrainConfig.demo_default, argv=argv,
                               set_example="engine.mode=pipelined --set train.output_dir=runs/demo/pipelined")
-    try:
-        out = curate_and_train(cfg)
-    except (EngineError, ValueError, ShardSchemaError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'curate_and_train into {cfg.train.output_dir} failed')}",
-              file=sys.stderr)
+    out = report_job_errors(lambda: curate_and_train(cfg), f"curate_and_train into {cfg.train.output_dir} failed",
+                            expected=(EngineError, WorkerGroupFailed))
+    if out is None:
         return 1
     with open(out["summary"], encoding="utf-8") as f:
         s = json.load(f)

@@ -12,10 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.ingest.corpus import BadRecordError
 from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig, parse_job_config
-from schemas.outdir import describe_os_error
+from schemas.outdir import report_job_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,13 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         PrepareConfig, description=__doc__.splitlines()[0], default=PrepareConfig.demo_default, argv=argv,
         set_example="seq_len=256 --set sources.0.text_field=body",
     )
-    try:
-        result = prepare(cfg)
-    except (BadRecordError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'preparing into {cfg.output_dir} failed')}", file=sys.stderr)
+    result = report_job_errors(lambda: prepare(cfg), f"preparing into {cfg.output_dir} failed")
+    if result is None:
         return 1
     for group, m in result.manifests.items():
         t = m.totals()

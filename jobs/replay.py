@@ -15,8 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from schemas.config import parse_job_config
-from schemas.outdir import describe_os_error
-from schemas.shards import ShardSchemaError
+from schemas.outdir import report_job_errors
 from schemas.train_config import ReplayConfig
 
 
@@ -29,13 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from training.run import replay
 
-    try:
-        out = replay(cfg)
-    except (ShardSchemaError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'replaying into {cfg.output_dir} failed')}", file=sys.stderr)
+    out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")
+    if out is None:
         return 1
     params = sum(p.numel() for p in out["run"].model.parameters())
     print(f"replayed {cfg.selected} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")

@@ -18,8 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from schemas.config import parse_job_config
-from schemas.outdir import describe_os_error
-from schemas.shards import ShardSchemaError
+from schemas.outdir import report_job_errors
 from schemas.train_config import POLICY_CHOICES, TrainConfig
 
 #: Short override names accepted by --set (e.g. --set policy=rho1).
@@ -69,18 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from training.run import train
 
-    try:
+    def run() -> dict:
         if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
             from training.parallel import train_parallel
 
-            out = train_parallel(cfg)
-        else:
-            out = train(cfg)
-    except (ShardSchemaError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, a read-only directory...: what failed and where
-        print(f"error: {describe_os_error(e, f'training into {cfg.output_dir} failed')}", file=sys.stderr)
+            return train_parallel(cfg)
+        return train(cfg)
+
+    from curation.core.distributed import WorkerGroupFailed
+
+    out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+    if out is None:
         return 1
     _report(out)
     return 0

@@ -28,15 +28,18 @@ import socket
 import sys
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel
 
 from schemas.manifest import atomic_write_text
 
+T = TypeVar("T")
+
 __all__ = [
+    "report_job_errors",
     "LOCK_NAME",
     "OPERATIONAL",
     "OutputDirError",
@@ -289,3 +292,20 @@ def describe_os_error(e: OSError, what: str) -> str:
     where = f" ({e.filename})" if e.filename and str(e.filename) not in what else ""
     hint = _HINTS.get(e.errno or 0)
     return f"{what}{where}: {e.strerror or e}" + (f"; {hint}" if hint else "")
+
+
+def report_job_errors(body: Callable[[], T], what: str, expected: tuple[type[BaseException], ...] = ()) -> T | None:
+    """Run a job's body; an error the user can act on becomes one ``error: ...`` line on stderr and ``None``.
+
+    Bad input (``ValueError`` and its subclasses: bad records, shard schemas, settings), a missing file, and
+    the ``expected`` error types are printed as they are; any other ``OSError`` (a full disk, a read-only
+    directory, ...) through :func:`describe_os_error` with ``what`` (e.g. ``"training into runs/x failed"``).
+    Anything else is a bug and propagates with its traceback.
+    """
+    try:
+        return body()
+    except (ValueError, FileNotFoundError, *expected) as e:
+        print(f"error: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"error: {describe_os_error(e, what)}", file=sys.stderr)
+    return None

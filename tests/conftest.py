@@ -37,6 +37,16 @@ def flip_bit():
     return flip
 
 
+def load_job(name: str, tag: str = ""):
+    """``jobs/<name>.py`` as a module (jobs are scripts, not a package), to call its ``main(argv)``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"job_{name}{tag}", REPO / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

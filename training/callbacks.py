@@ -25,7 +25,7 @@ from composer.loggers import Logger, LoggerDestination
 
 from curation.core.policies import ScoreKind
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
-from curation.io.shards import part_name, publish_parts, verify_part, write_part
+from curation.io.shards import PART_PREFIX, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
 from training.algorithm import BladeAlgorithm, SelectionRecord
@@ -90,7 +90,7 @@ class SelectedShardWriter(Callback):
         keep = {r.name for r in self.manifest.shards}
         for entry in sorted(os.listdir(self.out_dir)):
             # Parts written after the checkpoint this run resumes from (or half-written ones) go first.
-            if entry.startswith("steps-") and (entry.endswith(".tmp") or entry not in keep):
+            if entry.startswith(PART_PREFIX) and (entry.endswith(".tmp") or entry not in keep):
                 shutil.rmtree(os.path.join(self.out_dir, entry))
         self._publish()
 

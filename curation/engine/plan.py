@@ -7,6 +7,7 @@
   snapshots every ``P`` steps) and which refresh each snapshot starts.
 
 The rest of the Ray-free engine: :mod:`curation.engine.coordinator` (which unit a worker does next),
+:mod:`curation.engine.state` (weights registry, resume, snapshot retention, refresh triggering, stats),
 :mod:`curation.engine.ledger` (the output manifest), :mod:`curation.engine.weights` (weights in the
 object store). :mod:`curation.engine.ray_backend` wraps them in actors.
 """

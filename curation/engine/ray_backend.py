@@ -43,6 +43,7 @@ except ImportError as e:  # pragma: no cover - ray is a hard dependency of the p
 
 from torch import nn
 
+from curation.core.distributed import WorkerGroupFailed
 from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import PartLedger, PartResult
@@ -531,7 +532,7 @@ def run_trainer_group(
 
     Raises:
         ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
-        RuntimeError: the group failed more than ``max_failures`` times (the workers' errors by rank).
+        WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
     """
     import json
 
@@ -587,7 +588,8 @@ def run_trainer_group(
     if failure is not None:
         per_rank = getattr(failure, "worker_failures", None) or {}
         detail = "; ".join(f"rank {r}: {_message(err)}" for r, err in sorted(per_rank.items())) or _message(failure)
-        raise RuntimeError(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") from failure
+        raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") \
+            from failure
 
 
 class EngineClient:

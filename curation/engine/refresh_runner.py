@@ -182,7 +182,7 @@ class RefreshRunner:
         return weights, log
 
     def _opt_path(self, version: int) -> str:
-        return os.path.join(self.spec.engine_dir, f"reference-{version:04d}.optim.pt")
+        return reference_path(self.spec.engine_dir, version).replace(".safetensors", ".optim.pt")
 
     def _optimizer_state(self, version: int) -> dict[str, Any] | None:
         if self.opt_version == version and self.opt_state is not None:

@@ -1,15 +1,13 @@
-"""Plain worker classes of the engine: the scoring worker and the reference refresh (no ray).
+"""The scoring worker of the engine (no ray).
 
-* :class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference
-  ``w̃`` (and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own
-  subdirectory. Models are built once; new weights arrive as :class:`~curation.engine.weights.Weights` with a
-  version and are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.ReferenceScorer`
-  (``torch.inference_mode``, bf16 autocast on CUDA).
-* :class:`RefreshRunner` computes reference versions: the BLADE refresh from a proxy snapshot and the
-  recent masks, or RHO-1's static reference. Its batches are built exactly like the single-process
-  trainer's (:class:`training.algorithm.BladeAlgorithm`), so the two paths compute the same reference.
+:class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference ``w̃``
+(and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own subdirectory.
+Models are built once; new weights arrive as :class:`~curation.engine.weights.Weights` with a version and
+are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.ReferenceScorer`
+(``torch.inference_mode``, bf16 autocast on CUDA). The reference refresh is
+:mod:`curation.engine.refresh_runner`.
 
-Both run in-process in tests and, unchanged, inside the Ray actors of :mod:`curation.engine.ray_backend`.
+Runs in-process in tests and, unchanged, inside the Ray worker actors of :mod:`curation.engine.ray_backend`.
 """
 
 from __future__ import annotations

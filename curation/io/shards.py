@@ -35,12 +35,16 @@ from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
-    "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name",
+    "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer",
 ]
 
 #: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
 SHARD_HASH = "xxh64"
+
+
+#: Every part directory's name starts with this (see :func:`part_name`).
+PART_PREFIX = "steps-"
 
 
 def part_name(first: int, stop: int) -> str:
@@ -49,7 +53,7 @@ def part_name(first: int, stop: int) -> str:
     One layout for every writer (the trainer's selected-token shards, the single-process scorer, the
     engine's work units); zero-padded, so the names sort in step order.
     """
-    return f"steps-{first:09d}-{stop:09d}"
+    return f"{PART_PREFIX}{first:09d}-{stop:09d}"
 
 
 class ShardIntegrityError(ValueError):

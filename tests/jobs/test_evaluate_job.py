@@ -15,20 +15,11 @@ from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig
 from schemas.eval_config import EvaluateConfig
 from schemas.train_config import TrainConfig, demo_model_config
+from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _load_job(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"job_{name}", REPO / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-evaluate_job = _load_job("evaluate")
+evaluate_job = load_job("evaluate")
 
 
 def test_print_config_shows_the_demo_default(capsys):

@@ -5,7 +5,6 @@ step (the selected-token shards), the final proxy weights, and the refresh log."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,15 +19,9 @@ from curation.core.loop import LoopResult, blade_loop
 from curation.io.models import build_causal_lm
 from curation.io.shards import open_shards, read_column
 from schemas.train_config import TrainConfig
+from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _job(name: str):
-    spec = importlib.util.spec_from_file_location(f"oracle_job_{name}", REPO / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tokens(path: str) -> torch.Tensor:
@@ -82,7 +75,7 @@ def test_the_single_process_trainer_equals_the_loop(tiny_train, tmp_path, policy
     expected, cand = blade[:2] if policy == "blade" else oracle(train)
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump(train))
-    assert _job("train").main(["--config", str(config)]) == 0
+    assert load_job("train", "_oracle").main(["--config", str(config)]) == 0
     assert_equals_oracle(train["output_dir"], expected, cand)
     if policy == "blade":  # the loop is not trivially satisfied: another policy's run differs from it
         other, _ = oracle({**train, "selection": {**train["selection"], "policy": "blade-nosync"}})
@@ -94,7 +87,7 @@ def _curate_and_train(tmp_path: Path, train: dict, **engine) -> None:
               "engine": {"lookahead": 4, **engine}, "ray": {"address": "local", "num_cpus": 3}}
     path = tmp_path / "curate_and_train.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert _job("curate_and_train").main(["--config", str(path)]) == 0
+    assert load_job("curate_and_train", "_oracle").main(["--config", str(path)]) == 0
 
 
 @pytest.mark.ray

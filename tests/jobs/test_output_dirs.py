@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import errno
-import importlib.util
 import json
 import os
 import re
@@ -27,17 +26,11 @@ from schemas.outdir import (
     open_output_dir,
     operational_keys,
 )
+from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"
 CONFIG_JOBS = ("prepare", "train", "replay", "curate", "curate_and_train")
-
-
-def _load_job(name: str):
-    spec = importlib.util.spec_from_file_location(f"job_{name}_outdirs", JOBS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _small_prepare(tmp_path: Path, **kw) -> PrepareConfig:
@@ -91,7 +84,7 @@ def test_overriding_the_demo_sources_writes_no_demo_corpus_into_the_users_folder
 # curate_and_train: refused before Ray starts
 # ------------------------------------------------------------------------------------------------
 def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_starting(tmp_path):
-    job = _load_job("curate_and_train")
+    job = load_job("curate_and_train", "_outdirs")
     cfg = CurateAndTrainConfig.demo_default(str(tmp_path))
     out = cfg.train.output_dir
     open_output_dir(out, "curate_and_train", {"engine_config.yaml": cfg, "config.yaml": cfg.train}).write_records()
@@ -113,7 +106,7 @@ def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_st
 def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp_path):
     from schemas.engine_config import CurateConfig
 
-    job = _load_job("curate")
+    job = load_job("curate", "_outdirs")
     cfg = CurateConfig.demo_default(str(tmp_path))
     open_output_dir(cfg.output_dir, "curate", {"config.yaml": cfg}).write_records()
     record = (Path(cfg.output_dir) / "config.yaml").read_text()
@@ -137,14 +130,14 @@ def test_prepare_job_on_a_full_disk_names_the_file_and_a_rerun_completes(tmp_pat
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     full_disk(lambda text: '"schema_version"' in text)  # the disk fills up when the first manifest is saved
-    assert _load_job("prepare").main(["--config", str(path)]) == 1
+    assert load_job("prepare", "_outdirs").main(["--config", str(path)]) == 1
     err = capsys.readouterr().err
     manifest = os.path.join(cfg.output_dir, "candidates", "manifest.json")
     assert err.startswith(f"error: preparing into {cfg.output_dir} failed ({manifest}): No space left on device; "
                           "the disk is full: free space")
     assert "Traceback" not in err and not os.path.exists(manifest)
     monkeypatch.undo()  # space freed: the rerun completes
-    assert _load_job("prepare").main(["--config", str(path)]) == 0
+    assert load_job("prepare", "_outdirs").main(["--config", str(path)]) == 0
 
 
 def test_train_into_a_read_only_directory_names_it(tmp_path, monkeypatch):
@@ -185,12 +178,12 @@ def test_each_job_imports_this_checkouts_packages_first(name):
 @pytest.mark.parametrize("name", CONFIG_JOBS)
 def test_each_jobs_help_shows_an_example_of_its_own_config(name, capsys):
     with pytest.raises(SystemExit):
-        _load_job(name).main(["--help"])
+        load_job(name, "_outdirs").main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     example = re.search(r"e\.g\. --set (\S+)=", text)
     assert example, text
     key = example.group(1)
-    job = _load_job(name)
+    job = load_job(name, "_outdirs")
     with pytest.raises(SystemExit):
         job.main(["--print-config"])
     resolved = yaml.safe_load(capsys.readouterr().out)
@@ -221,7 +214,7 @@ def test_readme_examples_run_in_order_each_in_its_own_directory(capsys):
     assert {name for name, _ in runs} == set(CONFIG_JOBS)
     resolved: dict[str, list[tuple[list[str], dict]]] = {}
     for name, argv in runs:
-        job = _load_job(name)
+        job = load_job(name, "_outdirs")
         with pytest.raises(SystemExit) as done:
             job.main([*argv, "--print-config"])
         assert done.value.code == 0, (name, argv, capsys.readouterr().err)

@@ -17,21 +17,13 @@ from curation.io.shards import read_column
 from schemas.config import PrepareConfig, load_config
 from schemas.shards import validate_shard_dir
 from schemas.train_config import ReplayConfig, TrainConfig, demo_model_config
+from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"
 
 
-def _load_job(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"job_{name}", JOBS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_job, replay_job = _load_job("train"), _load_job("replay")
+train_job, replay_job = load_job("train"), load_job("replay")
 
 
 @pytest.fixture(scope="module")

@@ -148,3 +148,35 @@ def test_a_full_disk_names_the_file_being_written(tmp_path, full_disk):
     assert os.listdir(tmp_path) == []  # no temporary file left
     msg = describe_os_error(err.value, "preparing into /data failed")
     assert msg.startswith(f"preparing into /data failed ({path}): No space left on device; the disk is full")
+
+
+def test_report_job_errors_prints_one_line_and_lets_bugs_through(capsys):
+    import errno
+
+    from schemas.outdir import report_job_errors
+
+    assert report_job_errors(lambda: {"ok": 1}, "x failed") == {"ok": 1}
+
+    def bad_input():
+        raise ValueError("data.yaml:3: gamma must be in (0, 1]")
+
+    assert report_job_errors(bad_input, "training into runs/x failed") is None
+    assert capsys.readouterr().err == "error: data.yaml:3: gamma must be in (0, 1]\n"
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/part.tmp")
+
+    assert report_job_errors(full_disk, "training into runs/x failed") is None
+    err = capsys.readouterr().err
+    assert err.startswith("error: training into runs/x failed (runs/x/part.tmp): No space left on device; ")
+
+    class EngineDown(RuntimeError):
+        pass
+
+    def engine():
+        raise EngineDown("worker 1: bad record in shard 3")
+
+    assert report_job_errors(engine, "w", expected=(EngineDown,)) is None
+    assert capsys.readouterr().err == "error: worker 1: bad record in shard 3\n"
+    with pytest.raises(EngineDown):  # not expected by this job: a bug, with its traceback
+        report_job_errors(engine, "w")

@@ -7,7 +7,6 @@ single-process run, one uninterrupted 2-worker run, one 2-worker run whose rank-
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,12 +23,12 @@ from curation.core.selection import num_selected
 from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
+from tests.conftest import load_job
 from training.parallel import ATTEMPTS_FILE, train_parallel
 from training.run import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS, B, W = 12, 8, 2  # tiny_config: W=2, τ=3 (refreshes before steps 2, 5, 8, 11), checkpoints every 4 steps
 
@@ -63,20 +62,13 @@ def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
     return seen
 
 
-def _train_job():
-    spec = importlib.util.spec_from_file_location("train_job", os.path.join(REPO, "jobs", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray, tmp_path):
     single = train(make_config("blade", "single", max_steps=STEPS))
     # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
     par_cfg = make_config("blade", "two", max_steps=STEPS)
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(par_cfg.model_dump(mode="json")), encoding="utf-8")
-    assert _train_job().main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
+    assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
     assert yaml.safe_load((tmp_path / "two" / "config.yaml").read_text(encoding="utf-8"))["parallel"]["workers"] == 2
     par_cfg = par_cfg.model_copy(update={"parallel": par_cfg.parallel.model_copy(update={"workers": 2})})
     out = par_cfg.output_dir
