@@ -3,6 +3,7 @@
     python jobs/curate_and_train.py                          # embedded demo: prepare if missing, local Ray, ~3 min on 2 CPUs
     python jobs/curate_and_train.py --set engine.mode=pipelined --set engine.snapshot_period=4
     python jobs/curate_and_train.py --set engine.refresh=overlapped --set engine.overlap_steps=5
+    python jobs/curate_and_train.py --set train.parallel.workers=2   # the trainer as 2 Ray Train workers (exact mode)
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/curate_and_train.py --config my.yaml
 
 ``output_dir`` (``train.output_dir``)::
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+from curation.core.distributed import WorkerGroupFailed
 from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
@@ -104,8 +107,12 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         threads=eng.refresh_threads or wk.threads, precision=t.precision, schedule=schedule.to_dict(),
     )
     lock.write_records()
+    parallel = t.parallel.workers > 1  # the trainer as a Ray Train worker group (training/parallel.py)
+    if parallel:
+        from training.parallel import run_worker_group, trainer_cpus
+    run = None
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                     need_cpus=wk.count * wk.threads), RayEngine(
+                     need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), RayEngine(
             units=plan.units(wk.range_steps), worker_spec=worker_spec, workers=wk.count, threads=wk.threads,
             ledger=ledger, engine_dir=engine_dir, lookahead=eng.lookahead, plan=plan,
             refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
@@ -120,39 +127,54 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
         )
         from training.run import build_training
 
-        if pipelined:
+        if parallel:
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
+                  f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
+            res = run_worker_group(t, engine={"engine": engine, "scored_dir": out, "stream": stream, "plan": plan,
+                                              "timeout_s": eng.wait_timeout_s})
+        elif pipelined:
             run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
                 engine, out, stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
         else:
             run = build_training(t, scored=EngineScores(engine, out, stream, timeout_s=eng.wait_timeout_s),
                                  schedule=schedule)
-        sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
-        run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
-        print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
-              f"{eng.mode} mode, {eng.refresh} refresh, "
-              + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
-        run.fit()  # a rerun of a finished run only reports
+        if run is not None:
+            sync = EngineSync(engine, plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
+            run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
+                  f"{eng.mode} mode, {eng.refresh} refresh, "
+                  + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
+            run.fit()  # a rerun of a finished run only reports
+            res = {"stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
+                   "publish_seconds": sync.publish_seconds, "trainer_wait_seconds": engine.wait_seconds}
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
         report = engine.report()
 
     refs = report["refreshes"]
-    final = run.write_final(reference_path(engine_dir, max(r["version"] for r in refs)) if refs else None)
+    last_reference = reference_path(engine_dir, max(r["version"] for r in refs)) if refs else None
+    if run is not None:
+        final = run.write_final(last_reference)
+    else:  # rank 0 of the worker group wrote final/model.safetensors
+        final = res["final"]
+        if last_reference is not None:
+            shutil.copyfile(last_reference, os.path.join(final, "reference.safetensors.tmp"))
+            os.replace(os.path.join(final, "reference.safetensors.tmp"), os.path.join(final, "reference.safetensors"))
     engine_summary = {
         "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
         "snapshot_period": plan.snapshot_period if pipelined else None,
         "staleness_delta": {str(r["version"]): r.get("staleness", 0) for r in refs},
-        "trainer_wait_seconds": report["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
-        "publish_seconds": sync.publish_seconds,
+        "trainer_wait_seconds": res["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
+        "publish_seconds": res["publish_seconds"], "trainer_workers": t.parallel.workers,
         "units_redone_after_restart": report["progress"]["redone"], "scored": report["stats"],
         "engine_seconds_this_run": report["seconds"], "job_seconds_this_run": time.perf_counter() - start,
         "output_dir": out,
     }
-    extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": run.resumed_from,
+    extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": res["resumed_from"],
              "stream": stream.to_dict(), "selected_dir": os.path.join(t.output_dir, "selected")}
     from training.summary import write_summary
 
-    summary, pngs = write_summary(t.output_dir, run.stats.summary_data(), extra=extra, plots=t.plots)
+    summary, pngs = write_summary(t.output_dir, res["stats"], extra=extra, plots=t.plots)
     return {"summary": summary, "plots": pngs, "final": final, "engine": engine_summary,
             "selected": extra["selected_dir"], "scored": None if pipelined else out}
 
@@ -162,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                               default=CurateAndTrainConfig.demo_default, argv=argv,
                               set_example="engine.mode=pipelined --set train.output_dir=runs/demo/pipelined")
     out = report_job_errors(lambda: curate_and_train(cfg), f"curate_and_train into {cfg.train.output_dir} failed",
-                            expected=(EngineError,))
+                            expected=(EngineError, WorkerGroupFailed))
     if out is None:
         return 1
     with open(out["summary"], encoding="utf-8") as f:

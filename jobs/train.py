@@ -4,6 +4,7 @@
     python jobs/train.py --set policy=rho1                # full | random | rho1 | blade | blade-nosync → runs/demo/train/rho1
     python jobs/train.py --config jobs/configs/train_demo.yaml --set max_steps=60 --set selection.gamma=0.5
     python jobs/train.py --print-config
+    python jobs/train.py --set parallel.workers=2         # 2 data-parallel trainer processes (Ray Train, gloo on CPUs)
 
 Writes checkpoints (rerun the same command to resume), selected-token shards, logs/metrics.jsonl,
 summary.json and plots/ under output_dir (see training/run.py for the layout).
@@ -67,7 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from training.run import train
 
-    out = report_job_errors(lambda: train(cfg), f"training into {cfg.output_dir} failed")
+    def run() -> dict:
+        if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
+            from training.parallel import train_parallel
+
+            return train_parallel(cfg)
+        return train(cfg)
+
+    from curation.core.distributed import WorkerGroupFailed
+
+    out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     if out is None:
         return 1
     _report(out)

@@ -135,6 +135,9 @@ class CurateAndTrainConfig(StrictModel):
             raise ValueError("engine.mode=pipelined selects over the whole batch: leave train.microbatch_size unset")
         if self.train.data.scored is not None:
             raise ValueError("train.data.scored is written by the engine here (output_dir/scored): leave it unset")
+        if self.train.parallel.workers > 1 and self.engine.mode == "pipelined":
+            raise ValueError("train.parallel.workers > 1 runs with engine.mode=exact only (in pipelined mode the "
+                             "trainer only replays finished masks: one trainer process is enough)")
         return self
 
     @classmethod

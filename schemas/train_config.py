@@ -49,6 +49,7 @@ __all__ = [
     "OptimConfig",
     "EvalConfig",
     "CheckpointConfig",
+    "ParallelConfig",
     "TrainConfig",
     "ReplayConfig",
     "ScorerConfig",
@@ -142,6 +143,11 @@ class SelectionConfig(StrictModel):
     offload_reference: bool = Field(
         True, description="keep the reference on CPU between refreshes (it only scores right after a refresh)"
     )
+    scope: Literal["global", "rank"] = Field(
+        "global", description="with parallel.workers > 1: top-γ over the global candidate batch (Δ gathered from "
+        "every rank; equals the single-process selection) or over each rank's b/N rows (no collective needed "
+        "for the choice; each rank's block keeps its own γ share, like microbatch selection)"
+    )
 
 
 class OptimConfig(StrictModel):
@@ -171,6 +177,47 @@ class CheckpointConfig(StrictModel):
                          json_schema_extra=OPERATIONAL)
 
 
+class ParallelConfig(StrictModel):
+    """Data-parallel training (Ray Train's TorchTrainer hosting Composer; DESIGN.md §2, §3).
+
+    ``workers = 1`` is the single-process trainer (no Ray Train, no process group): today's outputs, bit
+    for bit. With ``workers = N > 1`` every trainer worker holds ``b/N`` rows of each candidate batch.
+    """
+
+    workers: int = Field(1, ge=1, description="trainer processes (Ray Train workers); 1 = the in-process trainer")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per trainer worker",
+                                   json_schema_extra=OPERATIONAL)
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per trainer worker; 0 = CPU training (gloo)",
+                                   json_schema_extra=OPERATIONAL)
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: a full model copy per worker (fsdp, for models that do not fit one device, "
+        "is not available yet)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="process-group backend; auto = nccl with GPUs, gloo without", json_schema_extra=OPERATIONAL)
+    max_failures: int = Field(2, ge=-1, description="restarts of the worker group from the last checkpoint after "
+                              "a worker failure (-1 = unlimited)", json_schema_extra=OPERATIONAL)
+    timeout_s: int = Field(1800, ge=1, description="timeout of the trainer's collectives (seconds)",
+                           json_schema_extra=OPERATIONAL)
+
+    @model_validator(mode="after")
+    def _checks(self) -> ParallelConfig:
+        if self.backend == "nccl" and self.gpus_per_worker == 0:
+            raise ValueError("parallel.backend=nccl needs GPUs: set parallel.gpus_per_worker > 0 (or backend=auto)")
+        if self.backend == "gloo" and self.gpus_per_worker > 0:
+            raise ValueError("parallel.backend=gloo with parallel.gpus_per_worker > 0: Composer needs nccl for GPU "
+                             "training; use backend=auto")
+        if self.strategy == "fsdp":
+            raise ValueError("parallel.strategy=fsdp is not available yet: the BLADE reference refresh copies the "
+                             "whole proxy, which a sharded model does not have on one rank; use strategy=ddp")
+        return self
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.gpus_per_worker > 0 else "gloo"
+
+
 class TrainConfig(StrictModel):
     """Config of ``jobs/train.py``: one policy, candidate shards → trained proxy + selected-token shards."""
 
@@ -197,11 +244,25 @@ class TrainConfig(StrictModel):
     distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
     progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
     plots: bool = Field(True, description="write plots/*.png with the summary", json_schema_extra=OPERATIONAL)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
         if self.microbatch_size is not None and self.microbatch_size > self.batch_size:
             raise ValueError(f"microbatch_size ({self.microbatch_size}) must be <= batch_size ({self.batch_size})")
+        n = self.parallel.workers
+        if n > 1:
+            if self.batch_size % n:
+                raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of parallel.workers ({n}): "
+                                 "every trainer worker holds batch_size / workers rows of each candidate batch")
+            per_rank = self.batch_size // n
+            if self.microbatch_size is not None and self.microbatch_size != per_rank:
+                raise ValueError(
+                    f"microbatch_size ({self.microbatch_size}) with parallel.workers={n}: each worker trains its "
+                    f"{per_rank} rows in one forward/backward (the mask must exist before the backward pass); "
+                    f"set microbatch_size to null or {per_rank}, or use more workers")
+            if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
+                raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
         return self
 
     @property

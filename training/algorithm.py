@@ -79,6 +79,7 @@ class _Pending:
     expected_kept: list[int]
     parts: list[dict[str, Any]] = field(default_factory=list)
     rows_done: int = 0
+    full: dict[str, Any] | None = None  # data-parallel: the whole candidate batch of the step
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -102,6 +103,9 @@ class BladeAlgorithm(Algorithm):
         distance_interval: measure ``‖u − w‖`` every this many steps.
         precision: the trainer's ``fp32`` / ``amp_bf16``: the reference's scoring and refresh run at the
             precision of the proxy's forward (bf16 autocast on CUDA), so Δ compares like with like.
+        parallel: on a data-parallel worker (``parallel.workers > 1``), its
+            :class:`training.parallel.ParallelSelection`: this rank's rows are scored, Δ is gathered and the
+            selection is taken over the whole batch (or per rank block), the loss normalised globally.
         timing: synchronise CUDA around timed phases (benchmarks).
         clock: the clock of :attr:`timers` (``time.perf_counter``; benchmarks on a shared CPU use
             ``time.process_time``).
@@ -122,10 +126,12 @@ class BladeAlgorithm(Algorithm):
         scored: ScoredShards | None = None,
         distance_interval: int = 1,
         precision: str = "fp32",
+        parallel: Any = None,
         timing: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg = selection
+        self.parallel = parallel
         self.policy = get_policy(selection.policy)
         self.stream_data = stream_data
         self.model_config = model_config
@@ -270,6 +276,10 @@ class BladeAlgorithm(Algorithm):
             batch["ref_loss"] = torch.from_numpy(self._ref_losses(step, batch, version))
         selecting = not warm
         gamma = self.policy.effective_gamma(self.cfg.gamma) if selecting else 1.0
+        if self.parallel is not None:  # global kept count and rows, the full batch for the record
+            expected, full = self.parallel.before_step(batch, gamma, self._valid)
+            self._pending = _Pending(step, episode, version, selecting, expected, full=full)
+            return
         valid = self._valid(batch)
         expected = [
             num_selected(gamma, int(valid[i : i + self.microbatch_size].sum()))
@@ -286,6 +296,9 @@ class BladeAlgorithm(Algorithm):
     def _ref_losses(self, step: int, batch: dict[str, Any], version: int) -> np.ndarray:
         if self.scored is not None:
             tokens, ref, episodes = self.scored.read(step)
+            if self.parallel is not None:  # this rank's rows
+                rows = self.parallel.rows(tokens.shape[0])
+                tokens, ref, episodes = tokens[rows], ref[rows], episodes[rows]
             if not np.array_equal(tokens.astype(np.int64), batch["tokens"].numpy()):
                 raise ValueError(
                     f"{self.scored.path}: the scored sequences of step {step} are not the candidate stream's"
@@ -312,7 +325,10 @@ class BladeAlgorithm(Algorithm):
             self.scorer.to(self._train_device)
             for t in range(step, max(end, step + 1)):
                 # One step per forward call, so a resumed run scores exactly the same batches.
-                self.score_cache[t] = self.scorer(self.stream_data.batch(t)["tokens"])
+                tokens = self.stream_data.batch(t)["tokens"]
+                if self.parallel is not None:  # each rank scores its own rows
+                    tokens = tokens[self.parallel.rows(tokens.shape[0])]
+                self.score_cache[t] = self.scorer(tokens)
                 self.counts["score_steps"] += 1
             if self.cfg.offload_reference:
                 self._offload()
@@ -358,6 +374,9 @@ class BladeAlgorithm(Algorithm):
                 )
             rows = proxy_losses.shape[0]
             offset = pending.rows_done
+            if self.parallel is not None:
+                self._select_across_ranks(pending, batch, proxy_losses, valid)
+                return
             if not pending.selecting:
                 mask = valid
                 scores = torch.full(valid.shape, math.nan, dtype=torch.float32, device=valid.device)
@@ -381,6 +400,27 @@ class BladeAlgorithm(Algorithm):
                 "sample_ids": batch["sample_id"].cpu().numpy(),
             })
             pending.rows_done += rows
+
+    def _select_across_ranks(self, pending: _Pending, batch: dict[str, Any], proxy_losses: Tensor,
+                             valid: Tensor) -> None:
+        """Data-parallel: Δ of this rank's rows, the selection of the whole batch, this rank's slice as α."""
+        assert pending.full is not None
+        if pending.selecting:
+            scores = self.parallel.scores(self.policy, proxy_losses, batch.get("ref_loss"), seed=self.cfg.seed,
+                                          step=pending.step)
+        else:
+            scores = torch.full(valid.shape, math.nan, dtype=torch.float32, device=valid.device)
+        sel = self.parallel.select(scores, valid, self.policy.effective_gamma(self.cfg.gamma),
+                                   selecting=pending.selecting)
+        assert sel.kept == sum(pending.expected_kept), (sel.kept, pending.expected_kept)
+        batch["loss_mask"] = sel.local
+        full = pending.full
+        pending.parts.append({
+            "tokens": full["tokens"].numpy(), "mask": sel.mask.cpu().numpy(), "valid": sel.valid.cpu().numpy(),
+            "scores": sel.scores.cpu().numpy(), "sources": list(full["source"]),
+            "sample_ids": full["sample_id"].numpy(),
+        })
+        pending.rows_done += proxy_losses.shape[0]
 
     # --- after the step ----------------------------------------------------------------------
     def _after_step(self, state: State) -> None:

@@ -26,6 +26,7 @@ from composer.models import ComposerModel
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from curation.core.distributed import normalised_loss
 from curation.core.losses import model_logits, token_losses
 from curation.core.selection import masked_mean
 
@@ -77,10 +78,7 @@ class MaskedCausalLM(ComposerModel):
         kept_total = batch.get("kept_total")
         if kept_total is None:  # no microbatch bookkeeping: the plain masked mean
             return masked_mean(losses, alpha)
-        rows_total = int(batch["rows_total"])
-        scale = rows_total / losses.shape[0]  # undone by Composer's rows_mb / rows_total
-        total = torch.where(alpha, losses, torch.zeros((), device=losses.device)).sum()
-        return total * (scale / max(int(kept_total), 1))
+        return normalised_loss(losses, alpha, kept_total=int(kept_total), rows_total=int(batch["rows_total"]))
 
     # --- metrics -----------------------------------------------------------------------------
     def get_metrics(self, is_train: bool = False) -> dict[str, Metric]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from curation.core.distributed import current_ranks
 from curation.core.schedule import Schedule
 from curation.engine.scorer import ScoredShards, resolve_device
 from curation.io.models import (
@@ -151,6 +152,10 @@ def _evaluator(path: str | None, eval_cfg: Any, model_vocab: int):
 
     rows = TokenRows(path, "candidate", model_vocab=model_vocab)
     loader = rows_loader(rows, batch_size=eval_cfg.batch_size, max_batches=eval_cfg.max_batches)
+    if current_ranks().world_size > 1:  # a data-parallel worker evaluates its share of the rows
+        from training.parallel import rank_eval_loader
+
+        loader = rank_eval_loader(loader)
     return Evaluator(label="eval", dataloader=make_data_spec(loader), metric_names=["TokenLoss", "TokenPerplexity"])
 
 
@@ -232,6 +237,9 @@ class TrainingInputs:
 def training_inputs(cfg: TrainConfig) -> TrainingInputs:
     """Set up the device, check the data directories against each other and build the model.
 
+    ``ranks`` (a :class:`curation.core.distributed.Ranks` with ``world_size > 1``): wire one worker of the
+    data-parallel trainer instead (:mod:`training.parallel`).
+
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
         ValueError: tokenizer, ``seq_len`` or vocabulary mismatch (names the files/settings), or bad settings.
@@ -275,6 +283,7 @@ def wire_training(
 def build_training(
     cfg: TrainConfig, *, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (), timing: bool = False,
     scored: Any | None = None, clock: Callable[[], float] = time.perf_counter, schedule: Schedule | None = None,
+    ranks: Any | None = None,
 ) -> TrainRun:
     """Check the data against the model and wire the Composer trainer for ``cfg``.
 
@@ -282,6 +291,8 @@ def build_training(
     ``cfg.data.scored``: the Ray engine's :class:`training.engine_hooks.EngineScores`.
     ``schedule`` is the run's schedule when the caller already built it (the Ray engine's job), else it is
     built here from ``cfg.selection`` and ``cfg.max_steps``.
+    ``ranks`` (a :class:`curation.core.distributed.Ranks` with ``world_size > 1``): wire one worker of the
+    data-parallel trainer instead (:mod:`training.parallel`).
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
@@ -295,12 +306,18 @@ def build_training(
     if scored is None and cfg.data.scored is not None:
         scored = ScoredShards(cfg.data.scored, reader.stream)
 
+    dp = None
+    if ranks is not None and ranks.world_size > 1:
+        from training.parallel import data_parallel_parts
+
+        dp = data_parallel_parts(cfg, ranks, stream_data)
     algorithm = BladeAlgorithm(
         selection=cfg.selection, stream_data=stream_data, validation=validation, model_config=cfg.model,
         schedule=schedule or Schedule(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps),
         batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
         ref_lr=cfg.selection.ref_lr or cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
         scored=scored, distance_interval=cfg.distance_interval, precision=cfg.precision, timing=timing, clock=clock,
+        parallel=dp.selection if dp else None,
     )
     stats = SelectionStats(algorithm)
     extra = {
@@ -309,11 +326,12 @@ def build_training(
         "schedule": algorithm.schedule.to_dict(),
         "gamma": cfg.selection.gamma,
         "candidates": os.path.abspath(cfg.data.candidates),
+        "world_size": cfg.parallel.workers,
     }
     writer = None
     cbs: list[Any] = [stats]
     if cfg.write_selected:
-        writer = SelectedShardWriter(
+        writer = (dp.writer if dp else SelectedShardWriter)(
             os.path.join(cfg.output_dir, "selected"), algorithm=algorithm, vocab_size=cand.vocab_size,
             seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
             flush_every=cfg.checkpoint.interval,
@@ -324,12 +342,14 @@ def build_training(
         )
         cbs.append(writer)
     cbs.extend(callbacks)
-    return wire_training(cfg, inputs, data=stream_data, algorithm=algorithm, stats=stats, callbacks=cbs,
-                         loggers=loggers, microbatch_size=cfg.microbatch_size or cfg.batch_size, writer=writer,
-                         manifest_extra=extra)
+    return wire_training(cfg, inputs, data=dp.batches if dp else stream_data, algorithm=algorithm, stats=stats,
+                         callbacks=cbs, loggers=loggers,
+                         microbatch_size=dp.microbatch_size if dp else cfg.microbatch_size or cfg.batch_size,
+                         writer=writer, manifest_extra=extra)
 
 
-def _finish(run: TrainRun, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
+def finish_training(run: TrainRun, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """After the fit: ``final/`` (proxy + last reference) and the summary (+ plots); returns their paths."""
     # the last reference w̃ (rho1: the static one), e.g. for reference_weights
     reference = run.algorithm.reference_state_dict() if run.algorithm is not None else None
     final = run.write_final(reference)
@@ -357,7 +377,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = (), timing: bool = Fal
         extra = {"resumed_from": run.resumed_from,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
-        out = _finish(run, cfg.plots, extra)
+        out = finish_training(run, cfg.plots, extra)
     out["selected"] = extra["selected_dir"]
     out["run"] = run
     return out
@@ -399,7 +419,7 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
         run = build_replay(cfg, callbacks=[curve])
         lock.write_records()
         run.fit()
-        out = _finish(run, False, {})
+        out = finish_training(run, False, {})
         atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
     out["validation"] = curve.points
     out["run"] = run

@@ -1,0 +1,59 @@
+"""The main job with the trainer as 2 Ray Train workers next to the engine (exact mode) against the single-process
+trainer on the same tiny demo: the workers read the engine's scores of their rows, rank 0 publishes u."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from curation.core.selection import num_selected
+from curation.io.shards import read_column
+from schemas.manifest import Manifest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train):
+    from schemas.train_config import TrainConfig
+    from training.run import train
+
+    out = str(tmp_path / "par")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"train": tiny_train(out), "workers": {"count": 2, "range_steps": 2},
+                                   "engine": {"lookahead": 4}}), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "curate_and_train.py"), "--config", str(cfg),
+                           "--set", "train.parallel.workers=2"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "trainer: 2 Ray Train workers" in proc.stdout
+
+    single = train(TrainConfig.model_validate(tiny_train(str(tmp_path / "single"))))
+    steps, b, w = 14, 8, 2
+    a = {c: read_column(single["selected"], c) for c in ("step", "tokens", "loss_mask")}
+    p = {c: read_column(os.path.join(out, "selected"), c) for c in ("step", "tokens", "loss_mask")}
+    assert p["step"] == [t for t in range(steps) for _ in range(b)]  # each step once: no duplicate rows
+    assert all(np.array_equal(x, y) for x, y in zip(a["tokens"], p["tokens"], strict=True))
+    ma, mp = np.stack(a["loss_mask"]).astype(bool), np.stack(p["loss_mask"]).astype(bool)
+    assert np.array_equal(ma[w * b:(w + 1) * b], mp[w * b:(w + 1) * b])  # first selecting step: exact
+    assert (ma == mp).mean() >= 0.99
+    valid = b * (mp.shape[-1] - 1)
+    assert [int(m.sum()) for m in mp.reshape(steps, b, -1)[w:]] == [num_selected(0.6, valid)] * (steps - w)
+    assert Manifest.load(os.path.join(out, "selected")).extra["world_size"] == 2
+
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        s = json.load(f)
+    with open(single["summary"], encoding="utf-8") as f:
+        s1 = json.load(f)
+    assert s["engine"]["trainer_workers"] == 2 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
+    assert abs(s["validation"][-1]["loss"] - s1["validation"][-1]["loss"]) < 1e-3
+    assert [d["step"] for d in s["param_distance"]] == list(range(2, 14))  # rank 0 measured ‖u − w‖ each step
+    assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+    assert os.path.exists(os.path.join(out, "final", "reference.safetensors"))

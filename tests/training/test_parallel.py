@@ -1,0 +1,133 @@
+"""The data-parallel trainer: 2 Ray Train workers with gloo on the (small) demo against the single-process run.
+
+Few runs, many assertions (each 2-worker group costs tens of seconds of start-up on 2 cores): one
+single-process run, one uninterrupted 2-worker run, one 2-worker run whose rank-1 process is killed
+(SIGKILL) mid-run and restarted by Ray Train from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from curation.core.selection import num_selected
+from curation.engine.ray_backend import ray_session
+from curation.io.shards import read_column
+from schemas.manifest import Manifest
+from tests.conftest import load_job
+from training.parallel import ATTEMPTS_FILE, train_parallel
+from training.run import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+STEPS, B, W = 12, 8, 2  # tiny_config: W=2, τ=3 (refreshes before steps 2, 5, 8, 11), checkpoints every 4 steps
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    with ray_session("local", num_cpus=2):
+        yield
+
+
+def _columns(path: str) -> dict[str, list]:
+    return {c: read_column(path, c) for c in ("step", "tokens", "loss_mask", "score", "source")}
+
+
+def _attempts(out: str) -> list[dict]:
+    with open(os.path.join(out, ATTEMPTS_FILE), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
+    """Wait for the first complete checkpoint of the run in ``out``, then SIGKILL the rank-1 trainer process."""
+    seen: dict = {}
+    latest = os.path.join(out, "checkpoints", "latest-rank0.pt")  # a link, made once the checkpoint is written
+    while not done.is_set():
+        if os.path.exists(latest) and os.path.exists(os.path.join(out, ATTEMPTS_FILE)):
+            pid = next(a["pid"] for a in _attempts(out) if a["rank"] == 1)
+            os.kill(pid, signal.SIGKILL)
+            seen["killed"] = pid
+            return seen
+        time.sleep(0.02)
+    return seen
+
+
+def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray, tmp_path):
+    single = train(make_config("blade", "single", max_steps=STEPS))
+    # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
+    par_cfg = make_config("blade", "two", max_steps=STEPS)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(par_cfg.model_dump(mode="json")), encoding="utf-8")
+    assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
+    assert yaml.safe_load((tmp_path / "two" / "config.yaml").read_text(encoding="utf-8"))["parallel"]["workers"] == 2
+    par_cfg = par_cfg.model_copy(update={"parallel": par_cfg.parallel.model_copy(update={"workers": 2})})
+    out = par_cfg.output_dir
+    two = {"selected": os.path.join(out, "selected"), "summary": os.path.join(out, "summary.json"),
+           "final_weights": os.path.join(out, "final", "model.safetensors")}
+
+    # --- masks, k, shards against the single-process run ---------------------------------------------
+    a, b = _columns(single["selected"]), _columns(two["selected"])
+    rows_of_steps = [t for t in range(STEPS) for _ in range(B)]
+    assert b["step"] == rows_of_steps  # every step written once, full batch, single-process row order: no duplicates
+    assert all(np.array_equal(x, y) for x, y in zip(a["tokens"], b["tokens"], strict=True))
+    assert a["source"] == b["source"]
+    ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
+    first = slice(W * B, (W + 1) * B)  # the first selecting step: exactly the single-process masks
+    assert np.array_equal(ma[first], mb[first])
+    assert (ma == mb).mean() >= 0.99
+    per_step = mb.reshape(STEPS, B, -1)
+    valid = B * (per_step.shape[-1] - 1)  # every position but the first of each row is a loss position
+    for t in range(STEPS):  # global k exact at every step (warm-up: everything)
+        assert int(per_step[t].sum()) == (valid if t < W else num_selected(par_cfg.selection.gamma, valid)), t
+    assert Manifest.load(two["selected"]).extra["world_size"] == 2
+    assert Manifest.load(single["selected"]).extra["world_size"] == 1
+
+    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, two))
+    assert sa["validation"][-1]["step"] == sb["validation"][-1]["step"] == STEPS
+    assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
+    assert sb["tokens"]["kept"] == int(mb.sum())
+    wa, wb = load_file(single["final_weights"]), load_file(two["final_weights"])
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4  # same training, summation order aside
+    assert [r["step"] for r in sb["refreshes"]] == [r["step"] for r in sa["refreshes"]] == [2, 5, 8, 11]
+    assert {x["rank"] for x in _attempts(par_cfg.output_dir)} == {0, 1}
+    with open(os.path.join(par_cfg.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+        logged = [json.loads(line) for line in f]
+    assert sum("blade/kept_tokens" in x for x in logged) == STEPS  # one metrics log (rank 0's), not two
+
+    # --- a killed worker: Ray Train restarts the group from the last checkpoint -------------------------
+    kill_cfg = make_config("blade", "killed", max_steps=STEPS, parallel={"workers": 2})
+    done, seen = threading.Event(), {}
+    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(kill_cfg.output_dir, done)))
+    killer.start()
+    try:
+        killed = train_parallel(kill_cfg)
+    finally:
+        done.set()
+        killer.join()
+    assert "killed" in seen, "the run finished before the kill"
+    attempts = _attempts(kill_cfg.output_dir)
+    assert len(attempts) == 4 and any(x["resumed_from"] for x in attempts[2:]), attempts
+    c = _columns(killed["selected"])
+    assert c["step"] == rows_of_steps
+    for col in ("tokens", "loss_mask", "source"):
+        assert all(np.array_equal(x, y) for x, y in zip(b[col], c[col], strict=True)), col
+    assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(b["score"], c["score"], strict=True))
+    wk = load_file(killed["final_weights"])
+    assert all(torch.equal(wb[k], wk[k]) for k in wb)  # bitwise equal to the uninterrupted 2-worker run
+    assert json.load(open(killed["summary"], encoding="utf-8"))["validation"] == sb["validation"]
+
+
+def test_a_group_larger_than_the_cluster_is_refused(make_config, local_ray):
+    cfg = make_config("full", "too-big", parallel={"workers": 4})  # 4 × 1 CPU on a 2-CPU instance
+    with pytest.raises(ValueError, match=r"parallel.workers=4 trainer workers .* do not fit the Ray cluster"):
+        train_parallel(cfg)
