@@ -4,6 +4,6 @@
 * :mod:`curation.core`: the algorithm, pure torch (no ray, no composer, no file formats).
 * :mod:`curation.io`: MDS shards and model weights on disk.
 * :mod:`curation.engine`: who scores which steps with which weights, where and when;
-  :mod:`curation.engine.ray_backend` is the only module that imports ray.
+  :mod:`curation.engine.ray_backend` is the only package that imports ray.
 * :mod:`curation.evaluation`: held-out losses, compute accounting, lm-evaluation-harness.
 """

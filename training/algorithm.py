@@ -103,9 +103,8 @@ class BladeAlgorithm(Algorithm):
         distance_interval: measure ``‖u − w‖`` every this many steps.
         precision: the trainer's ``fp32`` / ``amp_bf16``: the reference's scoring and refresh run at the
             precision of the proxy's forward (bf16 autocast on CUDA), so Δ compares like with like.
-        parallel: on a data-parallel worker (``parallel.workers > 1``), its
-            :class:`training.parallel.ParallelSelection`: this rank's rows are scored, Δ is gathered and the
-            selection is taken over the whole batch (or per rank block), the loss normalised globally.
+        parallel: on a data-parallel worker, its :class:`training.parallel.ParallelSelection` (this rank's
+            rows are scored; the selection is taken over the whole batch; the loss normalised globally).
         timing: synchronise CUDA around timed phases (benchmarks).
         clock: the clock of :attr:`timers` (``time.perf_counter``; benchmarks on a shared CPU use
             ``time.process_time``).
@@ -405,21 +404,13 @@ class BladeAlgorithm(Algorithm):
                              valid: Tensor) -> None:
         """Data-parallel: Δ of this rank's rows, the selection of the whole batch, this rank's slice as α."""
         assert pending.full is not None
-        if pending.selecting:
-            scores = self.parallel.scores(self.policy, proxy_losses, batch.get("ref_loss"), seed=self.cfg.seed,
-                                          step=pending.step)
-        else:
-            scores = torch.full(valid.shape, math.nan, dtype=torch.float32, device=valid.device)
-        sel = self.parallel.select(scores, valid, self.policy.effective_gamma(self.cfg.gamma),
-                                   selecting=pending.selecting)
+        sel, part = self.parallel.step(
+            self.policy, self.policy.effective_gamma(self.cfg.gamma), seed=self.cfg.seed, step=pending.step,
+            selecting=pending.selecting, full=pending.full, proxy_losses=proxy_losses,
+            ref_losses=batch.get("ref_loss"), valid=valid)
         assert sel.kept == sum(pending.expected_kept), (sel.kept, pending.expected_kept)
         batch["loss_mask"] = sel.local
-        full = pending.full
-        pending.parts.append({
-            "tokens": full["tokens"].numpy(), "mask": sel.mask.cpu().numpy(), "valid": sel.valid.cpu().numpy(),
-            "scores": sel.scores.cpu().numpy(), "sources": list(full["source"]),
-            "sample_ids": full["sample_id"].numpy(),
-        })
+        pending.parts.append(part)
         pending.rows_done += proxy_losses.shape[0]
 
     # --- after the step ----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -130,6 +131,23 @@ class ParallelSelection:
     def select(self, scores: torch.Tensor, valid: torch.Tensor, gamma: float, *, selecting: bool) -> GlobalSelection:
         """The whole batch's selection (a collective: every rank calls it at every step)."""
         return _select_across_ranks(scores, valid, gamma, self.ranks, scope=self.scope, select=selecting)
+
+    def step(self, policy: Any, gamma: float, *, seed: int, step: int, selecting: bool, full: dict[str, Any],
+             proxy_losses: torch.Tensor, ref_losses: torch.Tensor | None,
+             valid: torch.Tensor) -> tuple[GlobalSelection, dict[str, Any]]:
+        """One step's selection: Δ of this rank's rows (NaN scores in warm-up), the selection of the whole batch,
+        and the record of the whole step for the selected-token shards (``full``: the step's full batch)."""
+        if selecting:
+            scores = self.scores(policy, proxy_losses, ref_losses, seed=seed, step=step)
+        else:
+            scores = torch.full(valid.shape, math.nan, dtype=torch.float32, device=valid.device)
+        sel = self.select(scores, valid, gamma, selecting=selecting)
+        part = {
+            "tokens": full["tokens"].numpy(), "mask": sel.mask.cpu().numpy(), "valid": sel.valid.cpu().numpy(),
+            "scores": sel.scores.cpu().numpy(), "sources": list(full["source"]),
+            "sample_ids": full["sample_id"].numpy(),
+        }
+        return sel, part
 
 
 @dataclass

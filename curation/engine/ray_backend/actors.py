@@ -1,6 +1,7 @@
 """The engine on Ray (docs/DESIGN.md §3), plumbing only: the Ray session, actors, the object store, restarts.
 
-This is the only module of the project that imports ray. The actors wrap the plain classes of the Ray-free
+With :mod:`curation.engine.ray_backend.train_group` (the data-parallel trainer's worker group), the only
+code of the project that imports ray. The actors wrap the plain classes of the Ray-free
 engine, which make every decision (:mod:`curation.engine.state`: registry, resume, snapshot retention,
 refresh triggering, statistics; :mod:`curation.engine.workers`; :mod:`curation.engine.refresh_runner`);
 the driver (a job, or the trainer's process) holds a :class:`RayEngine` inside :func:`ray_session`.
@@ -43,7 +44,6 @@ except ImportError as e:  # pragma: no cover - ray is a hard dependency of the p
 
 from torch import nn
 
-from curation.core.distributed import WorkerGroupFailed
 from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import PartLedger, PartResult
@@ -82,7 +82,7 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
         address = "auto"
     if address in (None, "local"):
         # The actors import this checkout's packages, whatever else is installed (like the jobs do).
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
                  include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
@@ -92,11 +92,11 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
     return False
 
 
-def _message(err: BaseException) -> str:
+def error_message(err: BaseException) -> str:
     """The original error's message out of Ray's wrappers."""
     cause = getattr(err, "cause", None)
     if isinstance(err, RayTaskError) and cause is not None:
-        return _message(cause)
+        return error_message(cause)
     return str(err)
 
 
@@ -143,7 +143,7 @@ class _CoordinatorActor:
         try:
             await log_ref
         except Exception as e:  # the refresh raised: the engine stops with its message
-            error = _message(e)
+            error = error_message(e)
         self.state.refresh_done(version, error)
         self._notify()
 
@@ -269,7 +269,7 @@ class _WorkerActor:
             try:
                 result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
             except Exception as e:
-                message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {_message(e)}"
+                message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
                 ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}"))
                 raise
             ray.get(coordinator.complete.remote(wid, result))
@@ -367,7 +367,7 @@ class RayEngine:
         try:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
-            raise EngineError(_message(e)) from None
+            raise EngineError(error_message(e)) from None
         except RayActorError as e:  # e.g. the coordinator failed to start: its error is in the message
             raise EngineError(str(e)) from None
 
@@ -381,9 +381,9 @@ class RayEngine:
             try:
                 self.worker_results[wid] = ray.get(ref)
             except RayActorError as e:
-                raise EngineError(f"scoring worker {wid} died and was not restarted: {_message(e)}") from None
+                raise EngineError(f"scoring worker {wid} died and was not restarted: {error_message(e)}") from None
             except RayTaskError as e:
-                raise EngineError(_message(e)) from None
+                raise EngineError(error_message(e)) from None
 
     def _poll(self, ask: Callable[[], Any], *, timeout_s: float = math.inf,
               each: Callable[[], None] | None = None) -> Any:
@@ -491,133 +491,3 @@ class RayEngine:
             for actor in [*self.workers, self.coordinator, self.refresh]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
-
-
-# ================================================================================================
-# The data-parallel trainer (issue 11): a Ray Train worker group (TorchTrainer hosting Composer).
-# Self-contained section: the train-loop function lives on the training side (training/parallel.py),
-# which does not import ray; only the placement, failure config and error unwrapping are here.
-# ================================================================================================
-def _group_fits(workers: int, cpus: float, gpus: float) -> None:
-    """Refuse a worker group the cluster can never place (Ray Train would retry its start forever)."""
-    total = ray.cluster_resources()
-    have_cpu, have_gpu = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
-    if workers * cpus > have_cpu or workers * gpus > have_gpu:
-        raise ValueError(
-            f"parallel.workers={workers} trainer workers × (CPU {cpus:g}, GPU {gpus:g}) do not fit the Ray cluster "
-            f"(CPU {have_cpu:g}, GPU {have_gpu:g} in all): lower parallel.workers or the resources per worker, "
-            "or add nodes"
-        )
-
-
-def run_trainer_group(
-    train_fn: Any, config: dict[str, Any], *, workers: int, cpus_per_worker: float, gpus_per_worker: float,
-    backend: str, max_failures: int, timeout_s: int, storage_path: str, name: str, fatal_file: str | None = None,
-    monitor: Any = None, on_monitor_error: Any = None,
-) -> None:
-    """Run ``train_fn(config)`` on ``workers`` Ray Train workers (``TorchTrainer``) and wait for it.
-
-    Ray Train sets up the process group (``backend``: gloo or nccl, collectives time out after
-    ``timeout_s``) before ``train_fn`` runs, places the workers on the cluster this process joined (next to
-    the engine's actors), and restarts the whole group up to ``max_failures`` times after a worker failure
-    (``train_fn`` is then run again from the start: it resumes from its own checkpoints). ``storage_path`` is
-    Ray Train's run state: on a multi-node cluster a path every node can reach.
-
-    ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
-    exists after the run, its message is raised as a ValueError.
-
-    ``monitor()``: called every 2 s while the group runs (the engine's ``check``); when it raises,
-    ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
-    and the monitor's error is raised once the group has ended.
-
-    Raises:
-        ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
-        WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
-    """
-    import json
-
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    _group_fits(workers, cpus_per_worker, gpus_per_worker)
-    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-    trainer = TorchTrainer(
-        train_fn, train_loop_config=config, torch_config=TorchConfig(backend=backend, timeout_s=timeout_s),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus_per_worker > 0,
-                                     resources_per_worker=resources),
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures)),
-    )
-    failure: BaseException | None = None
-    monitored: BaseException | None = None
-    if monitor is None:
-        try:
-            trainer.fit()
-        except TrainingFailedError as e:
-            failure = e
-    else:
-        import threading
-
-        box: dict[str, BaseException] = {}
-
-        def fit() -> None:
-            try:
-                trainer.fit()
-            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-                box["error"] = e
-
-        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(2.0)
-            if monitored is None and thread.is_alive():
-                try:
-                    monitor()
-                except Exception as e:  # noqa: BLE001 - raised below, after the group ended
-                    monitored = e
-                    if on_monitor_error is not None:
-                        on_monitor_error()
-        failure = box.get("error")
-        if monitored is not None:
-            raise monitored
-        if failure is not None and not isinstance(failure, TrainingFailedError):
-            raise failure
-    if fatal_file is not None and os.path.exists(fatal_file):
-        with open(fatal_file, encoding="utf-8") as f:
-            raise ValueError(json.load(f)["message"]) from failure
-    if failure is not None:
-        per_rank = getattr(failure, "worker_failures", None) or {}
-        detail = "; ".join(f"rank {r}: {_message(err)}" for r, err in sorted(per_rank.items())) or _message(failure)
-        raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") \
-            from failure
-
-
-class EngineClient:
-    """A trainer worker's handle on a running engine (picklable: the coordinator's actor handle travels in the
-    worker group's config). The trainer API of :class:`RayEngine` (the same methods), on the coordinator's
-    handle: ``wait_part`` (every rank: each needs the scores of its rows), ``trainer_at`` and ``publish_proxy``
-    (rank 0 only: the weights are identical on every rank), ``reference``, ``progress``. The scoring workers are
-    checked by the driver while the group trains (:func:`run_trainer_group`'s ``monitor``), not here.
-    """
-
-    def __init__(self, coordinator: Any, engine_dir: str) -> None:
-        self.coordinator = coordinator
-        self.engine_dir = engine_dir
-        self.wait_seconds = 0.0
-        self.waits: list[tuple[int, float]] = []
-
-    def check(self) -> None:
-        """Nothing to check in a worker: the driver checks the engine."""
-
-    _get = RayEngine._get
-    _poll = RayEngine._poll
-    wait_part = RayEngine.wait_part
-    trainer_at = RayEngine.trainer_at
-    publish_proxy = RayEngine.publish_proxy
-    reference = RayEngine.reference
-    progress = RayEngine.progress
-
-
-def engine_client(engine: RayEngine) -> EngineClient:
-    """The handle trainer workers use to reach ``engine`` (its coordinator)."""
-    return EngineClient(engine.coordinator, engine.engine_dir)

@@ -1,0 +1,144 @@
+"""The data-parallel trainer's worker group on Ray Train (``TorchTrainer`` hosting Composer), plumbing only.
+
+The train-loop function lives on the training side (:mod:`training.parallel`, which does not import ray);
+here are the placement, the failure config, the monitoring of the engine while the group trains, and the
+unwrapping of the workers' errors. With :mod:`curation.engine.ray_backend.actors`, the only code that
+imports ray.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from curation.core.distributed import WorkerGroupFailed
+from curation.engine.ray_backend.actors import RayEngine, error_message
+
+__all__ = ["run_trainer_group", "EngineClient", "engine_client"]
+
+
+def _group_fits(workers: int, cpus: float, gpus: float) -> None:
+    """Refuse a worker group the cluster can never place (Ray Train would retry its start forever)."""
+    total = ray.cluster_resources()
+    have_cpu, have_gpu = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
+    if workers * cpus > have_cpu or workers * gpus > have_gpu:
+        raise ValueError(
+            f"parallel.workers={workers} trainer workers × (CPU {cpus:g}, GPU {gpus:g}) do not fit the Ray cluster "
+            f"(CPU {have_cpu:g}, GPU {have_gpu:g} in all): lower parallel.workers or the resources per worker, "
+            "or add nodes"
+        )
+
+
+def run_trainer_group(
+    train_fn: Any, config: dict[str, Any], *, workers: int, cpus_per_worker: float, gpus_per_worker: float,
+    backend: str, max_failures: int, timeout_s: int, storage_path: str, name: str, fatal_file: str | None = None,
+    monitor: Any = None, on_monitor_error: Any = None,
+) -> None:
+    """Run ``train_fn(config)`` on ``workers`` Ray Train workers (``TorchTrainer``) and wait for it.
+
+    Ray Train sets up the process group (``backend``: gloo or nccl, collectives time out after
+    ``timeout_s``) before ``train_fn`` runs, places the workers on the cluster this process joined (next to
+    the engine's actors), and restarts the whole group up to ``max_failures`` times after a worker failure
+    (``train_fn`` is then run again from the start: it resumes from its own checkpoints). ``storage_path`` is
+    Ray Train's run state: on a multi-node cluster a path every node can reach.
+
+    ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
+    exists after the run, its message is raised as a ValueError.
+
+    ``monitor()``: called every 2 s while the group runs (the engine's ``check``); when it raises,
+    ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
+    and the monitor's error is raised once the group has ended.
+
+    Raises:
+        ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
+        WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
+    """
+    import json
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    _group_fits(workers, cpus_per_worker, gpus_per_worker)
+    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    trainer = TorchTrainer(
+        train_fn, train_loop_config=config, torch_config=TorchConfig(backend=backend, timeout_s=timeout_s),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus_per_worker > 0,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    failure: BaseException | None = None
+    monitored: BaseException | None = None
+    if monitor is None:
+        try:
+            trainer.fit()
+        except TrainingFailedError as e:
+            failure = e
+    else:
+        import threading
+
+        box: dict[str, BaseException] = {}
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+                box["error"] = e
+
+        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(2.0)
+            if monitored is None and thread.is_alive():
+                try:
+                    monitor()
+                except Exception as e:  # noqa: BLE001 - raised below, after the group ended
+                    monitored = e
+                    if on_monitor_error is not None:
+                        on_monitor_error()
+        failure = box.get("error")
+        if monitored is not None:
+            raise monitored
+        if failure is not None and not isinstance(failure, TrainingFailedError):
+            raise failure
+    if fatal_file is not None and os.path.exists(fatal_file):
+        with open(fatal_file, encoding="utf-8") as f:
+            raise ValueError(json.load(f)["message"]) from failure
+    if failure is not None:
+        per_rank = getattr(failure, "worker_failures", None) or {}
+        detail = "; ".join(f"rank {r}: {error_message(err)}" for r, err in sorted(per_rank.items())) or error_message(failure)
+        raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") \
+            from failure
+
+
+class EngineClient:
+    """A trainer worker's handle on a running engine (picklable: the coordinator's actor handle travels in the
+    worker group's config). The trainer API of :class:`RayEngine` (the same methods), on the coordinator's
+    handle: ``wait_part`` (every rank: each needs the scores of its rows), ``trainer_at`` and ``publish_proxy``
+    (rank 0 only: the weights are identical on every rank), ``reference``, ``progress``. The scoring workers are
+    checked by the driver while the group trains (:func:`run_trainer_group`'s ``monitor``), not here.
+    """
+
+    def __init__(self, coordinator: Any, engine_dir: str) -> None:
+        self.coordinator = coordinator
+        self.engine_dir = engine_dir
+        self.wait_seconds = 0.0
+        self.waits: list[tuple[int, float]] = []
+
+    def check(self) -> None:
+        """Nothing to check in a worker: the driver checks the engine."""
+
+    _get = RayEngine._get
+    _poll = RayEngine._poll
+    wait_part = RayEngine.wait_part
+    trainer_at = RayEngine.trainer_at
+    publish_proxy = RayEngine.publish_proxy
+    reference = RayEngine.reference
+    progress = RayEngine.progress
+
+
+def engine_client(engine: RayEngine) -> EngineClient:
+    """The handle trainer workers use to reach ``engine`` (its coordinator)."""
+    return EngineClient(engine.coordinator, engine.engine_dir)
