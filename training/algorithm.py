@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from curation.core.losses import target_valid
 from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import RefreshWorkspace
-from curation.core.refresh_data import RecentMasks, RefreshData
+from curation.core.refresh_data import RecentMasks, RefreshData, recent_state, restore_recent
 from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.core.selection import num_selected
 from curation.core.stats import SelectionRecord, param_distance
@@ -456,7 +456,6 @@ class BladeAlgorithm(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         reference = self.reference_state_dict()
-        recent_steps = [s for s, _ in self.recent]
         return {
             "repr": repr(self),
             "policy": self.policy.name,
@@ -466,8 +465,7 @@ class BladeAlgorithm(Algorithm):
             "ref_version": int(self.ref_version),
             "reference": reference,
             "ref_optimizer": self.ref_opt_state,
-            "recent_steps": torch.tensor(recent_steps, dtype=torch.int64),
-            "recent_masks": (torch.from_numpy(np.stack([m for _, m in self.recent])) if self.recent else None),
+            **recent_state(self.recent),
             "refresh_log": list(self.refresh_log),
             "timers": dict(self.timers),
             "counts": dict(self.counts),
@@ -489,10 +487,7 @@ class BladeAlgorithm(Algorithm):
         self.ref_version = int(state["ref_version"])
         self._loaded_reference = state.get("reference")
         self.ref_opt_state = state.get("ref_optimizer")
-        self.recent.clear()
-        masks = state.get("recent_masks")
-        for i, s in enumerate(state["recent_steps"].tolist()):
-            self.recent.append((int(s), masks[i].numpy().copy()))
+        restore_recent(self.recent, state)
         self.refresh_log = list(state.get("refresh_log", []))
         self.timers.update(state.get("timers", {}))
         self.counts.update(state.get("counts", {}))

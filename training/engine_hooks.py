@@ -30,7 +30,7 @@ from torch import nn
 
 from curation.core.losses import target_valid
 from curation.core.policies import get_policy
-from curation.core.refresh_data import RecentMasks
+from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
 from curation.core.stats import param_distance
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartCache
@@ -221,16 +221,12 @@ class EngineSelection(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "recent_steps": torch.tensor([s for s, _ in self.recent], dtype=torch.int64),
-            "recent_masks": torch.from_numpy(np.stack([m for _, m in self.recent])) if self.recent else None,
+            **recent_state(self.recent),
             "counts": dict(self.counts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.recent.clear()
-        masks = state.get("recent_masks")
-        for i, s in enumerate(state["recent_steps"].tolist()):
-            self.recent.append((int(s), masks[i].numpy().copy()))
+        restore_recent(self.recent, state)
         self.counts.update(state.get("counts", {}))
 
 

@@ -24,7 +24,8 @@ Pure torch + numpy: no ray, no composer.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,3 +206,21 @@ class RefreshData:
             base, self.static_batches(), steps=cfg.rho1_steps, lr=self.lr, weight_decay=cfg.ref_weight_decay,
             grad_clip=cfg.ref_grad_clip, precision=self.precision,
         )
+
+
+def recent_state(recent: Iterable[tuple[int, np.ndarray]]) -> dict[str, Tensor | None]:
+    """The recent ``(step, mask)`` pairs as checkpoint tensors (``recent_steps``, ``recent_masks``)."""
+    pairs = list(recent)
+    return {
+        "recent_steps": torch.tensor([s for s, _ in pairs], dtype=torch.int64),
+        "recent_masks": torch.from_numpy(np.stack([m for _, m in pairs])) if pairs else None,
+    }
+
+
+def restore_recent(recent: deque[tuple[int, np.ndarray]], state: Mapping[str, Any]) -> None:
+    """Refill ``recent`` from a checkpoint written with :func:`recent_state`."""
+    recent.clear()
+    masks = state.get("recent_masks")
+    for i, s in enumerate(state["recent_steps"].tolist()):
+        recent.append((int(s), masks[i].numpy().copy()))
+

@@ -127,3 +127,21 @@ def test_recent_masks_round_trip_and_missing_file(tmp_path):
     assert empty.steps == [] and empty.masks is None
     with pytest.raises(Exception, match="absent"):
         RecentMasks.load(str(tmp_path / "absent.safetensors"))
+
+
+def test_recent_pairs_round_trip_through_checkpoint_tensors():
+    from collections import deque
+
+    from curation.core.refresh_data import recent_state, restore_recent
+
+    pairs = deque([(5, np.eye(3, 4, dtype=np.uint8)), (6, np.ones((3, 4), dtype=np.uint8))], maxlen=2)
+    state = recent_state(pairs)
+    assert state["recent_steps"].tolist() == [5, 6] and state["recent_masks"].shape == (2, 3, 4)
+    back = deque(maxlen=2)
+    back.append((1, np.zeros((3, 4), dtype=np.uint8)))  # replaced, not appended to
+    restore_recent(back, state)
+    assert [s for s, _ in back] == [5, 6] and all(np.array_equal(a[1], b[1]) for a, b in zip(back, pairs, strict=True))
+    empty = recent_state(deque())
+    assert empty["recent_steps"].tolist() == [] and empty["recent_masks"] is None
+    restore_recent(back, empty)
+    assert len(back) == 0
