@@ -98,3 +98,16 @@ def test_gpu_preset_meets_the_brief():
     assert s.checkpoint_interval is not None and s.checkpoint_interval < s.steps
     assert PRESETS["cpu"] == Setting()  # the default preset is the previous CPU setting
     assert SHARED.endswith("data")
+
+
+def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
+    """A package upgrade that adds settings with behaviour-preserving defaults must not retrain (or delete) runs."""
+    from schemas.train_config import TrainConfig
+    from training.quality.runs import _effective
+
+    cfg = TrainConfig.demo_default().model_dump(mode="json")
+    old = {k: v for k, v in cfg.items() if k != "parallel"}
+    old["selection"] = {k: v for k, v in cfg["selection"].items() if k != "scope"}
+    assert _effective(old) == _effective(cfg)
+    changed = {**old, "batch_size": old["batch_size"] * 2}
+    assert _effective(changed) != _effective(cfg)

@@ -116,7 +116,20 @@ _UNUSED_BY = {p: ("refresh_steps", "ref_lr", "lam", "ref_weight_decay", "ref_gra
 _OPERATIONAL = operational_keys(TrainConfig) | operational_keys(ReplayConfig)
 
 
+def _current_schema(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded run config as the current TrainConfig would write it: settings added since the run was
+    recorded get their defaults (which reproduce the old behaviour), so a package upgrade does not retrain
+    (or delete) finished runs; a config the current schema rejects is returned as it is (and differs)."""
+    body = {k: v for k, v in config.items() if k != "snapshots"}
+    try:
+        body = TrainConfig.model_validate(body).model_dump(mode="json")
+    except ValueError:
+        return config
+    return {**body, **({"snapshots": config["snapshots"]} if "snapshots" in config else {})}
+
+
 def _effective(config: dict[str, Any]) -> dict[str, Any]:
+    config = _current_schema(config)
     sel = config.get("selection")
     if not isinstance(sel, dict):
         return config
