@@ -117,6 +117,7 @@ def _curate_and_train(cfg: CurateAndTrainConfig, lock: OutputDirLock) -> dict:
             ledger=ledger, engine_dir=engine_dir, lookahead=eng.lookahead, plan=plan,
             refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec, max_restarts=wk.max_restarts,
             device=wk.device, gpus=wk.gpus,
+            reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
     ) as engine:
         # Composer takes seconds to import: done while the actors start and load their models.
         from training.engine_hooks import (

@@ -69,27 +69,35 @@ def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:
 
 
 def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float | None = None,
-               device: str = "auto") -> tuple[float, float]:
-    """GPUs requested per worker and by the refresh actor, on a cluster with ``total`` GPUs.
+               device: str = "auto", reserved: float = 0.0) -> tuple[float, float]:
+    """GPUs requested per worker and by the refresh actor, on a cluster with ``total`` GPUs of which
+    ``reserved`` are held for something else (the data-parallel trainer group's workers).
 
-    One GPU each when the cluster has enough, else an equal fractional share (e.g. one GPU shared by two
-    workers and the refresh: 1/3 each), none without GPUs or with ``device=cpu``; ``per_worker`` given:
-    that, and what is left (at most one) for the refresh.
+    One GPU each when the cluster has enough, else an equal fractional share of what is not reserved (e.g.
+    one GPU shared by two workers and the refresh: 1/3 each), none without GPUs or with ``device=cpu``;
+    ``per_worker`` given: that, and what is left (at most one) for the refresh.
 
     Raises:
-        ValueError: ``device=cuda`` on a cluster without GPUs.
+        ValueError: ``device=cuda`` on a cluster without GPUs (or with all of them reserved); ``per_worker``
+            GPUs that do not fit next to the reserved ones.
     """
     if device == "cpu":
         return 0.0, 0.0
-    if device == "cuda" and total == 0:
-        raise ValueError("workers.device=cuda but the Ray cluster has no GPU")
+    free = max(0.0, total - reserved)
+    if device == "cuda" and free == 0:
+        raise ValueError("workers.device=cuda but the Ray cluster has no GPU"
+                         + (f" left beside the trainer's {reserved:g}" if reserved and total else ""))
     slots = workers + int(refresh)
     if per_worker is not None:
-        left = max(0.0, total - per_worker * workers)
+        if per_worker * workers > free:
+            raise ValueError(f"workers.gpus={per_worker:g} × {workers} scoring workers do not fit the Ray cluster's "
+                             f"{total:g} GPUs" + (f" beside the trainer's {reserved:g}" if reserved else "")
+                             + ": lower workers.gpus or workers.count, or add GPUs")
+        left = free - per_worker * workers
         return per_worker, (min(1.0, left) if refresh else 0.0)
-    if total == 0:
+    if free == 0:
         return 0.0, 0.0
-    share = 1.0 if total >= slots else total / slots
+    share = 1.0 if free >= slots else free / slots
     return share, (share if refresh else 0.0)
 
 

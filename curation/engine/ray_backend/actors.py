@@ -310,6 +310,7 @@ class RayEngine:
         max_restarts: restarts of a crashed worker (and retries of its ``serve`` call).
         device: workers' device setting (``cpu`` requests no GPU).
         gpus: GPUs per worker (``None``: :func:`~curation.engine.state.gpu_shares` of the cluster's GPUs).
+        reserved_gpus: GPUs of the cluster held for the data-parallel trainer group (not shared out here).
         fixed_weights: ``{(kind, version): Weights}`` put in the object store once (batch curation).
     """
 
@@ -317,14 +318,16 @@ class RayEngine:
         self, *, units: Sequence[WorkUnit], worker_spec: WorkerSpec, workers: int, threads: int,
         ledger: dict[str, Any], engine_dir: str, lookahead: int | None = None, plan: TrainingPlan | None = None,
         refresh_mode: RefreshMode = RefreshMode.NONE, refresh_spec: RefreshSpec | None = None, max_restarts: int = 3,
-        device: str = "auto", gpus: float | None = None, fixed_weights: dict[tuple[str, int], Weights] | None = None,
+        device: str = "auto", gpus: float | None = None, reserved_gpus: float = 0.0,
+        fixed_weights: dict[tuple[str, int], Weights] | None = None,
     ) -> None:
         self.engine_dir = engine_dir
         self.plan = plan
         self.wait_seconds = 0.0
         self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
         total = 0.0 if device == "cpu" else float(ray.cluster_resources().get("GPU", 0.0))
-        gpu_w, gpu_r = gpu_shares(total, workers, refresh=refresh_spec is not None, per_worker=gpus, device=device)
+        gpu_w, gpu_r = gpu_shares(total, workers, refresh=refresh_spec is not None, per_worker=gpus, device=device,
+                                  reserved=reserved_gpus)
         self.gpus = {"per_worker": gpu_w, "refresh": gpu_r}
         refresh = None
         if refresh_spec is not None:

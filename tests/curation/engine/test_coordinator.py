@@ -333,3 +333,19 @@ def test_gpu_shares():
     assert gpu_shares(4.0, 1, refresh=True, per_worker=1.0) == (1.0, 1.0)
     with pytest.raises(ValueError, match="workers.device=cuda but the Ray cluster has no GPU"):
         gpu_shares(0.0, 1, refresh=False, device="cuda")
+
+
+def test_gpu_shares_leave_the_trainer_groups_gpus_alone():
+    # 8 GPUs, a 4-GPU trainer group: 2 scoring workers and the refresh get one each of the other 4
+    assert gpu_shares(8.0, 2, refresh=True, reserved=4.0) == (1.0, 1.0)
+    # 4 GPUs, a 2-GPU trainer group: 3 slots share the 2 left
+    assert gpu_shares(4.0, 2, refresh=True, reserved=2.0) == (2 / 3, 2 / 3)
+    assert gpu_shares(4.0, 1, refresh=True, per_worker=1.0, reserved=2.0) == (1.0, 1.0)
+    assert gpu_shares(3.0, 1, refresh=True, per_worker=1.0, reserved=2.0) == (1.0, 0.0)
+    with pytest.raises(ValueError, match=r"workers.gpus=1 × 2 scoring workers do not fit the Ray cluster's 4 GPUs "
+                                         r"beside the trainer's 3: lower workers.gpus"):
+        gpu_shares(4.0, 2, refresh=False, per_worker=1.0, reserved=3.0)
+    with pytest.raises(ValueError, match="workers.device=cuda but the Ray cluster has no GPU left beside the "
+                                         "trainer's 2"):
+        gpu_shares(2.0, 1, refresh=False, device="cuda", reserved=2.0)
+    assert gpu_shares(2.0, 1, refresh=True, reserved=2.0) == (0.0, 0.0)  # auto: the engine scores on CPU
