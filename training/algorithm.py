@@ -32,9 +32,15 @@ Checkpoints: :meth:`BladeAlgorithm.state_dict` holds the reference weights and (
 its optimizer state, the schedule, the reference version, the next step, the recent batches'
 masks, the refresh log and the global RNG states (restored at ``FIT_START``: Composer skips its
 own RNG restore when a dataset resumes itself mid-epoch). Only tensors and plain Python values,
-so the checkpoint loads with ``torch.load(weights_only=True)``. Pre-computed scores are not saved:
-they are recomputed from the restored reference for the rest of the episode, step by step as in an
-uninterrupted run, so resuming gives the same masks bit for bit on CPU.
+so the checkpoint loads with ``torch.load(weights_only=True)``. The pre-computed scores of the rest of the
+episode are saved with it (single process; float16, a few MB), so a resumed run takes the same scores as an
+uninterrupted one without re-scoring; without them (data-parallel ranks, whose rows differ) they are
+recomputed from the restored reference, step by step as in an uninterrupted run: the same masks bit for
+bit on CPU.
+
+Off the training device (CUDA), a ``blade`` reference that has scored its whole episode is kept as a
+:class:`training.reference_store.CompactReference` (bfloat16, one reused host buffer) instead of its float32
+module: it is only read for ``‖u − w̃‖``, checkpoints and ``final/reference.safetensors`` after that.
 """
 
 from __future__ import annotations
@@ -56,16 +62,16 @@ from torch import Tensor, nn
 
 from curation.core.losses import target_valid
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData, recent_state, restore_recent
 from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.core.selection import num_selected
 from curation.core.stats import SelectionRecord, param_distance
 from curation.engine.scorer import ReferenceScorer, ScoredShards
 from curation.io.models import load_weights
-from schemas.train_config import ModelConfig, ScorerConfig, SelectionConfig
+from schemas.train_config import ModelConfig, SelectionConfig
 from training.checkpoint import rng_state, set_rng_state
 from training.data import StreamBatches, TokenRows
+from training.reference_store import InProcessReference
 
 __all__ = ["BladeAlgorithm", "SelectionRecord"]
 
@@ -145,12 +151,14 @@ class BladeAlgorithm(Algorithm):
         self.uses_reference = self.policy.needs_reference
         self.in_process = self.uses_reference and scored is None
 
-        self.scorer: ReferenceScorer | None = None
-        # The refresh's reference module and AdamW, reused refresh after refresh (curation.core.refresh).
-        self.workspace = self._new_workspace()
+        # w̃, its scorer and the refresh workspace (module and AdamW reused refresh after refresh)
+        self.reference = InProcessReference(
+            model_config=model_config, precision=precision, batch_size=selection.score_batch_size or batch_size,
+            offload=selection.offload_reference, keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
         self.ref_version = WARMUP_EPISODE
         self.ref_opt_state: dict[str, Any] | None = None
         self.score_cache: dict[int, np.ndarray] = {}
+        self._loaded_scores: dict[int, np.ndarray] = {}
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=selection.refresh_candidate_batches)
         self.refresh_log: list[dict[str, Any]] = []
         self.timers: dict[str, float] = {"select": 0.0, "score": 0.0, "refresh": 0.0, "distance": 0.0}
@@ -160,13 +168,20 @@ class BladeAlgorithm(Algorithm):
         self._pending: _Pending | None = None
         self._loaded_reference: dict[str, Tensor] | None = None
         self._loaded_rng: dict[str, Any] | None = None
-        self._train_device = torch.device("cpu")
         self.refresh_data = RefreshData(
             selection=selection, schedule=schedule, refresh_batch_size=refresh_batch_size, lr=ref_lr,
             precision=precision, num_validation=len(validation), validation_path=validation.path,
             validation_tokens=lambda ids: torch.stack([validation[int(i)]["tokens"] for i in ids]),
             step_tokens=lambda step: stream_data.batch(step)["tokens"],
         )
+
+    @property
+    def scorer(self) -> ReferenceScorer | None:
+        return self.reference.scorer
+
+    @property
+    def _train_device(self) -> torch.device:
+        return self.reference.train_device
 
     def __repr__(self) -> str:
         return f"BladeAlgorithm(policy={self.policy.name!r})"
@@ -191,7 +206,7 @@ class BladeAlgorithm(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         proxy = self._proxy(state)
-        self._train_device = next(proxy.parameters()).device
+        self.reference.train_device = next(proxy.parameters()).device
         step = int(state.timestamp.batch)
         if step != self.next_step:
             raise ValueError(
@@ -204,8 +219,10 @@ class BladeAlgorithm(Algorithm):
         if not self.in_process:
             return
         if self._loaded_reference is not None:
-            self._set_reference(self._build_reference_module(proxy, self._loaded_reference), self.ref_version)
+            module = self._build_reference_module(proxy, self._loaded_reference)
             self._loaded_reference = None
+            self.score_cache, self._loaded_scores = self._loaded_scores, {}
+            self._set_reference(module, self.ref_version, keep_scores=True)
         elif self.policy.refresh_mode is RefreshMode.STATIC:
             self._train_static(proxy)
 
@@ -214,39 +231,21 @@ class BladeAlgorithm(Algorithm):
         module.load_state_dict(weights, strict=True)
         return module
 
-    def _set_reference(self, module: nn.Module, version: int, *, offload: bool = True) -> None:
-        """Make ``module`` the scoring reference. A freshly refreshed one stays where it was computed
-        (``offload=False``): it scores the coming steps there right away and is offloaded after that
-        (:meth:`_precompute`), so its weights cross to the host once per refresh, not there and back."""
-        if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
-            where = "cuda" if next(module.parameters()).device.type == "cuda" else "cpu"
-            cfg = ScorerConfig(model=self.model_config, device=where, precision=self.precision,
-                               batch_size=self.cfg.score_batch_size or self.batch_size)
-            self.scorer = ReferenceScorer(cfg, model=module)
-        else:
-            self.scorer.model = module.eval()
-            for p in module.parameters():
-                p.requires_grad_(False)
-        self.scorer.version = version
+    def _set_reference(self, module: nn.Module, version: int, *, offload: bool = True, keep_scores: bool = False,
+                       ) -> None:
+        """Make ``module`` the scoring reference (:meth:`InProcessReference.set`)."""
         self.ref_version = version
-        self.score_cache.clear()
-        if not offload:
-            self.scorer.device = next(module.parameters()).device
-        elif self.cfg.offload_reference:
-            self._offload()
-        else:
-            self.scorer.to(self._train_device)
+        if not keep_scores:
+            self.score_cache.clear()
+        self.reference.set(module, version, offload=offload, compact=self._scored_episode())
 
-    def _offload(self) -> None:
-        """Move the reference off the training device (a no-op on a CPU). The refresh workspace it lives in
-        goes with it: the next refresh builds its module on the training device again (device to device)."""
-        assert self.scorer is not None
-        if self.scorer.device.type != "cpu":
-            self.scorer.to("cpu")
-            self.workspace = self._new_workspace()
-
-    def _new_workspace(self) -> RefreshWorkspace:
-        return RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
+    def _scored_episode(self) -> bool:
+        """A ``blade`` reference (single process) whose scores of the rest of its episode are all cached: it will
+        not score again, so off the training device it is kept compact."""
+        if self.policy.refresh_mode is not RefreshMode.SYNC or self.parallel is not None:
+            return False
+        step = self.next_step
+        return all(t in self.score_cache for t in range(step, max(self.schedule.episode_end(step), step + 1)))
 
     def _train_static(self, proxy: nn.Module) -> None:
         with self._timed("refresh"):
@@ -316,21 +315,20 @@ class BladeAlgorithm(Algorithm):
 
     def _precompute(self, step: int) -> None:
         """Score the coming steps of the episode with the reference, then offload it."""
-        assert self.scorer is not None, "no reference to score with"
         end = self.schedule.episode_end(step)
         if self.cfg.score_lookahead is not None:
             end = min(end, step + self.cfg.score_lookahead)
         with self._timed("score"):
-            self.scorer.to(self._train_device)
+            scorer = self.reference.scorer_on_device()
             for t in range(step, max(end, step + 1)):
                 # One step per forward call, so a resumed run scores exactly the same batches.
                 tokens = self.stream_data.batch(t)["tokens"]
                 if self.parallel is not None:  # each rank scores its own rows
                     tokens = tokens[self.parallel.rows(tokens.shape[0])]
-                self.score_cache[t] = self.scorer(tokens)
+                self.score_cache[t] = scorer(tokens)
                 self.counts["score_steps"] += 1
             if self.cfg.offload_reference:
-                self._offload()
+                self.reference.offload(compact=self._scored_episode())
 
     def _refresh(self, state: State, episode: int) -> None:
         proxy = self._proxy(state)
@@ -338,15 +336,15 @@ class BladeAlgorithm(Algorithm):
             p.grad = None
         continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
         previous = None
-        if continue_mode and self.scorer is not None and self.ref_version >= 0:
-            previous = {k: v.to(self._train_device) for k, v in self.scorer.model.state_dict().items()}
-        elif self.scorer is not None:
-            self.scorer.model = None  # blade: the old reference is not needed any more
+        if continue_mode and self.reference.module is not None and self.ref_version >= 0:
+            previous = {k: v.to(self._train_device) for k, v in self.reference.module.state_dict().items()}
+        else:
+            self.reference.drop()  # blade: the old reference is not needed any more
         self.score_cache.clear()
         with self._timed("refresh"):
             result = self.refresh_data.refresh(
                 self.policy, proxy, episode, RecentMasks.from_pairs(list(self.recent)), previous=previous,
-                optimizer_state=self.ref_opt_state if continue_mode else None, workspace=self.workspace,
+                optimizer_state=self.ref_opt_state if continue_mode else None, workspace=self.reference.workspace,
             )
         self.ref_opt_state = result.optimizer_state if continue_mode else None
         self.counts["refreshes"] += 1
@@ -425,9 +423,10 @@ class BladeAlgorithm(Algorithm):
             sources=[s for p in parts for s in p["sources"]],
             sample_ids=np.concatenate([p["sample_ids"] for p in parts]),
         )
-        if self.scorer is not None and self.scorer.model is not None and pending.step % self.distance_interval == 0:
+        reference = self.reference.for_distance()
+        if reference is not None and pending.step % self.distance_interval == 0:
             with self._timed("distance"):
-                rec.distance = param_distance(self._proxy(state), self.scorer.model)
+                rec.distance = param_distance(self._proxy(state), reference)
         self.recent.append((pending.step, rec.mask.astype(np.uint8)))
         self.counts["selected_steps"] += int(pending.selecting)
         self.last = rec
@@ -449,10 +448,8 @@ class BladeAlgorithm(Algorithm):
     # --- checkpoint state --------------------------------------------------------------------
     def reference_state_dict(self) -> dict[str, Tensor] | None:
         """The current reference ``w̃``'s weights on the CPU (None before the first refresh, and for
-        full / random, which have no reference)."""
-        if self.scorer is not None and self.scorer.model is not None:
-            return {k: v.detach().to("cpu").clone() for k, v in self.scorer.model.state_dict().items()}
-        return self._loaded_reference
+        full / random, which have no reference; bfloat16 once compacted, see the module docstring)."""
+        return self.reference.state_dict() or self._loaded_reference
 
     def state_dict(self) -> dict[str, Any]:
         reference = self.reference_state_dict()
@@ -465,6 +462,9 @@ class BladeAlgorithm(Algorithm):
             "ref_version": int(self.ref_version),
             "reference": reference,
             "ref_optimizer": self.ref_opt_state,
+            # the scores of the rest of the episode (a data-parallel checkpoint is rank 0's: its rows only)
+            "scores": {} if self.parallel is not None else {
+                int(t): torch.from_numpy(v) for t, v in self.score_cache.items() if t >= self.next_step},
             **recent_state(self.recent),
             "refresh_log": list(self.refresh_log),
             "timers": dict(self.timers),
@@ -486,6 +486,7 @@ class BladeAlgorithm(Algorithm):
         self.next_step = int(state["next_step"])
         self.ref_version = int(state["ref_version"])
         self._loaded_reference = state.get("reference")
+        self._loaded_scores = {int(t): v.numpy() for t, v in (state.get("scores") or {}).items()}
         self.ref_opt_state = state.get("ref_optimizer")
         restore_recent(self.recent, state)
         self.refresh_log = list(state.get("refresh_log", []))

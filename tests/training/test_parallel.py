@@ -127,6 +127,26 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert json.load(open(killed["summary"], encoding="utf-8"))["validation"] == sb["validation"]
 
 
+def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_ray):
+    """``selection.scope: rank``: each rank's b/N rows keep their own γ share, with no collective for the choice;
+    that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,
+    so the masks must agree at every step (not only the first selecting one); each rank's block has its own k."""
+    single = train(make_config("random", "single-mb", max_steps=STEPS, microbatch_size=B // 2))
+    two = train_parallel(make_config("random", "two-rank", max_steps=STEPS, parallel={"workers": 2},
+                                     selection={"scope": "rank"}))
+    a, b = _columns(single["selected"]), _columns(two["selected"])
+    assert b["step"] == [t for t in range(STEPS) for _ in range(B)]
+    ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
+    assert np.array_equal(ma, mb)
+    blocks = mb.reshape(STEPS, 2, B // 2, -1)
+    valid = (B // 2) * (blocks.shape[-1] - 1)
+    gamma = make_config("random").selection.gamma
+    for t in range(W, STEPS):  # each rank's block keeps exactly its own share
+        assert [int(blocks[t, r].sum()) for r in range(2)] == [num_selected(gamma, valid)] * 2, t
+    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, two))
+    assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
+
+
 def test_a_group_larger_than_the_cluster_is_refused(make_config, local_ray):
     cfg = make_config("full", "too-big", parallel={"workers": 4})  # 4 × 1 CPU on a 2-CPU instance
     with pytest.raises(ValueError, match=r"parallel.workers=4 trainer workers .* do not fit the Ray cluster"):

@@ -45,7 +45,8 @@ def _columns(path: str) -> dict[str, list]:
 def test_resume_mid_episode_gives_the_same_masks_and_weights(make_config, policy):
     # W=2, τ=3: refreshes before steps 2, 5, 8. Checkpoints every 4 steps; the kill comes after step 8's
     # selected part was written but before its checkpoint, so the rerun resumes at step 4, mid-episode
-    # (reference restored from the checkpoint, scores recomputed), and must drop and redo part [4, 8).
+    # (reference and the episode's remaining scores restored from the checkpoint), and must drop and redo
+    # part [4, 8).
     full = train(make_config(policy, "uninterrupted"))
     cfg = make_config(policy, "killed")
     with pytest.raises(KeyboardInterrupt):
@@ -68,6 +69,8 @@ def test_resume_mid_episode_gives_the_same_masks_and_weights(make_config, policy
     sa, sb = (x["run"].stats.summary_data() for x in (full, resumed))
     assert [s["kept"] for s in sa["steps"]] == [s["kept"] for s in sb["steps"]]
     assert sa["refreshes"] == sb["refreshes"]
+    if policy != "random":  # step 4's scores came from the checkpoint: nothing was scored twice
+        assert full["run"].algorithm.counts["score_steps"] == resumed["run"].algorithm.counts["score_steps"]
 
 
 def test_checkpoint_holds_the_blade_state_and_loads_weights_only(make_config):
@@ -79,6 +82,9 @@ def test_checkpoint_holds_the_blade_state_and_loads_weights_only(make_config):
     blade = algos["BladeAlgorithm"]
     assert blade["next_step"] == 4 and blade["ref_version"] == 0 and blade["policy"] == "blade-nosync"
     assert isinstance(blade["reference"]["model.embed_tokens.weight"], torch.Tensor)
+    # W=2, τ=3: episode 0 is steps 2-4; its last step's reference scores travel with the checkpoint
+    assert list(blade["scores"]) == [4] and blade["scores"][4].dtype == torch.float16
+    assert tuple(blade["scores"][4].shape) == (cfg.batch_size, blade["recent_masks"].shape[-1])
     assert blade["ref_optimizer"]["state"]  # reference AdamW moments (carried by blade-nosync)
     assert blade["recent_masks"].dtype == torch.uint8 and blade["recent_steps"].tolist() == [2, 3]
     assert set(blade["rng"]) >= {"torch", "numpy_keys", "python"}

@@ -1,0 +1,127 @@
+"""Where the in-process reference lives between refreshes: the compact bfloat16 copy and its holder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from curation.core.stats import param_distance
+from curation.io.models import build_causal_lm
+from curation.io.shards import read_column
+from schemas.train_config import demo_model_config
+from training.reference_store import CompactReference, InProcessReference
+from training.run import train
+
+
+class _Tied(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: one storage, two state-dict names
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+
+
+def _rounded(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16).float() for k, v in module.state_dict().items()}
+
+
+def test_compact_reference_round_trips_through_bfloat16_and_stores_tied_weights_once():
+    a = _Tied(0)
+    store = CompactReference(pin=False)
+    assert not store.holds and store.nbytes == 0
+    store.store(a, version=3)
+    assert store.holds and store.version == 3
+    unique = sum(p.numel() for p in a.parameters())  # parameters() yields the tied weight once: 40 + 20 + 0
+    assert unique == 10 * 4 + 4 * 4 + 4
+    assert store.nbytes == 2 * unique  # bfloat16, the tied weight once
+    state = store.state_dict()
+    assert set(state) == set(a.state_dict()) and all(v.dtype == torch.bfloat16 for v in state.values())
+    assert all(torch.equal(state[k].float(), v) for k, v in _rounded(a).items())
+    b = _Tied(1)
+    b.load_state_dict(state, strict=True)  # cast back to float32 by load_state_dict
+    assert all(torch.equal(b.state_dict()[k], v) for k, v in _rounded(a).items())
+    assert b.head.weight is b.emb.weight
+    # the distance statistic reads the parameters exactly as it would read the rounded module's
+    assert set(store.parameters()) == {n for n, _ in a.named_parameters()}
+    c = _Tied(2)
+    assert param_distance(c, store.parameters()) == param_distance(c, b)
+
+
+def test_compact_reference_reuses_its_buffer_and_copies_out():
+    a, b = _Tied(0), _Tied(1)
+    store = CompactReference(pin=False)
+    store.store(a, version=0)
+    kept = store.state_dict()
+    ptr = store._buffer.data_ptr()
+    store.store(b, version=1)
+    assert store._buffer.data_ptr() == ptr  # the next refresh reuses the allocation
+    assert all(torch.equal(kept[k].float(), v) for k, v in _rounded(a).items())  # copies, not views
+    assert all(torch.equal(store.state_dict()[k].float(), v) for k, v in _rounded(b).items())
+    store.clear()
+    assert not store.holds and store.nbytes == 2 * 60  # forgotten, still allocated
+
+
+def _holder(module: nn.Module) -> InProcessReference:
+    cfg = demo_model_config(64, hidden=16, layers=1)
+    ref = InProcessReference(model_config=cfg, precision="fp32", batch_size=2, offload=True,
+                             keep_optimizer_state=False)
+    ref.set(module, 0, offload=False)  # fresh from a refresh: stays where it was computed
+    return ref
+
+
+def test_a_scored_reference_is_kept_compact_off_the_training_device_and_nothing_moves_on_a_cpu():
+    module = build_causal_lm(demo_model_config(64, hidden=16, layers=1))
+    expected = _rounded(module)
+    ref = _holder(module)
+    ref.offload(compact=True)  # training on a CPU: nothing moves, the float32 module stays
+    assert ref.module is module and not ref.compact.holds
+    ref.train_device = torch.device("cuda")  # as the algorithm records it on a GPU (no CUDA call on this path)
+    workspace = ref.workspace
+    ref.offload(compact=True)
+    assert ref.module is None and ref.compact.holds and ref.workspace is not workspace
+    assert isinstance(ref.for_distance(), dict)
+    state = ref.state_dict()
+    assert all(torch.equal(state[k].float(), v) for k, v in expected.items())
+    with pytest.raises(RuntimeError, match="no reference module to score with .*compacted"):
+        ref.scorer_on_device()
+    ref.drop()
+    assert ref.for_distance() is None and ref.state_dict() is None
+    ref.set(module, 1, offload=False)  # the next refresh's module
+    assert ref.module is module and not ref.compact.holds and ref.scorer.version == 1
+
+
+@pytest.mark.gpu
+def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(make_config):
+    """On a GPU with offloading, blade's reference is compact between its scoring and the next refresh: the
+    masks equal a run that keeps it in float32 on the device (offload_reference=false), the saved final
+    reference is the bfloat16-rounded last reference, and ‖u − w̃‖ is logged at every selecting step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the offload path moves weights off the GPU)")
+    common = dict(max_steps=12, device="cuda", eval={"interval": 100})
+    cfg = make_config("blade", "compact", **common)
+    on = train(cfg)
+    assert on["run"].algorithm.reference.compact.holds  # after the last episode's scoring
+    off_cfg = make_config("blade", "on-device", selection={"offload_reference": False}, **common)
+    off = train(off_cfg)
+    assert not off["run"].algorithm.reference.compact.holds
+    ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
+    assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
+    ref = load_file(os.path.join(cfg.output_dir, "final", "reference.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in ref.values())
+    dist = {}
+    for name, c in (("compact", cfg), ("fp32", off_cfg)):
+        with open(os.path.join(c.output_dir, "summary.json"), encoding="utf-8") as f:
+            dist[name] = [p["value"] for p in json.load(f)["param_distance"]]
+    assert len(dist["compact"]) == len(dist["fp32"]) == 12 - 2  # every selecting step (W = 2)
+    # ‖u − w̃‖ against the bfloat16-rounded w̃: close to the float32 one, not equal
+    assert np.allclose(dist["compact"], dist["fp32"], rtol=1e-2)
