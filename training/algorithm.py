@@ -139,8 +139,6 @@ class BladeAlgorithm(Algorithm):
         self.parallel = parallel
         self.policy = get_policy(selection.policy)
         self.stream_data = stream_data
-        self.model_config = model_config
-        self.batch_size = batch_size
         self.microbatch_size = microbatch_size or batch_size
         self.scored = scored
         self.distance_interval = distance_interval

@@ -31,8 +31,8 @@ class CompactReference:
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffer: Tensor | None = None
-        # state-dict name → (offset, shape, dtype); tied weights (one storage, several names) share an offset
-        self._layout: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+        # state-dict name → (offset, shape); tied weights (one storage, several names) share an offset
+        self._layout: dict[str, tuple[int, torch.Size]] = {}
         self._params: list[str] = []  # names of the module's parameters (tied weights once)
         self._others: dict[str, Tensor] = {}  # non-floating entries, kept as they are
         self.version: int | None = None
@@ -47,30 +47,25 @@ class CompactReference:
 
     def store(self, module: nn.Module, version: int) -> None:
         """Copy ``module``'s weights into the buffer (allocated on first use, or when the layout changes)."""
-        state = module.state_dict()
-        layout: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
-        first: dict[int, int] = {}  # storage pointer → offset, so a tied weight is stored once
+        layout: dict[str, tuple[int, torch.Size]] = {}
+        offsets: dict[int, int] = {}  # address of a tensor's data → its offset, so a tied weight is stored once
+        unique: list[tuple[int, Tensor]] = []
         others: dict[str, Tensor] = {}
         size = 0
-        for name, t in state.items():
+        for name, t in module.state_dict().items():
             if not t.is_floating_point():
                 others[name] = t.detach().to("cpu").clone()
                 continue
-            key = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-            if key not in first:
-                first[key] = size
+            if t.data_ptr() not in offsets:
+                offsets[t.data_ptr()] = size
+                unique.append((size, t.detach()))
                 size += t.numel()
-            layout[name] = (first[key], t.shape, t.dtype)
+            layout[name] = (offsets[t.data_ptr()], t.shape)
         if self._buffer is None or self._buffer.numel() != size:
             self._buffer = torch.empty(size, dtype=torch.bfloat16, pin_memory=self.pin)
-        copied: set[int] = set()
-        for name, (offset, shape, _) in layout.items():
-            if offset in copied:
-                continue
-            copied.add(offset)
-            t = state[name].detach()
-            self._buffer[offset : offset + t.numel()].view(shape).copy_(t, non_blocking=self.pin)
-        if self.pin and torch.cuda.is_available():
+        for offset, t in unique:
+            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t, non_blocking=self.pin)
+        if self.pin:
             torch.cuda.synchronize()  # the buffer is read on the host right after
         self._layout, self._others, self.version = layout, others, version
         self._params = [n for n, _ in module.named_parameters()]
@@ -81,7 +76,7 @@ class CompactReference:
 
     def _view(self, name: str) -> Tensor:
         assert self._buffer is not None
-        offset, shape, _ = self._layout[name]
+        offset, shape = self._layout[name]
         return self._buffer[offset : offset + shape.numel()].view(shape)
 
     def parameters(self) -> dict[str, Tensor]:

@@ -84,19 +84,18 @@ def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float |
     if device == "cpu":
         return 0.0, 0.0
     free = max(0.0, total - reserved)
+    beside = f" beside the trainer's {reserved:g}" if reserved else ""
     if device == "cuda" and free == 0:
-        raise ValueError("workers.device=cuda but the Ray cluster has no GPU"
-                         + (f" left beside the trainer's {reserved:g}" if reserved and total else ""))
-    slots = workers + int(refresh)
+        raise ValueError("workers.device=cuda but the Ray cluster has no GPU" + (f" left{beside}" if beside else ""))
     if per_worker is not None:
         if per_worker * workers > free:
             raise ValueError(f"workers.gpus={per_worker:g} × {workers} scoring workers do not fit the Ray cluster's "
-                             f"{total:g} GPUs" + (f" beside the trainer's {reserved:g}" if reserved else "")
-                             + ": lower workers.gpus or workers.count, or add GPUs")
+                             f"{total:g} GPUs{beside}: lower workers.gpus or workers.count, or add GPUs")
         left = free - per_worker * workers
         return per_worker, (min(1.0, left) if refresh else 0.0)
     if free == 0:
         return 0.0, 0.0
+    slots = workers + int(refresh)
     share = 1.0 if free >= slots else free / slots
     return share, (share if refresh else 0.0)
 
