@@ -47,6 +47,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--gpus", action="store_true", help="one GPU per worker (CUDA, nccl)")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                   help="parallel.strategy of the runs with N > 1 workers (fsdp: sharded proxy and reference)")
     p.add_argument("--json", action="store_true", help="print one JSON object (after the text report)")
     return p.parse_args(argv)
 
@@ -63,7 +65,8 @@ def _config(args: argparse.Namespace, workers: int, out: str):
                                 layers=args.layers).model_dump(mode="json"),
         output_dir=out, batch_size=args.batch_size, max_steps=args.steps, threads=args.threads,
         device="cuda" if args.gpus else "cpu", progress_bar=False, plots=False, write_selected=False,
-        parallel={"workers": workers, "cpus_per_worker": args.threads, "gpus_per_worker": 1 if args.gpus else 0},
+        parallel={"workers": workers, "cpus_per_worker": args.threads, "gpus_per_worker": 1 if args.gpus else 0,
+                  "strategy": args.strategy if workers > 1 else "ddp"},
     )
     cfg["selection"].update(warmup_steps=min(5, args.skip), tau=10, refresh_steps=3)
     cfg["eval"].update(interval=10 ** 6, max_batches=1)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(_measure(out, n, args.skip, args.batch_size * seq_len))
             shutil.rmtree(out, ignore_errors=True)
     base = results[0]
-    print(f"trainer throughput, policy {args.policy}, b={args.batch_size}, Llama {args.hidden}×{args.layers}, "
+    print(f"trainer throughput, policy {args.policy}, {args.strategy} for N > 1, b={args.batch_size}, Llama {args.hidden}×{args.layers}, "
           f"{'GPU' if args.gpus else f'CPU, {args.threads} thread(s)'} per worker, steps {args.skip + 1}–{args.steps}:")
     for r in results:
         k = r["workers"] / base["workers"]
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               f"speed-up {r['speedup_wall']:.2f}×, efficiency {r['efficiency_wall']:.0%}); "
               f"{r['tokens_per_cpu_s']:8.0f} tokens per CPU-second (efficiency {r['efficiency_cpu']:.0%})")
     if args.json:
-        print(json.dumps({"policy": args.policy, "batch_size": args.batch_size, "hidden": args.hidden,
+        print(json.dumps({"policy": args.policy, "strategy": args.strategy, "batch_size": args.batch_size, "hidden": args.hidden,
                           "layers": args.layers, "threads": args.threads, "gpus": args.gpus, "runs": results}))
     return 0
 

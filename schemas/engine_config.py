@@ -138,6 +138,10 @@ class CurateAndTrainConfig(StrictModel):
         if self.train.parallel.workers > 1 and self.engine.mode == "pipelined":
             raise ValueError("train.parallel.workers > 1 runs with engine.mode=exact only (in pipelined mode the "
                              "trainer only replays finished masks: one trainer process is enough)")
+        if self.train.parallel.strategy == "fsdp":
+            raise ValueError("train.parallel.strategy=fsdp is for jobs/train.py (in-process reference, sharded like "
+                             "the proxy): the engine's scoring workers and refresh actor each hold a whole model; "
+                             "use strategy=ddp with the engine")
         return self
 
     @classmethod

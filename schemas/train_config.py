@@ -190,8 +190,9 @@ class ParallelConfig(StrictModel):
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per trainer worker; 0 = CPU training (gloo)",
                                    json_schema_extra=OPERATIONAL)
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: a full model copy per worker (fsdp, for models that do not fit one device, "
-        "is not available yet)")
+        "ddp", description="ddp: a full model copy per worker; fsdp: the proxy and the in-process reference "
+        "sharded over the workers (Composer's FSDP2, one unit per decoder layer), for models that do not fit "
+        "one device")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process-group backend; auto = nccl with GPUs, gloo without", json_schema_extra=OPERATIONAL)
     max_failures: int = Field(2, ge=-1, description="restarts of the worker group from the last checkpoint after "
@@ -206,9 +207,9 @@ class ParallelConfig(StrictModel):
         if self.backend == "gloo" and self.gpus_per_worker > 0:
             raise ValueError("parallel.backend=gloo with parallel.gpus_per_worker > 0: Composer needs nccl for GPU "
                              "training; use backend=auto")
-        if self.strategy == "fsdp":
-            raise ValueError("parallel.strategy=fsdp is not available yet: the BLADE reference refresh copies the "
-                             "whole proxy, which a sharded model does not have on one rank; use strategy=ddp")
+        if self.strategy == "fsdp" and self.workers < 2:
+            raise ValueError("parallel.strategy=fsdp shards the model over the trainer workers: set "
+                             "parallel.workers >= 2 (or strategy=ddp)")
         return self
 
     @property
@@ -263,6 +264,10 @@ class TrainConfig(StrictModel):
                     f"set microbatch_size to null or {per_rank}, or use more workers")
             if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
+        if self.parallel.strategy == "fsdp" and self.selection.policy == "blade-nosync":
+            raise ValueError("parallel.strategy=fsdp with selection.policy=blade-nosync: the reference's AdamW state "
+                             "that blade-nosync carries across refreshes is not checkpointed sharded; use "
+                             "strategy=ddp for this ablation")
         return self
 
     @property

@@ -45,7 +45,6 @@ module: it is only read for ``‖u − w̃‖``, checkpoints and ``final/referen
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import deque
@@ -67,7 +66,7 @@ from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.core.selection import num_selected
 from curation.core.stats import SelectionRecord, param_distance
 from curation.engine.scorer import ReferenceScorer, ScoredShards
-from curation.io.models import load_weights
+from curation.io.models import read_weights
 from schemas.train_config import ModelConfig, SelectionConfig
 from training.checkpoint import rng_state, set_rng_state
 from training.data import StreamBatches, TokenRows
@@ -204,7 +203,7 @@ class BladeAlgorithm(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         proxy = self._proxy(state)
-        self.reference.train_device = next(proxy.parameters()).device
+        self.reference.place(proxy)
         step = int(state.timestamp.batch)
         if step != self.next_step:
             raise ValueError(
@@ -217,17 +216,12 @@ class BladeAlgorithm(Algorithm):
         if not self.in_process:
             return
         if self._loaded_reference is not None:
-            module = self._build_reference_module(proxy, self._loaded_reference)
+            module = self.reference.build(proxy, self._loaded_reference)
             self._loaded_reference = None
             self.score_cache, self._loaded_scores = self._loaded_scores, {}
             self._set_reference(module, self.ref_version, keep_scores=True)
         elif self.policy.refresh_mode is RefreshMode.STATIC:
             self._train_static(proxy)
-
-    def _build_reference_module(self, proxy: nn.Module, weights: dict[str, Tensor]) -> nn.Module:
-        module = copy.deepcopy(proxy).to("cpu")
-        module.load_state_dict(weights, strict=True)
-        return module
 
     def _set_reference(self, module: nn.Module, version: int, *, offload: bool = True, keep_scores: bool = False,
                        ) -> None:
@@ -248,11 +242,10 @@ class BladeAlgorithm(Algorithm):
     def _train_static(self, proxy: nn.Module) -> None:
         with self._timed("refresh"):
             if self.cfg.reference_weights is not None:
-                module = copy.deepcopy(proxy)
-                load_weights(module, self.cfg.reference_weights)
-                self._set_reference(module.to("cpu"), 0)
+                path = self.cfg.reference_weights
+                self._set_reference(self.reference.build(proxy, read_weights(path), what=path), 0)
                 return
-            result = self.refresh_data.train_static(proxy)
+            result = self.refresh_data.train_static(proxy, clone=self.reference.clone)
         self.refresh_log.append(self._refresh_entry(0, 0, result))
         self._set_reference(result.model, 0)
 
@@ -343,6 +336,7 @@ class BladeAlgorithm(Algorithm):
             result = self.refresh_data.refresh(
                 self.policy, proxy, episode, RecentMasks.from_pairs(list(self.recent)), previous=previous,
                 optimizer_state=self.ref_opt_state if continue_mode else None, workspace=self.reference.workspace,
+                clone=self.reference.clone,
             )
         self.ref_opt_state = result.optimizer_state if continue_mode else None
         self.counts["refreshes"] += 1

@@ -285,16 +285,17 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                 d._file.close()
         run.trainer.logger.destinations = tuple(d for d in dests if not isinstance(d, JSONLinesLogger))
     run.fit()
+    state = run.final_state()  # a collective when the model is sharded (fsdp)
     if ranks.rank == 0:
         extra = {"resumed_from": run.resumed_from, "world_size": ranks.world_size,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,
                  "selected_dir": os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None}
         if engine is not None:  # the driver writes the summary, with the engine's report
-            out = {"final": run.write_final(None), "stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
+            out = {"final": run.write_final(None, state[0]), "stats": run.stats.summary_data(), "resumed_from": run.resumed_from,
                    "publish_seconds": sync.publish_seconds if sync else 0.0,
                    "trainer_wait_seconds": engine["client"].wait_seconds}
         else:
-            out = finish_training(run, cfg.plots, extra)
+            out = finish_training(run, cfg.plots, extra, state)
             out["selected"] = extra["selected_dir"]
         atomic_write_text(os.path.join(cfg.output_dir, "parallel", "outputs.json"), json.dumps(out))
 

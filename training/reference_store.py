@@ -15,12 +15,16 @@ resumed run does not re-score with the rounded weights.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
-from curation.core.refresh import RefreshWorkspace
+from curation.core.refresh import Clone, RefreshWorkspace
 from curation.engine.scorer import ReferenceScorer
 from schemas.train_config import ModelConfig, ScorerConfig
+from training.sharding import full_state_dict, is_sharded, load_full_state_dict, reshard, sharded_clone
 
 __all__ = ["CompactReference", "InProcessReference"]
 
@@ -97,6 +101,10 @@ class InProcessReference:
     host, or, once it has scored everything it will score (``compact=True`` to :meth:`offload`), kept as a
     :class:`CompactReference` and the module dropped. On a CPU nothing moves.
 
+    With a sharded proxy (``parallel.strategy: fsdp``, :mod:`training.sharding`) the reference is sharded the
+    same way and stays on the devices: each rank holds its shards of ``w̃`` (and, while refreshing, of its
+    AdamW state), never a whole model; :meth:`state_dict` gathers it (a collective).
+
     Args:
         model_config: the proxy's model config (recorded with the scorer).
         precision: the scorer's ``fp32`` / ``amp_bf16``.
@@ -116,6 +124,31 @@ class InProcessReference:
         self.compact = CompactReference()
         self.train_device = torch.device("cpu")
         self.workspace = RefreshWorkspace(keep_optimizer_state=keep_optimizer_state)
+        self.sharded = False  # set at fit start: the proxy is FSDP-sharded
+
+    def place(self, proxy: nn.Module) -> None:
+        """Follow the proxy: its device, and whether it is sharded (then so is every reference module)."""
+        self.train_device = next(proxy.parameters()).device
+        self.sharded = is_sharded(proxy)
+
+    @property
+    def clone(self) -> Clone:
+        """How a reference module is built from the proxy (a deep copy; shard by shard when sharded)."""
+        return sharded_clone if self.sharded else copy.deepcopy
+
+    def build(self, proxy: nn.Module, weights: Mapping[str, Tensor], *, what: str = "reference weights") -> nn.Module:
+        """A reference module with the proxy's architecture and ``weights`` (full tensors, e.g. a checkpoint's):
+        on the host, or, sharded, in this rank's shards on the training device."""
+        if self.sharded:
+            module = sharded_clone(proxy)
+            load_full_state_dict(module, weights, what=what)
+            return module
+        module = copy.deepcopy(proxy).to("cpu")
+        try:
+            module.load_state_dict(dict(weights), strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"{what}: weights do not fit the model: {e}") from e
+        return module
 
     @property
     def module(self) -> nn.Module | None:
@@ -155,7 +188,7 @@ class InProcessReference:
         (``compact``: it will not score again). The refresh workspace it lives in goes with it: the next
         refresh builds its module on the training device again (device to device)."""
         assert self.scorer is not None and self.scorer.model is not None
-        if self.train_device.type == "cpu":
+        if self.train_device.type == "cpu" or self.sharded:
             return
         if compact:
             self.compact.store(self.scorer.model, int(self.scorer.version or 0))
@@ -171,13 +204,18 @@ class InProcessReference:
         self.compact.clear()
 
     def for_distance(self) -> nn.Module | dict[str, Tensor] | None:
-        """What ``param_distance`` reads as ``w̃`` (None without a reference)."""
-        return self.compact.parameters() if self.compact.holds else self.module
+        """What ``param_distance`` reads as ``w̃`` (None without a reference; sharded: in its shards)."""
+        if self.compact.holds:
+            return self.compact.parameters()
+        return reshard(self.module) if self.sharded and self.module is not None else self.module
 
     def state_dict(self) -> dict[str, Tensor] | None:
-        """``w̃``'s weights on the CPU (bfloat16 once compacted), or None."""
+        """``w̃``'s weights on the CPU (bfloat16 once compacted), or None. Sharded: gathered to full tensors on
+        rank 0 (``{}`` on the other ranks); a collective every rank calls."""
         if self.compact.holds:
             return self.compact.state_dict()
+        if self.module is not None and self.sharded:
+            return full_state_dict(self.module)
         if self.module is not None:
             return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
         return None

@@ -62,6 +62,7 @@ from training.data import (
     stream_loader,
 )
 from training.model import MaskedCausalLM
+from training.sharding import average_on_gloo, full_state_dict, install_wrap_policy, is_sharded
 from training.summary import write_summary
 
 __all__ = [
@@ -94,14 +95,22 @@ class TrainRun:
         finally:
             self.trainer.close()
 
-    def write_final(self, reference: Mapping[str, torch.Tensor] | str | None = None) -> str:
-        """Write ``final/``: the trained model (``model.safetensors`` + the HF ``config.json``) and, when
-        given, the last reference w̃ as ``reference.safetensors`` (weights, or a safetensors file copied
-        as is). Each file is written atomically. Returns the ``final/`` directory.
+    def final_state(self) -> tuple[nn.Module | dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """The trained model's weights and the last reference w̃'s (None without one). A sharded run
+        (``parallel.strategy: fsdp``) gathers both to full tensors on rank 0: every rank calls this."""
+        hf = self.model.model
+        reference = self.algorithm.reference_state_dict() if self.algorithm is not None else None
+        return (full_state_dict(hf) if is_sharded(hf) else hf), reference
+
+    def write_final(self, reference: Mapping[str, torch.Tensor] | str | None = None,
+                    weights: nn.Module | Mapping[str, torch.Tensor] | None = None) -> str:
+        """Write ``final/``: the trained model (``weights``, default the model's own, as ``model.safetensors``
+        + the HF ``config.json``) and, when given, the last reference w̃ as ``reference.safetensors``
+        (weights, or a safetensors file copied as is). Each file is written atomically. Returns ``final/``.
         """
         hf = self.model.model
         final = os.path.join(self.output_dir, "final")
-        save_weights(hf, os.path.join(final, "model.safetensors"))
+        save_weights(hf if weights is None else weights, os.path.join(final, "model.safetensors"))
         hf.config.to_json_file(os.path.join(final, "config.json"))
         target = os.path.join(final, "reference.safetensors")
         if isinstance(reference, str):
@@ -189,11 +198,20 @@ def make_trainer(
     *, model: MaskedCausalLM, train_loader: Any, total_steps: int, optim: OptimConfig, algorithms: Sequence[Any],
     callbacks: Sequence[Any], loggers: Sequence[Any], eval_path: str | None, eval_cfg: Any, vocab: int,
     output_dir: str, checkpoint: Any, resume: str | None, run_name: str, device: torch.device, precision: str,
-    microbatch_size: int, progress_bar: bool, seed: int,
+    microbatch_size: int, progress_bar: bool, seed: int, fsdp: bool = False,
 ) -> Any:
     """The Composer trainer every run uses (train, replay, pipelined engine): AdamW + clipping, the JSON
-    metrics logger, validation every ``eval_cfg.interval`` steps, checkpoints loaded weights-only."""
+    metrics logger, validation every ``eval_cfg.interval`` steps, checkpoints loaded weights-only.
+    ``fsdp``: shard the model over the process group (Composer's FSDP2, one unit per decoder layer;
+    checkpoints hold the full weights, gathered on rank 0: :mod:`training.sharding`)."""
     from composer import Trainer
+
+    parallelism = None
+    if fsdp:
+        from composer.utils.parallelism import FSDP2Config
+
+        install_wrap_policy(model.model)
+        parallelism = {"fsdp": FSDP2Config(state_dict_type="full")}
 
     with weights_only_loading():
         return Trainer(
@@ -219,6 +237,7 @@ def make_trainer(
             progress_bar=progress_bar,
             log_to_console=False,
             seed=seed,
+            parallelism_config=parallelism,
         )
 
 
@@ -275,7 +294,10 @@ def wire_training(
         eval_cfg=cfg.eval, vocab=inputs.vocab, output_dir=cfg.output_dir, checkpoint=cfg.checkpoint, resume=resume,
         run_name="train", device=inputs.device, precision=cfg.precision, microbatch_size=microbatch_size,
         progress_bar=cfg.progress_bar, seed=cfg.seed,
+        fsdp=cfg.parallel.strategy == "fsdp" and current_ranks().world_size > 1,
     )
+    if is_sharded(inputs.model.model):
+        average_on_gloo(inputs.model.model)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
                     writer=writer, resumed_from=resume, manifest_extra=manifest_extra)
 
@@ -348,11 +370,13 @@ def build_training(
                          writer=writer, manifest_extra=extra)
 
 
-def finish_training(run: TrainRun, plots: bool, extra: dict[str, Any]) -> dict[str, Any]:
-    """After the fit: ``final/`` (proxy + last reference) and the summary (+ plots); returns their paths."""
+def finish_training(run: TrainRun, plots: bool, extra: dict[str, Any],
+                    state: tuple[Any, dict[str, torch.Tensor] | None] | None = None) -> dict[str, Any]:
+    """After the fit: ``final/`` (proxy + last reference) and the summary (+ plots); returns their paths.
+    ``state``: :meth:`TrainRun.final_state`, when the caller gathered it already (sharded runs)."""
     # the last reference w̃ (rho1: the static one), e.g. for reference_weights
-    reference = run.algorithm.reference_state_dict() if run.algorithm is not None else None
-    final = run.write_final(reference)
+    weights, reference = state or run.final_state()
+    final = run.write_final(reference, weights)
     out = {"final_weights": os.path.join(final, "model.safetensors")}
     if reference is not None:
         out["final_reference"] = os.path.join(final, "reference.safetensors")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
@@ -351,7 +352,10 @@ _PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2
 
 
 def _plain_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
-    """``(decoder, head)`` when the model's logits are ``head(decoder(...).last_hidden_state)``."""
+    """``(decoder, head)`` when the model's logits are ``head(decoder(...).last_hidden_state)`` (and the model
+    is not FSDP-sharded: its decoder and head hold their full weights only inside its own forward)."""
+    if isinstance(model, FSDPModule):
+        return None
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None

@@ -21,15 +21,19 @@ Pure torch: no ray, no composer.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
 from curation.core.selection import masked_mean
+
+#: Builds a module equal to a given one (``copy.deepcopy``; a sharded model: :func:`training.sharding.sharded_clone`).
+Clone = Callable[[nn.Module], nn.Module]
 
 __all__ = [
     "RefreshResult",
@@ -102,16 +106,17 @@ class RefreshWorkspace:
         #: back (``blade-nosync``) continues the optimizer in place instead of copying its state.
         self.last_state: dict[str, Any] | None = None
 
-    def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None) -> nn.Module:
-        """``w_0`` in the reused module: the proxy's weights, or ``previous``'s."""
+    def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None,
+              clone: Clone = copy.deepcopy) -> nn.Module:
+        """``w_0`` in the reused module: the proxy's weights, or ``previous``'s (``clone`` builds the module)."""
         source = previous if previous is not None else proxy
         if self.model is None:
-            self.model = copy.deepcopy(source) if isinstance(source, nn.Module) else _copy_with(proxy, source)
+            self.model = clone(source) if isinstance(source, nn.Module) else _copy_with(proxy, source, clone)
             return self.model
         state = source.state_dict() if isinstance(source, nn.Module) else source
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
-                t.copy_(state[name])
+                t.copy_(state[name])  # (sharded: DTensor to DTensor, shard by shard)
         return self.model
 
     def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
@@ -132,8 +137,8 @@ class RefreshWorkspace:
         return opt
 
 
-def _copy_with(proxy: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
-    ref = copy.deepcopy(proxy)
+def _copy_with(proxy: nn.Module, weights: Mapping[str, Tensor], clone: Clone = copy.deepcopy) -> nn.Module:
+    ref = clone(proxy)
     ref.load_state_dict(weights)
     return ref
 
@@ -177,6 +182,7 @@ def refresh_reference(
     optimizer_state: Mapping[str, Any] | None = None,
     precision: str = "fp32",
     workspace: RefreshWorkspace | None = None,
+    clone: Clone = copy.deepcopy,
 ) -> RefreshResult:
     """Compute a new reference ``w̃`` by ``K = steps`` AdamW steps from ``w_0``.
 
@@ -210,6 +216,8 @@ def refresh_reference(
         optimizer_state: AdamW state to resume from.
         precision: ``fp32`` or ``amp_bf16`` (forward passes under bf16 autocast on CUDA; float32 on a CPU).
         workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
+        clone: builds ``w_0``'s module from the proxy (or ``previous``); a sharded proxy needs
+            :func:`training.sharding.sharded_clone`.
 
     Returns:
         A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
@@ -229,13 +237,13 @@ def refresh_reference(
         raise ValueError("cand_batches is required when lam != 0")
 
     if workspace is not None:
-        ref = workspace.start(proxy, previous)
+        ref = workspace.start(proxy, previous, clone)
         for p, q in zip(ref.parameters(), proxy.parameters(), strict=True):  # it may have been frozen for scoring
             p.requires_grad_(q.requires_grad)
     elif isinstance(previous, nn.Module):
-        ref = copy.deepcopy(previous)
+        ref = clone(previous)
     else:
-        ref = _copy_with(proxy, previous) if previous is not None else copy.deepcopy(proxy)
+        ref = _copy_with(proxy, previous, clone) if previous is not None else clone(proxy)
     ref.zero_grad(set_to_none=True)
     ref.train()
     params = [p for p in ref.parameters() if p.requires_grad]
@@ -277,7 +285,7 @@ def refresh_reference(
             opt.step()
             result.val_losses.append(float(l_val.detach()))
             result.objectives.append(float(objective.detach()))
-            result.grad_norms.append(float(norm))
+            result.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))  # sharded: Σ ranks
     opt.zero_grad(set_to_none=True)
     ref.eval()
     result.optimizer_state = opt.state_dict()
@@ -300,6 +308,7 @@ def train_static_reference(
     eps: float = 1e-8,
     grad_clip: float | None = 1.0,
     precision: str = "fp32",
+    clone: Clone = copy.deepcopy,
 ) -> RefreshResult:
     """RHO-1's reference: a copy of ``base_model`` trained a priori on validation data.
 
@@ -316,6 +325,7 @@ def train_static_reference(
         eps: AdamW epsilon.
         grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
         precision: ``fp32`` or ``amp_bf16`` (see :func:`refresh_reference`).
+        clone: builds the reference's module from ``base_model`` (see :func:`refresh_reference`).
 
     Returns:
         A :class:`RefreshResult` holding the static reference.
@@ -332,4 +342,5 @@ def train_static_reference(
         eps=eps,
         grad_clip=grad_clip,
         precision=precision,
+        clone=clone,
     )

@@ -23,6 +23,7 @@ Pure torch + numpy: no ray, no composer.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from curation.core.losses import target_valid
 from curation.core.policies import SelectionPolicy
-from curation.core.refresh import RefreshResult, RefreshWorkspace, train_static_reference
+from curation.core.refresh import Clone, RefreshResult, RefreshWorkspace, train_static_reference
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from schemas.train_config import SelectionConfig
@@ -179,6 +180,7 @@ class RefreshData:
         previous: Mapping[str, Tensor] | None = None,
         optimizer_state: Mapping[str, Any] | None = None,
         workspace: RefreshWorkspace | None = None,
+        clone: Clone = copy.deepcopy,
     ) -> RefreshResult:
         """Reference ``version`` from ``proxy`` (``u``) through ``policy``'s refresh.
 
@@ -190,21 +192,22 @@ class RefreshData:
             previous: ``blade-nosync``: the previous reference's weights.
             optimizer_state: ``blade-nosync``: the previous refresh's AdamW state.
             workspace: the reference module and AdamW reused refresh after refresh.
+            clone: builds the reference module from the proxy (:func:`~curation.core.refresh.refresh_reference`).
         """
         cfg = self.cfg
         return policy.refresh(
             proxy, self.validation_batches(version), self.candidate_batches(version, recent),
             previous=previous, optimizer_state=optimizer_state, steps=cfg.refresh_steps, lam=cfg.lam, lr=self.lr,
             weight_decay=cfg.ref_weight_decay, grad_clip=cfg.ref_grad_clip, precision=self.precision,
-            workspace=workspace,
+            workspace=workspace, clone=clone,
         )
 
-    def train_static(self, base: nn.Module) -> RefreshResult:
+    def train_static(self, base: nn.Module, *, clone: Clone = copy.deepcopy) -> RefreshResult:
         """RHO-1's static reference (version 0): ``rho1_steps`` steps on validation data from ``base``."""
         cfg = self.cfg
         return train_static_reference(
             base, self.static_batches(), steps=cfg.rho1_steps, lr=self.lr, weight_decay=cfg.ref_weight_decay,
-            grad_clip=cfg.ref_grad_clip, precision=self.precision,
+            grad_clip=cfg.ref_grad_clip, precision=self.precision, clone=clone,
         )
 
 

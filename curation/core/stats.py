@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DEFAULT_DELTA_EDGES",
@@ -196,7 +197,8 @@ def param_distance(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[s
     """``‖a − b‖₂`` over all floating-point tensors (e.g. ``‖u − w‖``), accumulated in float64.
 
     Modules contribute their named parameters (tied weights once); mappings (state dicts)
-    every floating entry. Both sides must have the same names and shapes.
+    every floating entry. Both sides must have the same names and shapes. Sharded on both sides
+    (``DTensor``, FSDP), each rank sums its shards and the sums are added over the ranks: a collective.
 
     Raises:
         ValueError: on mismatched names or shapes.
@@ -208,13 +210,21 @@ def param_distance(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[s
         only_a, only_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
         raise ValueError(f"parameter names differ: only in a {only_a[:5]}, only in b {only_b[:5]}")
     total = 0.0
+    group = None  # sharded weights (DTensor, FSDP): local squares, summed over the shards' process group
     with torch.no_grad():
         for k, va in ta.items():
             vb = tb[k]
             if va.shape != vb.shape:
                 raise ValueError(f"{k}: shape {tuple(va.shape)} vs {tuple(vb.shape)}")
+            if isinstance(va, DTensor) and isinstance(vb, DTensor):
+                group = va.device_mesh.get_group()
+                va, vb = va.to_local(), vb.to_local()
             d = va.detach().double() - vb.detach().to(va.device).double()
             total += float(torch.dot(d.reshape(-1), d.reshape(-1)))
+    if group is not None:
+        summed = torch.tensor([total], dtype=torch.float64, device=va.device)
+        torch.distributed.all_reduce(summed, group=group)
+        total = float(summed[0])
     return math.sqrt(total)
 
 

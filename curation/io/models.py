@@ -23,6 +23,7 @@ __all__ = [
     "weights_fingerprint",
     "save_weights",
     "load_weights",
+    "read_weights",
     "cpu_state_dict",
     "check_vocab",
     "check_token_range",
@@ -139,17 +140,26 @@ def save_weights(model: nn.Module | Mapping[str, Tensor], path: str, *, metadata
     return path
 
 
+def read_weights(path: str) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, on the CPU.
+
+    Raises:
+        ValueError: the file does not exist.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise ValueError(f"weights file {path} does not exist")
+    return load_file(path, device="cpu")
+
+
 def load_weights(model: nn.Module, path: str) -> None:
     """Load a safetensors file into ``model`` (strict: names and shapes must match).
 
     Raises:
         ValueError: naming the file on missing/unexpected keys or shape mismatches.
     """
-    from safetensors.torch import load_file
-
-    if not os.path.isfile(path):
-        raise ValueError(f"weights file {path} does not exist")
-    sd = load_file(path, device="cpu")
+    sd = read_weights(path)
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:

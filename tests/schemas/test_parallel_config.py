@@ -30,7 +30,10 @@ def test_defaults_are_the_single_process_trainer():
      r"microbatch_size \(4\) with parallel.workers=2: each worker trains its 8 rows .* set microbatch_size to null or 8"),
     ({"parallel": {"backend": "nccl"}}, r"parallel.backend=nccl needs GPUs"),
     ({"parallel": {"backend": "gloo", "gpus_per_worker": 1}}, r"backend=gloo with parallel.gpus_per_worker > 0"),
-    ({"parallel": {"strategy": "fsdp", "gpus_per_worker": 1}}, r"parallel.strategy=fsdp is not available yet"),
+    ({"parallel": {"strategy": "fsdp"}}, r"parallel.strategy=fsdp shards the model over the trainer workers: set "
+     r"parallel.workers >= 2"),
+    ({"parallel": {"strategy": "fsdp", "workers": 2}, "selection": {"policy": "blade-nosync"}},
+     r"strategy=fsdp with selection.policy=blade-nosync: .* use strategy=ddp"),
     ({"parallel": {"workers": 2}, "device": "cuda"}, r"device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker"),
     ({"parallel": {"workers": 0}}, r"parallel.workers"),
     ({"selection": {"scope": "node"}}, r"selection.scope"),
@@ -67,3 +70,11 @@ def test_pipelined_engine_mode_with_several_trainer_workers_is_refused():
     data["engine"]["mode"] = "pipelined"
     with pytest.raises(ValidationError, match="train.parallel.workers > 1 runs with engine.mode=exact only"):
         CurateAndTrainConfig.model_validate(data)
+
+
+def test_fsdp_with_the_engine_is_refused_and_accepted_for_the_train_job():
+    data = CurateAndTrainConfig.demo_default().model_dump(mode="json")
+    data["train"]["parallel"].update(workers=2, strategy="fsdp")
+    with pytest.raises(ValidationError, match="train.parallel.strategy=fsdp is for jobs/train.py .* use strategy=ddp"):
+        CurateAndTrainConfig.model_validate(data)
+    assert _cfg(parallel={"workers": 2, "strategy": "fsdp"}).parallel.strategy == "fsdp"

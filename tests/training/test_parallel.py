@@ -127,6 +127,54 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert json.load(open(killed["summary"], encoding="utf-8"))["validation"] == sb["validation"]
 
 
+def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, local_ray,
+                                                                                   tmp_path):
+    """``parallel.strategy: fsdp``: the proxy sharded by Composer's FSDP2 and the reference sharded like it
+    (every refresh, score and ‖u − w̃‖ from the shards); a killed worker restarts the group from the full
+    checkpoint, whose reference is loaded back into the shards."""
+    one = make_config("blade", "single", max_steps=STEPS)
+    single = train(one)
+    cfg = make_config("blade", "fsdp", max_steps=STEPS)
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
+    assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2",
+                                   "--set", "parallel.strategy=fsdp"]) == 0
+    out = cfg.output_dir
+    a, b = _columns(single["selected"]), _columns(os.path.join(out, "selected"))
+    assert b["step"] == [t for t in range(STEPS) for _ in range(B)]
+    ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
+    first = slice(W * B, (W + 1) * B)
+    assert np.array_equal(ma[first], mb[first]) and (ma == mb).mean() >= 0.99
+    sa, sb = (json.load(open(os.path.join(o, "summary.json"), encoding="utf-8")) for o in (one.output_dir, out))
+    assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
+    assert [r["step"] for r in sb["refreshes"]] == [2, 5, 8, 11]
+    final = {k: load_file(os.path.join(out, "final", f"{k}.safetensors")) for k in ("model", "reference")}
+    for k, want in (("model", load_file(single["final_weights"])), ("reference", load_file(single["final_reference"]))):
+        assert final[k].keys() == want.keys()  # gathered to full tensors, not shards
+        assert max(float((final[k][n] - want[n]).abs().max()) for n in want) < 1e-4, k
+    with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+        dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
+    with open(os.path.join(one.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+        want_dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
+    assert len(dist) == len(want_dist) > 0 and np.allclose(dist, want_dist, rtol=1e-4)  # summed over the shards
+
+    kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"})
+    done, seen = threading.Event(), {}
+    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(kill_cfg.output_dir, done)))
+    killer.start()
+    try:
+        killed = train_parallel(kill_cfg)
+    finally:
+        done.set()
+        killer.join()
+    assert "killed" in seen, "the run finished before the kill"
+    assert any(x["resumed_from"] for x in _attempts(kill_cfg.output_dir)[2:])
+    c = _columns(killed["selected"])
+    assert all(np.array_equal(x, y) for x, y in zip(b["loss_mask"], c["loss_mask"], strict=True))
+    wk = load_file(killed["final_weights"])
+    assert all(torch.equal(final["model"][k], wk[k]) for k in wk)  # bitwise equal to the uninterrupted run
+
+
 def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_ray):
     """``selection.scope: rank``: each rank's b/N rows keep their own γ share, with no collective for the choice;
     that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,

@@ -1,0 +1,79 @@
+"""One rank of the 2-process FSDP check in test_sharding.py (run as a script, not collected by pytest).
+
+    python shard_worker.py RANK WORLD INIT_FILE OUT_DIR
+
+Shards the same tiny Llama on every rank as the trainer does with ``parallel.strategy: fsdp`` and runs the
+reference's operations on it: clone, refresh (twice through one workspace), ‖u − w̃‖, scoring this rank's
+rows, loading full weights into shards; saves what it saw to OUT_DIR/rank{RANK}.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from curation.core.losses import model_token_losses
+from curation.core.refresh import RefreshWorkspace, refresh_reference
+from curation.core.stats import param_distance
+from curation.io.models import build_causal_lm
+from schemas.train_config import demo_model_config
+from training.reference_store import InProcessReference
+from training.sharding import full_state_dict, shard_like, sharded_clone
+
+V, L, B, K = 96, 16, 4, 3
+
+
+def model() -> torch.nn.Module:
+    return build_causal_lm(demo_model_config(V, hidden=32, layers=2, seq_len=L))
+
+
+def batches() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], torch.Tensor]:
+    """K validation batches, K candidate batches with masks, and a batch to score (B rows per rank of 2)."""
+    g = torch.Generator().manual_seed(7)
+    val = [torch.randint(0, V, (B, L), generator=g) for _ in range(K)]
+    cand = [{"tokens": torch.randint(0, V, (B, L), generator=g), "mask": torch.rand(B, L, generator=g) > 0.5}
+            for _ in range(K)]
+    return val, cand, torch.randint(0, V, (2 * B, L), generator=g)
+
+
+def refresh(proxy: torch.nn.Module, **kw):
+    val, cand, _ = batches()
+    return refresh_reference(proxy, val, cand, steps=K, lam=1.0, lr=1e-2, **kw)
+
+
+def main() -> None:
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    proxy = shard_like(model())
+    res: dict = {"proxy": full_state_dict(proxy)}
+    clone = sharded_clone(proxy)
+    res["clone"] = full_state_dict(clone)
+    ws = RefreshWorkspace()
+    first = refresh(proxy, clone=sharded_clone, workspace=ws)
+    res["refreshed"] = full_state_dict(first.model)
+    res["val_losses"], res["grad_norms"] = torch.tensor(first.val_losses), torch.tensor(first.grad_norms)
+    res["distance"] = torch.tensor(param_distance(proxy, first.model))
+    _, _, score = batches()
+    with torch.no_grad():
+        losses, _ = model_token_losses(first.model, score[rank * B:(rank + 1) * B])
+    res["losses"] = losses
+    res["proxy_after"] = full_state_dict(proxy)  # the proxy is not modified by a refresh
+    second = refresh(proxy, clone=sharded_clone, workspace=ws)  # the workspace's module, w_0 copied shard by shard
+    res["same_module"] = torch.tensor(second.model is first.model)
+    res["refreshed_again"] = full_state_dict(second.model)
+    ref = InProcessReference(model_config=demo_model_config(V, hidden=32, layers=2, seq_len=L), precision="fp32",
+                             batch_size=B, offload=True, keep_optimizer_state=False)
+    ref.place(proxy)
+    built = ref.build(proxy, model().state_dict())  # a checkpoint's full weights, loaded into this rank's shards
+    res["built"] = full_state_dict(built)
+    ref.set(built, 1)
+    res["reference_state"] = ref.state_dict()  # gathered (a collective), offload was a no-op
+    torch.save(res, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""``parallel.strategy: fsdp``: the proxy and the in-process reference sharded across the trainer ranks.
+
+With FSDP (PyTorch's ``fully_shard``, "FSDP2", applied by Composer's parallelism config) every rank holds
+``1/N`` of each parameter as a ``DTensor``; a module's forward gathers the full parameters of one decoder
+layer at a time. The BLADE reference is sharded **the same way** (same layers wrapped, same mesh), so:
+
+* **Synchronisation** ``w̃_0 ← u`` copies each rank's local shards: no rank ever holds a whole model.
+* **Refresh**: every rank runs the same ``K`` AdamW steps on the same deterministic batches; FSDP averages
+  the identical gradients, so each rank's shard follows the single-process refresh (float summation order
+  aside), and the AdamW state is sharded with the parameters.
+* **Scoring**: each rank scores its own rows with the sharded reference (a collective forward: every rank
+  scores the same number of steps, which the schedule guarantees).
+* ``‖u − w̃‖``: the squared differences of the local shards, summed over the ranks
+  (:func:`curation.core.stats.param_distance` does this for any ``DTensor``).
+* **Weights on disk** (checkpoints, ``final/``): gathered to full tensors (:func:`full_state_dict`, a
+  collective every rank calls), written by rank 0, and loaded back into the shards on every rank.
+
+``copy.deepcopy`` of a sharded module is not supported by PyTorch; :func:`sharded_clone` builds the
+clone's skeleton on the ``meta`` device from the HF config and shards it before any memory is allocated.
+
+Pure torch (``torch.distributed``); Composer is configured in :mod:`training.run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
+           "load_full_state_dict", "reshard"]
+
+
+def is_sharded(module: nn.Module | None) -> bool:
+    """Whether ``module`` (or one of its submodules) is FSDP-sharded."""
+    return module is not None and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def decoder_layers(hf: nn.Module) -> tuple[type, ...]:
+    """The classes FSDP wraps one by one: the HF model's ``_no_split_modules`` (its decoder layers).
+
+    Raises:
+        ValueError: the model names none (FSDP would then gather the whole model in every forward).
+    """
+    names = set(getattr(hf, "_no_split_modules", None) or ())
+    classes = tuple({type(m) for m in hf.modules() if type(m).__name__ in names})
+    if not classes:
+        raise ValueError(f"parallel.strategy=fsdp: {type(hf).__name__} names no decoder layer class "
+                         "(_no_split_modules) to shard by; use strategy=ddp")
+    return classes
+
+
+def install_wrap_policy(hf: nn.Module) -> None:
+    """Tell Composer's FSDP2 wrapping to shard every decoder layer, then the model (``fsdp_wrap_fn``)."""
+    layers = decoder_layers(hf)
+    hf.fsdp_wrap_fn = lambda module: isinstance(module, layers)  # type: ignore[attr-defined]
+
+
+def shard_like(module: nn.Module, mesh: object | None = None) -> nn.Module:
+    """Apply ``fully_shard`` as Composer does for the proxy: each decoder layer, then the whole model."""
+    layers = decoder_layers(module)
+    for sub in module.modules():
+        if isinstance(sub, layers):
+            fully_shard(sub, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    average_on_gloo(module)
+    return module
+
+
+def average_on_gloo(module: nn.Module) -> None:
+    """Make FSDP's gradients the average over the ranks on a gloo process group (CPU training).
+
+    FSDP reduce-scatters float32 gradients with ``ReduceOp.AVG``, which gloo's ``reduce_scatter_tensor``
+    (torch 2.7) applies as a sum: the gradients come out ``N`` times too large (measured: 2× on 2 ranks),
+    which changes gradient clipping. Each FSDP unit gets a hook (FSDP's public ``set_all_reduce_hook``,
+    run on the reduce-scatter output) that divides by ``N``. nccl averages correctly: nothing is changed.
+    """
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = _mesh(sub).get_group()  # type: ignore[union-attr]
+        if torch.distributed.get_backend(group) == "gloo":
+            size = torch.distributed.get_world_size(group)
+            sub.set_all_reduce_hook(lambda reduced, n=size: reduced.div_(n))
+
+
+def _mesh(module: nn.Module) -> object | None:
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    return None
+
+
+def sharded_clone(source: nn.Module) -> nn.Module:
+    """A new sharded module equal to the sharded HF model ``source``: its skeleton is built on ``meta``
+    from ``source.config``, sharded on ``source``'s mesh, and filled with ``source``'s local shards (and
+    buffers). Nothing is gathered; memory is allocated for one shard per parameter."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        clone = AutoModelForCausalLM.from_config(source.config)
+    shard_like(clone, _mesh(source))
+    device = next(source.parameters()).device
+    clone.to_empty(device=device)
+    copy_local(clone, source)
+    clone.train(source.training)
+    return clone
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def copy_local(dst: nn.Module, src: nn.Module | Mapping[str, Tensor]) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst`` shard by shard (same sharding on both sides)."""
+    source = src.state_dict() if isinstance(src, nn.Module) else src
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            _local(t).copy_(_local(source[name]))
+        if isinstance(src, nn.Module):  # non-persistent buffers (e.g. rotary frequencies) are not in state dicts
+            theirs = dict(src.named_buffers())
+            for name, b in dst.named_buffers():
+                b.copy_(theirs[name])
+
+
+def reshard(module: nn.Module) -> nn.Module:
+    """Free the gathered parameters a forward pass without a backward pass left behind: FSDP keeps the root
+    unit's parameters gathered after a forward (for the backward that usually follows), so after scoring or
+    evaluation they are plain tensors until resharded. Returns ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+    return module
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
+    """The full (unsharded) weights of a sharded ``module`` on the CPU, on rank 0 (``{}`` on the other ranks).
+    A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(module)
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(module: nn.Module, weights: Mapping[str, Tensor], *, what: str = "weights") -> None:
+    """Load full weights (every rank holds them) into a sharded ``module``: each rank keeps its shards.
+
+    Raises:
+        ValueError: names or shapes do not fit (names ``what``).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    mine = module.state_dict()
+    if mine.keys() != set(weights):
+        only_mine, only_theirs = sorted(mine.keys() - set(weights)), sorted(set(weights) - mine.keys())
+        raise ValueError(f"{what} do not fit the model: missing {only_mine[:5]}, unexpected {only_theirs[:5]}")
+    set_model_state_dict(module, dict(weights), options=StateDictOptions(full_state_dict=True, strict=True))
