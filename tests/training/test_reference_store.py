@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -15,7 +16,7 @@ from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import demo_model_config
-from training.reference_store import CompactReference, InProcessReference
+from training.reference_store import CompactReference, HostOptimizerState, InProcessReference
 from training.run import train
 
 
@@ -125,3 +126,60 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     assert len(dist["compact"]) == len(dist["fp32"]) == 12 - 2  # every selecting step (W = 2)
     # ‖u − w̃‖ against the bfloat16-rounded w̃: close to the float32 one, not equal
     assert np.allclose(dist["compact"], dist["fp32"], rtol=1e-2)
+
+
+def _tensors(state: dict) -> list[torch.Tensor]:
+    return [v for s in state["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) and x[k].dtype == y[k].dtype for k in x)
+        for x, y in zip(a["state"].values(), b["state"].values(), strict=True))
+
+
+def _adamw_state(module: nn.Module, steps: int, seed: int) -> dict:
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in module.parameters():
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+    return opt.state_dict()
+
+
+def test_host_optimizer_state_keeps_adamw_exactly_in_one_reused_float32_buffer():
+    module = _Tied(0)
+    state = _adamw_state(module, steps=3, seed=0)
+    store = HostOptimizerState(pin=False)
+    assert not store.holds and store.nbytes == 0
+    store.store(state)
+    params = sum(p.numel() for p in module.parameters())  # 60
+    # exp_avg and exp_avg_sq of every weight, and one float32 step count per parameter tensor (3)
+    assert store.holds and store.nbytes == 4 * (2 * params + 3)
+    host = store.state_dict()
+    assert _same_state(host, state)
+    ptr = store._buffer.data_ptr()
+    assert all(t.untyped_storage().data_ptr() == ptr for t in _tensors(host))  # views of the one buffer
+    buf = io.BytesIO()  # a checkpoint saves and loads it like the live state
+    torch.save(host, buf)
+    buf.seek(0)
+    assert _same_state(torch.load(buf, weights_only=True), state)
+    back = store.restore()  # new tensors, not views: the optimizer that loads them updates them in place
+    assert _same_state(back, state) and all(t.untyped_storage().data_ptr() != ptr for t in _tensors(back))
+    back["state"][0]["exp_avg"].add_(1.0)
+    assert _same_state(store.state_dict(), state)
+    later = _adamw_state(module, steps=5, seed=1)  # the next refresh: same sizes, same allocation
+    store.store(later)
+    assert store._buffer.data_ptr() == ptr and _same_state(store.state_dict(), later)
+    store.clear()
+    assert not store.holds and store.nbytes == 4 * (2 * params + 3)
+
+
+def test_host_optimizer_state_keeps_tensors_of_other_dtypes_as_they_are():
+    module = nn.Linear(3, 2).double()  # float64 moments, float32 step counts
+    state = _adamw_state(module, steps=2, seed=0)
+    store = HostOptimizerState(pin=False)
+    store.store(state)
+    assert store.nbytes == 4 * 2  # the two step counts; the moments are held as float64 copies
+    assert _same_state(store.state_dict(), state) and _same_state(store.restore(), state)
