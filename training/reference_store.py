@@ -11,6 +11,10 @@ The rounding to bfloat16 changes only what reads ``w̃`` after its scores exist:
 error ~2⁻⁹ per weight) and the saved reference. The masks do not change: they come from the scores, and a
 checkpoint carries the remaining scores of the episode (:class:`training.algorithm.BladeAlgorithm`), so a
 resumed run does not re-score with the rounded weights.
+
+``blade-nosync`` carries the reference's AdamW state (two moments, twice the weights) from refresh to refresh.
+Between refreshes it follows the weights off the GPU: :class:`HostOptimizerState` keeps it in float32 (exactly)
+in one reused pinned host buffer, and the next refresh copies it back (non-blocking) and continues from it.
 """
 
 from __future__ import annotations
@@ -199,7 +203,8 @@ class InProcessReference:
     While it scores (right after a refresh) it is a float32 module on the training device inside a
     :class:`~curation.engine.scorer.ReferenceScorer`; between refreshes, with ``offload``, it is moved to the
     host, or, once it has scored everything it will score (``compact=True`` to :meth:`offload`), kept as a
-    :class:`CompactReference` and the module dropped. On a CPU nothing moves.
+    :class:`CompactReference` and the module dropped; ``blade-nosync``'s AdamW state goes to a
+    :class:`HostOptimizerState` with it. On a CPU nothing moves.
 
     Args:
         model_config: the proxy's model config (recorded with the scorer).
@@ -220,6 +225,28 @@ class InProcessReference:
         self.compact = CompactReference()
         self.train_device = torch.device("cpu")
         self.workspace = RefreshWorkspace(keep_optimizer_state=keep_optimizer_state)
+        self._optimizer_state: dict[str, Any] | None = None
+        self.optimizer_host = HostOptimizerState()  # the carried AdamW state while the module is off the device
+
+    @property
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """``blade-nosync``'s carried AdamW state (None for the other policies and before the first refresh): the
+        last refresh's live state, a checkpoint's, or, while offloaded, host views of :attr:`optimizer_host`."""
+        return self.optimizer_host.state_dict() if self.optimizer_host.holds else self._optimizer_state
+
+    @optimizer_state.setter
+    def optimizer_state(self, state: dict[str, Any] | None) -> None:
+        self._optimizer_state = state
+        self.optimizer_host.clear()
+
+    def optimizer_state_for_refresh(self) -> dict[str, Any] | None:
+        """The AdamW state the next refresh continues. From the host store it comes back to the training device
+        (non-blocking copies) and is handed to the workspace, which loads it into its AdamW without a copy."""
+        if not self.optimizer_host.holds:
+            return self._optimizer_state
+        self.workspace.carry(self.optimizer_host.restore())
+        self.optimizer_host.clear()
+        return self.workspace.last_state
 
     @property
     def module(self) -> nn.Module | None:
@@ -257,7 +284,8 @@ class InProcessReference:
     def offload(self, *, compact: bool = False) -> None:
         """Move the module off the training device (a no-op on a CPU), or keep it as a :class:`CompactReference`
         (``compact``: it will not score again). The refresh workspace it lives in goes with it: the next
-        refresh builds its module on the training device again (device to device)."""
+        refresh builds its module on the training device again (device to device). A carried AdamW state
+        (``blade-nosync``) is copied to :attr:`optimizer_host`, and its device tensors released."""
         assert self.scorer is not None and self.scorer.model is not None
         if self.train_device.type == "cpu":
             return
@@ -266,6 +294,9 @@ class InProcessReference:
             self.scorer.model = None
         else:
             self.scorer.to("cpu")
+        if self._optimizer_state is not None:  # the AdamW moments follow the weights (the old workspace drops its own)
+            self.optimizer_host.store(self._optimizer_state)
+            self._optimizer_state = None
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.keep_optimizer_state)
 
     def drop(self) -> None:
