@@ -153,7 +153,6 @@ class BladeAlgorithm(Algorithm):
             model_config=model_config, precision=precision, batch_size=selection.score_batch_size or batch_size,
             offload=selection.offload_reference, keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
         self.ref_version = WARMUP_EPISODE
-        self.ref_opt_state: dict[str, Any] | None = None
         self.score_cache: dict[int, np.ndarray] = {}
         self._loaded_scores: dict[int, np.ndarray] = {}
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=selection.refresh_candidate_batches)
@@ -335,10 +334,10 @@ class BladeAlgorithm(Algorithm):
         with self._timed("refresh"):
             result = self.refresh_data.refresh(
                 self.policy, proxy, episode, RecentMasks.from_pairs(list(self.recent)), previous=previous,
-                optimizer_state=self.ref_opt_state if continue_mode else None, workspace=self.reference.workspace,
-                clone=self.reference.clone,
+                optimizer_state=self.reference.optimizer_state_for_refresh() if continue_mode else None,
+                workspace=self.reference.workspace, clone=self.reference.clone,
             )
-        self.ref_opt_state = result.optimizer_state if continue_mode else None
+        self.reference.optimizer_state = result.optimizer_state if continue_mode else None
         self.counts["refreshes"] += 1
         self.refresh_log.append(self._refresh_entry(self.schedule.refresh_step(episode), episode, result))
         self._set_reference(result.model, episode, offload=False)
@@ -453,7 +452,7 @@ class BladeAlgorithm(Algorithm):
             "next_step": int(self.next_step),
             "ref_version": int(self.ref_version),
             "reference": reference,
-            "ref_optimizer": self.ref_opt_state,
+            "ref_optimizer": self.reference.optimizer_state,
             # the scores of the rest of the episode (a data-parallel checkpoint is rank 0's: its rows only)
             "scores": {} if self.parallel is not None else {
                 int(t): torch.from_numpy(v) for t, v in self.score_cache.items() if t >= self.next_step},
@@ -479,7 +478,7 @@ class BladeAlgorithm(Algorithm):
         self.ref_version = int(state["ref_version"])
         self._loaded_reference = state.get("reference")
         self._loaded_scores = {int(t): v.numpy() for t, v in (state.get("scores") or {}).items()}
-        self.ref_opt_state = state.get("ref_optimizer")
+        self.reference.optimizer_state = state.get("ref_optimizer")
         restore_recent(self.recent, state)
         self.refresh_log = list(state.get("refresh_log", []))
         self.timers.update(state.get("timers", {}))

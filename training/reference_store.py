@@ -11,12 +11,18 @@ The rounding to bfloat16 changes only what reads ``w̃`` after its scores exist:
 error ~2⁻⁹ per weight) and the saved reference. The masks do not change: they come from the scores, and a
 checkpoint carries the remaining scores of the episode (:class:`training.algorithm.BladeAlgorithm`), so a
 resumed run does not re-score with the rounded weights.
+
+``blade-nosync`` carries the reference's AdamW state (two moments, twice the weights) from refresh to refresh.
+Between refreshes it follows the weights off the GPU: :class:`HostOptimizerState` keeps it in float32 (exactly)
+in one reused pinned host buffer, and the next refresh copies it back (non-blocking) and continues from it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,15 +32,48 @@ from curation.engine.scorer import ReferenceScorer
 from schemas.train_config import ModelConfig, ScorerConfig
 from training.sharding import full_state_dict, is_sharded, load_full_state_dict, reshard, sharded_clone
 
-__all__ = ["CompactReference", "InProcessReference"]
+__all__ = ["CompactReference", "HostOptimizerState", "InProcessReference"]
 
 
-class CompactReference:
-    """``w̃``'s floating-point weights in bfloat16 in one reused host buffer (see the module docstring)."""
+class _HostBuffer:
+    """Tensors packed one after another in one flat host buffer of one dtype, allocated on first use (or when the
+    total size changes) and reused after that; pinned when CUDA is available, so the copies between it and a GPU
+    are DMAs that need not block."""
+
+    dtype: torch.dtype
 
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffer: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+
+    def _fill(self, tensors: list[Tensor]) -> None:
+        """Copy ``tensors`` into the buffer, the first at offset 0 and each right after the previous one."""
+        size = sum(t.numel() for t in tensors)
+        if self._buffer is None or self._buffer.numel() != size:
+            self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=self.pin)
+        offset = 0
+        for t in tensors:
+            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t, non_blocking=self.pin)
+            offset += t.numel()
+        if self.pin:
+            torch.cuda.synchronize()  # the buffer may be read on the host right after
+
+    def _slice(self, offset: int, shape: torch.Size) -> Tensor:
+        assert self._buffer is not None
+        return self._buffer[offset : offset + shape.numel()].view(shape)
+
+
+class CompactReference(_HostBuffer):
+    """``w̃``'s floating-point weights in bfloat16 in one reused host buffer (see the module docstring)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, *, pin: bool | None = None) -> None:
+        super().__init__(pin=pin)
         # state-dict name → (offset, shape); tied weights (one storage, several names) share an offset
         self._layout: dict[str, tuple[int, torch.Size]] = {}
         self._params: list[str] = []  # names of the module's parameters (tied weights once)
@@ -45,15 +84,11 @@ class CompactReference:
     def holds(self) -> bool:
         return self.version is not None
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
-
     def store(self, module: nn.Module, version: int) -> None:
         """Copy ``module``'s weights into the buffer (allocated on first use, or when the layout changes)."""
         layout: dict[str, tuple[int, torch.Size]] = {}
         offsets: dict[int, int] = {}  # address of a tensor's data → its offset, so a tied weight is stored once
-        unique: list[tuple[int, Tensor]] = []
+        unique: list[Tensor] = []
         others: dict[str, Tensor] = {}
         size = 0
         for name, t in module.state_dict().items():
@@ -62,15 +97,10 @@ class CompactReference:
                 continue
             if t.data_ptr() not in offsets:
                 offsets[t.data_ptr()] = size
-                unique.append((size, t.detach()))
+                unique.append(t.detach())
                 size += t.numel()
             layout[name] = (offsets[t.data_ptr()], t.shape)
-        if self._buffer is None or self._buffer.numel() != size:
-            self._buffer = torch.empty(size, dtype=torch.bfloat16, pin_memory=self.pin)
-        for offset, t in unique:
-            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t, non_blocking=self.pin)
-        if self.pin:
-            torch.cuda.synchronize()  # the buffer is read on the host right after
+        self._fill(unique)
         self._layout, self._others, self.version = layout, others, version
         self._params = [n for n, _ in module.named_parameters()]
 
@@ -79,9 +109,7 @@ class CompactReference:
         self.version = None
 
     def _view(self, name: str) -> Tensor:
-        assert self._buffer is not None
-        offset, shape = self._layout[name]
-        return self._buffer[offset : offset + shape.numel()].view(shape)
+        return self._slice(*self._layout[name])
 
     def parameters(self) -> dict[str, Tensor]:
         """The parameters by name (views into the buffer, bfloat16), as ``param_distance`` reads a module's."""
@@ -93,13 +121,91 @@ class CompactReference:
         return {**{n: self._view(n).clone() for n in self._layout}, **{k: v.clone() for k, v in self._others.items()}}
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of a stored optimizer state lives on the host, and the device it came from."""
+
+    shape: torch.Size
+    device: torch.device
+    offset: int = 0  # in the float32 buffer, unless ``held``
+    held: Tensor | None = None  # a tensor of another dtype, kept as a host copy of its own
+
+
+def _map_state(state: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """An optimizer state dict with ``fn`` applied to every per-parameter value (``param_groups`` copied)."""
+    return {**state, "state": {k: {n: fn(v) for n, v in s.items()} for k, s in state["state"].items()},
+            "param_groups": copy.deepcopy(state["param_groups"])}
+
+
+class HostOptimizerState(_HostBuffer):
+    """An optimizer ``state_dict()``'s float32 tensors (AdamW's moments and step counts) in one reused host buffer.
+
+    ``blade-nosync`` carries the reference AdamW from one refresh to the next; between refreshes it is only
+    read by checkpoints, so off a GPU it need not hold twice the reference's weights in device memory. The
+    values are kept in float32, exactly: :meth:`restore` gives back a state whose tensors are equal, on the
+    devices they came from, so the continued AdamW takes the same steps.
+    """
+
+    dtype = torch.float32
+
+    def __init__(self, *, pin: bool | None = None) -> None:
+        super().__init__(pin=pin)
+        self._layout: dict[str, Any] | None = None  # the state dict with a _Slot for each tensor
+
+    @property
+    def holds(self) -> bool:
+        return self._layout is not None
+
+    def store(self, state: Mapping[str, Any]) -> None:
+        """Copy ``state``'s tensors to the host (into the buffer, allocated on first use or when the sizes change)."""
+        tensors: list[Tensor] = []
+        size = 0
+
+        def slot(v: Any) -> Any:
+            nonlocal size
+            if not isinstance(v, Tensor):
+                return v
+            if v.dtype != self.dtype:
+                return _Slot(v.shape, v.device, held=v.detach().to("cpu", copy=True))
+            tensors.append(v.detach())
+            size += v.numel()
+            return _Slot(v.shape, v.device, offset=size - v.numel())
+
+        layout = _map_state(state, slot)
+        self._fill(tensors)
+        self._layout = layout
+
+    def clear(self) -> None:
+        """Forget the state (the buffer stays allocated for the next refresh)."""
+        self._layout = None
+
+    def _view(self, s: Any) -> Any:
+        if not isinstance(s, _Slot):
+            return s
+        return s.held if s.held is not None else self._slice(s.offset, s.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stored state with host tensors (views into the buffer, valid until the next :meth:`store`), as a
+        checkpoint saves it."""
+        assert self._layout is not None
+        return _map_state(self._layout, self._view)
+
+    def restore(self) -> dict[str, Any]:
+        """A copy of the stored state with each tensor back on the device it was stored from (non-blocking copies
+        from the pinned buffer): new tensors, which the optimizer that loads them may update in place."""
+        assert self._layout is not None
+        return _map_state(self._layout, lambda s: self._view(s).to(s.device, copy=True, non_blocking=self.pin)
+                          if isinstance(s, _Slot) else s)
+
+
 class InProcessReference:
     """The trainer's own reference ``w̃`` (exact mode without the engine) and the refresh workspace it is built in.
 
     While it scores (right after a refresh) it is a float32 module on the training device inside a
     :class:`~curation.engine.scorer.ReferenceScorer`; between refreshes, with ``offload``, it is moved to the
     host, or, once it has scored everything it will score (``compact=True`` to :meth:`offload`), kept as a
-    :class:`CompactReference` and the module dropped. On a CPU nothing moves.
+    :class:`CompactReference` and the module dropped; ``blade-nosync``'s AdamW state goes to a
+    :class:`HostOptimizerState` with it. On a CPU nothing moves.
 
     With a sharded proxy (``parallel.strategy: fsdp``, :mod:`training.sharding`) the reference is sharded the
     same way and stays on the devices: each rank holds its shards of ``w̃`` (and, while refreshing, of its
@@ -124,6 +230,8 @@ class InProcessReference:
         self.compact = CompactReference()
         self.train_device = torch.device("cpu")
         self.workspace = RefreshWorkspace(keep_optimizer_state=keep_optimizer_state)
+        self._optimizer_state: dict[str, Any] | None = None
+        self.optimizer_host = HostOptimizerState()  # the carried AdamW state while the module is off the device
         self.sharded = False  # set at fit start: the proxy is FSDP-sharded
 
     def place(self, proxy: nn.Module) -> None:
@@ -149,6 +257,26 @@ class InProcessReference:
         except RuntimeError as e:
             raise ValueError(f"{what}: weights do not fit the model: {e}") from e
         return module
+
+    @property
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """``blade-nosync``'s carried AdamW state (None for the other policies and before the first refresh): the
+        last refresh's live state, a checkpoint's, or, while offloaded, host views of :attr:`optimizer_host`."""
+        return self.optimizer_host.state_dict() if self.optimizer_host.holds else self._optimizer_state
+
+    @optimizer_state.setter
+    def optimizer_state(self, state: dict[str, Any] | None) -> None:
+        self._optimizer_state = state
+        self.optimizer_host.clear()
+
+    def optimizer_state_for_refresh(self) -> dict[str, Any] | None:
+        """The AdamW state the next refresh continues. From the host store it comes back to the training device
+        (non-blocking copies) and is handed to the workspace, which loads it into its AdamW without a copy."""
+        if not self.optimizer_host.holds:
+            return self._optimizer_state
+        self.workspace.carry(self.optimizer_host.restore())
+        self.optimizer_host.clear()
+        return self.workspace.last_state
 
     @property
     def module(self) -> nn.Module | None:
@@ -186,7 +314,8 @@ class InProcessReference:
     def offload(self, *, compact: bool = False) -> None:
         """Move the module off the training device (a no-op on a CPU), or keep it as a :class:`CompactReference`
         (``compact``: it will not score again). The refresh workspace it lives in goes with it: the next
-        refresh builds its module on the training device again (device to device)."""
+        refresh builds its module on the training device again (device to device). A carried AdamW state
+        (``blade-nosync``) is copied to :attr:`optimizer_host`, and its device tensors released."""
         assert self.scorer is not None and self.scorer.model is not None
         if self.train_device.type == "cpu" or self.sharded:
             return
@@ -195,6 +324,9 @@ class InProcessReference:
             self.scorer.model = None
         else:
             self.scorer.to("cpu")
+        if self._optimizer_state is not None:  # the AdamW moments follow the weights (the old workspace drops its own)
+            self.optimizer_host.store(self._optimizer_state)
+            self._optimizer_state = None
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.keep_optimizer_state)
 
     def drop(self) -> None:

@@ -103,8 +103,15 @@ class RefreshWorkspace:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.AdamW | None = None
         #: The ``optimizer_state`` of the last result: it views the optimizer's live tensors, so passing it
-        #: back (``blade-nosync``) continues the optimizer in place instead of copying its state.
+        #: back (``blade-nosync``) continues the optimizer in place instead of copying its state. Or one
+        #: handed over with :meth:`carry`.
         self.last_state: dict[str, Any] | None = None
+
+    def carry(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` when the next refresh is given it back as ``optimizer_state``: an AdamW state
+        dict whose tensors nothing else holds (e.g. just copied back to the device from the host), loaded into
+        the workspace's new AdamW as it is, without the copy a caller's state gets."""
+        self.last_state = state
 
     def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None,
               clone: Clone = copy.deepcopy) -> nn.Module:
@@ -121,12 +128,14 @@ class RefreshWorkspace:
 
     def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
         """The AdamW over ``params``: in its initial state (moments and step counts zeroed in place) when
-        ``fresh``, else as the last refresh left it."""
+        ``fresh``, else as the last refresh left it (or as :meth:`carry` handed it over)."""
         opt = self.optimizer
         held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
         if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
-            self.optimizer = torch.optim.AdamW(params, **settings)
-            return self.optimizer
+            self.optimizer = opt = torch.optim.AdamW(params, **settings)
+            if fresh or self.last_state is None:
+                return opt
+            opt.load_state_dict(self.last_state)  # carried: its tensors become this optimizer's
         if fresh:
             for state in opt.state.values():
                 for value in state.values():

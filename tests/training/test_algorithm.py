@@ -133,7 +133,7 @@ def test_every_policy_runs_through_the_same_path(make_config, policy):
         assert {r.ref_version for r in cap.records if r.step >= 2} == {0}
         assert alg.counts["refreshes"] == 0
     if policy == "blade-nosync":  # the reference optimizer state is carried between refreshes
-        assert alg.counts["refreshes"] == 2 and alg.ref_opt_state is not None
+        assert alg.counts["refreshes"] == 2 and alg.reference.optimizer_state is not None
     if policy in ("full", "random"):
         assert alg.scorer is None and alg.counts["score_steps"] == 0
     if policy == "random":

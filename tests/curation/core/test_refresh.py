@@ -305,6 +305,27 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
     assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
 
 
+def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_copy():
+    """blade-nosync after an offload: the state comes back from the host into a new workspace, whose AdamW
+    takes it over (its tensors, not copies) and continues as one long run would."""
+    from curation.core.refresh import RefreshWorkspace
+
+    proxy, _ = trained_proxy(2)
+    vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
+    long = refresh_reference(proxy, vals, cands, steps=4, **SETTINGS)
+    first = refresh_reference(proxy, vals[:2], cands[:2], steps=2, **SETTINGS)
+    carried = copy.deepcopy(first.optimizer_state)
+    ws = RefreshWorkspace(keep_optimizer_state=True)
+    ws.carry(carried)
+    second = refresh_reference(proxy, vals[2:], cands[2:], steps=2, previous=first.model.state_dict(),
+                               optimizer_state=ws.last_state, workspace=ws, **SETTINGS)
+    assert param_distance(second.model, long.model) == 0.0
+    assert int(second.optimizer_state["state"][0]["step"]) == 4
+    p0 = next(iter(second.model.parameters()))
+    assert ws.optimizer.state[p0]["exp_avg"] is carried["state"][0]["exp_avg"]  # taken over, updated in place
+    assert ws.last_state is second.optimizer_state  # and continued in place at the next refresh
+
+
 @pytest.mark.gpu
 def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
     if not torch.cuda.is_available():
