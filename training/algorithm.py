@@ -327,7 +327,7 @@ class BladeAlgorithm(Algorithm):
         continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
         previous = None
         if continue_mode and self.reference.module is not None and self.ref_version >= 0:
-            previous = {k: v.to(self._train_device) for k, v in self.reference.module.state_dict().items()}
+            previous = self.reference.module  # the workspace moves it back to the device (no copy in between)
         else:
             self.reference.drop()  # blade: the old reference is not needed any more
         self.score_cache.clear()

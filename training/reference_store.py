@@ -313,8 +313,9 @@ class InProcessReference:
 
     def offload(self, *, compact: bool = False) -> None:
         """Move the module off the training device (a no-op on a CPU), or keep it as a :class:`CompactReference`
-        (``compact``: it will not score again). The refresh workspace it lives in goes with it: the next
-        refresh builds its module on the training device again (device to device). A carried AdamW state
+        (``compact``: it will not score again). The refresh workspace it lives in keeps the module and its AdamW
+        without their device memory (:meth:`~curation.core.refresh.RefreshWorkspace.park`): the next refresh
+        allocates them on the training device again, without rebuilding either. A carried AdamW state
         (``blade-nosync``) is copied to :attr:`optimizer_host`, and its device tensors released."""
         assert self.scorer is not None and self.scorer.model is not None
         if self.train_device.type == "cpu" or self.sharded:
@@ -324,10 +325,10 @@ class InProcessReference:
             self.scorer.model = None
         else:
             self.scorer.to("cpu")
-        if self._optimizer_state is not None:  # the AdamW moments follow the weights (the old workspace drops its own)
+        if self._optimizer_state is not None:  # the AdamW moments follow the weights (the workspace drops its own)
             self.optimizer_host.store(self._optimizer_state)
             self._optimizer_state = None
-        self.workspace = RefreshWorkspace(keep_optimizer_state=self.keep_optimizer_state)
+        self.workspace.park(weights=compact)
 
     def drop(self) -> None:
         """Forget the weights (``blade``: a refresh restarts from ``u``)."""

@@ -106,36 +106,80 @@ class RefreshWorkspace:
         #: back (``blade-nosync``) continues the optimizer in place instead of copying its state. Or one
         #: handed over with :meth:`carry`.
         self.last_state: dict[str, Any] | None = None
+        self._carried = False  # last_state was handed over with carry() and is not the optimizer's own yet
+        self._parked: list[tuple[Tensor, torch.Size]] = []  # the module's tensors and shapes while parked
 
     def carry(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` when the next refresh is given it back as ``optimizer_state``: an AdamW state
         dict whose tensors nothing else holds (e.g. just copied back to the device from the host), loaded into
-        the workspace's new AdamW as it is, without the copy a caller's state gets."""
+        the workspace's AdamW as it is, without the copy a caller's state gets."""
         self.last_state = state
+        self._carried = True
 
     def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None,
               clone: Clone = copy.deepcopy) -> nn.Module:
-        """``w_0`` in the reused module: the proxy's weights, or ``previous``'s (``clone`` builds the module)."""
+        """``w_0`` in the reused module, on the proxy's device: the proxy's weights, or ``previous``'s
+        (``clone`` builds the module the first time). A module :meth:`park`-ed or moved to the host in between
+        comes back without being rebuilt: ``previous`` being the module itself is moved back as it is (its
+        weights are ``w_0``), otherwise its memory is allocated again and ``w_0`` copied in."""
         source = previous if previous is not None else proxy
+        device = next(proxy.parameters()).device
         if self.model is None:
-            self.model = clone(source) if isinstance(source, nn.Module) else _copy_with(proxy, source, clone)
+            built = clone(source) if isinstance(source, nn.Module) else _copy_with(proxy, source, clone)
+            self.model = built.to(device)
             return self.model
+        if source is self.model:
+            return self.model.to(device)
+        if self._parked or next(self.model.parameters()).device != device:
+            self._allocate(device)  # w_0 and the buffers are copied in below
+            with torch.no_grad():
+                theirs = dict(proxy.named_buffers())
+                for name, b in self.model.named_buffers():  # incl. non-persistent ones (rotary frequencies)
+                    b.copy_(theirs[name])
         state = source.state_dict() if isinstance(source, nn.Module) else source
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
                 t.copy_(state[name])  # (sharded: DTensor to DTensor, shard by shard)
         return self.model
 
+    def park(self, *, weights: bool) -> None:
+        """Between refreshes, keep the module and its AdamW (the next refresh rebuilds neither) but release their
+        memory: the AdamW moments always (``blade`` starts afresh; ``blade-nosync``'s caller keeps a copy), and
+        the weights too with ``weights`` (the caller keeps what it needs of them): every tensor of the module
+        keeps its object (the optimizer holds the parameters) but gives up its storage."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        self.last_state = None
+        self._carried = False
+        if weights and self.model is not None:
+            for t in self._tensors():
+                self._parked.append((t, t.shape))
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    def _tensors(self) -> list[Tensor]:
+        assert self.model is not None
+        return [*self.model.parameters(), *self.model.buffers()]  # tied weights once
+
+    def _allocate(self, device: torch.device) -> None:
+        """Storage for every tensor of the module on ``device`` (uninitialised), in the same tensor objects."""
+        shapes = self._parked or [(t, t.shape) for t in self._tensors()]
+        for t, shape in shapes:
+            t.data = torch.empty(shape, dtype=t.dtype, device=device)
+        self._parked = []
+
     def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
         """The AdamW over ``params``: in its initial state (moments and step counts zeroed in place) when
         ``fresh``, else as the last refresh left it (or as :meth:`carry` handed it over)."""
         opt = self.optimizer
+        carried, self._carried = self._carried, False
         held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
         if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
             self.optimizer = opt = torch.optim.AdamW(params, **settings)
             if fresh or self.last_state is None:
                 return opt
             opt.load_state_dict(self.last_state)  # carried: its tensors become this optimizer's
+        elif carried and not fresh:
+            opt.load_state_dict(self.last_state)  # a parked optimizer takes the carried state back
         if fresh:
             for state in opt.state.values():
                 for value in state.values():

@@ -177,7 +177,7 @@ class RefreshData:
         version: int,
         recent: RecentMasks,
         *,
-        previous: Mapping[str, Tensor] | None = None,
+        previous: nn.Module | Mapping[str, Tensor] | None = None,
         optimizer_state: Mapping[str, Any] | None = None,
         workspace: RefreshWorkspace | None = None,
         clone: Clone = copy.deepcopy,

@@ -91,7 +91,7 @@ def test_a_scored_reference_is_kept_compact_off_the_training_device_and_nothing_
     ref.train_device = torch.device("cuda")  # as the algorithm records it on a GPU (no CUDA call on this path)
     workspace = ref.workspace
     ref.offload(compact=True)
-    assert ref.module is None and ref.compact.holds and ref.workspace is not workspace
+    assert ref.module is None and ref.compact.holds and ref.workspace is workspace  # parked, kept for the next refresh
     assert isinstance(ref.for_distance(), dict)
     state = ref.state_dict()
     assert all(torch.equal(state[k].float(), v) for k, v in expected.items())
@@ -190,7 +190,7 @@ def test_host_optimizer_state_keeps_tensors_of_other_dtypes_as_they_are():
 def _refresh(ref: InProcessReference, proxy: nn.Module, batches: list[torch.Tensor], version: int) -> dict:
     """One blade-nosync refresh as :class:`training.algorithm.BladeAlgorithm` runs it, the reference offloaded after
     its scoring; returns a copy of the carried AdamW state after that."""
-    previous = None if ref.module is None else ref.module.state_dict()
+    previous = ref.module  # as the algorithm passes it: the module itself
     result = refresh_reference(proxy, batches[2 * version : 2 * version + 2], None, steps=2, lam=0.0, lr=1e-2,
                                previous=previous, optimizer_state=ref.optimizer_state_for_refresh(),
                                workspace=ref.workspace)
@@ -221,7 +221,7 @@ def test_blade_nosync_moves_its_adamw_state_to_the_host_with_the_reference_and_c
     moved, ptrs = [], []
     for version in range(3):
         moved.append(_refresh(off, proxy, batches, version))
-        assert off.optimizer_host.holds and off.workspace.optimizer is None  # the live moments went with it
+        assert off.optimizer_host.holds and not off.workspace.optimizer.state  # the live moments went with it
         ptrs.append(off.optimizer_host._buffer.data_ptr())
     assert len(set(ptrs)) == 1  # one buffer, reused refresh after refresh
     assert all(_same_state(a, b) for a, b in zip(kept, moved, strict=True))  # the same AdamW, bit for bit
@@ -255,7 +255,7 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     on = train(cfg)
     ref = on["run"].algorithm.reference  # after the last episode's scoring: offloaded
     assert ref.optimizer_host.holds and ref.optimizer_host._buffer.is_pinned()
-    assert ref.workspace.optimizer is None and not next(ref.module.parameters()).is_cuda
+    assert not ref.workspace.optimizer.state and not next(ref.module.parameters()).is_cuda  # kept, emptied
     state = ref.optimizer_state
     assert state["state"] and all(t.device.type == "cpu" for t in _tensors(state))
     off_cfg = make_config("blade-nosync", "on-device", selection={"offload_reference": False}, **common)

@@ -305,6 +305,44 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
     assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
 
 
+@pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
+def test_a_parked_workspace_comes_back_without_a_rebuild_and_with_the_same_values(continue_mode):
+    """Offloading between refreshes (a GPU run) parks the workspace: blade's weights give up their storage, every
+    AdamW moment is released (nosync's come back through carry). The next refresh allocates them
+    again in the same module and optimizer objects and gives the values of fresh copies bit for bit."""
+    from curation.core.refresh import RefreshWorkspace
+
+    proxy = tiny_llama(0)
+    ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
+    fresh_prev = fresh_state = ws_prev = None
+    module = optimizer = params = None
+    for episode in range(3):
+        with torch.no_grad():
+            for p in proxy.parameters():
+                p.add_(0.01 * (episode + 1))
+        kw = dict(steps=2, lam=1.0, lr=1e-2)
+        a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh_prev,
+                              optimizer_state=fresh_state, **kw)
+        b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=ws_prev,
+                              optimizer_state=ws.last_state if continue_mode and episode else None, workspace=ws, **kw)
+        assert a.objectives == b.objectives
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert all(torch.equal(x, y) for x, y in zip(a.model.buffers(), b.model.buffers(), strict=True))
+        if module is None:
+            module, optimizer, params = b.model, ws.optimizer, list(b.model.parameters())
+        assert b.model is module and ws.optimizer is optimizer  # nothing rebuilt
+        assert all(x is y for x, y in zip(params, module.parameters(), strict=True))
+        host = copy.deepcopy(b.optimizer_state) if continue_mode else None  # what the host store keeps
+        ws.park(weights=not continue_mode)
+        assert not ws.optimizer.state and ws.last_state is None
+        if continue_mode:
+            ws.carry(host)
+            fresh_prev, fresh_state, ws_prev = a.model, copy.deepcopy(a.optimizer_state), b.model
+        else:
+            assert all(t.numel() == 0 for t in [*module.parameters(), *module.buffers()])  # storage released
+
+
 def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_copy():
     """blade-nosync after an offload: the state comes back from the host into a new workspace, whose AdamW
     takes it over (its tensors, not copies) and continues as one long run would."""
