@@ -62,6 +62,20 @@ def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
     return seen
 
 
+def _train_killing_rank1(cfg) -> dict:
+    """``train_parallel(cfg)`` with its rank-1 process killed after the first complete checkpoint."""
+    done, seen = threading.Event(), {}
+    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(cfg.output_dir, done)))
+    killer.start()
+    try:
+        out = train_parallel(cfg)
+    finally:
+        done.set()
+        killer.join()
+    assert "killed" in seen, "the run finished before the kill"
+    return out
+
+
 def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray, tmp_path):
     single = train(make_config("blade", "single", max_steps=STEPS))
     # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
@@ -106,15 +120,7 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
 
     # --- a killed worker: Ray Train restarts the group from the last checkpoint -------------------------
     kill_cfg = make_config("blade", "killed", max_steps=STEPS, parallel={"workers": 2})
-    done, seen = threading.Event(), {}
-    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(kill_cfg.output_dir, done)))
-    killer.start()
-    try:
-        killed = train_parallel(kill_cfg)
-    finally:
-        done.set()
-        killer.join()
-    assert "killed" in seen, "the run finished before the kill"
+    killed = _train_killing_rank1(kill_cfg)
     attempts = _attempts(kill_cfg.output_dir)
     assert len(attempts) == 4 and any(x["resumed_from"] for x in attempts[2:]), attempts
     c = _columns(killed["selected"])
@@ -159,15 +165,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     assert len(dist) == len(want_dist) > 0 and np.allclose(dist, want_dist, rtol=1e-4)  # summed over the shards
 
     kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"})
-    done, seen = threading.Event(), {}
-    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(kill_cfg.output_dir, done)))
-    killer.start()
-    try:
-        killed = train_parallel(kill_cfg)
-    finally:
-        done.set()
-        killer.join()
-    assert "killed" in seen, "the run finished before the kill"
+    killed = _train_killing_rank1(kill_cfg)
     assert any(x["resumed_from"] for x in _attempts(kill_cfg.output_dir)[2:])
     c = _columns(killed["selected"])
     assert all(np.array_equal(x, y) for x, y in zip(b["loss_mask"], c["loss_mask"], strict=True))
