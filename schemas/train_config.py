@@ -264,10 +264,6 @@ class TrainConfig(StrictModel):
                     f"set microbatch_size to null or {per_rank}, or use more workers")
             if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
-        if self.parallel.strategy == "fsdp" and self.selection.policy == "blade-nosync":
-            raise ValueError("parallel.strategy=fsdp with selection.policy=blade-nosync: the reference's AdamW state "
-                             "that blade-nosync carries across refreshes is not checkpointed sharded; use "
-                             "strategy=ddp for this ablation")
         return self
 
     @property

@@ -452,7 +452,7 @@ class BladeAlgorithm(Algorithm):
             "next_step": int(self.next_step),
             "ref_version": int(self.ref_version),
             "reference": reference,
-            "ref_optimizer": self.reference.optimizer_state,
+            "ref_optimizer": self.reference.saved_optimizer_state(),
             # the scores of the rest of the episode (a data-parallel checkpoint is rank 0's: its rows only)
             "scores": {} if self.parallel is not None else {
                 int(t): torch.from_numpy(v) for t, v in self.score_cache.items() if t >= self.next_step},

@@ -30,7 +30,15 @@ from torch import Tensor, nn
 from curation.core.refresh import Clone, RefreshWorkspace
 from curation.engine.scorer import ReferenceScorer
 from schemas.train_config import ModelConfig, ScorerConfig
-from training.sharding import full_state_dict, is_sharded, load_full_state_dict, reshard, sharded_clone
+from training.sharding import (
+    full_state_dict,
+    gather_optimizer_state,
+    is_sharded,
+    load_full_state_dict,
+    reshard,
+    shard_optimizer_state,
+    sharded_clone,
+)
 
 __all__ = ["CompactReference", "HostOptimizerState", "InProcessReference"]
 
@@ -246,10 +254,13 @@ class InProcessReference:
 
     def build(self, proxy: nn.Module, weights: Mapping[str, Tensor], *, what: str = "reference weights") -> nn.Module:
         """A reference module with the proxy's architecture and ``weights`` (full tensors, e.g. a checkpoint's):
-        on the host, or, sharded, in this rank's shards on the training device."""
+        on the host, or, sharded, in this rank's shards on the training device (with a checkpoint's gathered
+        AdamW state, ``blade-nosync``, loaded into the shards of the workspace's optimizer: :meth:`_adopt`)."""
         if self.sharded:
             module = sharded_clone(proxy)
             load_full_state_dict(module, weights, what=what)
+            if self._optimizer_state is not None:
+                self._adopt(module, self._optimizer_state)
             return module
         module = copy.deepcopy(proxy).to("cpu")
         try:
@@ -268,6 +279,24 @@ class InProcessReference:
     def optimizer_state(self, state: dict[str, Any] | None) -> None:
         self._optimizer_state = state
         self.optimizer_host.clear()
+
+    def saved_optimizer_state(self) -> dict[str, Any] | None:
+        """The carried AdamW state as a checkpoint holds it. Sharded: its moments gathered to full tensors, on
+        rank 0 (``{}`` on the other ranks; a collective every rank calls)."""
+        if not self.sharded or self._optimizer_state is None:
+            return self.optimizer_state
+        return gather_optimizer_state(self._optimizer_state)
+
+    def _adopt(self, module: nn.Module, full: dict[str, Any]) -> None:
+        """Resume ``blade-nosync`` sharded: ``module`` (the checkpoint's reference) becomes the workspace's, and the
+        checkpoint's gathered AdamW state is loaded into the shards of the workspace's optimizer, which the next
+        refresh continues in place."""
+        ws = self.workspace
+        ws.model = module
+        params = list(module.parameters())
+        optimizer = ws.adamw(params, fresh=True)
+        optimizer.load_state_dict(shard_optimizer_state(full, params))
+        self._optimizer_state = ws.last_state = optimizer.state_dict()
 
     def optimizer_state_for_refresh(self) -> dict[str, Any] | None:
         """The AdamW state the next refresh continues. From the host store it comes back to the training device

@@ -23,7 +23,9 @@ Pure torch (``torch.distributed``); Composer is configured in :mod:`training.run
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 __all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
-           "load_full_state_dict", "reshard"]
+           "load_full_state_dict", "reshard", "gather_optimizer_state", "shard_optimizer_state"]
 
 
 def is_sharded(module: nn.Module | None) -> bool:
@@ -158,3 +160,30 @@ def load_full_state_dict(module: nn.Module, weights: Mapping[str, Tensor], *, wh
         only_mine, only_theirs = sorted(mine.keys() - set(weights)), sorted(set(weights) - mine.keys())
         raise ValueError(f"{what} do not fit the model: missing {only_mine[:5]}, unexpected {only_theirs[:5]}")
     set_model_state_dict(module, dict(weights), options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def gather_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict()`` whose moments are sharded (``DTensor``) with every tensor gathered to its full
+    shape on the CPU, on rank 0 (``{}`` on the other ranks): the form a checkpoint holds. A collective: every rank
+    calls it (one parameter's moments are gathered at a time)."""
+    keep = torch.distributed.get_rank() == 0
+    out: dict[Any, dict[str, Any]] = {}
+    for i, entry in state["state"].items():
+        gathered = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        if keep:
+            out[i] = {k: v.detach().to("cpu").clone() if isinstance(v, Tensor) else v for k, v in gathered.items()}
+    return {"state": out, "param_groups": copy.deepcopy(state["param_groups"])} if keep else {}
+
+
+def shard_optimizer_state(full: Mapping[str, Any], params: list[Tensor]) -> dict[str, Any]:
+    """The reverse of :func:`gather_optimizer_state` for an optimizer over ``params`` (every rank holds ``full``):
+    each moment of the shape of its parameter is sharded like it (a collective), other entries are kept."""
+    from torch.distributed.tensor import distribute_tensor
+
+    state = {}
+    for i, entry in full["state"].items():
+        p = params[int(i)]
+        state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                    if isinstance(p, DTensor) and isinstance(v, Tensor) and v.shape == p.shape else v
+                    for k, v in entry.items()}
+    return {"state": state, "param_groups": copy.deepcopy(full["param_groups"])}

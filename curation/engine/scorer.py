@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from curation.core.losses import autocast, model_token_losses
 from curation.core.stream import CandidateStream
@@ -103,7 +104,9 @@ class ReferenceScorer:
         """float32 ``(b, L)`` losses on the scorer's device (0 at invalid positions)."""
         out = []
         bs = self.config.batch_size
-        with torch.inference_mode():
+        # A sharded (FSDP) reference is trained again later (blade-nosync): the buffers its forward gathers the
+        # parameters into must not become inference tensors.
+        with torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode():
             for i in range(0, tokens.shape[0], bs):
                 chunk = tokens[i : i + bs].to(self.device, non_blocking=True)
                 vchunk = None if valid is None else valid[i : i + bs].to(self.device, non_blocking=True)

@@ -32,8 +32,6 @@ def test_defaults_are_the_single_process_trainer():
     ({"parallel": {"backend": "gloo", "gpus_per_worker": 1}}, r"backend=gloo with parallel.gpus_per_worker > 0"),
     ({"parallel": {"strategy": "fsdp"}}, r"parallel.strategy=fsdp shards the model over the trainer workers: set "
      r"parallel.workers >= 2"),
-    ({"parallel": {"strategy": "fsdp", "workers": 2}, "selection": {"policy": "blade-nosync"}},
-     r"strategy=fsdp with selection.policy=blade-nosync: .* use strategy=ddp"),
     ({"parallel": {"workers": 2}, "device": "cuda"}, r"device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker"),
     ({"parallel": {"workers": 0}}, r"parallel.workers"),
     ({"selection": {"scope": "node"}}, r"selection.scope"),

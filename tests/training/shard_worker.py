@@ -43,6 +43,38 @@ def refresh(proxy: torch.nn.Module, **kw):
     return refresh_reference(proxy, val, cand, steps=K, lam=1.0, lr=1e-2, **kw)
 
 
+def _holder(proxy: torch.nn.Module) -> InProcessReference:
+    ref = InProcessReference(model_config=demo_model_config(V, hidden=32, layers=2, seq_len=L), precision="fp32",
+                             batch_size=B, offload=True, keep_optimizer_state=True)
+    ref.place(proxy)
+    return ref
+
+
+def _nosync_refresh(ref: InProcessReference, proxy: torch.nn.Module, version: int) -> None:
+    """One blade-nosync refresh as the algorithm runs it (from the reference itself, its AdamW continued)."""
+    result = refresh(proxy, previous=ref.module, optimizer_state=ref.optimizer_state_for_refresh(),
+                     workspace=ref.workspace, clone=sharded_clone)
+    ref.optimizer_state = result.optimizer_state
+    ref.set(result.model, version, offload=False)
+    ref.scorer_on_device()(batches()[2][:B])  # it scores (no grad) before it is refreshed again,
+    param_distance(proxy, ref.for_distance())  # and ‖u − w̃‖ reshards it (the next forward gathers again)
+
+
+def _nosync(proxy: torch.nn.Module) -> dict:
+    """blade-nosync sharded: two refreshes in a row, and the same with a checkpoint in between (the gathered
+    weights and AdamW state, loaded back into new shards as a resumed worker does)."""
+    ref = _holder(proxy)
+    _nosync_refresh(ref, proxy, 1)
+    saved = [ref.state_dict(), ref.saved_optimizer_state()]  # gathered on rank 0, as a checkpoint holds them
+    dist.broadcast_object_list(saved, src=0)  # every worker reads the checkpoint file
+    _nosync_refresh(ref, proxy, 2)
+    resumed = _holder(proxy)
+    resumed.optimizer_state = saved[1]
+    resumed.set(resumed.build(proxy, saved[0]), 1)
+    _nosync_refresh(resumed, proxy, 2)
+    return {"nosync_opt": saved[1], "nosync": full_state_dict(ref.module), "nosync_resumed": full_state_dict(resumed.module)}
+
+
 def main() -> None:
     rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -71,6 +103,7 @@ def main() -> None:
     res["built"] = full_state_dict(built)
     ref.set(built, 1)
     res["reference_state"] = ref.state_dict()  # gathered (a collective), offload was a no-op
+    res.update(_nosync(proxy))
     torch.save(res, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -173,6 +173,25 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     assert all(torch.equal(final["model"][k], wk[k]) for k in wk)  # bitwise equal to the uninterrupted run
 
 
+def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker(make_config, local_ray):
+    """blade-nosync under fsdp: its reference AdamW state, carried across refreshes, is sharded; the checkpoints
+    hold it gathered by parameter name, and a restarted group loads it back into the shards: the run still
+    equals the single-process one."""
+    one = make_config("blade-nosync", "nosync-single", max_steps=STEPS)
+    single = train(one)
+    killed = _train_killing_rank1(make_config("blade-nosync", "nosync-fsdp-killed", max_steps=STEPS,
+                                              parallel={"workers": 2, "strategy": "fsdp"}))
+    a, b = _columns(single["selected"]), _columns(killed["selected"])
+    ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
+    assert np.array_equal(ma[W * B:(W + 1) * B], mb[W * B:(W + 1) * B]) and (ma == mb).mean() >= 0.99
+    wa, wb = load_file(single["final_weights"]), load_file(killed["final_weights"])
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    ra, rb = load_file(single["final_reference"]), load_file(killed["final_reference"])
+    assert max(float((ra[k] - rb[k]).abs().max()) for k in ra) < 1e-4  # the continued reference, resumed
+    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, killed))
+    assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
+
+
 def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_ray):
     """``selection.scope: rank``: each rank's b/N rows keep their own γ share, with no collective for the choice;
     that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,

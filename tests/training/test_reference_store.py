@@ -114,6 +114,8 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     cfg = make_config("blade", "compact", **common)
     on = train(cfg)
     assert on["run"].algorithm.reference.compact.holds  # after the last episode's scoring
+    parked = on["run"].algorithm.reference.workspace  # the refresh module kept for the next refresh, without memory
+    assert parked.model is not None and all(t.numel() == 0 for t in parked.model.parameters())
     off_cfg = make_config("blade", "on-device", selection={"offload_reference": False}, **common)
     off = train(off_cfg)
     assert not off["run"].algorithm.reference.compact.holds
