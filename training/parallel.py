@@ -52,6 +52,7 @@ from schemas.shards import ShardSchemaError
 from schemas.train_config import TrainConfig
 from training.callbacks import JSONLinesLogger, SelectedShardWriter
 from training.data import StepBatches, StreamBatches
+from training.sharding import is_sharded
 
 __all__ = ["RankBatches", "RankZeroShardWriter", "ParallelSelection", "DataParallelParts", "data_parallel_parts",
            "rank_eval_loader", "StepTimes",           "train_worker", "train_parallel", "run_worker_group", "trainer_cpus", "FATAL_FILE"]
@@ -285,7 +286,8 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                 d._file.close()
         run.trainer.logger.destinations = tuple(d for d in dests if not isinstance(d, JSONLinesLogger))
     run.fit()
-    state = run.final_state()  # a collective when the model is sharded (fsdp)
+    sharded = is_sharded(run.model.model)  # then gathering the final weights is a collective
+    state = run.final_state() if ranks.rank == 0 or sharded else None
     if ranks.rank == 0:
         extra = {"resumed_from": run.resumed_from, "world_size": ranks.world_size,
                  "stream": run.manifest_extra["stream"] if run.manifest_extra else None,

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from curation.core.refresh import Clone, RefreshWorkspace
 from curation.engine.scorer import ReferenceScorer
+from curation.io.models import load_state
 from schemas.train_config import ModelConfig, ScorerConfig
 from training.sharding import (
     full_state_dict,
@@ -256,17 +257,14 @@ class InProcessReference:
         """A reference module with the proxy's architecture and ``weights`` (full tensors, e.g. a checkpoint's):
         on the host, or, sharded, in this rank's shards on the training device (with a checkpoint's gathered
         AdamW state, ``blade-nosync``, loaded into the shards of the workspace's optimizer: :meth:`_adopt`)."""
-        if self.sharded:
-            module = sharded_clone(proxy)
-            load_full_state_dict(module, weights, what=what)
-            if self._optimizer_state is not None:
-                self._adopt(module, self._optimizer_state)
+        module = self.clone(proxy)
+        if not self.sharded:
+            module.to("cpu")
+            load_state(module, weights, what=what)
             return module
-        module = copy.deepcopy(proxy).to("cpu")
-        try:
-            module.load_state_dict(dict(weights), strict=True)
-        except RuntimeError as e:
-            raise ValueError(f"{what}: weights do not fit the model: {e}") from e
+        load_full_state_dict(module, weights, what=what)
+        if self._optimizer_state is not None:
+            self._adopt(module, self._optimizer_state)
         return module
 
     @property

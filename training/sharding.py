@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from curation.core.refresh import copy_buffers
+
 __all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
            "load_full_state_dict", "reshard", "gather_optimizer_state", "shard_optimizer_state"]
 
@@ -116,16 +118,13 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def copy_local(dst: nn.Module, src: nn.Module | Mapping[str, Tensor]) -> None:
+def copy_local(dst: nn.Module, src: nn.Module) -> None:
     """Copy ``src``'s parameters and buffers into ``dst`` shard by shard (same sharding on both sides)."""
-    source = src.state_dict() if isinstance(src, nn.Module) else src
+    source = src.state_dict()
     with torch.no_grad():
         for name, t in dst.state_dict().items():
             _local(t).copy_(_local(source[name]))
-        if isinstance(src, nn.Module):  # non-persistent buffers (e.g. rotary frequencies) are not in state dicts
-            theirs = dict(src.named_buffers())
-            for name, b in dst.named_buffers():
-                b.copy_(theirs[name])
+    copy_buffers(dst, src)
 
 
 def reshard(module: nn.Module) -> nn.Module:

@@ -38,6 +38,7 @@ Clone = Callable[[nn.Module], nn.Module]
 __all__ = [
     "RefreshResult",
     "RefreshWorkspace",
+    "copy_buffers",
     "refresh_reference",
     "train_static_reference",
 ]
@@ -131,11 +132,8 @@ class RefreshWorkspace:
         if source is self.model:
             return self.model.to(device)
         if self._parked or next(self.model.parameters()).device != device:
-            self._allocate(device)  # w_0 and the buffers are copied in below
-            with torch.no_grad():
-                theirs = dict(proxy.named_buffers())
-                for name, b in self.model.named_buffers():  # incl. non-persistent ones (rotary frequencies)
-                    b.copy_(theirs[name])
+            self._allocate(device)  # w_0 is copied in below
+            copy_buffers(self.model, proxy)
         state = source.state_dict() if isinstance(source, nn.Module) else source
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
@@ -188,6 +186,15 @@ class RefreshWorkspace:
         for group in opt.param_groups:
             group.update(settings)
         return opt
+
+
+def copy_buffers(dst: nn.Module, src: nn.Module) -> None:
+    """Copy every buffer of ``src`` into ``dst``'s buffer of the same name, the non-persistent ones (e.g. rotary
+    frequencies, which no state dict holds) included."""
+    theirs = dict(src.named_buffers())
+    with torch.no_grad():
+        for name, b in dst.named_buffers():
+            b.copy_(theirs[name])
 
 
 def _copy_with(proxy: nn.Module, weights: Mapping[str, Tensor], clone: Clone = copy.deepcopy) -> nn.Module:

@@ -24,6 +24,7 @@ __all__ = [
     "save_weights",
     "load_weights",
     "read_weights",
+    "load_state",
     "cpu_state_dict",
     "check_vocab",
     "check_token_range",
@@ -159,11 +160,19 @@ def load_weights(model: nn.Module, path: str) -> None:
     Raises:
         ValueError: naming the file on missing/unexpected keys or shape mismatches.
     """
-    sd = read_weights(path)
+    load_state(model, read_weights(path), what=path)
+
+
+def load_state(model: nn.Module, weights: Mapping[str, Tensor], *, what: str) -> None:
+    """Load ``weights`` into ``model`` (strict: names and shapes must match).
+
+    Raises:
+        ValueError: naming ``what`` (a file, a checkpoint's entry) on missing/unexpected keys or shape mismatches.
+    """
     try:
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(dict(weights), strict=True)
     except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit the model: {e}") from e
+        raise ValueError(f"{what}: weights do not fit the model: {e}") from e
 
 
 def weights_fingerprint(model: nn.Module | Mapping[str, Tensor]) -> str:

@@ -273,6 +273,25 @@ def test_padded_batches_and_tuple_batches():
     assert result.steps == 1 and all(torch.isfinite(torch.tensor(result.objectives)))
 
 
+def _refreshed_both_ways(proxy, episode, steps, fresh, kept, ws):
+    """Move the proxy as training between refreshes would, then refresh it from fresh copies (``fresh``: previous
+    reference and AdamW state) and through the workspace ``ws`` (``kept``): the two agree bit for bit, buffers
+    (e.g. rotary frequencies) included. Returns both results."""
+    with torch.no_grad():
+        for p in proxy.parameters():
+            p.add_(0.01 * (episode + 1))
+    kw = dict(steps=steps, lam=1.0, lr=1e-2)
+    a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh[0],
+                          optimizer_state=fresh[1], **kw)
+    b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=kept[0],
+                          optimizer_state=kept[1], workspace=ws, **kw)
+    assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.buffers(), b.model.buffers(), strict=True))
+    return a, b
+
+
 @pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
 def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue_mode):
     """Three refreshes with a workspace equal three with fresh copies bit for bit; one module, one AdamW."""
@@ -283,17 +302,7 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
     fresh_prev, fresh_state, ws_prev, ws_state = None, None, None, None
     modules, optimizers = set(), set()
     for episode in range(3):
-        with torch.no_grad():  # the proxy moves between refreshes
-            for p in proxy.parameters():
-                p.add_(0.01 * (episode + 1))
-        kw = dict(steps=3, lam=1.0, lr=1e-2)
-        a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh_prev,
-                              optimizer_state=fresh_state, **kw)
-        b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=ws_prev,
-                              optimizer_state=ws_state, workspace=ws, **kw)
-        assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
-        sa, sb = a.model.state_dict(), b.model.state_dict()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        a, b = _refreshed_both_ways(proxy, episode, 3, (fresh_prev, fresh_state), (ws_prev, ws_state), ws)
         modules.add(id(b.model))
         optimizers.add(id(ws.optimizer))
         # blade releases the AdamW moments between refreshes; blade-nosync keeps them (and continues them)
@@ -317,18 +326,8 @@ def test_a_parked_workspace_comes_back_without_a_rebuild_and_with_the_same_value
     fresh_prev = fresh_state = ws_prev = None
     module = optimizer = params = None
     for episode in range(3):
-        with torch.no_grad():
-            for p in proxy.parameters():
-                p.add_(0.01 * (episode + 1))
-        kw = dict(steps=2, lam=1.0, lr=1e-2)
-        a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh_prev,
-                              optimizer_state=fresh_state, **kw)
-        b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=ws_prev,
-                              optimizer_state=ws.last_state if continue_mode and episode else None, workspace=ws, **kw)
-        assert a.objectives == b.objectives
-        sa, sb = a.model.state_dict(), b.model.state_dict()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
-        assert all(torch.equal(x, y) for x, y in zip(a.model.buffers(), b.model.buffers(), strict=True))
+        carried = ws.last_state if continue_mode and episode else None
+        a, b = _refreshed_both_ways(proxy, episode, 2, (fresh_prev, fresh_state), (ws_prev, carried), ws)
         if module is None:
             module, optimizer, params = b.model, ws.optimizer, list(b.model.parameters())
         assert b.model is module and ws.optimizer is optimizer  # nothing rebuilt
