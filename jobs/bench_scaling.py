@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare(PrepareConfig.demo_default(os.path.dirname(os.path.normpath(args.data))))  # as jobs/prepare.py
     from curation.engine.ray_backend import ray_session
-    from training.parallel import StepTimes, train_parallel
-    from training.run import train
+    from training.blocks.callbacks import StepTimes
+    from training.runs.group import train_parallel
+    from training.runs.single import train
 
     need = max(args.workers) * args.threads
     tmp = tempfile.mkdtemp(prefix="bench_scaling-")

@@ -100,7 +100,8 @@ def worker(args: argparse.Namespace) -> dict:
     """Train one policy; report each measured episode's mean step time and phase timers, and peak RSS."""
     from composer.core import Callback
 
-    from training.run import build_training
+    from training.blocks.meters import Meters
+    from training.runs.wiring import build_training
 
     first = args.warmup + args.tau  # whole episodes after the first one (one-off allocations) are measured
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -123,7 +124,7 @@ def worker(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(args, args.worker, tmp)
         episode_clock = EpisodeClock()
-        run = build_training(cfg, callbacks=[episode_clock], timing=True, clock=clock)
+        run = build_training(cfg, callbacks=[episode_clock], meters=Meters(clock=clock, sync_cuda=True))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         run.trainer.fit()

@@ -7,7 +7,7 @@
     python jobs/train.py --set parallel.workers=2         # 2 data-parallel trainer processes (Ray Train, gloo on CPUs)
 
 Writes checkpoints (rerun the same command to resume), selected-token shards, logs/metrics.jsonl,
-summary.json and plots/ under output_dir (see training/run.py for the layout).
+summary.json and plots/ under output_dir (see training/runs/wiring.py for the layout).
 """
 
 from __future__ import annotations
@@ -66,16 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
               file=sys.stderr)
         return 1
-    from training.run import train
+    # Imported after the config is parsed (Composer and Ray take seconds): --help and bad settings answer at once,
+    # and a single-process run does not import Ray.
+    from curation.core.distributed import WorkerGroupFailed
 
     def run() -> dict:
         if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
-            from training.parallel import train_parallel
+            from training.runs.group import train_parallel
 
             return train_parallel(cfg)
-        return train(cfg)
+        from training.runs.single import train
 
-    from curation.core.distributed import WorkerGroupFailed
+        return train(cfg)
 
     out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     if out is None:

@@ -266,9 +266,26 @@ class TrainConfig(StrictModel):
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
         return self
 
+    # --- settings whose default is another setting, resolved here once -----------------------------
     @property
     def refresh_batch_size(self) -> int:
+        """Sequences per validation and per candidate batch of a refresh step (default ``b / 4``)."""
         return self.selection.refresh_batch_size or max(1, self.batch_size // 4)
+
+    @property
+    def ref_lr(self) -> float:
+        """``η_w``, the reference's learning rate (default: the proxy's ``optim.lr``)."""
+        return self.selection.ref_lr or self.optim.lr
+
+    @property
+    def effective_microbatch_size(self) -> int:
+        """Sequences per forward/backward: ``microbatch_size``, else a worker's whole share ``b / workers``."""
+        return self.microbatch_size or self.batch_size // self.parallel.workers
+
+    @property
+    def score_batch_size(self) -> int:
+        """Sequences per forward of the in-process reference's scoring (default ``b``)."""
+        return self.selection.score_batch_size or self.batch_size
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT, *, policy: str = "blade") -> TrainConfig:
@@ -307,6 +324,11 @@ class ReplayConfig(StrictModel):
     precision: Precision = "fp32"
     threads: int | None = Field(None, ge=1)
     progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
+
+    @property
+    def effective_microbatch_size(self) -> int:
+        """Sequences per forward/backward (default ``b``)."""
+        return self.microbatch_size or self.batch_size
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> ReplayConfig:

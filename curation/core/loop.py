@@ -43,7 +43,7 @@ import copy
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,7 +54,9 @@ from curation.core.policies import RefreshMode, get_policy, train_static_referen
 from curation.core.schedule import Schedule
 from curation.core.selection import masked_mean
 from curation.core.stream import CandidateStream
-from schemas.train_config import OptimConfig, SelectionConfig
+
+if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
+    from schemas.train_config import OptimConfig, SelectionConfig
 
 __all__ = ["LoopResult", "blade_loop"]
 

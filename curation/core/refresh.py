@@ -32,10 +32,11 @@ from torch.distributed.tensor import DTensor
 from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
 from curation.core.selection import masked_mean
 
-#: Builds a module equal to a given one (``copy.deepcopy``; a sharded model: :func:`training.sharding.sharded_clone`).
+#: Builds a module equal to a given one (``copy.deepcopy``; a sharded model: :func:`training.blocks.sharding.sharded_clone`).
 Clone = Callable[[nn.Module], nn.Module]
 
 __all__ = [
+    "CONTINUE",
     "RefreshResult",
     "RefreshWorkspace",
     "copy_buffers",
@@ -86,6 +87,10 @@ class RefreshResult:
         return self.model.state_dict()
 
 
+#: ``optimizer_state`` value that continues the workspace's AdamW as the last refresh left it (``blade-nosync``).
+CONTINUE = "continue"
+
+
 class RefreshWorkspace:
     """The reference module and AdamW a refresh reuses (see the module docstring).
 
@@ -94,28 +99,16 @@ class RefreshWorkspace:
     reference: it is overwritten by the next refresh).
 
     Args:
-        keep_optimizer_state: keep the AdamW moments between refreshes (``blade-nosync`` continues them).
-            Otherwise (``blade``: a fresh optimizer every refresh) they are released after each refresh,
-            so that between refreshes the reference costs its weights only, not three times them.
+        keep_optimizer_state: keep the AdamW moments between refreshes (``blade-nosync`` continues them:
+            ``optimizer_state=CONTINUE``). Otherwise (``blade``: a fresh optimizer every refresh) they are released
+            after each refresh, so that between refreshes the reference costs its weights only, not three times them.
     """
 
     def __init__(self, *, keep_optimizer_state: bool = False) -> None:
         self.keep_optimizer_state = keep_optimizer_state
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.AdamW | None = None
-        #: The ``optimizer_state`` of the last result: it views the optimizer's live tensors, so passing it
-        #: back (``blade-nosync``) continues the optimizer in place instead of copying its state. Or one
-        #: handed over with :meth:`carry`.
-        self.last_state: dict[str, Any] | None = None
-        self._carried = False  # last_state was handed over with carry() and is not the optimizer's own yet
         self._parked: list[tuple[Tensor, torch.Size]] = []  # the module's tensors and shapes while parked
-
-    def carry(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` when the next refresh is given it back as ``optimizer_state``: an AdamW state
-        dict whose tensors nothing else holds (e.g. just copied back to the device from the host), loaded into
-        the workspace's AdamW as it is, without the copy a caller's state gets."""
-        self.last_state = state
-        self._carried = True
 
     def start(self, proxy: nn.Module, previous: nn.Module | Mapping[str, Tensor] | None,
               clone: Clone = copy.deepcopy) -> nn.Module:
@@ -147,8 +140,6 @@ class RefreshWorkspace:
         keeps its object (the optimizer holds the parameters) but gives up its storage."""
         if self.optimizer is not None:
             self.optimizer.state.clear()
-        self.last_state = None
-        self._carried = False
         if weights and self.model is not None:
             for t in self._tensors():
                 self._parked.append((t, t.shape))
@@ -165,24 +156,26 @@ class RefreshWorkspace:
             t.data = torch.empty(shape, dtype=t.dtype, device=device)
         self._parked = []
 
-    def adamw(self, params: list[Tensor], *, fresh: bool, **settings: Any) -> torch.optim.AdamW:
-        """The AdamW over ``params``: in its initial state (moments and step counts zeroed in place) when
-        ``fresh``, else as the last refresh left it (or as :meth:`carry` handed it over)."""
+    def adamw(self, params: list[Tensor], state: Mapping[str, Any] | str | None, **settings: Any) -> torch.optim.AdamW:
+        """The AdamW over ``params`` (built once, reused while the parameters are the same objects), with ``settings``:
+
+        * ``state=None``: in its initial state (moments and step counts zeroed in place when reused);
+        * ``state=CONTINUE``: as the last refresh left it (a parked optimizer has released its moments: fresh);
+        * a state dict: that state loaded; the optimizer takes its tensors (no copy).
+        """
         opt = self.optimizer
-        carried, self._carried = self._carried, False
         held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
         if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
             self.optimizer = opt = torch.optim.AdamW(params, **settings)
-            if fresh or self.last_state is None:
-                return opt
-            opt.load_state_dict(self.last_state)  # carried: its tensors become this optimizer's
-        elif carried and not fresh:
-            opt.load_state_dict(self.last_state)  # a parked optimizer takes the carried state back
-        if fresh:
-            for state in opt.state.values():
-                for value in state.values():
+        if isinstance(state, Mapping):
+            opt.load_state_dict(state)
+        elif state is None:
+            for values in opt.state.values():
+                for value in values.values():
                     if isinstance(value, Tensor):
                         value.zero_()
+        elif state != CONTINUE:
+            raise ValueError(f"optimizer_state must be a state dict, {CONTINUE!r} or None, got {state!r}")
         for group in opt.param_groups:
             group.update(settings)
         return opt
@@ -239,7 +232,7 @@ def refresh_reference(
     eps: float = 1e-8,
     grad_clip: float | None = 1.0,
     previous: nn.Module | Mapping[str, Tensor] | None = None,
-    optimizer_state: Mapping[str, Any] | None = None,
+    optimizer_state: Mapping[str, Any] | str | None = None,
     precision: str = "fp32",
     workspace: RefreshWorkspace | None = None,
     clone: Clone = copy.deepcopy,
@@ -258,8 +251,9 @@ def refresh_reference(
     is its current selection α over loss positions (``None``: all valid tokens).
 
     ``proxy`` is not modified (parameters, buffers, gradients, train/eval mode), and its optimizer
-    is not involved. The reference gets a fresh AdamW unless ``optimizer_state`` (from a previous
-    :class:`RefreshResult`) is given.
+    is not involved. The reference gets a fresh AdamW unless ``optimizer_state`` is given: a previous
+    :class:`RefreshResult`'s state dict (loaded into the AdamW, which takes its tensors and updates them in
+    place: pass a copy to keep yours), or :data:`CONTINUE` (the workspace's AdamW as the last refresh left it).
 
     Args:
         proxy: the proxy model ``u`` (HF causal LM or a module returning logits).
@@ -273,11 +267,11 @@ def refresh_reference(
         eps: AdamW epsilon.
         grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
         previous: start from these weights (module or state dict) instead of the proxy's.
-        optimizer_state: AdamW state to resume from.
+        optimizer_state: AdamW state to resume from, or :data:`CONTINUE` (needs ``workspace``).
         precision: ``fp32`` or ``amp_bf16`` (forward passes under bf16 autocast on CUDA; float32 on a CPU).
         workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
         clone: builds ``w_0``'s module from the proxy (or ``previous``); a sharded proxy needs
-            :func:`training.sharding.sharded_clone`.
+            :func:`training.blocks.sharding.sharded_clone`.
 
     Returns:
         A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
@@ -308,18 +302,16 @@ def refresh_reference(
     ref.train()
     params = [p for p in ref.parameters() if p.requires_grad]
     settings = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-    if workspace is None:
-        opt = torch.optim.AdamW(params, **settings)
+    if workspace is not None:
+        opt = workspace.adamw(params, optimizer_state, **settings)
+    elif optimizer_state == CONTINUE:
+        raise ValueError(f"optimizer_state={CONTINUE!r} continues a workspace's AdamW: pass the workspace")
     else:
-        # blade-nosync in memory: the state passed back is the workspace's own, continued in place.
-        continued = optimizer_state is not None and optimizer_state is workspace.last_state
-        opt = workspace.adamw(params, fresh=not continued, **settings)
-        if continued:
-            optimizer_state = None
-    if optimizer_state is not None:
-        opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
-        for group in opt.param_groups:  # this call's settings win over the carried ones
-            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        opt = torch.optim.AdamW(params, **settings)
+        if optimizer_state is not None:
+            opt.load_state_dict(optimizer_state)
+            for group in opt.param_groups:  # this call's settings win over the carried ones
+                group.update(settings)
 
     try:
         device = next(ref.parameters()).device
@@ -349,11 +341,8 @@ def refresh_reference(
     opt.zero_grad(set_to_none=True)
     ref.eval()
     result.optimizer_state = opt.state_dict()
-    if workspace is not None:
-        if workspace.keep_optimizer_state:
-            workspace.last_state = result.optimizer_state
-        else:  # released once the caller drops the result; the next step re-creates them lazily, zeroed
-            opt.state.clear()
+    if workspace is not None and not workspace.keep_optimizer_state:
+        opt.state.clear()  # released once the caller drops the result; the next step re-creates them lazily, zeroed
     return result
 
 

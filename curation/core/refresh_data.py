@@ -1,6 +1,6 @@
 """What a reference refresh reads, built in one place (DESIGN.md §2).
 
-Both the single-process trainer (:class:`training.algorithm.BladeAlgorithm`) and the engine's refresh
+Both the single-process trainer (:class:`training.selection.algorithm.BladeAlgorithm`) and the engine's refresh
 actor (:class:`curation.engine.refresh_runner.RefreshRunner`) compute reference versions; they must
 feed :func:`~curation.core.refresh.refresh_reference` the same batches with the same settings, or the
 engine's references (and so its masks) would differ from the trainer's. :class:`RefreshData` is that
@@ -24,11 +24,10 @@ Pure torch + numpy: no ray, no composer.
 from __future__ import annotations
 
 import copy
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,9 +38,11 @@ from curation.core.policies import SelectionPolicy
 from curation.core.refresh import Clone, RefreshResult, RefreshWorkspace, train_static_reference
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
-from schemas.train_config import SelectionConfig
 
-__all__ = ["STATIC_SEED_OFFSET", "VALIDATION_SEED_OFFSET", "RecentMasks", "RefreshData"]
+if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
+    from schemas.train_config import SelectionConfig
+
+__all__ = ["STATIC_SEED_OFFSET", "VALIDATION_SEED_OFFSET", "RecentMasks", "RefreshData", "RefreshSettings"]
 
 #: The validation stream of the refreshes is seeded ``selection.seed + VALIDATION_SEED_OFFSET``.
 VALIDATION_SEED_OFFSET = 1
@@ -61,27 +62,6 @@ class RecentMasks:
     steps: list[int] = field(default_factory=list)
     masks: np.ndarray | None = None  # (n, b, L) uint8
 
-    def save(self, path: str) -> None:
-        """Write to a safetensors file (atomically: a temporary file renamed into place)."""
-        from safetensors.numpy import save_file
-
-        data = {"steps": np.asarray(self.steps, dtype=np.int64)}
-        if self.masks is not None:
-            data["masks"] = np.ascontiguousarray(self.masks, dtype=np.uint8)
-        tmp = path + ".tmp"
-        save_file(data, tmp)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str, *, missing_ok: bool = False) -> RecentMasks:
-        """Inverse of :meth:`save`; with ``missing_ok`` a file that does not exist reads as no recent steps."""
-        from safetensors.numpy import load_file
-
-        if missing_ok and not os.path.exists(path):
-            return cls()
-        data = load_file(path)
-        return cls([int(s) for s in data["steps"]], data.get("masks"))
-
     @classmethod
     def from_pairs(cls, pairs: Sequence[tuple[int, np.ndarray]]) -> RecentMasks:
         """From ``(step, mask)`` pairs, oldest first (a trainer's window of recent steps)."""
@@ -90,15 +70,47 @@ class RecentMasks:
         return cls([int(s) for s, _ in pairs], np.stack([np.asarray(m, dtype=np.uint8) for _, m in pairs]))
 
 
+@dataclass(frozen=True)
+class RefreshSettings:
+    """The settings of every refresh of a run (the defaults are the paper's; see ``schemas.train_config``).
+
+    Attributes:
+        seed: the selection seed (the validation batches' streams are seeded from it).
+        refresh_steps: ``K``, AdamW steps per refresh.
+        lam: ``λ``, the weight of ``L_train(α, w)``.
+        lr: ``η_w``.
+        weight_decay: the reference AdamW's weight decay.
+        grad_clip: max total gradient norm (``None``: no clipping).
+        rho1_steps: steps of RHO-1's static reference.
+        batch_size: rows per validation and per candidate batch of a refresh step.
+        precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes.
+    """
+
+    seed: int = 0
+    refresh_steps: int = 3
+    lam: float = 1.0
+    lr: float = 8e-5
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    rho1_steps: int = 0
+    batch_size: int = 4
+    precision: str = "fp32"
+
+    @classmethod
+    def of(cls, selection: SelectionConfig, *, lr: float, batch_size: int, precision: str) -> RefreshSettings:
+        """The refresh settings of a run's selection config, with the values resolved from the rest of its
+        config (``TrainConfig.ref_lr``, ``TrainConfig.refresh_batch_size``, ``precision``)."""
+        return cls(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam, lr=lr,
+                   weight_decay=selection.ref_weight_decay, grad_clip=selection.ref_grad_clip,
+                   rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision)
+
+
 class RefreshData:
     """Builds the inputs of every refresh of a run and runs it (see the module docstring).
 
     Args:
-        selection: the run's selection settings (seed, ``K``, ``λ``, ``rho1_steps``, weight decay, clipping).
+        settings: the refresh settings.
         schedule: the run's schedule (where reference version ``e`` is due).
-        refresh_batch_size: rows per validation and per candidate batch of a refresh step.
-        lr: ``η_w``.
-        precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes.
         num_validation: rows in the validation set.
         validation_path: the validation set's directory (named in errors).
         validation_tokens: ``ids → (len(ids), L)`` int64 tokens of those validation rows.
@@ -110,12 +122,9 @@ class RefreshData:
 
     def __init__(
         self,
-        *,
-        selection: SelectionConfig,
+        settings: RefreshSettings,
         schedule: Schedule,
-        refresh_batch_size: int,
-        lr: float,
-        precision: str,
+        *,
         num_validation: int,
         validation_path: str,
         validation_tokens: Callable[[np.ndarray], Tensor],
@@ -123,16 +132,13 @@ class RefreshData:
     ) -> None:
         if num_validation == 0:
             raise ValueError(f"{validation_path}: the validation set is empty")
-        self.cfg = selection
+        self.cfg = settings
         self.schedule = schedule
-        self.batch_size = refresh_batch_size
-        self.lr = lr
-        self.precision = precision
         self.validation_tokens = validation_tokens
         self.step_tokens = step_tokens
-        n, rb = num_validation, refresh_batch_size
-        self.val_stream = CandidateStream(n, rb, seed=selection.seed + VALIDATION_SEED_OFFSET)
-        self.static_stream = CandidateStream(n, rb, seed=selection.seed + STATIC_SEED_OFFSET)
+        n, rb = num_validation, settings.batch_size
+        self.val_stream = CandidateStream(n, rb, seed=settings.seed + VALIDATION_SEED_OFFSET)
+        self.static_stream = CandidateStream(n, rb, seed=settings.seed + STATIC_SEED_OFFSET)
 
     def validation_batches(self, version: int) -> Iterator[dict[str, Tensor]]:
         """The ``K`` validation batches of reference ``version`` (read lazily, one per refresh step)."""
@@ -161,7 +167,7 @@ class RefreshData:
         else:
             tokens = self.step_tokens(self.schedule.refresh_step(version))
             masks = target_valid(tokens)
-        n, rb = tokens.shape[0], self.batch_size
+        n, rb = tokens.shape[0], self.cfg.batch_size
 
         def gen() -> Iterator[dict[str, Tensor]]:
             for k in range(steps):
@@ -178,7 +184,7 @@ class RefreshData:
         recent: RecentMasks,
         *,
         previous: nn.Module | Mapping[str, Tensor] | None = None,
-        optimizer_state: Mapping[str, Any] | None = None,
+        optimizer_state: Mapping[str, Any] | str | None = None,
         workspace: RefreshWorkspace | None = None,
         clone: Clone = copy.deepcopy,
     ) -> RefreshResult:
@@ -197,8 +203,8 @@ class RefreshData:
         cfg = self.cfg
         return policy.refresh(
             proxy, self.validation_batches(version), self.candidate_batches(version, recent),
-            previous=previous, optimizer_state=optimizer_state, steps=cfg.refresh_steps, lam=cfg.lam, lr=self.lr,
-            weight_decay=cfg.ref_weight_decay, grad_clip=cfg.ref_grad_clip, precision=self.precision,
+            previous=previous, optimizer_state=optimizer_state, steps=cfg.refresh_steps, lam=cfg.lam, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, precision=cfg.precision,
             workspace=workspace, clone=clone,
         )
 
@@ -206,8 +212,8 @@ class RefreshData:
         """RHO-1's static reference (version 0): ``rho1_steps`` steps on validation data from ``base``."""
         cfg = self.cfg
         return train_static_reference(
-            base, self.static_batches(), steps=cfg.rho1_steps, lr=self.lr, weight_decay=cfg.ref_weight_decay,
-            grad_clip=cfg.ref_grad_clip, precision=self.precision, clone=clone,
+            base, self.static_batches(), steps=cfg.rho1_steps, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip, precision=cfg.precision, clone=clone,
         )
 
 

@@ -20,12 +20,12 @@ import torch
 from torch import Tensor
 
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import RefreshWorkspace
-from curation.core.refresh_data import RecentMasks, RefreshData
+from curation.core.refresh import CONTINUE, RefreshWorkspace
+from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
-from curation.io.models import build_causal_lm
+from curation.io.models import build_causal_lm, resolve_device
 from curation.io.shards import open_shards
 from schemas.manifest import atomic_write_text
 from schemas.train_config import ModelConfig
@@ -91,8 +91,6 @@ class RefreshRunner:
         self.spec = spec
         self.cfg = SelectionConfig.model_validate(spec.selection)
         self.policy = get_policy(self.cfg.policy)
-        from curation.engine.scorer import resolve_device
-
         self.device = resolve_device(spec.device)
         self.model_cfg = ModelConfig.model_validate(spec.model)
         self.proxy = build_causal_lm(self.model_cfg).to(self.device)
@@ -102,14 +100,14 @@ class RefreshRunner:
         self.schedule = (Schedule.from_dict(spec.schedule) if spec.schedule is not None
                          else Schedule(self.cfg.warmup_steps, self.cfg.tau))
         # The same batches and settings as the single-process trainer's refreshes.
+        settings = RefreshSettings.of(self.cfg, lr=spec.ref_lr, batch_size=spec.refresh_batch_size,
+                                      precision=spec.precision)
         self.data = RefreshData(
-            selection=self.cfg, schedule=self.schedule, refresh_batch_size=spec.refresh_batch_size, lr=spec.ref_lr,
-            precision=spec.precision, num_validation=len(self.validation),
+            settings, self.schedule, num_validation=len(self.validation),
             validation_path=spec.validation,
             validation_tokens=lambda ids: self._tokens(self.validation, ids),
             step_tokens=lambda step: self._tokens(self.candidates, self.stream.batch_ids(step)),
         )
-        self.opt_state: dict[str, Any] | None = None
         self.opt_version: int | None = None
         # The reference module and AdamW of a refresh, reused refresh after refresh (curation.core.refresh).
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
@@ -172,7 +170,7 @@ class RefreshRunner:
                                    optimizer_state=opt_state, workspace=self.workspace)
         weights = Weights.from_state_dict(result.model)
         if continue_mode:
-            self.opt_state, self.opt_version = result.optimizer_state, version
+            self.opt_version = version  # its AdamW state stays in the workspace's optimizer
             tmp = self._opt_path(version) + ".tmp"
             torch.save(result.optimizer_state, tmp)
             os.replace(tmp, self._opt_path(version))
@@ -184,9 +182,11 @@ class RefreshRunner:
     def _opt_path(self, version: int) -> str:
         return reference_path(self.spec.engine_dir, version).replace(".safetensors", ".optim.pt")
 
-    def _optimizer_state(self, version: int) -> dict[str, Any] | None:
-        if self.opt_version == version and self.opt_state is not None:
-            return self.opt_state
+    def _optimizer_state(self, version: int) -> dict[str, Any] | str:
+        """The AdamW state reference ``version`` left: still in the workspace's AdamW (continued in place), or
+        read from the file saved next to it (a restarted actor, a resumed job)."""
+        if self.opt_version == version:
+            return CONTINUE
         path = self._opt_path(version)
         if not os.path.exists(path):
             raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")

@@ -27,22 +27,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from curation.core.losses import autocast, model_token_losses
 from curation.core.stream import CandidateStream
-from curation.io.models import build_causal_lm, load_weights
+from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest, ShardRecord
 from schemas.shards import SCORED
 from schemas.train_config import ScorerConfig
 
 __all__ = ["ReferenceScorer", "check_finite_losses", "resolve_device", "write_scored_steps", "ScoredShards"]
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but no CUDA device is visible; use device=cpu or auto")
-    return torch.device(device)
 
 
 def check_finite_losses(losses: Tensor, what: str) -> None:

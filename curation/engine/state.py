@@ -36,6 +36,7 @@ from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
 from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
+from curation.io.recent import load_recent, save_recent
 from schemas.manifest import SourceCounts
 
 __all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
@@ -56,7 +57,7 @@ def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMa
     """Save ``u^(step)`` (and the recent masks, if any) before it is published, so a resumed run finds them."""
     weights.save(proxy_path(engine_dir, step))
     if recent is not None and recent.steps:
-        recent.save(recent_path(engine_dir, step))
+        save_recent(recent, recent_path(engine_dir, step))
 
 
 def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:
@@ -239,7 +240,7 @@ class EngineState:
             self._launch_task(RefreshTask(0, static=True))
         for version in self._interrupted:
             assert self.plan is not None
-            recent = RecentMasks.load(recent_path(self.engine_dir, self.plan.refresh_source(version)), missing_ok=True)
+            recent = load_recent(recent_path(self.engine_dir, self.plan.refresh_source(version)), missing_ok=True)
             self._start_refresh(version, recent)
         self._interrupted = []
         self.prune()

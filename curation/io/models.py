@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from schemas.train_config import ModelConfig
 
 __all__ = [
+    "resolve_device",
     "build_causal_lm",
     "model_vocab_size",
     "weights_fingerprint",
@@ -29,6 +30,15 @@ __all__ = [
     "check_vocab",
     "check_token_range",
 ]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is visible; use device=cpu or auto")
+    return torch.device(device)
 
 
 def build_causal_lm(cfg: ModelConfig) -> nn.Module:

@@ -51,7 +51,7 @@ def test_no_arguments_evaluates_the_demo_runs(tmp_path, monkeypatch, capsys):
     write_demo_corpus(os.path.join(root, "raw"), sizes={"target": 120, "general": 120, "noise": 60, "target_val": 40})
     cfg = PrepareConfig.demo_default(root)
     prepare(cfg.model_copy(update={"progress": False, "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": 400})}))
-    from training.run import train
+    from training.runs.wiring import train
 
     for policy in ("full", "blade"):
         t = TrainConfig.demo_default(root, policy=policy)
@@ -86,7 +86,7 @@ def test_lm_eval_section_exports_a_run_and_scores_it(tmp_path, monkeypatch):
     data = write_jsonl(tmp_path / "test.jsonl", rows)
     tok = train_bpe_tokenizer([r["question"] + "\n" + r["answer"] for r in rows] * 3, vocab_size=300,
                               save_to=str(tmp_path / "tok" / "tokenizer.json"))
-    run = tmp_path / "run"  # what training.run.train leaves: config.yaml + final/{model.safetensors,config.json}
+    run = tmp_path / "run"  # what training.runs.wiring.train leaves: config.yaml + final/{model.safetensors,config.json}
     model = build_causal_lm(demo_model_config(tok.vocab_size, hidden=32, layers=1))
     save_weights(model, str(run / "final" / "model.safetensors"))
     model.config.to_json_file(str(run / "final" / "config.json"))

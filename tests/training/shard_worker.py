@@ -19,8 +19,8 @@ from curation.core.refresh import RefreshWorkspace, refresh_reference
 from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from schemas.train_config import demo_model_config
-from training.reference_store import InProcessReference
-from training.sharding import full_state_dict, shard_like, sharded_clone
+from training.blocks.sharding import full_state_dict, shard_like, sharded_clone
+from training.selection.host_buffers import InProcessReference
 
 V, L, B, K = 96, 16, 4, 3
 

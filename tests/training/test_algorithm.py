@@ -19,7 +19,7 @@ from curation.io.shards import read_column
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.train_config import ScorerConfig
-from training.run import train
+from training.runs.wiring import train
 
 
 class Capture(Callback):
@@ -57,7 +57,7 @@ class Capture(Callback):
 def _run(cfg, snapshot_steps=()):
     holder = {}
     cap = Capture(lambda: holder["alg"], snapshot_steps)
-    from training.run import build_training
+    from training.runs.wiring import build_training
 
     run = build_training(cfg, callbacks=[cap])
     holder["alg"] = run.algorithm
@@ -191,7 +191,7 @@ def test_a_non_finite_proxy_loss_fails_clearly(make_config):
                 with torch.no_grad():
                     state.model.model.lm_head.weight[0, 0] = float("nan")
 
-    from training.run import build_training
+    from training.runs.wiring import build_training
 
     run = build_training(make_config("blade", max_steps=5), callbacks=[Poison()])
     with pytest.raises(ValueError, match="step 3: the proxy's token loss is not finite"):

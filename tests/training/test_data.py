@@ -14,7 +14,7 @@ from curation.io.shards import check_tokenizer, merge_part_indexes, shard_dir_in
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, ShardSchemaError
-from training.data import StreamBatches, annotate_batch
+from training.blocks.data import StreamBatches, annotate_batch
 
 
 def _cand(demo_root: str) -> str:
@@ -97,7 +97,7 @@ class _NoEngine:
 
 
 def test_engine_batches_resume_by_step_with_the_same_protocol(demo_root, tmp_path):
-    from training.engine_hooks import EngineMaskedBatches
+    from training.runs.engine_feed import EngineMaskedBatches
 
     reader = StreamReader.open(_cand(demo_root), batch_size=8, seed=3)
     engine = EngineMaskedBatches(_NoEngine(), str(tmp_path), reader.stream, 6)

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from curation.io.models import build_causal_lm
 from schemas.train_config import demo_model_config
-from training.data import annotate_batch, make_data_spec, split_batch
-from training.model import MaskedCausalLM, TokenLoss, TokenPerplexity
+from training.blocks.data import annotate_batch, make_data_spec, split_batch
+from training.blocks.model import MaskedCausalLM, TokenLoss, TokenPerplexity
 
 V = 64
 

@@ -24,8 +24,8 @@ from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.conftest import load_job
-from training.parallel import ATTEMPTS_FILE, train_parallel
-from training.run import train
+from training.runs.group import ATTEMPTS_FILE, train_parallel
+from training.runs.wiring import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -18,8 +18,8 @@ from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import demo_model_config
-from training.reference_store import CompactReference, HostOptimizerState, InProcessReference
-from training.run import train
+from training.runs.wiring import train
+from training.selection.host_buffers import CompactReference, HostOptimizerState, InProcessReference
 
 
 class _Tied(nn.Module):
@@ -190,7 +190,7 @@ def test_host_optimizer_state_keeps_tensors_of_other_dtypes_as_they_are():
 
 
 def _refresh(ref: InProcessReference, proxy: nn.Module, batches: list[torch.Tensor], version: int) -> dict:
-    """One blade-nosync refresh as :class:`training.algorithm.BladeAlgorithm` runs it, the reference offloaded after
+    """One blade-nosync refresh as :class:`training.selection.algorithm.BladeAlgorithm` runs it, the reference offloaded after
     its scoring; returns a copy of the carried AdamW state after that."""
     previous = ref.module  # as the algorithm passes it: the module itself
     result = refresh_reference(proxy, batches[2 * version : 2 * version + 2], None, steps=2, lam=0.0, lr=1e-2,

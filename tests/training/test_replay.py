@@ -15,9 +15,9 @@ from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.outdir import ConfigMismatch
 from schemas.train_config import ReplayConfig, demo_model_config
-from training.data import TokenRows, rows_loader
-from training.model import MaskedCausalLM
-from training.run import build_replay, replay, train
+from training.blocks.data import TokenRows, rows_loader
+from training.blocks.model import MaskedCausalLM
+from training.runs.wiring import build_replay, replay, train
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ from safetensors.torch import load_file
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
-from training.checkpoint import (
+from training.blocks.checkpoint import (
     checkpoint_damage,
     load_checkpoint,
     rng_state,
     set_rng_state,
     weights_only_loading,
 )
-from training.run import train
+from training.runs.wiring import train
 
 
 class Kill(Callback):
@@ -209,7 +209,7 @@ def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resu
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
-    monkeypatch.setattr("training.checkpoint.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    monkeypatch.setattr("training.blocks.checkpoint.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
     folder = os.path.join(cfg.output_dir, "checkpoints")
     with pytest.raises(OSError) as err:
         train(cfg)

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from curation.io.models import build_causal_lm, save_weights, weights_fingerprint
 from schemas.train_config import ModelConfig, demo_model_config
-from training.model import MaskedCausalLM
-from training.run import TrainRun
+from training.blocks.model import MaskedCausalLM
+from training.runs.wiring import TrainRun
 
 
 def _run(tmp_path, seed: int = 0) -> TrainRun:

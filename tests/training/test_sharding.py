@@ -1,4 +1,4 @@
-"""``parallel.strategy: fsdp``: the reference sharded like the proxy (training.sharding), on 2 gloo ranks.
+"""``parallel.strategy: fsdp``: the reference sharded like the proxy (training.blocks.sharding), on 2 gloo ranks.
 
 One 2-process group (tests/training/shard_worker.py, plain processes with a file rendezvous: test
 scaffolding; the product's trainer processes come from Ray Train) runs the reference's operations on a
@@ -18,7 +18,7 @@ import torch
 
 from curation.core.losses import model_token_losses
 from curation.core.stats import param_distance
-from training.sharding import decoder_layers, is_sharded
+from training.blocks.sharding import decoder_layers, is_sharded
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -51,6 +51,7 @@ from training.quality.setting import (
     eval_sources,
     model_config,
 )
+from training.runs.single import replay, train
 
 __all__ = ["REUSED", "run_experiment", "run_training", "StepTimer", "SaveAtSteps"]
 
@@ -165,8 +166,6 @@ def _cached(result_path: str, config: dict[str, Any]) -> bool:
 
 def run_training(cfg: TrainConfig, result_path: str, *, snapshots: tuple[int, ...] = ()) -> dict[str, Any]:
     """Train (or load the recorded result of a finished run with the same settings and snapshots)."""
-    from training.run import train
-
     config = cfg.model_dump(mode="json")
     if snapshots:
         config["snapshots"] = sorted(snapshots)
@@ -421,8 +420,6 @@ def run_experiment(s: Setting, out: str) -> dict[str, Any]:
 def run_replay(s: Setting, out: str, src: str, res: dict[str, Any], big: ModelConfig, big_base_w: str,
                dirs: dict[str, Any], tok: str) -> dict[str, Any]:
     """Train the larger model on the selected-token shards of one run (one pass, training order)."""
-    from training.run import replay
-
     path = os.path.join(out, "runs", f"replay-{src}", "result.json")
     cfg = ReplayConfig(
         selected=res["summary"]["selected_dir"], validation=dirs["pool"].dirs["validation"], tokenizer=tok,

@@ -218,7 +218,7 @@ def forward_flops_per_token(s: Setting) -> float:
 
 def compute(s: Setting, policy: str, steps: int, *, sel: dict[str, Any] | None = None) -> Compute:
     """Analytic FLOPs of ``steps`` proxy steps of ``policy`` with the selection settings ``sel`` (the
-    refresh setting; keys of SelectionConfig), following the schedule of training/algorithm.py: every
+    refresh setting; keys of SelectionConfig), following the schedule of training/selection/algorithm.py: every
     step trains the proxy on b·L tokens (the masked ones too: a masked token still costs its share of the
     forward and backward pass); after the W warm-up steps the reference scores each candidate batch; a
     refresh runs K steps on a validation batch and (λ ≠ 0) a candidate batch of ``refresh_batch_size``

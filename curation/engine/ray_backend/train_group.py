@@ -1,6 +1,6 @@
 """The data-parallel trainer's worker group on Ray Train (``TorchTrainer`` hosting Composer), plumbing only.
 
-The train-loop function lives on the training side (:mod:`training.parallel`, which does not import ray);
+The train-loop function lives on the training side (:mod:`training.runs.group`, which does not import ray);
 here are the placement, the failure config, the monitoring of the engine while the group trains, and the
 unwrapping of the workers' errors. With :mod:`curation.engine.ray_backend.actors`, the only code that
 imports ray.

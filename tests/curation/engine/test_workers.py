@@ -199,7 +199,7 @@ class _Snap(Callback):
 
 @pytest.mark.parametrize("policy", ["blade", "rho1"])
 def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_path, tiny_train, policy):
-    from training.run import build_training
+    from training.runs.wiring import build_training
 
     cfg = TrainConfig.model_validate(tiny_train(str(tmp_path / "train"), max_steps=3, write_selected=False,
                                                 selection={"policy": policy}))

@@ -123,7 +123,7 @@ def _hf_dir(tmp_path, tok, name="m", seed=0):
 
 
 def _run_dir(tmp_path, tok, name="run", seed=0):
-    """What training.run.train leaves: config.yaml (data.tokenizer) + final/model.safetensors + final/config.json."""
+    """What training.runs.wiring.train leaves: config.yaml (data.tokenizer) + final/model.safetensors + final/config.json."""
     run = tmp_path / name
     model = _model(tok.vocab_size, seed)
     save_weights(model, str(run / "final" / "model.safetensors"))

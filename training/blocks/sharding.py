@@ -18,7 +18,7 @@ layer at a time. The BLADE reference is sharded **the same way** (same layers wr
 ``copy.deepcopy`` of a sharded module is not supported by PyTorch; :func:`sharded_clone` builds the
 clone's skeleton on the ``meta`` device from the HF config and shards it before any memory is allocated.
 
-Pure torch (``torch.distributed``); Composer is configured in :mod:`training.run`.
+Pure torch (``torch.distributed``); Composer is configured in :mod:`training.runs.wiring`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _clean(x: Any) -> Any:
 
 
 def build_summary(data: dict[str, Any], *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The summary dict from :meth:`training.callbacks.SelectionStats.summary_data`."""
+    """The summary dict from :meth:`training.blocks.callbacks.SelectionStats.summary_data`."""
     valid, kept = data["tokens"]["valid"], data["tokens"]["kept"]
     per_source = {
         s: {"valid_tokens": n, "kept_tokens": kept.get(s, 0), "kept_fraction": kept.get(s, 0) / n if n else None}

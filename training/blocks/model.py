@@ -1,6 +1,6 @@
 """The masked-loss ComposerModel around any HF ``AutoModelForCausalLM``.
 
-Batches are dicts (see :mod:`training.data`): ``tokens`` ``(b, L)`` int64, optional ``valid``
+Batches are dicts (see :mod:`training.blocks.data`): ``tokens`` ``(b, L)`` int64, optional ``valid``
 ``(b, L)`` bool (real tokens; ``None`` = all), optional ``loss_mask`` ``(b, L)`` bool (α over
 loss positions, aligned with ``tokens``: position ``n`` is the loss of predicting ``tokens[n]``;
 ``None`` = every valid position), plus non-tensor fields (``source``, ``step``, ...).
@@ -9,7 +9,7 @@ The loss is the mean over kept positions, ``Σ α ℓ / Σ α``, with the denomi
 *whole* batch even when Composer splits it into microbatches: Composer multiplies each microbatch
 loss by ``rows_mb / rows_batch``, so a microbatch returns ``Σ_mb α ℓ / K · rows_batch / rows_mb``
 where ``K`` (``batch["kept_total"]``) and ``rows_batch`` (``batch["rows_total"]``) are written on
-the full batch before the split (:func:`training.data.annotate_batch`). The sum over microbatches
+the full batch before the split (:func:`training.blocks.data.annotate_batch`). The sum over microbatches
 is then exactly the full-batch masked mean (test: equal gradients).
 
 The forward pass returns the logits; :meth:`MaskedCausalLM.token_losses` computes the per-token

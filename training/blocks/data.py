@@ -1,7 +1,7 @@
 """Data for the trainer: the candidate stream consumed by step, validation batches, replay of
 selected-token shards (token ids checked against the model's vocabulary on read).
 
-Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
+Batch dicts (what :class:`training.blocks.model.MaskedCausalLM` consumes):
 
 * ``tokens``: ``(b, L)`` int64; ``loss_mask`` (optional): ``(b, L)`` bool over loss positions;
 * ``source``: list of source labels; ``step``: proxy step (candidate stream); ``sample_id``;
@@ -10,7 +10,9 @@ Batch dicts (what :class:`training.model.MaskedCausalLM` consumes):
 
 The training loaders are :class:`StepBatches`: one pre-collated batch per proxy step, starting at any
 step; :class:`StreamBatches` reads them from :class:`curation.io.stream_reader.StreamReader` (the engine's
-loader, :class:`training.engine_hooks.EngineMaskedBatches`, from the engine's parts). Composer saves their
+loader, :class:`training.runs.engine_feed.EngineMaskedBatches`, from the engine's parts) and reads each step's
+rows once, whoever asks for them (the loader, the reference scoring the coming steps, a data-parallel rank's
+record of the whole batch); :class:`RankBatches` is a data-parallel rank's share of each batch. Composer saves their
 position in the checkpoint (``state_dict``/``load_state_dict``: the dataset resumes itself, nothing is
 replayed). The directory checks (shard schema, manifest, tokenizer) are in :mod:`curation.io.shards`.
 """
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from curation.core.distributed import Ranks
 from curation.core.losses import target_valid
 from curation.core.stream import CandidateStream
 from curation.io.models import check_token_range
@@ -32,6 +35,8 @@ from curation.io.stream_reader import StreamReader
 __all__ = [
     "StepBatches",
     "StreamBatches",
+    "RankBatches",
+    "rank_slice",
     "TokenRows",
     "collate_rows",
     "annotate_batch",
@@ -98,18 +103,48 @@ class StreamBatches(StepBatches):
     def __init__(self, reader: StreamReader, stop_step: int, *, model_vocab: int | None = None) -> None:
         super().__init__(reader.stream, stop_step, model_vocab=model_vocab)
         self.reader = reader
+        # Steps read and not yet trained (as stored: uint16/uint32 tokens); those before the newest step
+        # asked for are dropped, so this holds at most the current step and the ones scored ahead of it.
+        self._read: dict[int, Any] = {}
 
     def batch(self, step: int) -> dict[str, Any]:
-        """The collated batch of ``step`` (also used by the reference to pre-compute scores)."""
-        sb = self.reader.read(step)
-        if self.model_vocab is not None:
-            check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+        """The collated batch of ``step`` (also used by the reference to pre-compute scores), read from the shards
+        once: asked for again (by the loader after the reference scored it, or by a data-parallel rank's record
+        of the whole batch) it comes from memory."""
+        sb = self._read.get(step)
+        if sb is None:
+            sb = self.reader.read(step)
+            if self.model_vocab is not None:
+                check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+            self._read[step] = sb
+        for old in [t for t in self._read if t < step]:
+            del self._read[old]
         return {
             "tokens": torch.from_numpy(sb.tokens.astype(np.int64)),
             "sample_id": torch.from_numpy(sb.sample_ids),
             "source": list(sb.sources),
             "step": int(step),
         }
+
+
+class RankBatches(StepBatches):
+    """This rank's rows of each step's candidate batch (resumes by step like every :class:`StepBatches`:
+    Composer counts the samples of every rank, so the saved position is the global step and resuming works
+    with any number of workers)."""
+
+    def __init__(self, stream: StreamBatches, ranks: Ranks) -> None:
+        super().__init__(stream.stream, stream.stop_step, model_vocab=stream.model_vocab)
+        self.full = stream
+        self.ranks = ranks
+
+    def batch(self, step: int) -> dict[str, Any]:
+        return rank_slice(self.full.batch(step), self.ranks)
+
+
+def rank_slice(batch: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
+    """The rows of ``ranks`` of a collated batch dict (tensors and lists by row, other values copied)."""
+    rows = ranks.rows(int(batch["tokens"].shape[0]))
+    return {k: v[rows] if isinstance(v, torch.Tensor | list | tuple) else v for k, v in batch.items()}
 
 
 def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:

@@ -1,14 +1,15 @@
-"""The trainer side of the Ray engine (docs/DESIGN.md §3): Composer glue for the exact and pipelined modes.
+"""The trainer fed by the Ray engine (docs/DESIGN.md §3): Composer glue for the exact and pipelined modes.
 
 The engine handle (:class:`curation.engine.ray_backend.RayEngine`) is used duck-typed (``wait_part``,
 ``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.
 
-* **exact**: :class:`EngineScores` stands in for :class:`curation.engine.scorer.ScoredShards` in
-  :class:`training.algorithm.BladeAlgorithm`: ``ℓ(w̃)`` of step ``t`` is read from the engine's scored part
-  holding ``t``, waiting until a worker has written it. The trainer selects with its own ``ℓ(u)``.
+* **exact**: :class:`~training.selection.shard_scores.EngineScores` stands in for scored shards in the BLADE
+  algorithm: ``ℓ(w̃)`` of step ``t`` is read from the engine's scored part holding ``t``, waiting until a worker
+  has written it. The trainer selects with its own ``ℓ(u)`` (:func:`training.runs.wiring.build_training`).
 * **pipelined**: :class:`EngineMaskedBatches` yields each step's tokens with the finished ``loss_mask``
   from the engine's selected parts; the trainer is a plain masked-loss trainer
-  (:func:`build_pipelined_training`); :class:`EngineSelection` only keeps the records the summary needs.
+  (:func:`build_pipelined_training`); :class:`~training.selection.recorded.EngineSelection` only keeps the
+  records the summary needs.
 * both: :class:`EngineSync` publishes ``u^(s)`` at the plan's steps (refresh start points, pipelined
   snapshots), tells the engine which step the trainer is about to take (back-pressure), and measures
   ``‖u − w‖`` against the engine's reference.
@@ -24,54 +25,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from composer.core import Algorithm, Callback, Event, State
+from composer.core import Callback, State
 from composer.loggers import Logger
 from torch import nn
 
-from curation.core.losses import target_valid
-from curation.core.policies import get_policy
-from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
-from curation.core.stats import param_distance
+from curation.core.refresh_data import RecentMasks
+from curation.core.stats import SelectionRecord, param_distance
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
 from curation.io.models import check_token_range
 from schemas.train_config import TrainConfig
-from training.algorithm import SelectionRecord
-from training.callbacks import SelectionStats
-from training.data import StepBatches
-from training.run import TrainRun, training_inputs, wire_training
+from training.blocks.callbacks import StepSelections
+from training.blocks.data import StepBatches
+from training.runs.wiring import TrainRun, training_inputs, wire
+from training.selection.recorded import EngineSelection
 
-__all__ = ["EngineScores", "EngineSync", "EngineMaskedBatches", "EngineSelection", "build_pipelined_training"]
-
-
-class EngineScores:
-    """Reference losses of stream steps from the engine's scored parts (a live ``ScoredShards``).
-
-    Args:
-        engine: the engine handle.
-        out_dir: the scored-shard directory the engine writes.
-        stream: the trainer's candidate stream.
-        timeout_s: fail when a step's scores do not arrive within this time.
-    """
-
-    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, *, timeout_s: float = 1800.0) -> None:
-        self.engine = engine
-        self.path = out_dir
-        self.stream = stream
-        self.timeout_s = timeout_s
-        self.cache = PartCache(out_dir, stream.batch_size)
-
-    def covers(self, step: int) -> bool:
-        return True
-
-    def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step`` (waits for them)."""
-        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
-        rows = self.cache.rows(info["part"], info["first"], step)
-        return (np.stack([np.asarray(r["tokens"]) for r in rows]),
-                np.stack([np.asarray(r["ref_loss"]) for r in rows]).astype(np.float16),
-                np.asarray([int(r["episode"]) for r in rows]))
+__all__ = ["EngineSync", "EngineMaskedBatches", "build_pipelined_training"]
 
 
 class EngineSync(Callback):
@@ -83,13 +53,12 @@ class EngineSync(Callback):
     Args:
         engine: the engine handle.
         plan: the training plan (which steps to publish).
-        algorithm: what trained the step: has ``last`` (a :class:`SelectionRecord`) and ``recent``
-            (``(step, mask)`` pairs of the recent steps, for the refresh's ``L_train``).
+        algorithm: what trained the step (its ``last`` record; its ``recent`` masks, for the refresh's ``L_train``).
         distance_interval: measure ``‖u − w‖`` every this many steps.
         log_every: log the engine's progress every this many steps.
     """
 
-    def __init__(self, engine: Any, plan: TrainingPlan, *, algorithm: Any, distance_interval: int = 1,
+    def __init__(self, engine: Any, plan: TrainingPlan, *, algorithm: StepSelections, distance_interval: int = 1,
                  log_every: int = 10) -> None:
         self.engine = engine
         self.plan = plan
@@ -186,57 +155,13 @@ class EngineMaskedBatches(StepBatches):
         }
 
 
-class EngineSelection(Algorithm):
-    """Bookkeeping of the pipelined (plain masked-loss) trainer: what each step trained on.
-
-    Provides what :class:`training.callbacks.SelectionStats` and :class:`EngineSync` read from
-    :class:`training.algorithm.BladeAlgorithm`: ``policy``, ``last``, ``recent``, ``refresh_log``,
-    ``timers``, ``counts``.
-    """
-
-    def __init__(self, policy: str, *, recent_batches: int) -> None:
-        self.policy = get_policy(policy)
-        self.last: SelectionRecord | None = None
-        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=recent_batches)
-        self.refresh_log: list[dict[str, Any]] = []
-        self.timers: dict[str, float] = {}
-        self.counts: dict[str, int] = {"selected_steps": 0}
-
-    def match(self, event: Event, state: State) -> bool:
-        return event == Event.BATCH_END
-
-    def apply(self, event: Event, state: State, logger: Logger) -> None:
-        batch = state.batch
-        tokens = batch["tokens"].cpu()
-        valid = target_valid(tokens)
-        mask = batch["loss_mask"].cpu().bool() & valid
-        rec = SelectionRecord(
-            step=int(batch["step"]), episode=int(batch["episode"]), ref_version=int(batch["ref_version"]),
-            tokens=tokens.numpy(), mask=mask.numpy(), valid=valid.numpy(), scores=batch["score"].cpu().float().numpy(),
-            sources=list(batch["source"]), sample_ids=batch["sample_id"].cpu().numpy(),
-        )
-        self.recent.append((rec.step, rec.mask.astype(np.uint8)))
-        self.counts["selected_steps"] += int(rec.ref_version >= 0)
-        self.last = rec
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **recent_state(self.recent),
-            "counts": dict(self.counts),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_recent(self.recent, state)
-        self.counts.update(state.get("counts", {}))
-
-
 def build_pipelined_training(
     cfg: TrainConfig, *, batches: Callable[[int], EngineMaskedBatches], callbacks: Sequence[Any] = (),
 ) -> TrainRun:
     """Wire a plain masked-loss Composer trainer on the engine's masks (pipelined mode).
 
-    Same model, optimizer, evaluation, checkpoints and logs as :func:`training.run.build_training`; only the
-    data (finished masks, no proxy-side selection) and the bookkeeping algorithm differ.
+    Same model, optimizer, evaluation, checkpoints and logs as :func:`training.runs.wiring.build_training`; only
+    the data (finished masks, no proxy-side selection) and the bookkeeping algorithm differ.
 
     Args:
         cfg: the training config.
@@ -244,11 +169,8 @@ def build_pipelined_training(
         callbacks: extra callbacks.
 
     Returns:
-        A :class:`training.run.TrainRun` whose ``algorithm`` is the :class:`EngineSelection`.
+        A :class:`training.runs.wiring.TrainRun` whose ``algorithm`` is the :class:`EngineSelection`.
     """
     inputs = training_inputs(cfg)
-    data = batches(inputs.vocab)
     selection = EngineSelection(cfg.selection.policy, recent_batches=cfg.selection.refresh_candidate_batches)
-    stats = SelectionStats(selection)
-    return wire_training(cfg, inputs, data=data, algorithm=selection, stats=stats, callbacks=[stats, *callbacks],
-                         microbatch_size=cfg.batch_size)
+    return wire(cfg, inputs, batches(inputs.vocab), selection, callbacks=callbacks)

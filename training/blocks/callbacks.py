@@ -8,6 +8,11 @@
 * :class:`SelectionStats` logs kept fraction per source, Δ quantiles, ‖u − w‖ and the validation
   loss, and accumulates what the run summary needs (also checkpointed).
 * :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
+* :class:`StepTimes` records each step's wall and CPU time (``jobs/bench_scaling.py``).
+
+They read what a step trained on from a :class:`StepSelections`: the BLADE algorithm
+(:class:`training.selection.BladeAlgorithm`) or the engine-fed trainer's record
+(:class:`training.selection.EngineSelection`).
 """
 
 from __future__ import annotations
@@ -16,21 +21,35 @@ import json
 import math
 import os
 import shutil
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
-from curation.core.policies import ScoreKind
-from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, batch_stats
+from curation.core.policies import ScoreKind, SelectionPolicy
+from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.io.shards import PART_PREFIX, part_name, publish_parts, verify_part, write_part
-from schemas.manifest import Manifest, ShardRecord, SourceCounts
+from schemas.manifest import Manifest, ShardRecord, SourceCounts, atomic_write_text
 from schemas.shards import SELECTED, token_dtype
-from training.algorithm import BladeAlgorithm, SelectionRecord
 
-__all__ = ["SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger"]
+__all__ = ["StepSelections", "SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger",
+           "StepTimes"]
+
+
+class StepSelections(Protocol):
+    """What a trainer's selection shows its callbacks: the policy, the last step's record, the recent steps'
+    masks (the next refresh's ``L_train``), the refresh log, timers and counts."""
+
+    policy: SelectionPolicy
+    last: SelectionRecord | None
+    recent: Sequence[tuple[int, np.ndarray]]
+    refresh_log: list[dict[str, Any]]
+    timers: dict[str, float]
+    counts: dict[str, int]
 
 #: Δ quantile levels logged per step.
 LOGGED_QUANTILES = (0.1, 0.5, 0.9)
@@ -46,18 +65,21 @@ class SelectedShardWriter(Callback):
 
     Args:
         out_dir: output directory (parts ``steps-<first>-<stop>/``, merged ``index.json``, ``manifest.json``).
-        algorithm: the BLADE algorithm whose :attr:`~BladeAlgorithm.last` selection is written.
+        algorithm: the selection whose ``last`` record is written.
         vocab_size: tokenizer vocabulary (token column dtype).
         seq_len: ``L``.
         max_steps: the run's last step + 1 (the final part is flushed there).
         flush_every: steps per part.
         manifest_fields: ``config``, ``tokenizer_fingerprint``, ``model_fingerprints``, ``extra`` of the manifest.
+        rank: a data-parallel worker's rank: rank 0 writes every step's full batch once; the other ranks write
+            nothing (their writer state is never saved: Composer saves rank 0's).
     """
 
     def __init__(
-        self, out_dir: str, *, algorithm: BladeAlgorithm, vocab_size: int, seq_len: int, max_steps: int,
-        flush_every: int, manifest_fields: dict[str, Any] | None = None,
+        self, out_dir: str, *, algorithm: StepSelections, vocab_size: int, seq_len: int, max_steps: int,
+        flush_every: int, manifest_fields: dict[str, Any] | None = None, rank: int = 0,
     ) -> None:
+        self.rank = rank
         self.out_dir = out_dir
         self.algorithm = algorithm
         self.vocab_size = vocab_size
@@ -72,6 +94,8 @@ class SelectedShardWriter(Callback):
 
     # --- events ------------------------------------------------------------------------------
     def fit_start(self, state: State, logger: Logger) -> None:
+        if self.rank > 0:
+            return
         os.makedirs(self.out_dir, exist_ok=True)
         on_disk = Manifest.load_if_exists(self.out_dir)
         if not self.resumed and on_disk is not None and on_disk.shards and on_disk.config != self.manifest.config:
@@ -95,6 +119,8 @@ class SelectedShardWriter(Callback):
         self._publish()
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        if self.rank > 0:
+            return
         rec = self.algorithm.last
         assert rec is not None
         self._add(rec)
@@ -102,6 +128,8 @@ class SelectedShardWriter(Callback):
             self.flush()
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        if self.rank > 0:
+            return
         self.flush()
         self.manifest.complete = int(state.timestamp.batch) >= self.max_steps
         self._publish()
@@ -183,11 +211,11 @@ class SelectionStats(Callback):
     """Per-step selection metrics to the Composer logger, and the data of the run summary.
 
     Args:
-        algorithm: the BLADE algorithm.
+        algorithm: the run's selection (what each step trained on).
         edges: Δ histogram bin edges.
     """
 
-    def __init__(self, algorithm: BladeAlgorithm, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES) -> None:
+    def __init__(self, algorithm: StepSelections, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES) -> None:
         self.algorithm = algorithm
         self.edges = tuple(edges)
         self.has_delta = algorithm.policy.score_kind is ScoreKind.EXCESS_LOSS
@@ -332,3 +360,19 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, int | float | str | bool) or v is None:
         return v
     return str(v)
+
+
+class StepTimes(Callback):
+    """Wall and process CPU time at the end of every step (``jobs/bench_scaling.py``); written by each rank to
+    ``output_dir/parallel/step_times-rank<r>.json`` at the end of the fit."""
+
+    def __init__(self, output_dir: str, rank: int = 0) -> None:
+        self.path = os.path.join(output_dir, "parallel", f"step_times-rank{rank}.json")
+        self.points: list[tuple[int, float, float]] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.points.append((int(state.timestamp.batch), time.perf_counter(), time.process_time()))
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        atomic_write_text(self.path, json.dumps(self.points))

@@ -1,0 +1,30 @@
+"""The recent trained steps and their masks on disk (the engine hands them to its refresh actor through files)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from curation.core.refresh_data import RecentMasks
+
+__all__ = ["save_recent", "load_recent"]
+
+
+def save_recent(recent: RecentMasks, path: str) -> None:
+    """Write ``recent`` to a safetensors file (atomically: a temporary file renamed into place)."""
+    data = {"steps": np.asarray(recent.steps, dtype=np.int64)}
+    if recent.masks is not None:
+        data["masks"] = np.ascontiguousarray(recent.masks, dtype=np.uint8)
+    tmp = path + ".tmp"
+    save_file(data, tmp)
+    os.replace(tmp, path)
+
+
+def load_recent(path: str, *, missing_ok: bool = False) -> RecentMasks:
+    """Inverse of :func:`save_recent`; with ``missing_ok`` a file that does not exist reads as no recent steps."""
+    if missing_ok and not os.path.exists(path):
+        return RecentMasks()
+    data = load_file(path)
+    return RecentMasks([int(s) for s in data["steps"]], data.get("masks"))

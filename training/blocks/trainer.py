@@ -1,0 +1,150 @@
+"""The Composer trainer every run uses (train, replay, the engine-fed trainer, every data-parallel rank).
+
+:func:`make_trainer` builds it from a :class:`~schemas.train_config.TrainConfig` or a
+:class:`~schemas.train_config.ReplayConfig`: AdamW + gradient clipping, the JSON-lines metrics log, validation
+every ``eval.interval`` steps (a data-parallel rank evaluates its share of the rows), checkpoints every
+``checkpoint.interval`` steps loaded weights-only, and, with ``parallel.strategy: fsdp`` on more than one rank,
+the model sharded by Composer's FSDP2 (one unit per decoder layer; :mod:`training.blocks.sharding`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from composer import Trainer
+from composer.algorithms import GradientClipping
+from composer.core import Evaluator, Event
+from composer.utils.parallelism import FSDP2Config
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from curation.core.distributed import current_ranks
+from curation.io.models import build_causal_lm, check_vocab, model_vocab_size, resolve_device
+from curation.io.shards import ShardDirInfo
+from schemas.manifest import Manifest
+from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
+from training.blocks.callbacks import JSONLinesLogger
+from training.blocks.checkpoint import resume_checkpoint, weights_only_loading
+from training.blocks.data import TokenRows, make_data_spec, rows_loader
+from training.blocks.model import MaskedCausalLM
+from training.blocks.sharding import average_on_gloo, install_wrap_policy, is_sharded
+
+__all__ = ["make_trainer", "build_model", "setup_device", "resume_path", "rank_eval_loader"]
+
+
+def setup_device(threads: int | None, device: str, precision: str) -> torch.device:
+    """Apply the CPU thread count and resolve the device; a non-fp32 precision needs CUDA."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    resolved = resolve_device(device)
+    if precision != "fp32" and resolved.type != "cuda":
+        raise ValueError(f"precision {precision!r} needs a CUDA device (device resolves to {resolved.type})")
+    return resolved
+
+
+def build_model(model_cfg: ModelConfig, infos: Sequence[ShardDirInfo]) -> MaskedCausalLM:
+    """The run's model, refused when it embeds fewer ids than the data's vocabulary (names the setting
+    ``model`` and the manifest of ``infos[0]``)."""
+    hf = build_causal_lm(model_cfg)
+    check_vocab(hf, max(i.vocab_size for i in infos), what=Manifest.path_in(infos[0].path), setting="model")
+    return MaskedCausalLM(hf)
+
+
+def resume_path(output_dir: str, resume: bool) -> str | None:
+    """The checkpoint a run in ``output_dir`` resumes from (None: a new run).
+
+    Raises:
+        ValueError: checkpoints exist but ``resume`` is off.
+    """
+    folder = os.path.join(output_dir, "checkpoints")
+    if not os.path.lexists(os.path.join(folder, "latest-rank0.pt")):  # (a dangling link: damaged, see below)
+        return None
+    if not resume:
+        raise ValueError(
+            f"{folder} holds checkpoints of an earlier run; set checkpoint.resume=true to continue it, "
+            "or use a new output_dir"
+        )
+    return resume_checkpoint(folder)  # the newest intact one (a damaged latest one falls back, with a warning)
+
+
+def rank_eval_loader(loader: DataLoader) -> DataLoader:
+    """``loader``'s rows split over the ranks (``DistributedSampler``, no shuffling, no rows dropped).
+
+    Composer drops the sampler's padding duplicates at the end and sums the metric states over the ranks,
+    so the validation loss is the single-process one up to float summation order."""
+    sampler = DistributedSampler(loader.dataset, shuffle=False, drop_last=False)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn,
+                      num_workers=0)
+
+
+def _every(interval: int, last: int, event_name: str):
+    event = Event(event_name)
+
+    def due(state: Any, ev: Any) -> bool:
+        b = int(state.timestamp.batch)
+        return ev == event and b > 0 and (b % interval == 0 or b >= last)
+
+    return due
+
+
+def _optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def _evaluator(path: str | None, cfg: TrainConfig | ReplayConfig, model_vocab: int) -> Evaluator | None:
+    if path is None:
+        return None
+    rows = TokenRows(path, "candidate", model_vocab=model_vocab)
+    loader = rows_loader(rows, batch_size=cfg.eval.batch_size, max_batches=cfg.eval.max_batches)
+    if current_ranks().world_size > 1:  # a data-parallel worker evaluates its share of the rows
+        loader = rank_eval_loader(loader)
+    return Evaluator(label="eval", dataloader=make_data_spec(loader), metric_names=["TokenLoss", "TokenPerplexity"])
+
+
+def make_trainer(
+    cfg: TrainConfig | ReplayConfig, *, model: MaskedCausalLM, loader: Any, total_steps: int, device: torch.device,
+    resume: str | None, algorithms: Sequence[Any] = (), callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (),
+) -> Trainer:
+    """The Composer trainer of ``cfg`` (module docstring) training ``model`` on ``loader`` for ``total_steps``,
+    resuming from the checkpoint ``resume``."""
+    train = isinstance(cfg, TrainConfig)
+    parallelism = None
+    if train and cfg.parallel.strategy == "fsdp" and current_ranks().world_size > 1:
+        install_wrap_policy(model.model)
+        parallelism = {"fsdp": FSDP2Config(state_dict_type="full")}
+    clipping = [GradientClipping(clipping_type="norm", clipping_threshold=cfg.optim.grad_clip)] \
+        if cfg.optim.grad_clip else []
+    with weights_only_loading():
+        trainer = Trainer(
+            model=model,
+            train_dataloader=make_data_spec(loader),
+            max_duration=f"{total_steps}ba",
+            optimizers=_optimizer(model, cfg.optim),
+            algorithms=[*algorithms, *clipping],
+            callbacks=list(callbacks),
+            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl")), *loggers],
+            eval_dataloader=_evaluator(cfg.data.validation if train else cfg.validation, cfg,
+                                       model_vocab_size(model.model)),
+            eval_interval=_every(cfg.eval.interval, total_steps, "batch_end"),
+            save_folder=os.path.join(cfg.output_dir, "checkpoints"),
+            save_interval=_every(cfg.checkpoint.interval, total_steps, "batch_checkpoint"),
+            save_num_checkpoints_to_keep=cfg.checkpoint.keep,
+            save_overwrite=True,
+            load_path=resume,
+            run_name="train" if train else "replay",
+            device=device.type if device.type != "cuda" else "gpu",
+            precision=cfg.precision,
+            device_train_microbatch_size=cfg.effective_microbatch_size,
+            accumulate_train_batch_on_tokens=False,
+            progress_bar=cfg.progress_bar,
+            log_to_console=False,
+            seed=cfg.seed,
+            parallelism_config=parallelism,
+        )
+    if is_sharded(model.model):
+        average_on_gloo(model.model)
+    return trainer

@@ -1,0 +1,248 @@
+"""How one trainer process of a :class:`~schemas.train_config.TrainConfig` is wired, and how every run finishes.
+
+Every trainer (``jobs/train.py``, each rank of the data-parallel group, the engine-fed trainer) is wired by one
+path: :func:`training_inputs` (device, checked data, the model) → its data and selection
+(:func:`build_training`: the candidate stream, :class:`~curation.core.step.SelectionStep`, the in-process
+reference or the scores read from shards, the BLADE algorithm; the engine's pipelined trainer:
+:func:`training.runs.engine_feed.build_pipelined_training`) → :func:`wire` (resume point, the Composer trainer
+of :func:`~training.blocks.trainer.make_trainer`). A single process is rank 0 of 1: the same objects as a rank of
+the data-parallel group, with collectives that are no-ops. :func:`finish_run` is the one writer of ``final/``
+and ``summary.json``.
+
+``output_dir`` of a training run::
+
+    config.yaml                 resolved config (a rerun resumes only with the same one: schemas.outdir)
+    .lock                       held by the running job (pid, host, start time)
+    checkpoints/                Composer checkpoints (BLADE state included); latest-rank0.pt → newest
+    selected/                   selected-token shards (MDS) + manifest.json
+    logs/metrics.jsonl          every logged metric, one JSON object per line
+    summary.json, plots/*.png   run summary
+    final/model.safetensors     the trained proxy (+ final/config.json)
+    final/reference.safetensors the last reference w̃ (rho1: its static reference; blade: the last refresh)
+
+A rerun with the same ``output_dir`` resumes from ``checkpoints/latest-rank0.pt`` (loaded with
+``weights_only=True``) and ends with the same outputs as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from curation.core.distributed import Ranks
+from curation.core.refresh_data import RefreshData, RefreshSettings
+from curation.core.schedule import Schedule
+from curation.core.step import SelectionStep
+from curation.engine.scorer import ScoredShards
+from curation.io.models import model_vocab_size, save_weights, weights_fingerprint
+from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
+from curation.io.stream_reader import StreamReader
+from schemas.train_config import TrainConfig
+from training.blocks.callbacks import SelectedShardWriter, SelectionStats
+from training.blocks.checkpoint import checkpoint_write_errors
+from training.blocks.data import RankBatches, StepBatches, StreamBatches, TokenRows, stream_loader
+from training.blocks.model import MaskedCausalLM
+from training.blocks.sharding import full_state_dict, is_sharded
+from training.blocks.summary import write_summary
+from training.blocks.meters import Meters
+from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
+from training.selection.algorithm import BladeAlgorithm
+from training.selection.reference import InProcessReference, ReferenceSettings
+from training.selection.shard_scores import ScoreSource, ShardScores
+
+__all__ = ["TrainRun", "TrainingInputs", "RunOutputs", "training_inputs", "run_schedule", "build_training", "wire",
+           "finish_run"]
+
+
+def run_schedule(cfg: TrainConfig) -> Schedule:
+    """The run's schedule (warm-up ``W``, refresh interval ``τ``, ``max_steps``): every object of a run that needs
+    one is given this one (the engine's job passes it to its plan, workers and trainer)."""
+    return Schedule(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps)
+
+
+@dataclass
+class TrainingInputs:
+    """What every trainer of a :class:`TrainConfig` starts from: the device, the checked data, the model."""
+
+    device: torch.device
+    candidates: ShardDirInfo
+    validation: ShardDirInfo
+    tokenizer_fingerprint: str | None
+    model: MaskedCausalLM
+    vocab: int  # ids the model embeds (token ids read are checked against it)
+
+
+def training_inputs(cfg: TrainConfig) -> TrainingInputs:
+    """Set up the device, check the data directories against each other and build the model.
+
+    Raises:
+        ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
+        ValueError: tokenizer, ``seq_len`` or vocabulary mismatch (names the files/settings), or bad settings.
+    """
+    device = setup_device(cfg.threads, cfg.device, cfg.precision)
+    cand = shard_dir_info(cfg.data.candidates, "candidate")
+    val = shard_dir_info(cfg.data.validation, "candidate")
+    infos = [cand, val]
+    if cfg.data.scored is not None:
+        infos.append(shard_dir_info(cfg.data.scored, "scored"))
+    fingerprint = check_tokenizer(infos, cfg.data.tokenizer)
+    if cand.seq_len is not None and val.seq_len is not None and cand.seq_len != val.seq_len:
+        raise ValueError(f"seq_len differs: {cand.path} has {cand.seq_len}, {val.path} has {val.seq_len}")
+    model = build_model(cfg.model, infos)
+    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
+
+
+@dataclass
+class TrainRun:
+    """A wired, not yet started training (or replay) run."""
+
+    trainer: Any  # composer.Trainer
+    model: MaskedCausalLM
+    output_dir: str
+    algorithm: Any = None  # BladeAlgorithm, EngineSelection (StepSelections), or None (replay)
+    stats: SelectionStats | None = None
+    resumed_from: str | None = None
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+
+    def fit(self) -> None:
+        """Train to ``max_duration`` (a rerun of a finished run only reports), then close the trainer.
+
+        A checkpoint write that fails (full disk) becomes an OSError naming ``checkpoints/``."""
+        try:
+            if self.trainer.state.timestamp < self.trainer.state.max_duration:
+                with checkpoint_write_errors(os.path.join(self.output_dir, "checkpoints")):
+                    self.trainer.fit()
+        finally:
+            self.trainer.close()
+
+    def outputs(self, *, reference: bool = True, extra: Mapping[str, Any] = ()) -> RunOutputs:
+        """What the fit leaves for :func:`finish_run`: the trained weights and (``reference``) the last reference
+        ``w̃``'s (None without one), the selection statistics. A sharded run (``parallel.strategy: fsdp``) gathers
+        both to full tensors on rank 0: every rank calls this."""
+        hf = self.model.model
+        ref = None
+        if reference and isinstance(self.algorithm, BladeAlgorithm):
+            ref = self.algorithm.reference_state_dict()
+        return RunOutputs(weights=full_state_dict(hf) if is_sharded(hf) else hf, config=hf.config, reference=ref,
+                          stats=self.stats.summary_data() if self.stats is not None else None,
+                          extra={"resumed_from": self.resumed_from, "stream": self.manifest_extra.get("stream"),
+                                 **dict(extra)})
+
+
+@dataclass
+class RunOutputs:
+    """What a finished run writes (:func:`finish_run`); a part left None is not written."""
+
+    weights: nn.Module | Mapping[str, torch.Tensor] | None = None
+    config: Any = None  # the model's HF config (final/config.json)
+    reference: Mapping[str, torch.Tensor] | str | None = None  # weights, or a safetensors file copied as is
+    stats: dict[str, Any] | None = None  # SelectionStats.summary_data(): the summary is written from it
+    extra: dict[str, Any] = field(default_factory=dict)  # more summary fields
+
+
+def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, Any]:
+    """Write ``final/`` (the trained model as ``model.safetensors`` + the HF ``config.json``, the last reference
+    ``w̃`` as ``reference.safetensors``; each file atomically) and ``summary.json`` (+ ``plots/``). Returns the
+    paths written. Every path that finishes a run comes here: single process, a data-parallel group's rank 0 and
+    the engine's job (whose reference is the engine's last ``reference-NNNN.safetensors``)."""
+    final = os.path.join(output_dir, "final")
+    paths: dict[str, Any] = {"final": final}
+    if out.weights is not None:
+        paths["final_weights"] = os.path.join(final, "model.safetensors")
+        save_weights(out.weights, paths["final_weights"])
+        out.config.to_json_file(os.path.join(final, "config.json"))
+    if out.reference is not None:
+        target = paths["final_reference"] = os.path.join(final, "reference.safetensors")
+        if isinstance(out.reference, str):
+            shutil.copyfile(out.reference, target + ".tmp")
+            os.replace(target + ".tmp", target)
+        else:
+            save_weights(out.reference, target)
+    if out.stats is not None:
+        paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=out.extra, plots=plots)
+    return paths
+
+
+def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm: Any, *,
+         callbacks: Sequence[Any], loggers: Sequence[Any] = (), manifest_extra: dict[str, Any] | None = None,
+         ) -> TrainRun:
+    """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics logged), resuming from
+    ``output_dir``'s checkpoints.
+
+    Raises:
+        ValueError: ``output_dir`` holds checkpoints and ``checkpoint.resume`` is off.
+    """
+    resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    stats = SelectionStats(algorithm)
+    trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data), total_steps=cfg.max_steps,
+                           device=inputs.device, resume=resume, algorithms=[algorithm],
+                           callbacks=[stats, *callbacks], loggers=loggers)
+    return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
+                    resumed_from=resume, manifest_extra=manifest_extra or {})
+
+
+def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,
+                   schedule: Schedule | None = None, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (),
+                   meters: Meters | None = None) -> TrainRun:
+    """Check the data against the model and wire the trainer of rank ``ranks`` (default: a single process) for
+    ``cfg``: exact BLADE (or another policy) on the candidate stream.
+
+    ``scored`` is a live source of reference scores used instead of ``cfg.data.scored`` (the Ray engine's
+    :class:`~training.selection.shard_scores.EngineScores`); ``schedule`` the run's schedule when the caller
+    built it already (the engine's job: :func:`run_schedule`); ``meters`` the timers and counts (benchmarks).
+
+    Raises:
+        ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
+        ValueError: tokenizer or vocabulary mismatch (names the files/settings), or bad settings.
+    """
+    ranks = ranks or Ranks()
+    if ranks.world_size != cfg.parallel.workers:
+        raise ValueError(f"the worker group has {ranks.world_size} workers, parallel.workers is {cfg.parallel.workers}"
+                         + (" (jobs/train.py runs the group on Ray)" if ranks.world_size == 1 else ""))
+    inputs = training_inputs(cfg)
+    reader = StreamReader.open(cfg.data.candidates, batch_size=cfg.batch_size, seed=cfg.seed)
+    stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab)
+    schedule = schedule or run_schedule(cfg)
+    meters = meters if meters is not None else Meters()
+    select = SelectionStep(cfg.selection.policy, cfg.selection.gamma, cfg.selection.seed, ranks, cfg.selection.scope)
+    if scored is None and cfg.data.scored is not None:
+        scored = ScoredShards(cfg.data.scored, reader.stream)
+    reference = None
+    if select.policy.needs_reference and scored is None:
+        validation = TokenRows(cfg.data.validation, "candidate", model_vocab=inputs.vocab)
+        refresh = RefreshData(
+            RefreshSettings.of(cfg.selection, lr=cfg.ref_lr, batch_size=cfg.refresh_batch_size,
+                               precision=cfg.precision),
+            schedule, num_validation=len(validation), validation_path=validation.path,
+            validation_tokens=lambda ids: torch.stack([validation[int(i)]["tokens"] for i in ids]),
+            step_tokens=lambda step: stream.batch(step)["tokens"])
+        reference = InProcessReference(ReferenceSettings.of(cfg), refresh, stream, schedule=schedule, ranks=ranks,
+                                       meters=meters)
+    algorithm = BladeAlgorithm(
+        select, schedule, stream, reference=reference, scored=ShardScores(scored, ranks) if scored else None,
+        microbatch_size=cfg.effective_microbatch_size, recent_batches=cfg.selection.refresh_candidate_batches,
+        distance_interval=cfg.distance_interval, meters=meters)
+    extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
+             "gamma": cfg.selection.gamma, "candidates": os.path.abspath(cfg.data.candidates),
+             "world_size": cfg.parallel.workers}
+    cbs: list[Any] = []
+    if cfg.write_selected:
+        cand = inputs.candidates
+        cbs.append(SelectedShardWriter(
+            os.path.join(cfg.output_dir, "selected"), algorithm=algorithm, vocab_size=cand.vocab_size,
+            seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
+            flush_every=cfg.checkpoint.interval, rank=ranks.rank,
+            manifest_fields={
+                "config": cfg.model_dump(mode="json"), "tokenizer_fingerprint": inputs.tokenizer_fingerprint,
+                "model_fingerprints": {"initial_proxy": weights_fingerprint(inputs.model.model)}, "extra": extra,
+            },
+        ))
+    return wire(cfg, inputs, RankBatches(stream, ranks), algorithm, callbacks=[*cbs, *callbacks], loggers=loggers,
+                manifest_extra=extra)

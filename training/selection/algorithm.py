@@ -1,0 +1,250 @@
+"""Exact online BLADE as a Composer ``Algorithm`` (docs/DESIGN.md §2, §3 "exact" mode).
+
+One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``blade-nosync``) and every world size
+(a single process is rank 0 of 1):
+
+* ``AFTER_DATALOADER`` (the batch of proxy step ``t``): when the schedule says so (``t = W, W+τ, ...``) the
+  in-process reference is refreshed (:class:`~training.selection.reference.InProcessReference`); then ``ℓ(w̃)``
+  of this batch's rows is attached as ``batch["ref_loss"]``, from that reference or from scored shards
+  (:class:`~training.selection.shard_scores.ShardScores`), with the step's kept count ``kept_total`` and rows
+  ``rows_total`` (the loss is normalised by the whole batch's, over all ranks).
+* ``AFTER_FORWARD`` (each microbatch): ``ℓ(u)`` from the logits the forward pass already computed (no second
+  proxy forward; the per-token losses are cached and reused by the loss), then the step's selection
+  (:class:`curation.core.step.SelectionStep`: warm-up keeps every valid token; data-parallel ranks gather Δ and
+  take the same global top-γ) and ``batch["loss_mask"] = α`` (this rank's rows) before the loss.
+* ``BATCH_END``: the step's record (the whole batch, in single-process row order) becomes :attr:`last` (read by
+  the shard writer and the statistics), and its mask joins the recent steps the next refresh's ``L_train`` uses.
+
+Under microbatching in a single process the selection is per microbatch (the mask must exist before each
+microbatch's backward pass); the loss is still normalised by the whole batch's kept tokens.
+
+Checkpoints (:meth:`state_dict`) hold the reference's state (weights, ``blade-nosync``'s AdamW state, the
+scores of the rest of the episode), the schedule, the next step, the recent masks, the refresh log and the global
+RNG states (restored at ``FIT_START``: Composer skips its own RNG restore when a dataset resumes itself
+mid-epoch). Only tensors and plain Python values, so a checkpoint loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from torch import Tensor, nn
+
+from curation.core.distributed import global_rows
+from curation.core.losses import target_valid
+from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
+from curation.core.schedule import WARMUP_EPISODE, Schedule
+from curation.core.stats import SelectionRecord, param_distance
+from curation.core.step import SelectionStep
+from training.blocks.checkpoint import rng_state, set_rng_state
+from training.blocks.data import StreamBatches
+from training.blocks.meters import Meters
+from training.selection.reference import InProcessReference
+from training.selection.shard_scores import ShardScores
+
+__all__ = ["BladeAlgorithm", "SelectionRecord"]
+
+
+@dataclass
+class _Pending:
+    step: int
+    episode: int
+    ref_version: int
+    selecting: bool
+    kept: list[int]  # tokens kept per selection block of the whole batch
+    full: dict[str, Any]  # the whole candidate batch of the step
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    rows_done: int = 0
+
+
+class BladeAlgorithm(Algorithm):
+    """Online token selection for one policy; see the module docstring.
+
+    Args:
+        select: the run's selection step (policy, γ, seed, ranks, scope).
+        schedule: the run's schedule.
+        stream: the candidate stream's full batches.
+        reference: the in-process reference (None: no reference, or scores from ``scored``).
+        scored: ``ℓ(w̃)`` from scored shards or the engine.
+        microbatch_size: sequences per forward/backward of a single process (its selection blocks).
+        recent_batches: steps whose masks the next refresh's ``L_train`` uses.
+        distance_interval: measure ``‖u − w̃‖`` every this many steps.
+        meters: the run's timers and counts (shared with the reference; benchmarks pass their own clock).
+    """
+
+    def __init__(self, select: SelectionStep, schedule: Schedule, stream: StreamBatches, *,
+                 reference: InProcessReference | None = None, scored: ShardScores | None = None,
+                 microbatch_size: int, recent_batches: int, distance_interval: int = 1,
+                 meters: Meters | None = None) -> None:
+        self.select = select
+        self.policy = select.policy
+        self.ranks = select.ranks
+        self.schedule = schedule
+        self.stream = stream
+        self.reference = reference
+        self.scored = scored
+        self.microbatch_size = microbatch_size
+        self.distance_interval = distance_interval
+        self.meters = meters if meters is not None else Meters()
+        self.timers, self.counts = self.meters.timers, self.meters.counts
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=recent_batches)
+        self.last: SelectionRecord | None = None
+        self.next_step = 0
+        self.device = torch.device("cpu")
+        self._pending: _Pending | None = None
+        self._loaded_rng: dict[str, Any] | None = None
+
+    @property
+    def refresh_log(self) -> list[dict[str, Any]]:
+        return self.reference.refresh_log if self.reference is not None else []
+
+    def __repr__(self) -> str:
+        return f"BladeAlgorithm(policy={self.policy.name!r})"
+
+    # --- Composer hooks ----------------------------------------------------------------------
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.FIT_START, Event.AFTER_DATALOADER, Event.AFTER_FORWARD, Event.BATCH_END)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.FIT_START:
+            self._fit_start(state)
+        elif event == Event.AFTER_DATALOADER:
+            self._before_step(state)
+        elif event == Event.AFTER_FORWARD:
+            self._select(state)
+        elif event == Event.BATCH_END:
+            self._after_step(state)
+
+    @staticmethod
+    def _proxy(state: State) -> nn.Module:
+        return getattr(state.model, "module", state.model).model
+
+    def _fit_start(self, state: State) -> None:
+        proxy = self._proxy(state)
+        self.device = next(proxy.parameters()).device
+        step = int(state.timestamp.batch)
+        if step != self.next_step:
+            raise ValueError(
+                f"BLADE state is at step {self.next_step} but the trainer is at step {step}: "
+                "the checkpoint and the algorithm state disagree"
+            )
+        if self._loaded_rng is not None:
+            set_rng_state(self._loaded_rng)
+            self._loaded_rng = None
+        if self.reference is not None:
+            self.reference.start(proxy, step)
+
+    # --- before each step: refresh, reference scores, kept count -----------------------------
+    def _before_step(self, state: State) -> None:
+        batch = state.batch
+        step = int(batch["step"])
+        if step != int(state.timestamp.batch):
+            raise RuntimeError(f"data stream is at step {step} but the trainer at {int(state.timestamp.batch)}")
+        warm = self.schedule.is_warmup(step)
+        episode = self.schedule.episode(step)
+        if self.reference is not None and self.policy.refreshes and self.schedule.refresh_due(step):
+            self.reference.refresh(self._proxy(state), episode, RecentMasks.from_pairs(list(self.recent)))
+        version = WARMUP_EPISODE
+        if self.policy.needs_reference and not warm:
+            version = self.schedule.reference_version(step, refreshed=self.policy.refreshes)
+            ref = (self.scored.losses(step, batch["tokens"].numpy(), version) if self.scored is not None
+                   else self.reference.losses(step))
+            batch["ref_loss"] = torch.from_numpy(ref)
+        full = self.stream.batch(step) if self.ranks.world_size > 1 else batch  # (from memory: read once)
+        v = full.get("valid")
+        valid = target_valid(full["tokens"].cpu(), None if v is None else v.cpu().bool())
+        kept = self.select.kept(valid, selecting=not warm, block_rows=self.microbatch_size)
+        batch["kept_total"] = int(sum(kept))
+        batch["rows_total"] = global_rows(int(batch["tokens"].shape[0]), self.ranks)
+        self._pending = _Pending(step, episode, version, not warm, kept, full)
+
+    # --- after the forward pass: select ------------------------------------------------------
+    def _select(self, state: State) -> None:
+        p = self._pending
+        assert p is not None, "AFTER_FORWARD without AFTER_DATALOADER"
+        batch = state.batch
+        # ℓ(u) from the logits of this forward pass, computed once with the graph and reused by the loss
+        # (not timed as selection: a plain step computes the same cross-entropy for its loss).
+        losses, valid = getattr(state.model, "module", state.model).token_losses(state.outputs, batch)
+        with self.meters.timed("select", self.device):
+            proxy_losses = losses.detach()
+            if not bool(torch.isfinite(proxy_losses[valid]).all()):
+                raise ValueError(
+                    f"step {p.step}: the proxy's token loss is not finite (training diverged?); "
+                    "lower optim.lr or check the model weights"
+                )
+            sel = self.select(p.step, proxy_losses, valid, batch.get("ref_loss"), selecting=p.selecting,
+                              offset=p.rows_done)
+            blocks = p.kept if self.ranks.world_size > 1 else p.kept[len(p.parts) : len(p.parts) + 1]
+            assert sel.kept == sum(blocks), (sel.kept, blocks)
+            batch["loss_mask"] = sel.local
+            rows = slice(p.rows_done, p.rows_done + sel.mask.shape[0])  # the selection block's rows of the batch
+            p.parts.append({
+                "tokens": p.full["tokens"][rows].detach().cpu().numpy(), "mask": sel.mask.cpu().numpy(),
+                "valid": sel.valid.cpu().numpy(), "scores": sel.scores.cpu().numpy(),
+                "sources": list(p.full["source"][rows]), "sample_ids": p.full["sample_id"][rows].cpu().numpy(),
+            })
+            p.rows_done += proxy_losses.shape[0]
+
+    # --- after the step ----------------------------------------------------------------------
+    def _after_step(self, state: State) -> None:
+        p = self._pending
+        assert p is not None and p.parts, "BATCH_END without a selection"
+
+        def joined(key: str) -> np.ndarray:
+            return np.concatenate([part[key] for part in p.parts])
+
+        rec = SelectionRecord(
+            step=p.step, episode=p.episode, ref_version=p.ref_version, tokens=joined("tokens"), mask=joined("mask"),
+            valid=joined("valid"), scores=joined("scores"), sources=[s for part in p.parts for s in part["sources"]],
+            sample_ids=joined("sample_ids"),
+        )
+        reference = self.reference.for_distance() if self.reference is not None else None
+        if reference is not None and p.step % self.distance_interval == 0:
+            with self.meters.timed("distance", self.device):
+                rec.distance = param_distance(self._proxy(state), reference)
+        self.recent.append((p.step, rec.mask.astype(np.uint8)))
+        self.counts["selected_steps"] += int(p.selecting)
+        self.last = rec
+        self.next_step = p.step + 1
+        self._pending = None
+
+    # --- checkpoint state --------------------------------------------------------------------
+    def reference_state_dict(self) -> dict[str, Tensor] | None:
+        """The current reference ``w̃``'s weights on the CPU (None before the first refresh, and for
+        full / random, which have no reference; bfloat16 once compacted)."""
+        return (self.reference.weights() or None) if self.reference is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        ref = self.reference.state_dict(self.next_step) if self.reference is not None else {
+            "ref_version": WARMUP_EPISODE, "reference": None, "ref_optimizer": None, "scores": {}, "refresh_log": []}
+        return {
+            "repr": repr(self), "policy": self.policy.name, "schedule": self.schedule.to_dict(),
+            "gamma": float(self.select.gamma), "next_step": int(self.next_step), **ref, **recent_state(self.recent),
+            "timers": dict(self.timers), "counts": dict(self.counts), "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("policy") != self.policy.name:
+            raise ValueError(
+                f"checkpoint was written by policy {state.get('policy')!r}, this run uses {self.policy.name!r}"
+            )
+        same = self.schedule.same_episodes(state.get("schedule") or {})  # total_steps may differ: extended runs
+        if not same or float(state.get("gamma", -1)) != float(self.select.gamma):
+            raise ValueError(
+                f"checkpoint schedule {state.get('schedule')} / gamma {state.get('gamma')} differ from this run's "
+                f"{self.schedule.to_dict()} / {self.select.gamma}: resume with the same selection settings"
+            )
+        self.next_step = int(state["next_step"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state)
+        restore_recent(self.recent, state)
+        self.timers.update(state.get("timers", {}))
+        self.counts.update(state.get("counts", {}))
+        self._loaded_rng = state.get("rng")

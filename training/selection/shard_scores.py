@@ -1,0 +1,81 @@
+"""``ℓ(w̃)`` written by others: scored shards (``data.scored``) or the Ray engine's scored parts, read live.
+
+:class:`ShardScores` gives the BLADE algorithm this rank's rows of a step's reference losses and checks them
+against the candidate stream (the same sequences) and the schedule (the reference version the step needs).
+:class:`EngineScores` is the engine's source: it waits until a scoring worker has written the part holding
+the step. The engine handle is used duck-typed (``wait_part``), so nothing here imports ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from curation.core.distributed import Ranks
+from curation.core.stream import CandidateStream
+from curation.engine.ledger import PartCache
+
+__all__ = ["ScoreSource", "ShardScores", "EngineScores"]
+
+
+class ScoreSource(Protocol):
+    """Reference losses by step: ``read(step) → (tokens, ref_loss float16, episode)`` of the step's ``b`` rows."""
+
+    path: str
+
+    def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+class ShardScores:
+    """This rank's rows of each step's ``ℓ(w̃)`` from ``source``, checked (module docstring)."""
+
+    def __init__(self, source: ScoreSource, ranks: Ranks) -> None:
+        self.source = source
+        self.ranks = ranks
+
+    def losses(self, step: int, tokens: np.ndarray, version: int) -> np.ndarray:
+        """``ℓ(w̃)`` of this rank's rows of ``step`` (its ``tokens``), scored by reference ``version``.
+
+        Raises:
+            ValueError: the scored sequences are not the candidate stream's, or were scored by another version.
+        """
+        scored, ref, episodes = self.source.read(step)
+        rows = self.ranks.rows(scored.shape[0])
+        scored, ref, episodes = scored[rows], ref[rows], episodes[rows]
+        if not np.array_equal(scored.astype(np.int64), tokens):
+            raise ValueError(
+                f"{self.source.path}: the scored sequences of step {step} are not the candidate stream's"
+            )
+        if (episodes != version).any():
+            raise ValueError(
+                f"{self.source.path}: step {step} was scored by reference version {int(episodes[0])}, "
+                f"the schedule needs version {version} (stale scores)"
+            )
+        return ref
+
+
+class EngineScores:
+    """Reference losses of stream steps from the engine's scored parts (a live ``ScoredShards``).
+
+    Args:
+        engine: the engine handle.
+        out_dir: the scored-shard directory the engine writes.
+        stream: the trainer's candidate stream.
+        timeout_s: fail when a step's scores do not arrive within this time.
+    """
+
+    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, *, timeout_s: float = 1800.0) -> None:
+        self.engine = engine
+        self.path = out_dir
+        self.stream = stream
+        self.timeout_s = timeout_s
+        self.cache = PartCache(out_dir, stream.batch_size)
+
+    def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step`` (waits for them)."""
+        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
+        rows = self.cache.rows(info["part"], info["first"], step)
+        return (np.stack([np.asarray(r["tokens"]) for r in rows]),
+                np.stack([np.asarray(r["ref_loss"]) for r in rows]).astype(np.float16),
+                np.asarray([int(r["episode"]) for r in rows]))
