@@ -98,7 +98,7 @@ def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
 
 def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):
     from schemas.train_config import TrainConfig
-    from training.runs.wiring import train
+    from training.runs.single import train
 
     single = str(tmp_path / "single")
     cfg = TrainConfig.model_validate({**exact_run["train"], "output_dir": single})

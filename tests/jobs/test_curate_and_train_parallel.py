@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train):
     from schemas.train_config import TrainConfig
-    from training.runs.wiring import train
+    from training.runs.single import train
 
     out = str(tmp_path / "par")
     cfg = tmp_path / "cfg.yaml"

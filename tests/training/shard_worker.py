@@ -4,12 +4,15 @@
 
 Shards the same tiny Llama on every rank as the trainer does with ``parallel.strategy: fsdp`` and runs the
 reference's operations on it: clone, refresh (twice through one workspace), ‖u − w̃‖, scoring this rank's
-rows, loading full weights into shards; saves what it saw to OUT_DIR/rank{RANK}.pt.
+rows, loading full weights into shards, and the in-process reference's blade-nosync refreshes (uninterrupted and
+through a checkpoint); saves what it saw to OUT_DIR/rank{RANK}.pt.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,9 @@ from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from schemas.train_config import demo_model_config
 from training.blocks.sharding import full_state_dict, shard_like, sharded_clone
-from training.selection.host_buffers import InProcessReference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_parts import make_reference  # noqa: E402
 
 V, L, B, K = 96, 16, 4, 3
 
@@ -43,36 +48,38 @@ def refresh(proxy: torch.nn.Module, **kw):
     return refresh_reference(proxy, val, cand, steps=K, lam=1.0, lr=1e-2, **kw)
 
 
-def _holder(proxy: torch.nn.Module) -> InProcessReference:
-    ref = InProcessReference(model_config=demo_model_config(V, hidden=32, layers=2, seq_len=L), precision="fp32",
-                             batch_size=B, offload=True, keep_optimizer_state=True)
-    ref.place(proxy)
-    return ref
+def reference(proxy: torch.nn.Module, policy: str = "blade-nosync"):
+    """A reference of ``policy`` refreshing on these batches (its candidate batches are ``batches()``'s, with their
+    masks), scoring this rank's rows of the score batch; placed like the proxy (sharded or not)."""
+    val, cand, score = batches()
+    ref, recent = make_reference(demo_model_config(V, hidden=32, layers=2, seq_len=L), policy, val=torch.cat(val),
+                                 recent=cand, score=score, steps=K, batch=B)
+    ref.start(proxy, 0)
+    return ref, recent
 
 
-def _nosync_refresh(ref: InProcessReference, proxy: torch.nn.Module, version: int) -> None:
+def _nosync_refresh(ref, recent, proxy: torch.nn.Module, version: int) -> None:
     """One blade-nosync refresh as the algorithm runs it (from the reference itself, its AdamW continued)."""
-    result = refresh(proxy, previous=ref.module, optimizer_state=ref.optimizer_state_for_refresh(),
-                     workspace=ref.workspace, clone=sharded_clone)
-    ref.optimizer_state = result.optimizer_state
-    ref.set(result.model, version, offload=False)
-    ref.scorer_on_device()(batches()[2][:B])  # it scores (no grad) before it is refreshed again,
+    ref.refresh(proxy, version, recent)
+    ref.losses(version)  # it scores (no grad) before it is refreshed again,
     param_distance(proxy, ref.for_distance())  # and ‖u − w̃‖ reshards it (the next forward gathers again)
 
 
-def _nosync(proxy: torch.nn.Module) -> dict:
-    """blade-nosync sharded: two refreshes in a row, and the same with a checkpoint in between (the gathered
-    weights and AdamW state, loaded back into new shards as a resumed worker does)."""
-    ref = _holder(proxy)
-    _nosync_refresh(ref, proxy, 1)
-    saved = [ref.state_dict(), ref.saved_optimizer_state()]  # gathered on rank 0, as a checkpoint holds them
-    dist.broadcast_object_list(saved, src=0)  # every worker reads the checkpoint file
-    _nosync_refresh(ref, proxy, 2)
-    resumed = _holder(proxy)
-    resumed.optimizer_state = saved[1]
-    resumed.set(resumed.build(proxy, saved[0]), 1)
-    _nosync_refresh(resumed, proxy, 2)
-    return {"nosync_opt": saved[1], "nosync": full_state_dict(ref.module), "nosync_resumed": full_state_dict(resumed.module)}
+def nosync(proxy: torch.nn.Module) -> dict:
+    """blade-nosync: two refreshes in a row, and the same with a checkpoint in between (the gathered weights and
+    AdamW state, loaded back into new shards as a resumed worker does). Sharded or not (the test's expectation)."""
+    ref, recent = reference(proxy)
+    _nosync_refresh(ref, recent, proxy, 1)
+    saved = [copy.deepcopy(ref.state_dict(next_step=2))]  # as a checkpoint file holds it (sharded: gathered on rank 0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(saved, src=0)  # every worker reads the checkpoint file
+    _nosync_refresh(ref, recent, proxy, 2)
+    resumed, _ = reference(proxy)
+    resumed.load_state_dict(saved[0])
+    resumed.start(proxy, 2)
+    _nosync_refresh(resumed, recent, proxy, 2)
+    full = full_state_dict if dist.is_initialized() else (lambda m: m.state_dict())
+    return {"nosync_opt": saved[0]["ref_optimizer"], "nosync": full(ref.module), "nosync_resumed": full(resumed.module)}
 
 
 def main() -> None:
@@ -96,14 +103,12 @@ def main() -> None:
     second = refresh(proxy, clone=sharded_clone, workspace=ws)  # the workspace's module, w_0 copied shard by shard
     res["same_module"] = torch.tensor(second.model is first.model)
     res["refreshed_again"] = full_state_dict(second.model)
-    ref = InProcessReference(model_config=demo_model_config(V, hidden=32, layers=2, seq_len=L), precision="fp32",
-                             batch_size=B, offload=True, keep_optimizer_state=False)
-    ref.place(proxy)
+    ref, _ = reference(proxy, "blade")
     built = ref.build(proxy, model().state_dict())  # a checkpoint's full weights, loaded into this rank's shards
     res["built"] = full_state_dict(built)
-    ref.set(built, 1)
-    res["reference_state"] = ref.state_dict()  # gathered (a collective), offload was a no-op
-    res.update(_nosync(proxy))
+    ref.use(built, 1, step=0)
+    res["reference_state"] = ref.weights()  # gathered (a collective), offload was a no-op
+    res.update(nosync(proxy))
     torch.save(res, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ from curation.io.shards import read_column
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.train_config import ScorerConfig
-from training.runs.wiring import train
+from training.runs.single import train
 
 
 class Capture(Callback):
@@ -46,7 +46,7 @@ class Capture(Callback):
             alg = self.algorithm_of()
             self.snapshots[step] = (
                 copy.deepcopy(state.model.model.state_dict()),
-                copy.deepcopy(alg.scorer.model.state_dict()),
+                copy.deepcopy(alg.reference.module.state_dict()),
                 state.batch["tokens"].clone(),
             )
 
@@ -133,9 +133,9 @@ def test_every_policy_runs_through_the_same_path(make_config, policy):
         assert {r.ref_version for r in cap.records if r.step >= 2} == {0}
         assert alg.counts["refreshes"] == 0
     if policy == "blade-nosync":  # the reference optimizer state is carried between refreshes
-        assert alg.counts["refreshes"] == 2 and alg.reference.optimizer_state is not None
+        assert alg.counts["refreshes"] == 2 and alg.reference.optimizer_state() is not None
     if policy in ("full", "random"):
-        assert alg.scorer is None and alg.counts["score_steps"] == 0
+        assert alg.reference is None and alg.counts["score_steps"] == 0
     if policy == "random":
         other = make_config(policy, "random2", max_steps=8, eval={"interval": 100}, selection={"seed": 1})
         _, cap2 = _run(other)
@@ -169,7 +169,7 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     write_scored_steps(scored, reader, scorer, range(2, 7), episode_of=lambda t: 0, vocab_size=512)
     b = make_config("rho1", "b", max_steps=7, eval={"interval": 100}, data={"scored": scored})
     out_b = train(b)
-    assert out_b["run"].algorithm.scorer is None  # no in-process reference at all
+    assert out_b["run"].algorithm.reference is None  # no in-process reference at all
     assert "final_reference" not in out_b
     ma, mb = read_column(out_a["selected"], "loss_mask"), read_column(out_b["selected"], "loss_mask")
     assert len(ma) == len(mb) == 56 and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
@@ -203,7 +203,8 @@ def test_one_precision_setting_reaches_the_reference_scorer(make_config):
     """The trainer's `precision` is the in-process reference's (on a CPU both run in float32)."""
     cfg = make_config("blade", "prec", max_steps=4, eval={"interval": 100})
     run = train(cfg)["run"]
-    assert run.algorithm.precision == "fp32" and run.algorithm.scorer.config.precision == "fp32"
+    assert run.algorithm.reference.settings.precision == "fp32"
+    assert run.algorithm.reference.scorer.config.precision == "fp32"
 
 
 @pytest.mark.gpu

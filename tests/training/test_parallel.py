@@ -25,7 +25,7 @@ from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.conftest import load_job
 from training.runs.group import ATTEMPTS_FILE, train_parallel
-from training.runs.wiring import train
+from training.runs.single import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -6,6 +6,8 @@ import copy
 import io
 import json
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from curation.core.refresh import refresh_reference
 from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import demo_model_config
-from training.runs.wiring import train
-from training.selection.host_buffers import CompactReference, HostOptimizerState, InProcessReference
+from training.runs.single import train
+from training.selection.host_buffers import CompactReference, HostOptimizerState
+from training.selection.reference import OptimizerAt, Where
 
 
 class _Tied(nn.Module):
@@ -74,33 +76,42 @@ def test_compact_reference_reuses_its_buffer_and_copies_out():
     assert not store.holds and store.nbytes == 2 * 60  # forgotten, still allocated
 
 
-def _holder(module: nn.Module) -> InProcessReference:
-    cfg = demo_model_config(64, hidden=16, layers=1)
-    ref = InProcessReference(model_config=cfg, precision="fp32", batch_size=2, offload=True,
-                             keep_optimizer_state=False)
-    ref.set(module, 0, offload=False)  # fresh from a refresh: stays where it was computed
-    return ref
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_parts import make_reference  # noqa: E402
+
+CFG = demo_model_config(64, hidden=16, layers=1)
+
+
+def _reference(policy: str):
+    """A real reference of ``policy`` on small fixed rows (2 refresh steps on validation rows only)."""
+    g = torch.Generator().manual_seed(3)
+    val = torch.randint(0, 64, (8, 16), generator=g)
+    recent = [{"tokens": torch.randint(0, 64, (2, 16), generator=g), "mask": torch.ones(2, 16, dtype=torch.bool)}]
+    return make_reference(CFG, policy, val=val, recent=recent, score=torch.randint(0, 64, (2, 16), generator=g),
+                          steps=2, lam=0.0)
 
 
 def test_a_scored_reference_is_kept_compact_off_the_training_device_and_nothing_moves_on_a_cpu():
-    module = build_causal_lm(demo_model_config(64, hidden=16, layers=1))
+    module = build_causal_lm(CFG)
     expected = _rounded(module)
-    ref = _holder(module)
+    ref, _ = _reference("blade")
+    ref.use(module, 0)  # fresh from a refresh: stays where it was computed
+    assert ref.where is Where.DEVICE
     ref.offload(compact=True)  # training on a CPU: nothing moves, the float32 module stays
-    assert ref.module is module and not ref.compact.holds
-    ref.train_device = torch.device("cuda")  # as the algorithm records it on a GPU (no CUDA call on this path)
+    assert ref.module is module and not ref.compact.holds and ref.where is Where.DEVICE
+    ref.train_device = torch.device("cuda")  # as the reference records it on a GPU (no CUDA call on this path)
     workspace = ref.workspace
     ref.offload(compact=True)
-    assert ref.module is None and ref.compact.holds and ref.workspace is workspace  # parked, kept for the next refresh
+    assert ref.module is None and ref.where is Where.COMPACT and ref.workspace is workspace  # parked, kept
     assert isinstance(ref.for_distance(), dict)
-    state = ref.state_dict()
+    state = ref.weights()
     assert all(torch.equal(state[k].float(), v) for k, v in expected.items())
     with pytest.raises(RuntimeError, match="no reference module to score with .*compacted"):
-        ref.scorer_on_device()
+        ref.losses(0)
     ref.drop()
-    assert ref.for_distance() is None and ref.state_dict() is None
-    ref.set(module, 1, offload=False)  # the next refresh's module
-    assert ref.module is module and not ref.compact.holds and ref.scorer.version == 1
+    assert ref.for_distance() is None and ref.weights() is None and ref.where is Where.NONE
+    ref.use(module, 1)  # the next refresh's module (on the host here: the recorded device is CUDA)
+    assert ref.module is module and ref.where is Where.HOST and ref.scorer.version == 1
 
 
 @pytest.mark.gpu
@@ -189,41 +200,32 @@ def test_host_optimizer_state_keeps_tensors_of_other_dtypes_as_they_are():
     assert _same_state(store.state_dict(), state) and _same_state(store.restore(), state)
 
 
-def _refresh(ref: InProcessReference, proxy: nn.Module, batches: list[torch.Tensor], version: int) -> dict:
-    """One blade-nosync refresh as :class:`training.selection.algorithm.BladeAlgorithm` runs it, the reference offloaded after
-    its scoring; returns a copy of the carried AdamW state after that."""
-    previous = ref.module  # as the algorithm passes it: the module itself
-    result = refresh_reference(proxy, batches[2 * version : 2 * version + 2], None, steps=2, lam=0.0, lr=1e-2,
-                               previous=previous, optimizer_state=ref.optimizer_state_for_refresh(),
-                               workspace=ref.workspace)
-    ref.optimizer_state = result.optimizer_state
-    ref.set(result.model, version, offload=False)
+def _refresh(ref, proxy: nn.Module, recent, version: int) -> dict:
+    """One blade-nosync refresh as the algorithm runs it, the reference offloaded after its scoring; returns a copy
+    of the carried AdamW state after that (as a checkpoint holds it)."""
+    ref.refresh(proxy, version, recent)
     ref.offload()
-    return copy.deepcopy(ref.optimizer_state)
+    return copy.deepcopy(ref.optimizer_state())
 
 
 def test_blade_nosync_moves_its_adamw_state_to_the_host_with_the_reference_and_continues_it_exactly():
-    cfg = demo_model_config(64, hidden=16, layers=1)
-    proxy = build_causal_lm(cfg)
-    batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(8)]
-
-    def holder() -> InProcessReference:
-        return InProcessReference(model_config=cfg, precision="fp32", batch_size=2, offload=True,
-                                  keep_optimizer_state=True)
-
-    on_cpu = holder()  # training on a CPU: nothing moves, the live state is continued in place
+    """The CPU test of the GPU path (recorded device): the carried AdamW state leaves with the reference into one
+    reused host buffer and comes back for the next refresh, bit for bit the run that keeps it in place."""
+    proxy = build_causal_lm(CFG)
+    on_cpu, recent = _reference("blade-nosync")  # training on a CPU: nothing moves, the live state is continued
     kept = []
     for version in range(3):
-        kept.append(_refresh(on_cpu, proxy, batches, version))
-        assert on_cpu.optimizer_state is on_cpu.workspace.last_state and not on_cpu.optimizer_host.holds
+        kept.append(_refresh(on_cpu, proxy, recent, version))
+        assert on_cpu.optimizer_at is OptimizerAt.OPTIMIZER and not on_cpu.optimizer_host.holds
     assert on_cpu.optimizer_host.nbytes == 0 and kept[0]["state"][0]["step"] == 2 and kept[2]["state"][0]["step"] == 6
 
-    off = holder()
-    off.train_device = torch.device("cuda")  # as the algorithm records it on a GPU (no CUDA call on this path)
+    off, _ = _reference("blade-nosync")
+    off.train_device = torch.device("cuda")  # as the reference records it on a GPU (no CUDA call on this path)
     moved, ptrs = [], []
     for version in range(3):
-        moved.append(_refresh(off, proxy, batches, version))
-        assert off.optimizer_host.holds and not off.workspace.optimizer.state  # the live moments went with it
+        moved.append(_refresh(off, proxy, recent, version))
+        assert off.optimizer_at is OptimizerAt.HOST and not off.workspace.optimizer.state  # the moments went too
+        assert off.where is Where.HOST
         ptrs.append(off.optimizer_host._buffer.data_ptr())
     assert len(set(ptrs)) == 1  # one buffer, reused refresh after refresh
     assert all(_same_state(a, b) for a, b in zip(kept, moved, strict=True))  # the same AdamW, bit for bit
@@ -232,18 +234,18 @@ def test_blade_nosync_moves_its_adamw_state_to_the_host_with_the_reference_and_c
     # a checkpoint taken while the state is on the host, resumed on the GPU: it goes to the host with the
     # reference at once, and the next refresh continues it as the uninterrupted run does
     buf = io.BytesIO()
-    torch.save(off.optimizer_state, buf)
+    torch.save(off.state_dict(next_step=3), buf)
     buf.seek(0)
-    resumed = holder()
+    resumed, _ = _reference("blade-nosync")
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert resumed.optimizer_at is OptimizerAt.SAVED and resumed.where is Where.NONE
+    resumed.start(proxy, 3)  # fit start: the checkpoint's reference on the host, its AdamW state there too
     resumed.train_device = torch.device("cuda")
-    resumed.optimizer_state = torch.load(buf, weights_only=True)
-    resumed.set(copy.deepcopy(off.module), 2)
-    assert resumed.optimizer_host.holds
-    assert _same_state(_refresh(resumed, proxy, batches, 3), _refresh(on_cpu, proxy, batches, 3))
+    resumed.offload()
+    assert resumed.optimizer_at is OptimizerAt.HOST
+    assert _same_state(_refresh(resumed, proxy, recent, 3), _refresh(on_cpu, proxy, recent, 3))
     assert all(torch.equal(a, b) for a, b in zip(on_cpu.module.state_dict().values(),
                                                     resumed.module.state_dict().values(), strict=True))
-    off.optimizer_state = None  # a new state (or none) replaces the stored one
-    assert not off.optimizer_host.holds and off.optimizer_state is None
 
 
 @pytest.mark.gpu
@@ -256,22 +258,22 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     cfg = make_config("blade-nosync", "offload", **common)
     on = train(cfg)
     ref = on["run"].algorithm.reference  # after the last episode's scoring: offloaded
-    assert ref.optimizer_host.holds and ref.optimizer_host._buffer.is_pinned()
-    assert not ref.workspace.optimizer.state and not next(ref.module.parameters()).is_cuda  # kept, emptied
-    state = ref.optimizer_state
+    assert ref.optimizer_at is OptimizerAt.HOST and ref.optimizer_host._buffer.is_pinned()
+    assert not ref.workspace.optimizer.state and ref.where is Where.HOST  # kept, emptied
+    state = ref.optimizer_state()
     assert state["state"] and all(t.device.type == "cpu" for t in _tensors(state))
     off_cfg = make_config("blade-nosync", "on-device", selection={"offload_reference": False}, **common)
     off = train(off_cfg)
     kept = off["run"].algorithm.reference
     assert not kept.optimizer_host.holds and kept.optimizer_host.nbytes == 0
-    assert any(t.is_cuda for t in _tensors(kept.optimizer_state))
+    assert any(t.is_cuda for t in _tensors(kept.optimizer_state()))
     assert on["run"].algorithm.counts["refreshes"] == off["run"].algorithm.counts["refreshes"] == 4
     ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
     assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     # The same values are expected bit for bit (the CPU test above asserts it); the float32 tolerance only
     # leaves room for CUDA kernels that accumulate with atomics (embedding backward), which two identical runs
     # may round differently.
-    live = {k: {n: v.cpu() for n, v in s.items()} for k, s in kept.optimizer_state["state"].items()}
+    live = {k: {n: v.cpu() for n, v in s.items()} for k, s in kept.optimizer_state()["state"].items()}
     torch.testing.assert_close(state["state"], live)
     for name in ("model", "reference"):
         a, b = (load_file(os.path.join(c.output_dir, "final", f"{name}.safetensors")) for c in (cfg, off_cfg))

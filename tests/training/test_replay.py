@@ -17,7 +17,7 @@ from schemas.outdir import ConfigMismatch
 from schemas.train_config import ReplayConfig, demo_model_config
 from training.blocks.data import TokenRows, rows_loader
 from training.blocks.model import MaskedCausalLM
-from training.runs.wiring import build_replay, replay, train
+from training.runs.single import build_replay, replay, train
 
 
 @pytest.fixture

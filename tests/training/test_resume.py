@@ -23,7 +23,7 @@ from training.blocks.checkpoint import (
     set_rng_state,
     weights_only_loading,
 )
-from training.runs.wiring import train
+from training.runs.single import train
 
 
 class Kill(Callback):

@@ -1,4 +1,4 @@
-"""The one writer of a run's ``final/``: model, HF config, the last reference."""
+"""The one way a run finishes (``finish_run``): ``final/`` (model, HF config, the last reference) and the summary."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from safetensors.torch import load_file
 from curation.io.models import build_causal_lm, save_weights, weights_fingerprint
 from schemas.train_config import ModelConfig, demo_model_config
 from training.blocks.model import MaskedCausalLM
-from training.runs.wiring import TrainRun
+from training.runs.wiring import RunOutputs, TrainRun, finish_run
 
 
 def _run(tmp_path, seed: int = 0) -> TrainRun:
     hf = build_causal_lm(demo_model_config(64, hidden=16, layers=1).model_copy(update={"init_seed": seed}))
     return TrainRun(trainer=None, model=MaskedCausalLM(hf), output_dir=str(tmp_path / "run"))
+
+
+def _finish(run: TrainRun, reference=None) -> str:
+    out = run.outputs(reference=False)
+    out.reference = reference
+    return finish_run(run.output_dir, out, plots=False)["final"]
 
 
 def _loaded(final: str):
@@ -23,7 +29,7 @@ def _loaded(final: str):
 
 def test_final_model_loads_back_as_the_trained_one(tmp_path):
     run = _run(tmp_path)
-    final = run.write_final()
+    final = _finish(run)
     assert final == str(tmp_path / "run" / "final")
     assert sorted(os.listdir(final)) == ["config.json", "model.safetensors"]  # no reference: none written
     assert weights_fingerprint(_loaded(final)) == weights_fingerprint(run.model.model)
@@ -32,14 +38,32 @@ def test_final_model_loads_back_as_the_trained_one(tmp_path):
 def test_final_reference_from_weights_or_copied_from_a_file(tmp_path):
     run = _run(tmp_path)
     ref = build_causal_lm(demo_model_config(64, hidden=16, layers=1).model_copy(update={"init_seed": 7}))
-    final = run.write_final({k: v.clone() for k, v in ref.state_dict().items()})  # the in-process reference
+    final = _finish(run, {k: v.clone() for k, v in ref.state_dict().items()})  # the in-process reference
     got = load_file(os.path.join(final, "reference.safetensors"))
     assert weights_fingerprint(got) == weights_fingerprint(ref)
     # the engine's reference file: copied byte for byte, nothing half-written left behind
     engine_file = save_weights(ref, str(tmp_path / "engine" / "reference-0003.safetensors"), metadata={"v": "3"})
     run2 = _run(tmp_path / "b")
-    final2 = run2.write_final(engine_file)
+    final2 = _finish(run2, engine_file)
     with open(engine_file, "rb") as a, open(os.path.join(final2, "reference.safetensors"), "rb") as b:
         assert a.read() == b.read()
     assert sorted(os.listdir(final2)) == ["config.json", "model.safetensors", "reference.safetensors"]
     assert weights_fingerprint(_loaded(final2)) == weights_fingerprint(run2.model.model)
+
+
+def test_a_run_finished_in_two_processes_writes_each_part_once(tmp_path):
+    """The data-parallel engine run: rank 0 writes the model, the driver the engine's reference and the summary."""
+    run = _run(tmp_path)
+    finish_run(run.output_dir, run.outputs(reference=False), plots=False)  # rank 0: no statistics, no reference
+    final = os.path.join(run.output_dir, "final")
+    assert sorted(os.listdir(final)) == ["config.json", "model.safetensors"]
+    assert not os.path.exists(os.path.join(run.output_dir, "summary.json"))
+    ref = build_causal_lm(demo_model_config(64, hidden=16, layers=1).model_copy(update={"init_seed": 7}))
+    engine_file = save_weights(ref, str(tmp_path / "engine" / "reference-0001.safetensors"))
+    stats = {"policy": "blade", "steps": [], "validation": [], "tokens": {"valid": {}, "kept": {}},
+             "delta_histograms": {}, "refreshes": [], "timers": {}, "counts": {}}
+    paths = finish_run(run.output_dir, RunOutputs(reference=engine_file, stats=stats, extra={"engine": {"mode": "x"}}),
+                       plots=False)
+    assert sorted(os.listdir(final)) == ["config.json", "model.safetensors", "reference.safetensors"]
+    assert paths["summary"] == os.path.join(run.output_dir, "summary.json") and "final_weights" not in paths
+    assert weights_fingerprint(_loaded(final)) == weights_fingerprint(run.model.model)  # the model left alone

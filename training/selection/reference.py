@@ -173,16 +173,16 @@ class InProcessReference:
         loaded, self._loaded = self._loaded, None
         if loaded is not None and loaded["reference"] is not None:
             self.scores = loaded["scores"]
-            self._use(self.build(proxy, loaded["reference"]), self.version, step=step)
+            self.use(self.build(proxy, loaded["reference"]), self.version, step=step)
         elif self.policy.refresh_mode is RefreshMode.STATIC:
             path = self.settings.reference_weights
             with self.meters.timed("refresh", self.train_device):
                 if path is not None:
-                    self._use(self.build(proxy, read_weights(path), what=path), 0, step=step)
+                    self.use(self.build(proxy, read_weights(path), what=path), 0, step=step)
                     return
                 result = self.refresh_data.train_static(proxy, clone=self.clone)
             self.refresh_log.append(result.log_entry(step=0, version=0))
-            self._use(result.model, 0, step=step)
+            self.use(result.model, 0, step=step)
 
     def refresh(self, proxy: nn.Module, episode: int, recent: RecentMasks) -> None:
         """Reference ``episode`` from the proxy ``u`` (``blade``: restarting from ``u``; ``blade-nosync``: continuing
@@ -201,7 +201,7 @@ class InProcessReference:
                 workspace=self.workspace, clone=self.clone)
         self.meters.counts["refreshes"] += 1
         self.refresh_log.append(result.log_entry(step=self.schedule.refresh_step(episode), version=episode))
-        self._use(result.model, episode, step=None)
+        self.use(result.model, episode, step=None)
 
     def losses(self, step: int) -> np.ndarray:
         """``ℓ(w̃)`` of this rank's rows of ``step`` (float16): scored with the coming steps of the episode the
@@ -253,7 +253,7 @@ class InProcessReference:
             self._saved_optimizer = None
         return module
 
-    def _use(self, module: nn.Module, version: int, *, step: int | None) -> None:
+    def use(self, module: nn.Module, version: int, *, step: int | None = None) -> None:
         """Make ``module`` the reference. A freshly refreshed one (``step=None``) stays where it was computed: it
         scores the coming steps there right away and is offloaded after that, so its weights cross to the host once
         per refresh, not there and back. Otherwise (at fit start, step ``step``) it is offloaded now."""
