@@ -1,4 +1,6 @@
-"""Import rules of the packages: no private names across modules; the curation job needs no trainer."""
+"""Import rules of the packages (DESIGN.md §4): no import circle, imports at module level, the core pure, the
+rooms of ``training/`` one way, the jobs thin; no private names across modules; the curation job needs no
+trainer."""
 
 from __future__ import annotations
 
@@ -11,12 +13,54 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("curation", "training", "jobs", "schemas")
 
 
-def _imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines of ``if TYPE_CHECKING:`` blocks (imports for annotations only: nothing is imported at run time)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(path: Path, *, runtime_only: bool = False):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_lines(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__":
             yield node.lineno, node.module, [a.name for a in node.names]
         elif isinstance(node, ast.Import):
             yield node.lineno, None, [a.name for a in node.names]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_targets(path: Path, *, runtime_only: bool = True) -> set[str]:
+    """The project modules ``path`` imports (``from a.b import c`` counts ``a.b.c`` when that is a module)."""
+    modules = {_module(p) for p in _sources()}
+    out = set()
+    for _, module, names in _imports(path, runtime_only=runtime_only):
+        for target in ([f"{module}.{n}" for n in names] + [module]) if module else names:
+            if target in modules:
+                out.add(target)
+                if module and target != module:  # the package's __init__ runs too
+                    out.add(module) if module in modules else None
+    return out - {_module(path)}
+
+
+def _function_local_imports(path: Path):
+    for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                module = node.module if isinstance(node, ast.ImportFrom) else (
+                    node.names[0].name if isinstance(node, ast.Import) else None)
+                if module and module.split(".")[0] in PACKAGES:
+                    yield node.lineno, module
 
 
 def _sources():
@@ -48,5 +92,67 @@ def test_only_the_ray_backend_imports_ray_and_the_core_imports_neither_ray_nor_c
     assert ray_users and all(u.startswith(str(backend.relative_to(REPO))) for u in ray_users), ray_users
     core = sorted(p for p in (REPO / "curation" / "core").rglob("*.py"))
     found = [f"{p.relative_to(REPO)}:{line}" for p in core for line, m, n in _imports(p)
-             if _top(m, n) & {"ray", "composer", "streaming", "training"}]
+             if _top(m, n) & {"ray", "composer", "streaming", "training", "safetensors"}]
     assert not found, f"curation/core must stay pure torch: {found}"
+
+
+def test_the_project_modules_import_one_another_without_a_circle():
+    """A module graph with no cycle (module-level and function-local imports alike): a cycle is reported with its
+    modules, in import order."""
+    graph = {_module(p): _project_targets(p) for p in _sources()}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import circle: " + " → ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_project_modules_are_imported_at_module_level_except_by_the_jobs():
+    """A function-local import between project modules hides a dependency (and often a circle). The jobs are
+    the one exception, for start-up time: they parse the config (``--help``, a bad setting) before importing
+    Composer, Ray or torch, and a single-process run never imports Ray."""
+    found = [f"{p.relative_to(REPO)}:{line}: {module}" for p in _sources() if p.parts[len(REPO.parts)] != "jobs"
+             for line, module in _function_local_imports(p)]
+    assert not found, "function-local imports of project modules (move them to the top): " + "; ".join(found)
+
+
+def test_the_core_imports_nothing_of_the_project_but_the_core():
+    """``curation/core`` is the algorithm on tensors: no config models, no file formats, no engine (imports for
+    annotations under ``TYPE_CHECKING`` only)."""
+    core = sorted((REPO / "curation" / "core").rglob("*.py"))
+    found = [f"{p.relative_to(REPO)}:{line}: {m or n}" for p in core for line, m, n in _imports(p, runtime_only=True)
+             if (m or n[0]).split(".")[0] in PACKAGES and not (m or n[0]).startswith("curation.core")]
+    assert not found, f"curation/core imports outside the core: {found}"
+
+
+#: The rooms of training/, each importing only the rooms before it (and curation, schemas).
+TRAINING_ROOMS = ("training.blocks", "training.selection", "training.runs", "training.quality")
+
+
+@pytest.mark.parametrize("room", TRAINING_ROOMS)
+def test_the_rooms_of_training_import_one_way(room):
+    allowed = TRAINING_ROOMS[: TRAINING_ROOMS.index(room) + 1]
+    files = sorted((REPO / Path(*room.split("."))).rglob("*.py"))
+    found = [f"{p.relative_to(REPO)}: {t}" for p in files for t in _project_targets(p, runtime_only=False)
+             if t.startswith("training.") and not t.startswith(allowed)]
+    assert files and not found, f"{room} imports a later room of training/: {found}"
+
+
+def test_no_source_file_is_longer_than_500_lines_and_the_jobs_stay_thin():
+    long = [f"{p.relative_to(REPO)}: {n}" for p in _sources()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500]
+    assert not long, f"source files over 500 lines: {long}"
+    # an entry point parses its config, calls one library function and prints where the outputs are
+    # (benchmarks measure and print; they are longer)
+    jobs = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in (REPO / "jobs").glob("*.py")
+            if not p.name.startswith("bench_")}
+    fat = {name: n for name, n in jobs.items() if n > 120}
+    assert jobs and not fat and jobs["curate_and_train.py"] < 90, jobs

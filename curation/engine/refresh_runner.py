@@ -25,10 +25,10 @@ from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
-from curation.io.models import build_causal_lm, resolve_device
+from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.shards import open_shards
 from schemas.manifest import atomic_write_text
-from schemas.train_config import ModelConfig
+from schemas.train_config import ModelConfig, SelectionConfig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,8 +84,6 @@ class RefreshRunner:
     """
 
     def __init__(self, spec: RefreshSpec) -> None:
-        from schemas.train_config import SelectionConfig
-
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         self.spec = spec
@@ -123,8 +121,6 @@ class RefreshRunner:
         start = time.perf_counter()
         base = build_causal_lm(self.model_cfg).to(self.device)
         if self.cfg.reference_weights is not None:
-            from curation.io.models import load_weights
-
             load_weights(base, self.cfg.reference_weights)
             weights = Weights.from_state_dict(base)
             log = {"step": 0, "version": 0, "steps": 0, "weights": self.cfg.reference_weights}

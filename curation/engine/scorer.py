@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from curation.core.losses import autocast, model_token_losses
 from curation.core.stream import CandidateStream
 from curation.io.models import build_causal_lm, load_weights, resolve_device
+from curation.io.shards import merge_part_indexes, open_shards, part_name, write_part
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest, ShardRecord
 from schemas.shards import SCORED
@@ -148,8 +149,6 @@ def write_scored_steps(
     Returns:
         The part's record.
     """
-    from curation.io.shards import merge_part_indexes, part_name, write_part
-
     if steps.step != 1 or len(steps) == 0:
         raise ValueError(f"steps must be a non-empty contiguous range, got {steps}")
     manifest = Manifest.load_if_exists(out_dir) or Manifest(
@@ -197,8 +196,6 @@ class ScoredShards:
     """
 
     def __init__(self, path: str, stream: CandidateStream) -> None:
-        from curation.io.shards import open_shards
-
         self.path = path
         manifest = Manifest.load(path)
         if manifest.extra.get("stream") != stream.to_dict():

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from curation.io.models import save_weights
+
 
 # ------------------------------------------------------------------------------------------------
 # weights
@@ -55,8 +57,6 @@ class Weights:
 
     def save(self, path: str) -> str:
         """Atomically write a safetensors file."""
-        from curation.io.models import save_weights
-
         return save_weights(self.state_dict(), path)
 
     @classmethod

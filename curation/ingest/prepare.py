@@ -31,7 +31,7 @@ from curation.ingest.corpus import BadRecordError, Document, iter_documents, res
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.packing import Packer
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
-from curation.io.shards import merge_part_indexes, remove_incomplete_parts, write_part
+from curation.io.shards import merge_part_indexes, remove_incomplete_parts, verify_part, write_part
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
 from schemas.outdir import config_diff, open_output_dir
@@ -250,8 +250,6 @@ def _repair_parts(
     The rewritten shard files must hash to what the root ``index.json`` recorded for them, else the input
     changed since (an error: the directory no longer matches its sources).
     """
-    from curation.io.shards import verify_part
-
     damaged = []
     for si, source in enumerate(sources):
         records = [r for r in manifest.shards if r.source == source.name]

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.manifest import Manifest, atomic_write_text
+from curation.ingest.tokenizer import tokenizer_json_path
+from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
@@ -344,9 +345,6 @@ def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str
     Raises:
         ValueError: naming the two files whose tokenizers differ.
     """
-    from curation.ingest.tokenizer import tokenizer_json_path
-    from schemas.manifest import sha256_file
-
     known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
     if tokenizer is not None:
         path = tokenizer_json_path(tokenizer)

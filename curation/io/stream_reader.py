@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from curation.core.stream import CandidateStream
+from curation.io.shards import open_shards
 
 
 @dataclass
@@ -52,8 +53,6 @@ class StreamReader:
     @classmethod
     def open(cls, path: str, *, batch_size: int, seed: int, spec: str = "candidate") -> StreamReader:
         """Open ``path`` (validated against the shard ``spec``) with a stream over all its sequences."""
-        from curation.io.shards import open_shards
-
         ds = open_shards(path, spec)
         return cls(ds, CandidateStream(len(ds), batch_size, seed), path=path)
 

@@ -107,9 +107,18 @@ def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):
 
 
 def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train):
+    """Run in-process through the library function the job calls (training.runs.engine_job)."""
+    from schemas.config import load_config
+    from schemas.engine_config import CurateAndTrainConfig
+    from training.runs.engine_job import curate_and_train
+
     out = str(tmp_path / "pipelined")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine={"mode": "pipelined", "snapshot_period": 1})
-    _run(cfg)
+    res = curate_and_train(load_config(CurateAndTrainConfig, cfg))
+    assert res["scored"] is None and res["selected"] == os.path.join(out, "selected")
+    assert res["final_reference"] == os.path.join(out, "final", "reference.safetensors")  # the engine's last one
+    with open(res["summary"]) as f:
+        assert json.load(f)["engine"]["mode"] == "pipelined"
     m = Manifest.load(os.path.join(out, "selected"))  # written by the workers, one part per step after W
     assert m.complete and m.job == "curate_and_train" and len(m.shards) == 1 + 12
     assert_same_run(exact_run["out"], out)

@@ -84,7 +84,8 @@ def test_overriding_the_demo_sources_writes_no_demo_corpus_into_the_users_folder
 # curate_and_train: refused before Ray starts
 # ------------------------------------------------------------------------------------------------
 def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_starting(tmp_path):
-    job = load_job("curate_and_train", "_outdirs")
+    from training.runs.engine_job import curate_and_train
+
     cfg = CurateAndTrainConfig.demo_default(str(tmp_path))
     out = cfg.train.output_dir
     open_output_dir(out, "curate_and_train", {"engine_config.yaml": cfg, "config.yaml": cfg.train}).write_records()
@@ -94,13 +95,13 @@ def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_st
     data["train"]["batch_size"] = 8
     data["workers"]["count"] = 4  # operational: the exact engine's outputs do not depend on it
     with pytest.raises(ConfigMismatch) as err:
-        job.curate_and_train(CurateAndTrainConfig.model_validate(data))
+        curate_and_train(CurateAndTrainConfig.model_validate(data))
     assert err.value.keys == ["engine.mode", "train.batch_size"]
     assert {n: (Path(out) / n).read_text() for n in before} == before
     assert not (tmp_path / "data").exists()  # nothing prepared, no Ray started
     with OutputDirLock(out, "curate_and_train"):
         with pytest.raises(OutputDirBusy, match="in use by another run: curate_and_train pid"):
-            job.curate_and_train(cfg)
+            curate_and_train(cfg)
 
 
 def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp_path):

@@ -32,6 +32,7 @@ from composer.loggers import Logger, LoggerDestination
 
 from curation.core.policies import ScoreKind, SelectionPolicy
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
+from curation.core.stats import SourceCounts as BatchCounts
 from curation.io.shards import PART_PREFIX, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts, atomic_write_text
 from schemas.shards import SELECTED, token_dtype
@@ -244,8 +245,6 @@ class SelectionStats(Callback):
                 metrics[f"blade/delta_q{int(q * 100):02d}"] = st.quantiles[q]
             counts = st.counts
         else:
-            from curation.core.stats import SourceCounts as BatchCounts
-
             counts = BatchCounts.from_batch(mask, valid, rec.sources)
         for src, n in counts.valid.items():
             self.valid[src] = self.valid.get(src, 0) + n

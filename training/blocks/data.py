@@ -30,6 +30,7 @@ from curation.core.distributed import Ranks
 from curation.core.losses import target_valid
 from curation.core.stream import CandidateStream
 from curation.io.models import check_token_range
+from curation.io.shards import open_shards
 from curation.io.stream_reader import StreamReader
 
 __all__ = [
@@ -224,8 +225,6 @@ class TokenRows(Dataset):
     """
 
     def __init__(self, path: str, spec: str, *, use_mask: bool = False, model_vocab: int | None = None) -> None:
-        from curation.io.shards import open_shards
-
         self.path = path
         self.use_mask = use_mask
         self.model_vocab = model_vocab

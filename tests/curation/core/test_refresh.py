@@ -295,7 +295,7 @@ def _refreshed_both_ways(proxy, episode, steps, fresh, kept, ws):
 @pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
 def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue_mode):
     """Three refreshes with a workspace equal three with fresh copies bit for bit; one module, one AdamW."""
-    from curation.core.refresh import RefreshWorkspace
+    from curation.core.refresh import CONTINUE, RefreshWorkspace
 
     proxy = tiny_llama(0)
     ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
@@ -309,7 +309,7 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
         assert (len(ws.optimizer.state) > 0) == continue_mode
         if continue_mode:
             fresh_prev, fresh_state = a.model, copy.deepcopy(a.optimizer_state)
-            ws_prev, ws_state = b.model, b.optimizer_state  # continued in place, no copy
+            ws_prev, ws_state = b.model, CONTINUE  # continued in place, no copy
     assert len(modules) == 1 and len(optimizers) == 1
     assert all(p.requires_grad for p in proxy.parameters())  # the proxy is not frozen by the reuse
 
@@ -317,16 +317,16 @@ def test_workspace_reuses_one_module_and_optimizer_with_the_same_values(continue
 @pytest.mark.parametrize("continue_mode", [False, True], ids=["blade", "blade-nosync"])
 def test_a_parked_workspace_comes_back_without_a_rebuild_and_with_the_same_values(continue_mode):
     """Offloading between refreshes (a GPU run) parks the workspace: blade's weights give up their storage, every
-    AdamW moment is released (nosync's come back through carry). The next refresh allocates them
+    AdamW moment is released (nosync's come back as a state dict from the host). The next refresh allocates them
     again in the same module and optimizer objects and gives the values of fresh copies bit for bit."""
     from curation.core.refresh import RefreshWorkspace
 
     proxy = tiny_llama(0)
     ws = RefreshWorkspace(keep_optimizer_state=continue_mode)
-    fresh_prev = fresh_state = ws_prev = None
+    fresh_prev = fresh_state = ws_prev = host = None
     module = optimizer = params = None
     for episode in range(3):
-        carried = ws.last_state if continue_mode and episode else None
+        carried = host if continue_mode and episode else None
         a, b = _refreshed_both_ways(proxy, episode, 2, (fresh_prev, fresh_state), (ws_prev, carried), ws)
         if module is None:
             module, optimizer, params = b.model, ws.optimizer, list(b.model.parameters())
@@ -334,9 +334,8 @@ def test_a_parked_workspace_comes_back_without_a_rebuild_and_with_the_same_value
         assert all(x is y for x, y in zip(params, module.parameters(), strict=True))
         host = copy.deepcopy(b.optimizer_state) if continue_mode else None  # what the host store keeps
         ws.park(weights=not continue_mode)
-        assert not ws.optimizer.state and ws.last_state is None
+        assert not ws.optimizer.state
         if continue_mode:
-            ws.carry(host)
             fresh_prev, fresh_state, ws_prev = a.model, copy.deepcopy(a.optimizer_state), b.model
         else:
             assert all(t.numel() == 0 for t in [*module.parameters(), *module.buffers()])  # storage released
@@ -344,8 +343,9 @@ def test_a_parked_workspace_comes_back_without_a_rebuild_and_with_the_same_value
 
 def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_copy():
     """blade-nosync after an offload: the state comes back from the host into a new workspace, whose AdamW
-    takes it over (its tensors, not copies) and continues as one long run would."""
-    from curation.core.refresh import RefreshWorkspace
+    takes it over (its tensors, not copies) and continues as one long run would; the next refresh continues the
+    workspace's AdamW in place (``CONTINUE``)."""
+    from curation.core.refresh import CONTINUE, RefreshWorkspace
 
     proxy, _ = trained_proxy(2)
     vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
@@ -353,14 +353,20 @@ def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_cop
     first = refresh_reference(proxy, vals[:2], cands[:2], steps=2, **SETTINGS)
     carried = copy.deepcopy(first.optimizer_state)
     ws = RefreshWorkspace(keep_optimizer_state=True)
-    ws.carry(carried)
     second = refresh_reference(proxy, vals[2:], cands[2:], steps=2, previous=first.model.state_dict(),
-                               optimizer_state=ws.last_state, workspace=ws, **SETTINGS)
+                               optimizer_state=carried, workspace=ws, **SETTINGS)
     assert param_distance(second.model, long.model) == 0.0
     assert int(second.optimizer_state["state"][0]["step"]) == 4
     p0 = next(iter(second.model.parameters()))
-    assert ws.optimizer.state[p0]["exp_avg"] is carried["state"][0]["exp_avg"]  # taken over, updated in place
-    assert ws.last_state is second.optimizer_state  # and continued in place at the next refresh
+    moment = ws.optimizer.state[p0]["exp_avg"]
+    assert moment is carried["state"][0]["exp_avg"]  # taken over, updated in place
+    third = refresh_reference(proxy, vals[:1], cands[:1], steps=1, previous=second.model, optimizer_state=CONTINUE,
+                              workspace=ws, **SETTINGS)
+    assert ws.optimizer.state[p0]["exp_avg"] is moment and int(third.optimizer_state["state"][0]["step"]) == 5
+    with pytest.raises(ValueError, match="continues a workspace's AdamW: pass the workspace"):
+        refresh_reference(proxy, vals, cands, steps=1, optimizer_state=CONTINUE, **SETTINGS)
+    with pytest.raises(ValueError, match="optimizer_state must be a state dict, 'continue' or None"):
+        refresh_reference(proxy, vals, cands, steps=1, optimizer_state="resume", workspace=ws, **SETTINGS)
 
 
 @pytest.mark.gpu

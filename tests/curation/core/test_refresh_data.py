@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from curation.core.policies import get_policy
 from curation.core.refresh import refresh_reference, train_static_reference
-from curation.core.refresh_data import RecentMasks, RefreshData
+from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from schemas.train_config import SelectionConfig
 
@@ -31,7 +31,7 @@ def step_tokens(step: int) -> torch.Tensor:
 def make(schedule: Schedule | None = None, rb: int = 3, **selection) -> RefreshData:
     schedule = schedule or Schedule(2, 3, 20)
     cfg = SelectionConfig(**{"seed": 4, "refresh_steps": 3, "rho1_steps": 2, **selection})
-    return RefreshData(selection=cfg, schedule=schedule, refresh_batch_size=rb, lr=1e-3, precision="fp32",
+    return RefreshData(RefreshSettings.of(cfg, lr=1e-3, batch_size=rb, precision="fp32"), schedule,
                        num_validation=N_VAL, validation_path="val/", validation_tokens=val_tokens,
                        step_tokens=step_tokens)
 
@@ -80,9 +80,8 @@ def test_no_candidate_term_no_candidate_batches(selection):
 
 def test_empty_validation_set_names_the_directory():
     with pytest.raises(ValueError, match="val/: the validation set is empty"):
-        RefreshData(selection=SelectionConfig(), schedule=Schedule(0, 1), refresh_batch_size=2, lr=1e-3,
-                    precision="fp32", num_validation=0, validation_path="val/", validation_tokens=val_tokens,
-                    step_tokens=step_tokens)
+        RefreshData(RefreshSettings(batch_size=2), Schedule(0, 1), num_validation=0, validation_path="val/",
+                    validation_tokens=val_tokens, step_tokens=step_tokens)
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -104,44 +103,3 @@ def test_refresh_and_static_reference_are_the_core_calls_with_these_batches():
     want = train_static_reference(proxy, list(data.static_batches()), steps=2, lr=1e-3, weight_decay=0.02,
                                   grad_clip=0.5)
     assert static.val_losses == want.val_losses and len(static.val_losses) == 2
-
-
-def test_recent_masks_round_trip(tmp_path):
-    m = np.random.default_rng(0).integers(0, 2, (2, B, L)).astype(np.uint8)
-    recent = RecentMasks.from_pairs([(7, m[0]), (8, m[1])])
-    path = str(tmp_path / "recent.safetensors")
-    recent.save(path)
-    back = RecentMasks.load(path)
-    assert back.steps == [7, 8] and np.array_equal(back.masks, m)
-    RecentMasks().save(path)
-    assert RecentMasks.load(path) == RecentMasks()
-
-
-def test_recent_masks_round_trip_and_missing_file(tmp_path):
-    masks = np.zeros((2, 3, 4), dtype=np.uint8)
-    masks[1, 2, 3] = 1
-    RecentMasks([7, 8], masks).save(str(tmp_path / "r.safetensors"))
-    back = RecentMasks.load(str(tmp_path / "r.safetensors"))
-    assert back.steps == [7, 8] and np.array_equal(back.masks, masks)
-    empty = RecentMasks.load(str(tmp_path / "absent.safetensors"), missing_ok=True)
-    assert empty.steps == [] and empty.masks is None
-    with pytest.raises(Exception, match="absent"):
-        RecentMasks.load(str(tmp_path / "absent.safetensors"))
-
-
-def test_recent_pairs_round_trip_through_checkpoint_tensors():
-    from collections import deque
-
-    from curation.core.refresh_data import recent_state, restore_recent
-
-    pairs = deque([(5, np.eye(3, 4, dtype=np.uint8)), (6, np.ones((3, 4), dtype=np.uint8))], maxlen=2)
-    state = recent_state(pairs)
-    assert state["recent_steps"].tolist() == [5, 6] and state["recent_masks"].shape == (2, 3, 4)
-    back = deque(maxlen=2)
-    back.append((1, np.zeros((3, 4), dtype=np.uint8)))  # replaced, not appended to
-    restore_recent(back, state)
-    assert [s for s, _ in back] == [5, 6] and all(np.array_equal(a[1], b[1]) for a, b in zip(back, pairs, strict=True))
-    empty = recent_state(deque())
-    assert empty["recent_steps"].tolist() == [] and empty["recent_masks"] is None
-    restore_recent(back, empty)
-    assert len(back) == 0

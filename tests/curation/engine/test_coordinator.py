@@ -25,6 +25,7 @@ from curation.engine.state import (
     weights_on_disk,
 )
 from curation.engine.weights import Weights
+from curation.io.recent import load_recent, save_recent
 from curation.io.shards import write_part
 from schemas.shards import SCORED, SELECTED
 
@@ -112,14 +113,15 @@ def test_weights_on_disk_reads_versions_from_the_names_the_engine_writes(tmp_pat
     save_snapshot(d, 18, w, RecentMasks.from_pairs([(17, np.ones((1, 2), np.uint8))]))
     assert sorted(weights_on_disk(d, PROXY)) == [6, 10, 14, 18] and not os.path.exists(recent_path(d, 14))
     assert Weights.load(proxy_path(d, 18)).fingerprint() == w.fingerprint()
-    assert RecentMasks.load(recent_path(d, 18)).steps == [17]
+    assert load_recent(recent_path(d, 18)).steps == [17]
 
 
 def test_resume_publishes_what_a_killed_run_left_and_reruns_the_interrupted_refresh(tmp_path):
     engine = str(tmp_path / "engine")
     _touch(reference_path(engine, 0))
     _touch(proxy_path(engine, 6))  # refresh 1's source snapshot, saved before the kill; reference 1 never written
-    RecentMasks.from_pairs([(4, np.ones((2, 3), np.uint8)), (5, np.zeros((2, 3), np.uint8))]).save(recent_path(engine, 6))
+    save_recent(RecentMasks.from_pairs([(4, np.ones((2, 3), np.uint8)), (5, np.zeros((2, 3), np.uint8))]),
+                recent_path(engine, 6))
     state, launch, loaded = _state(tmp_path)
     assert loaded == [proxy_path(engine, 6)]  # snapshots are loaded at once; references when asked for
     assert state.core.published == {(REFERENCE, 0), (PROXY, 6)}

@@ -19,6 +19,7 @@ from curation.engine.refresh_runner import RefreshRunner, RefreshSpec, proxy_pat
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.models import build_causal_lm
+from curation.io.recent import save_recent
 from curation.io.shards import ShardReader, open_shards
 from schemas.manifest import Manifest
 from schemas.train_config import SelectionConfig, demo_model_config
@@ -145,7 +146,7 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     # As left by a job killed during refresh 0: its source snapshot and recent masks on disk, no reference.
     os.makedirs(engine_dir)
     Weights.from_state_dict(model).save(proxy_path(engine_dir, 2))
-    recent.save(proxy_path(engine_dir, 2).replace(".safetensors", ".recent.safetensors"))
+    save_recent(recent, proxy_path(engine_dir, 2).replace(".safetensors", ".recent.safetensors"))
     engine = RayEngine(units=plan.units(2), worker_spec=wspec, workers=2, threads=1, ledger=ledger,
                        engine_dir=engine_dir, lookahead=4, plan=plan, refresh_mode=RefreshMode.SYNC, refresh_spec=rspec,
                        device="cpu")

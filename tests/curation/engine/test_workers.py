@@ -194,7 +194,7 @@ class _Snap(Callback):
 
     def batch_end(self, state, logger):
         if int(state.timestamp.batch) == self.step + 1:
-            self.holder["reference"] = copy.deepcopy(self.holder["alg"].scorer.model.state_dict())
+            self.holder["reference"] = copy.deepcopy(self.holder["alg"].reference.module.state_dict())
 
 
 @pytest.mark.parametrize("policy", ["blade", "rho1"])
