@@ -114,7 +114,7 @@ def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train
 
     out = str(tmp_path / "pipelined")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine={"mode": "pipelined", "snapshot_period": 1})
-    res = curate_and_train(load_config(CurateAndTrainConfig, cfg))
+    res = curate_and_train(load_config(CurateAndTrainConfig, path=cfg))
     assert res["scored"] is None and res["selected"] == os.path.join(out, "selected")
     assert res["final_reference"] == os.path.join(out, "final", "reference.safetensors")  # the engine's last one
     with open(res["summary"]) as f:
