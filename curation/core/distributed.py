@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from curation.core.selection import num_selected, select_top_fraction
+from curation.core.selection import select_top_fraction
 
 __all__ = [
     "SCOPES",
@@ -35,7 +35,6 @@ __all__ = [
     "GlobalSelection",
     "current_ranks",
     "gather_rows",
-    "expected_kept",
     "select_across_ranks",
     "global_rows",
     "normalised_loss",
@@ -95,17 +94,6 @@ def gather_rows(local: Tensor, ranks: Ranks) -> Tensor:
     return out.bool() if is_bool else out
 
 
-def expected_kept(valid: Tensor, gamma: float, *, blocks: int = 1) -> list[int]:
-    """Tokens kept per selection block of a full batch's validity ``(b, L)`` split into ``blocks`` equal row
-    blocks: ``[num_selected(γ, valid_block.sum())]``. ``blocks=1`` is global selection; the sum is the global
-    kept count ``K`` that normalises the loss. Needs no communication (validity is known from the data)."""
-    rows = valid.shape[0]
-    if blocks < 1 or rows % blocks:
-        raise ValueError(f"{rows} rows do not split into {blocks} selection blocks")
-    n = rows // blocks
-    return [num_selected(gamma, int(valid[i : i + n].sum())) for i in range(0, rows, n)]
-
-
 @dataclass
 class GlobalSelection:
     """The selection of one candidate batch as every rank sees it after :func:`select_across_ranks`.
@@ -115,7 +103,7 @@ class GlobalSelection:
         scores: ``(b, L)`` float32 scores of the whole batch.
         valid: ``(b, L)`` bool validity of the whole batch.
         local: this rank's rows of ``mask``.
-        kept: ``Σ α`` of the whole batch (``K``; exact: ``Σ expected_kept``).
+        kept: ``Σ α`` of the whole batch (``K``: :meth:`curation.core.step.SelectionStep.kept` knows it beforehand).
     """
 
     mask: Tensor

@@ -98,11 +98,12 @@ class SelectionStep:
             drawn = random_scores((rows, length), step_generator(self.seed, step, first))
         return drawn.to(proxy_losses.device)
 
-    def __call__(self, step: int, proxy_losses: Tensor, valid: Tensor, ref_losses: Tensor | None = None, *,
+    def __call__(self, step: int, proxy_losses: Tensor | None, valid: Tensor, ref_losses: Tensor | None = None, *,
                  selecting: bool = True, offset: int = 0) -> GlobalSelection:
-        """Select step ``step``: this process's rows' ``(rows, L)`` losses and validity in; the block's mask, scores
-        and validity (gathered over the ranks), this process's rows of the mask (``local``) and the kept count
-        out. A collective with data-parallel ranks: every rank calls it at every step."""
+        """Select step ``step``: this process's rows' ``(rows, L)`` losses and validity in (no losses needed in
+        warm-up); the block's mask, scores and validity (gathered over the ranks), this process's rows of the mask
+        (``local``) and the kept count out. A collective with data-parallel ranks: every rank calls it at every
+        step."""
         if selecting:
             scores = self.scores(step, proxy_losses, ref_losses, offset=offset)
         else:  # warm-up: every valid token, no scores

@@ -27,6 +27,7 @@ from torch import Tensor
 from curation.core.losses import target_valid
 from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
+from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
@@ -136,6 +137,7 @@ class ScoringWorker:
         self.subdir = worker_dir(worker_id)
         self.order = BatchOrder(**spec.order)
         self.policy = get_policy(spec.policy)
+        self.select = SelectionStep(self.policy, spec.gamma)  # the trainer's step, on one worker's rows
         self.schedule = Schedule.from_dict(spec.schedule) if spec.schedule else None
         self.candidates = open_shards(spec.candidates, "candidate")
         if len(self.candidates) != self.order.num_samples:
@@ -252,13 +254,11 @@ class ScoringWorker:
                            "episode": int(unit.ref_version)}
                 continue
             valid = target_valid(tokens)
-            if ref16 is None:  # warm-up: every valid token, no score
-                mask = valid
-                scores = torch.full(valid.shape, float("nan"))
-            else:
-                proxy = self._losses(PROXY, tokens, ids, step)
-                # Exactly the trainer's exact-mode call: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
-                mask, scores = self.policy.select(proxy, valid.to(proxy.device), self.spec.gamma, ref_losses=ref16)
+            selecting = ref16 is not None  # else warm-up: every valid token, no score
+            proxy = self._losses(PROXY, tokens, ids, step) if selecting else None
+            # Exactly the trainer's exact-mode step: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
+            sel = self.select(step, proxy, valid.to(proxy.device) if selecting else valid, ref16, selecting=selecting)
+            mask, scores = sel.mask, sel.scores
             mask_np = mask.cpu().numpy().astype(np.uint8)
             score_np = f16_scores(scores.float().cpu().numpy())
             episode = self.schedule.episode(step) if self.schedule is not None else 0

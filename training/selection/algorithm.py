@@ -17,11 +17,9 @@ One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``bla
 
 Under microbatching in a single process the selection is per microbatch (the mask must exist before each
 microbatch's backward pass); the loss is still normalised by the whole batch's kept tokens.
-
-Checkpoints (:meth:`state_dict`) hold the reference's state (weights, ``blade-nosync``'s AdamW state, the
-scores of the rest of the episode), the schedule, the next step, the recent masks, the refresh log and the global
-RNG states (restored at ``FIT_START``: Composer skips its own RNG restore when a dataset resumes itself
-mid-epoch). Only tensors and plain Python values, so a checkpoint loads with ``torch.load(weights_only=True)``.
+Checkpoints (:meth:`state_dict`, loaded with ``torch.load(weights_only=True)``) hold the reference's state, the
+schedule, the next step, the recent masks and the global RNG states (restored at ``FIT_START``: Composer skips its
+own RNG restore when a dataset resumes itself mid-epoch).
 """
 
 from __future__ import annotations
@@ -101,7 +99,7 @@ class BladeAlgorithm(Algorithm):
         self._loaded_rng: dict[str, Any] | None = None
 
     @property
-    def refresh_log(self) -> list[dict[str, Any]]:
+    def refresh_log(self) -> list[dict[str, Any]]:  # (rho1: the static reference's training)
         return self.reference.refresh_log if self.reference is not None else []
 
     def __repr__(self) -> str:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from curation.core.distributed import Ranks, expected_kept, global_rows, normalised_loss, select_across_ranks
+from curation.core.distributed import Ranks, global_rows, normalised_loss, select_across_ranks
 from curation.core.selection import masked_mean, num_selected, select_top_fraction
+from curation.core.step import kept_per_block
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -30,18 +31,6 @@ def test_ranks_rows_and_errors():
         Ranks(0, 3).rows(10)
     with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
         Ranks(2, 2)
-
-
-def test_expected_kept_global_and_per_block():
-    valid = torch.ones(4, 10, dtype=torch.bool)
-    valid[:, 0] = False
-    valid[3, 1:] = False  # row 3: nothing valid
-    # global: round(0.5 · 27) = 14 (half up); per 2 blocks of 2 rows: round(0.5·18)=9 and round(0.5·9)=5
-    assert expected_kept(valid, 0.5) == [14]
-    assert expected_kept(valid, 0.5, blocks=2) == [9, 5]
-    assert sum(expected_kept(valid, 0.5, blocks=4)) == 3 * num_selected(0.5, 9)
-    with pytest.raises(ValueError, match="do not split into 3"):
-        expected_kept(valid, 0.5, blocks=3)
 
 
 def test_one_rank_is_the_plain_selection():
@@ -90,11 +79,11 @@ def test_two_gloo_ranks_select_like_one_process_and_average_to_its_gradient(tmp_
         g = res["global"]
         # the single-process mask exactly (same k, same tie-break by global flat index), on every rank
         assert torch.equal(g["mask"], single) and torch.equal(g["local"], single[rows])
-        assert g["kept"] == num_selected(W.GAMMA, int(valid.sum())) == sum(expected_kept(valid, W.GAMMA))
+        assert g["kept"] == num_selected(W.GAMMA, int(valid.sum())) == sum(kept_per_block(valid, W.GAMMA, 6))
         assert torch.equal(g["scores"], scores) and torch.equal(g["valid"], valid)
         # per-rank scope: each rank's block keeps its own γ share
         assert torch.equal(res["rank"]["mask"], per_block)
-        assert res["rank"]["kept"] == sum(expected_kept(valid, W.GAMMA, blocks=2))
+        assert res["rank"]["kept"] == sum(kept_per_block(valid, W.GAMMA, 3))
         # warm-up: every valid token, whole batch
         assert torch.equal(res["warm"]["mask"], valid) and torch.equal(res["warm"]["local"], valid[rows])
 
