@@ -1,0 +1,177 @@
+"""The main job as a library function: online BLADE curation on Ray (coordinator, scoring workers, refresh actor)
+next to a Composer trainer (``jobs/curate_and_train.py`` parses the config and calls :func:`curate_and_train`).
+
+``output_dir`` (``train.output_dir``)::
+
+    config.yaml, engine_config.yaml   resolved configs (a rerun resumes only with the same ones)
+    .lock                             held by the running job (pid, host, start time)
+    scored/        (exact)            ℓ(w̃) per token, written by the workers (scored shards + manifest)
+    selected/                         what each step trained on (selected-token shards + manifest); in
+                                      pipelined mode written by the workers, in exact mode by the trainer
+    engine/                           reference-NNNN.safetensors (+ .json refresh log), proxy snapshots in flight
+    checkpoints/                      Composer checkpoints; a rerun with the same output_dir resumes
+    summary.json, plots/*.png         run summary (tokens kept per source, validation loss, Δ per episode,
+                                      ‖u − w‖, refreshes, engine: staleness δ, trainer wait, worker restarts)
+    final/model.safetensors, final/reference.safetensors
+
+The trainer is one process (exact or pipelined mode) or a data-parallel Ray Train worker group (exact mode,
+``train.parallel.workers > 1``); every way finishes through :func:`training.runs.wiring.finish_run`, with the
+engine's last reference as ``final/reference.safetensors``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from curation.core.policies import get_policy
+from curation.core.stream import CandidateStream
+from curation.engine.plan import TrainingPlan
+from curation.engine.ray_backend import RayEngine, ray_session
+from curation.engine.refresh_runner import RefreshSpec, reference_path
+from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.ingest.prepare import prepare
+from curation.io.shards import check_tokenizer, shard_dir_info
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.outdir import open_output_dir
+from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
+from training.runs.group import run_worker_group, trainer_cpus
+from training.runs.wiring import RunOutputs, build_training, finish_run, run_schedule
+from training.selection.shard_scores import EngineScores
+
+__all__ = ["curate_and_train", "EngineRun"]
+
+
+@dataclass
+class EngineRun:
+    """What the engine of one job is built from (all derived from the config, once)."""
+
+    stream: CandidateStream
+    plan: TrainingPlan
+    out_dir: str  # the workers' shards: scored/ (exact) or selected/ (pipelined)
+    engine_dir: str
+    ledger: dict[str, Any]
+    worker_spec: WorkerSpec
+    refresh_spec: RefreshSpec
+
+    @classmethod
+    def of(cls, cfg: CurateAndTrainConfig) -> EngineRun:
+        t, eng, wk = cfg.train, cfg.engine, cfg.workers
+        cand = shard_dir_info(t.data.candidates, "candidate")
+        fingerprint = check_tokenizer([cand, shard_dir_info(t.data.validation, "candidate")], t.data.tokenizer)
+        policy = get_policy(t.selection.policy)
+        schedule = run_schedule(t)
+        pipelined = eng.mode == "pipelined"
+        plan = TrainingPlan(schedule, eng.mode, policy.refreshes, eng.snapshot_period if pipelined else 1,
+                            eng.overlap_steps if eng.refresh == "overlapped" else 0)
+        num = cand.manifest.totals().sequences
+        stream = CandidateStream(num, t.batch_size, t.seed)
+        out = os.path.join(t.output_dir, "selected" if pipelined else "scored")
+        engine_dir = os.path.join(t.output_dir, "engine")
+        model = t.model.model_dump(mode="json")
+        selection = t.selection.model_dump(mode="json")
+        run_key = {
+            "stream": stream.to_dict(), "plan": plan.to_dict(), "policy": policy.name, "model": model,
+            "selection": selection, "optim": t.optim.model_dump(mode="json"),
+            "candidates": os.path.abspath(t.data.candidates), "validation": os.path.abspath(t.data.validation),
+            "range_steps": wk.range_steps,
+        }
+        ledger = dict(out_dir=out, kind="selected" if pipelined else "scored", job="curate_and_train",
+                      run_key=run_key, config=cfg.model_dump(mode="json"), vocab_size=cand.vocab_size,
+                      seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
+                      extra={"stream": stream.to_dict(), "policy": policy.name})
+        worker_spec = WorkerSpec(
+            candidates=t.data.candidates, out_dir=out, model=model,
+            order=BatchOrder("stream", num, t.batch_size, t.seed).to_dict(), vocab_size=cand.vocab_size,
+            policy=policy.name, gamma=t.selection.gamma, schedule=schedule.to_dict(), device=wk.device,
+            threads=wk.threads, score_batch_size=wk.score_batch_size, needs_proxy=pipelined, precision=t.precision,
+        )
+        refresh_spec = RefreshSpec(
+            model=model, validation=t.data.validation, candidates=t.data.candidates, stream=stream.to_dict(),
+            selection=selection, ref_lr=t.ref_lr, refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir,
+            device=eng.refresh_device, threads=eng.refresh_threads or wk.threads, precision=t.precision,
+            schedule=schedule.to_dict(),
+        )
+        return cls(stream, plan, out, engine_dir, ledger, worker_spec, refresh_spec)
+
+
+def _ensure_data(cfg: CurateAndTrainConfig) -> None:
+    cand = cfg.train.data.candidates
+    if os.path.exists(os.path.join(cand, "index.json")):
+        return
+    if cfg.prepare is None:
+        raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
+    print(f"preparing the corpus into {cfg.prepare.output_dir} ...", flush=True)
+    prepare(cfg.prepare)
+
+
+def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
+    """Run (or resume) the job; returns the output paths and the engine report.
+
+    Holds ``train.output_dir``'s lock; a rerun resumes only with the configs recorded there
+    (``engine_config.yaml``, ``config.yaml``), else it is refused naming the differing keys.
+    """
+    with open_output_dir(cfg.train.output_dir, "curate_and_train",
+                         {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
+        start = time.perf_counter()
+        _ensure_data(cfg)
+        e = EngineRun.of(cfg)
+        lock.write_records()
+        return _run(cfg, e, start)
+
+
+def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any]:
+    t, eng, wk = cfg.train, cfg.engine, cfg.workers
+    pipelined, parallel = eng.mode == "pipelined", t.parallel.workers > 1
+    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                     need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), RayEngine(
+            units=e.plan.units(wk.range_steps), worker_spec=e.worker_spec, workers=wk.count, threads=wk.threads,
+            ledger=e.ledger, engine_dir=e.engine_dir, lookahead=eng.lookahead, plan=e.plan,
+            refresh_mode=get_policy(t.selection.policy).refresh_mode, refresh_spec=e.refresh_spec,
+            max_restarts=wk.max_restarts, device=wk.device, gpus=wk.gpus,
+            reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
+    ) as engine:
+        if parallel:  # the trainer as a Ray Train worker group (exact mode); its rank 0 wrote final/model
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
+                  f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
+            res = run_worker_group(t, engine={"engine": engine, "scored_dir": e.out_dir, "stream": e.stream,
+                                              "plan": e.plan, "timeout_s": eng.wait_timeout_s})
+            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"]})
+        else:
+            if pipelined:
+                run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
+                    engine, e.out_dir, e.stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
+            else:
+                run = build_training(t, scored=EngineScores(engine, e.out_dir, e.stream, timeout_s=eng.wait_timeout_s),
+                                     schedule=e.plan.schedule)
+            sync = EngineSync(engine, e.plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
+            run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
+                  f"{eng.mode} mode, {eng.refresh} refresh, "
+                  + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
+            run.fit()  # a rerun of a finished run only reports
+            outputs = run.outputs(reference=False)
+            res = {"publish_seconds": sync.publish_seconds, "trainer_wait_seconds": engine.wait_seconds}
+        engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
+        engine.finish({"finished_at_step": t.max_steps})
+        report = engine.report()
+
+    refs = report["refreshes"]
+    outputs.reference = reference_path(e.engine_dir, max(r["version"] for r in refs)) if refs else None
+    engine_summary = {
+        "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
+        "snapshot_period": e.plan.snapshot_period if pipelined else None,
+        "staleness_delta": {str(r["version"]): r.get("staleness", 0) for r in refs},
+        "trainer_wait_seconds": res["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
+        "publish_seconds": res["publish_seconds"], "trainer_workers": t.parallel.workers,
+        "units_redone_after_restart": report["progress"]["redone"], "scored": report["stats"],
+        "engine_seconds_this_run": report["seconds"], "job_seconds_this_run": time.perf_counter() - start,
+        "output_dir": e.out_dir,
+    }
+    selected = os.path.join(t.output_dir, "selected")
+    outputs.extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": outputs.extra.get("resumed_from"),
+                     "stream": e.stream.to_dict(), "selected_dir": selected}
+    paths = finish_run(t.output_dir, outputs, plots=t.plots)
+    return {**paths, "engine": engine_summary, "selected": selected, "scored": None if pipelined else e.out_dir}

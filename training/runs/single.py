@@ -1,0 +1,72 @@
+"""``jobs/train.py`` and ``jobs/replay.py`` in one process: lock the output directory, wire, fit, finish.
+
+* :func:`train`: online selection (exact BLADE or another policy) on the candidate stream
+  (:func:`training.runs.wiring.build_training`, rank 0 of 1).
+* :func:`replay` (BLADE-Tr): another model trained on selected-token shards by a plain masked-loss trainer.
+
+Both hold ``output_dir``'s lock throughout and resume only with the config recorded in its ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from curation.io.models import model_vocab_size
+from curation.io.shards import check_tokenizer, shard_dir_info
+from schemas.manifest import atomic_write_text
+from schemas.outdir import open_output_dir
+from schemas.train_config import ReplayConfig, TrainConfig
+from training.blocks.callbacks import ValidationCurve
+from training.blocks.data import TokenRows, rows_loader
+from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
+from training.runs.wiring import TrainRun, build_training, finish_run
+
+__all__ = ["train", "build_replay", "replay"]
+
+
+def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run (or resume) a training run; returns the output paths (``final_weights``, ``final_reference``,
+    ``summary``, ``plots``, ``selected``) and the wired ``run``.
+
+    Raises:
+        OutputDirError: the directory is in use, was written with another config, or is not writable.
+    """
+    with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
+        run = build_training(cfg, callbacks=callbacks)
+        lock.write_records()
+        run.fit()
+        selected = os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None
+        out = finish_run(cfg.output_dir, run.outputs(extra={"selected_dir": selected}), plots=cfg.plots)
+    return {**out, "selected": selected, "run": run}
+
+
+def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRun:
+    """Wire a plain masked-loss Composer trainer on selected-token shards (the mask is honoured)."""
+    device = setup_device(cfg.threads, cfg.device, cfg.precision)
+    sel = shard_dir_info(cfg.selected, "selected")
+    infos = [sel] + ([shard_dir_info(cfg.validation, "candidate")] if cfg.validation else [])
+    check_tokenizer(infos, cfg.tokenizer)
+    model = build_model(cfg.model, infos)
+    rows = TokenRows(cfg.selected, "selected", use_mask=True, model_vocab=model_vocab_size(model.model))
+    loader = rows_loader(rows, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
+    resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
+    trainer = make_trainer(cfg, model=model, loader=loader, total_steps=cfg.max_steps or len(loader) * cfg.epochs,
+                           device=device, resume=resume, callbacks=callbacks)
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
+
+
+def replay(cfg: ReplayConfig) -> dict[str, Any]:
+    """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve.
+
+    Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
+    curve = ValidationCurve()
+    with open_output_dir(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
+        run = build_replay(cfg, callbacks=[curve])
+        lock.write_records()
+        run.fit()
+        out = finish_run(cfg.output_dir, run.outputs(reference=False), plots=False)
+        atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
+    return {**out, "validation": curve.points, "run": run}
