@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     # --- 3: 1 vs 2 workers on Ray ----------------------------------------------------------------------
     if not args.no_ray:
         from curation.engine.ray_backend import RayEngine, ray_session
+        from curation.engine.work import EngineWork
+        from schemas.engine_config import WorkersConfig
 
         first = args.range_steps + args.steps
         stop = first + args.ray_steps + 2 * args.range_steps  # + the start-up unit of each of 2 workers
@@ -205,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         with ray_session("local", num_cpus=max(os.cpu_count() or 1, 2 * args.threads), need_cpus=2 * args.threads):
             for n in (1, 2):
                 out = os.path.join(work, f"ray-{n}")
-                with RayEngine(units=ray_units, worker_spec=spec(out, args.threads), workers=n, threads=args.threads,
-                               ledger=dict(out_dir=out, kind="scored", job="bench", run_key={"n": n},
-                                           vocab_size=args.vocab),
-                               engine_dir=os.path.join(out, "engine"), device=args.device,
-                               gpus=None if args.device == "cuda" else 0) as engine:
+                work = EngineWork(units=ray_units, worker_spec=spec(out, args.threads),
+                                  ledger=dict(out_dir=out, kind="scored", job="bench", run_key={"n": n},
+                                              vocab_size=args.vocab),
+                                  engine_dir=os.path.join(out, "engine"))
+                pool = WorkersConfig(count=n, threads=args.threads, device=args.device,
+                                     gpus=None if args.device == "cuda" else 0)
+                with RayEngine(work, pool) as engine:
                     engine.pids  # noqa: B018 - waits until every worker has loaded its model
                     runs[n] = _timed_ray_run(engine, ref)
         steady = {n: r["steady_tokens_per_s"] for n, r in runs.items()}

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from curation.engine.plan import PROXY, REFERENCE, EngineError, plan_batch_units
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
+from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io.models import build_causal_lm, check_vocab
 from curation.io.shards import check_tokenizer, shard_dir_info
@@ -76,10 +77,8 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
     lock.write_records()
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                      need_cpus=cfg.workers.count * cfg.workers.threads), RayEngine(
-            units=units, worker_spec=spec, workers=cfg.workers.count, threads=cfg.workers.threads, ledger=ledger,
-            engine_dir=os.path.join(cfg.output_dir, "engine"), max_restarts=cfg.workers.max_restarts,
-            device=cfg.workers.device, gpus=cfg.workers.gpus,
-            fixed_weights={(REFERENCE, 0): reference, (PROXY, 0): proxy},
+            EngineWork(units=units, worker_spec=spec, ledger=ledger, engine_dir=os.path.join(cfg.output_dir, "engine")),
+            cfg.workers, fixed_weights={(REFERENCE, 0): reference, (PROXY, 0): proxy},
     ) as engine:
         engine.run(progress=cfg.progress, desc="curate")
         report = engine.report()

@@ -31,6 +31,7 @@ from curation.core.stream import CandidateStream
 from curation.engine.plan import TrainingPlan
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.refresh_runner import RefreshSpec, reference_path
+from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.ingest.prepare import prepare
 from curation.io.shards import check_tokenizer, shard_dir_info
@@ -46,15 +47,16 @@ __all__ = ["curate_and_train", "EngineRun"]
 
 @dataclass
 class EngineRun:
-    """What the engine of one job is built from (all derived from the config, once)."""
+    """The engine of one job: its work and the candidate stream it scores (derived from the config, once)."""
 
+    work: EngineWork
     stream: CandidateStream
-    plan: TrainingPlan
     out_dir: str  # the workers' shards: scored/ (exact) or selected/ (pipelined)
-    engine_dir: str
-    ledger: dict[str, Any]
-    worker_spec: WorkerSpec
-    refresh_spec: RefreshSpec
+
+    @property
+    def plan(self) -> TrainingPlan:
+        assert self.work.plan is not None
+        return self.work.plan
 
     @classmethod
     def of(cls, cfg: CurateAndTrainConfig) -> EngineRun:
@@ -94,7 +96,9 @@ class EngineRun:
             device=eng.refresh_device, threads=eng.refresh_threads or wk.threads, precision=t.precision,
             schedule=schedule.to_dict(),
         )
-        return cls(stream, plan, out, engine_dir, ledger, worker_spec, refresh_spec)
+        work = EngineWork(units=plan.units(wk.range_steps), worker_spec=worker_spec, ledger=ledger,
+                          engine_dir=engine_dir, plan=plan, refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec)
+        return cls(work, stream, out)
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -127,10 +131,7 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
     pipelined, parallel = eng.mode == "pipelined", t.parallel.workers > 1
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                      need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), RayEngine(
-            units=e.plan.units(wk.range_steps), worker_spec=e.worker_spec, workers=wk.count, threads=wk.threads,
-            ledger=e.ledger, engine_dir=e.engine_dir, lookahead=eng.lookahead, plan=e.plan,
-            refresh_mode=get_policy(t.selection.policy).refresh_mode, refresh_spec=e.refresh_spec,
-            max_restarts=wk.max_restarts, device=wk.device, gpus=wk.gpus,
+            e.work, wk, lookahead=eng.lookahead,
             reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
     ) as engine:
         if parallel:  # the trainer as a Ray Train worker group (exact mode); its rank 0 wrote final/model
@@ -159,7 +160,7 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
         report = engine.report()
 
     refs = report["refreshes"]
-    outputs.reference = reference_path(e.engine_dir, max(r["version"] for r in refs)) if refs else None
+    outputs.reference = reference_path(e.work.engine_dir, max(r["version"] for r in refs)) if refs else None
     engine_summary = {
         "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
         "snapshot_period": e.plan.snapshot_period if pipelined else None,

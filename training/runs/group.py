@@ -168,7 +168,6 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
     its scores, rank 0 publishes proxy snapshots to it; the driver checks the engine while the group runs and stops
     the group when the engine fails.
     """
-    p = cfg.parallel
     os.makedirs(os.path.join(cfg.output_dir, "parallel"), exist_ok=True)
     for stale in (_fatal_path(cfg.output_dir), os.path.join(cfg.output_dir, "parallel", "outputs.json")):
         if os.path.exists(stale):  # a rerun (after fixing the cause of an error) starts clean
@@ -180,10 +179,9 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
         config["engine"] = {**engine, "client": engine_client(handle)}
         monitor, on_error = handle.check, handle.close
     run_trainer_group(
-        train_worker, config, workers=p.workers, cpus_per_worker=p.cpus_per_worker,
-        gpus_per_worker=p.gpus_per_worker, backend=p.resolved_backend, max_failures=p.max_failures,
-        timeout_s=p.timeout_s, storage_path=os.path.join(os.path.abspath(cfg.output_dir), "parallel", "ray_train"),
-        name="train", fatal_file=_fatal_path(cfg.output_dir), monitor=monitor, on_monitor_error=on_error,
+        train_worker, config, cfg.parallel,
+        storage_path=os.path.join(os.path.abspath(cfg.output_dir), "parallel", "ray_train"), name="train",
+        fatal_file=_fatal_path(cfg.output_dir), monitor=monitor, on_monitor_error=on_error,
     )
     with open(os.path.join(cfg.output_dir, "parallel", "outputs.json"), encoding="utf-8") as f:
         return json.load(f)

@@ -47,10 +47,10 @@ from schemas.train_config import TrainConfig
 from training.blocks.callbacks import SelectedShardWriter, SelectionStats
 from training.blocks.checkpoint import checkpoint_write_errors
 from training.blocks.data import RankBatches, StepBatches, StreamBatches, TokenRows, stream_loader
+from training.blocks.meters import Meters
 from training.blocks.model import MaskedCausalLM
 from training.blocks.sharding import full_state_dict, is_sharded
 from training.blocks.summary import write_summary
-from training.blocks.meters import Meters
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.selection.algorithm import BladeAlgorithm
 from training.selection.reference import InProcessReference, ReferenceSettings

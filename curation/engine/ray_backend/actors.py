@@ -33,7 +33,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -51,7 +51,9 @@ from curation.engine.plan import REFERENCE, EngineError, ScoringDataError, Train
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.state import EngineState, RefreshTask, gpu_shares, save_snapshot
 from curation.engine.weights import Weights
+from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
+from schemas.engine_config import WorkersConfig
 
 __all__ = ["ray_session", "RayEngine"]
 
@@ -297,54 +299,43 @@ class RayEngine:
     manager, :meth:`close` at the end.
 
     Args:
-        units: the work units.
-        worker_spec: settings of every scoring worker.
-        workers: number of workers.
-        threads: torch threads (and Ray CPUs) per worker.
-        ledger: keyword arguments of the output directory's :class:`~curation.engine.ledger.PartLedger`.
-        engine_dir: where weights versions are kept.
+        work: what the engine does (units, worker settings, ledger, weights directory, plan, refresh).
+        workers: the scoring-worker pool: ``count``, ``threads`` (torch threads and Ray CPUs per worker),
+            ``device`` (``cpu`` requests no GPU), ``gpus`` per worker (``None``:
+            :func:`~curation.engine.state.gpu_shares` of the cluster's GPUs), ``max_restarts`` of a crashed worker
+            (and retries of its ``serve`` call).
         lookahead: back-pressure bound (``None``: no trainer).
-        plan: the training plan (refresh sources, snapshot steps); ``None`` for batch curation.
-        refresh_mode: the policy's :class:`~curation.core.policies.RefreshMode` (``NONE``: given weights).
-        refresh_spec: settings of the refresh actor (``None``: no refresh).
-        max_restarts: restarts of a crashed worker (and retries of its ``serve`` call).
-        device: workers' device setting (``cpu`` requests no GPU).
-        gpus: GPUs per worker (``None``: :func:`~curation.engine.state.gpu_shares` of the cluster's GPUs).
         reserved_gpus: GPUs of the cluster held for the data-parallel trainer group (not shared out here).
         fixed_weights: ``{(kind, version): Weights}`` put in the object store once (batch curation).
     """
 
-    def __init__(
-        self, *, units: Sequence[WorkUnit], worker_spec: WorkerSpec, workers: int, threads: int,
-        ledger: dict[str, Any], engine_dir: str, lookahead: int | None = None, plan: TrainingPlan | None = None,
-        refresh_mode: RefreshMode = RefreshMode.NONE, refresh_spec: RefreshSpec | None = None, max_restarts: int = 3,
-        device: str = "auto", gpus: float | None = None, reserved_gpus: float = 0.0,
-        fixed_weights: dict[tuple[str, int], Weights] | None = None,
-    ) -> None:
-        self.engine_dir = engine_dir
-        self.plan = plan
+    def __init__(self, work: EngineWork, workers: WorkersConfig, *, lookahead: int | None = None,
+                 reserved_gpus: float = 0.0, fixed_weights: dict[tuple[str, int], Weights] | None = None) -> None:
+        self.engine_dir = work.engine_dir
+        self.plan = work.plan
         self.wait_seconds = 0.0
         self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
+        device, restarts = workers.device, workers.max_restarts
         total = 0.0 if device == "cpu" else float(ray.cluster_resources().get("GPU", 0.0))
-        gpu_w, gpu_r = gpu_shares(total, workers, refresh=refresh_spec is not None, per_worker=gpus, device=device,
-                                  reserved=reserved_gpus)
+        gpu_w, gpu_r = gpu_shares(total, workers.count, refresh=work.refresh_spec is not None,
+                                  per_worker=workers.gpus, device=device, reserved=reserved_gpus)
         self.gpus = {"per_worker": gpu_w, "refresh": gpu_r}
         refresh = None
-        if refresh_spec is not None:
+        if work.refresh_spec is not None:
             refresh = ray.remote(_RefreshActor).options(
-                num_cpus=0, num_gpus=gpu_r, max_restarts=max_restarts, max_task_retries=max_restarts,
-            ).remote(refresh_spec)
+                num_cpus=0, num_gpus=gpu_r, max_restarts=restarts, max_task_retries=restarts,
+            ).remote(work.refresh_spec)
         self.refresh = refresh
         self.coordinator = ray.remote(_CoordinatorActor).options(num_cpus=0, max_concurrency=1000).remote(
-            units=list(units), lookahead=lookahead, ledger=ledger, engine_dir=engine_dir, plan=plan,
-            refresh_mode=RefreshMode(refresh_mode), refresh=refresh,
+            units=list(work.units), lookahead=lookahead, ledger=work.ledger, engine_dir=work.engine_dir,
+            plan=work.plan, refresh_mode=RefreshMode(work.refresh_mode), refresh=refresh,
         )
         # Every actor is created before waiting on any: they start (import torch, load models) in parallel.
         self.workers = [
             ray.remote(_WorkerActor).options(
-                num_cpus=threads, num_gpus=gpu_w, max_restarts=max_restarts, max_task_retries=max_restarts,
-            ).remote(worker_spec, i)
-            for i in range(workers)
+                num_cpus=workers.threads, num_gpus=gpu_w, max_restarts=restarts, max_task_retries=restarts,
+            ).remote(work.worker_spec, i)
+            for i in range(workers.count)
         ]
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
         self.serving = {w.serve.remote(self.coordinator): i for i, w in enumerate(self.workers)}

@@ -15,6 +15,7 @@ import ray
 
 from curation.core.distributed import WorkerGroupFailed
 from curation.engine.ray_backend.actors import RayEngine, error_message
+from schemas.train_config import ParallelConfig
 
 __all__ = ["run_trainer_group", "EngineClient", "engine_client"]
 
@@ -32,17 +33,17 @@ def _group_fits(workers: int, cpus: float, gpus: float) -> None:
 
 
 def run_trainer_group(
-    train_fn: Any, config: dict[str, Any], *, workers: int, cpus_per_worker: float, gpus_per_worker: float,
-    backend: str, max_failures: int, timeout_s: int, storage_path: str, name: str, fatal_file: str | None = None,
-    monitor: Any = None, on_monitor_error: Any = None,
+    train_fn: Any, config: dict[str, Any], parallel: ParallelConfig, *, storage_path: str, name: str,
+    fatal_file: str | None = None, monitor: Any = None, on_monitor_error: Any = None,
 ) -> None:
-    """Run ``train_fn(config)`` on ``workers`` Ray Train workers (``TorchTrainer``) and wait for it.
+    """Run ``train_fn(config)`` on ``parallel.workers`` Ray Train workers (``TorchTrainer``) and wait for it.
 
-    Ray Train sets up the process group (``backend``: gloo or nccl, collectives time out after
-    ``timeout_s``) before ``train_fn`` runs, places the workers on the cluster this process joined (next to
-    the engine's actors), and restarts the whole group up to ``max_failures`` times after a worker failure
-    (``train_fn`` is then run again from the start: it resumes from its own checkpoints). ``storage_path`` is
-    Ray Train's run state: on a multi-node cluster a path every node can reach.
+    Ray Train sets up the process group (``parallel.resolved_backend``: gloo or nccl, collectives time out after
+    ``parallel.timeout_s``) before ``train_fn`` runs, places the workers (``cpus_per_worker``,
+    ``gpus_per_worker``) on the cluster this process joined (next to the engine's actors), and restarts the whole
+    group up to ``parallel.max_failures`` times after a worker failure (``train_fn`` is then run again from the
+    start: it resumes from its own checkpoints). ``storage_path`` is Ray Train's run state: on a multi-node
+    cluster a path every node can reach.
 
     ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
     exists after the run, its message is raised as a ValueError.
@@ -55,6 +56,8 @@ def run_trainer_group(
         ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
         WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
     """
+    workers, cpus_per_worker, gpus_per_worker = parallel.workers, parallel.cpus_per_worker, parallel.gpus_per_worker
+    max_failures = parallel.max_failures
     import json
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -63,7 +66,8 @@ def run_trainer_group(
     _group_fits(workers, cpus_per_worker, gpus_per_worker)
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     trainer = TorchTrainer(
-        train_fn, train_loop_config=config, torch_config=TorchConfig(backend=backend, timeout_s=timeout_s),
+        train_fn, train_loop_config=config,
+        torch_config=TorchConfig(backend=parallel.resolved_backend, timeout_s=parallel.timeout_s),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name=name, storage_path=storage_path,

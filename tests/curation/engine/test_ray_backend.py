@@ -17,10 +17,12 @@ from curation.engine.plan import PROXY, REFERENCE, TrainingPlan, plan_batch_unit
 from curation.engine.ray_backend import RayEngine
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec, proxy_path
 from curation.engine.weights import Weights
+from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.models import build_causal_lm
 from curation.io.recent import save_recent
 from curation.io.shards import ShardReader, open_shards
+from schemas.engine_config import WorkersConfig
 from schemas.manifest import Manifest
 from schemas.train_config import SelectionConfig, demo_model_config
 
@@ -61,9 +63,9 @@ def _unit_rows(worker, step, fixed):
 
 def _engine(setup, out, workers=2, **kw):
     ledger = dict(out_dir=out, kind="selected", job="test", run_key={"t": 1}, vocab_size=512, seq_len=128)
-    engine = RayEngine(units=plan_batch_units(setup["order"].num_steps, kw.pop("range_steps", 10)),
-                       worker_spec=setup["spec"](out), workers=workers, threads=1, ledger=ledger,
-                       engine_dir=os.path.join(out, "engine"), device="cpu", **kw)
+    work = EngineWork(units=plan_batch_units(setup["order"].num_steps, kw.pop("range_steps", 10)),
+                      worker_spec=setup["spec"](out), ledger=ledger, engine_dir=os.path.join(out, "engine"))
+    engine = RayEngine(work, WorkersConfig(count=workers, threads=1, device="cpu", **kw))
     engine.pids  # noqa: B018 - every worker is up: then the weights make the units ready for all at once
     for (kind, version), w in setup["fixed"].items():
         engine.publish_weights(kind, version, w)
@@ -147,9 +149,9 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     os.makedirs(engine_dir)
     Weights.from_state_dict(model).save(proxy_path(engine_dir, 2))
     save_recent(recent, proxy_path(engine_dir, 2).replace(".safetensors", ".recent.safetensors"))
-    engine = RayEngine(units=plan.units(2), worker_spec=wspec, workers=2, threads=1, ledger=ledger,
-                       engine_dir=engine_dir, lookahead=4, plan=plan, refresh_mode=RefreshMode.SYNC, refresh_spec=rspec,
-                       device="cpu")
+    work = EngineWork(units=plan.units(2), worker_spec=wspec, ledger=ledger, engine_dir=engine_dir, plan=plan,
+                      refresh_mode=RefreshMode.SYNC, refresh_spec=rspec)
+    engine = RayEngine(work, WorkersConfig(count=2, threads=1, device="cpu"), lookahead=4)
     try:
         engine.trainer_at(2)
         info = engine.wait_part(2, timeout_s=120)  # the interrupted refresh ran again from the files
