@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
