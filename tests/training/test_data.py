@@ -110,3 +110,41 @@ def test_engine_batches_resume_by_step_with_the_same_protocol(demo_root, tmp_pat
     other = StreamReader.open(_cand(demo_root), batch_size=4, seed=3).stream
     with pytest.raises(ValueError, match="same candidates, batch_size and seed"):
         EngineMaskedBatches(_NoEngine(), str(tmp_path), other, 6).load_state_dict(engine.state_dict(0, False))
+
+
+def _counting(stream: StreamBatches) -> list[int]:
+    """The steps the stream's reader reads from the shards, in order (its read method, wrapped)."""
+    reads: list[int] = []
+    read = stream.reader.read
+
+    def counted(step: int):
+        reads.append(step)
+        return read(step)
+
+    stream.reader.read = counted
+    return reads
+
+
+def test_each_step_is_read_from_the_shards_once_whoever_asks(demo_root):
+    stream = StreamBatches(StreamReader.open(_cand(demo_root), batch_size=8, seed=3), stop_step=20)
+    reads = _counting(stream)
+    first = stream.batch(5)
+    assert torch.equal(stream.batch(5)["tokens"], first["tokens"]) and reads == [5]  # asked twice in a step
+    for t in range(5, 9):  # the reference scoring the coming steps of its episode
+        stream.batch(t)
+    assert [stream.batch(t)["step"] for t in (6, 7, 8)] == [6, 7, 8] and reads == [5, 6, 7, 8]  # then trained
+    stream.release_before(8)  # the loader is at step 8: the steps before it are dropped (read again if asked)
+    stream.batch(5)
+    assert reads == [5, 6, 7, 8, 5] and sorted(stream._read) == [5, 8]
+
+
+@pytest.mark.parametrize("policy", ["blade", "rho1"])
+def test_a_run_reads_every_candidate_batch_once(make_config, policy):
+    """The loader, the in-process reference scoring its episode ahead and the record share one read per step."""
+    from training.runs.wiring import build_training
+
+    cfg = make_config(policy, max_steps=9, eval={"interval": 100}, write_selected=False)
+    run = build_training(cfg)
+    reads = _counting(run.algorithm.stream)
+    run.fit()
+    assert reads == list(range(9)) and run.algorithm.counts["score_steps"] == 9 - cfg.selection.warmup_steps

@@ -76,7 +76,11 @@ class StepBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for t in range(self.start_step, self.stop_step):
+            self.release_before(t)
             yield self.batch(t)
+
+    def release_before(self, step: int) -> None:
+        """The loader is at ``step``: rows kept in memory for earlier steps are not needed any more."""
 
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
         b = self.stream.batch_size
@@ -99,33 +103,38 @@ class StreamBatches(StepBatches):
         reader: the candidate stream and shards.
         stop_step: the step after the last one (``max_steps``).
         model_vocab: the model's vocabulary (token ids are checked against it).
+        keep_behind: trained steps whose rows stay in memory (the refresh's recent candidate batches).
     """
 
-    def __init__(self, reader: StreamReader, stop_step: int, *, model_vocab: int | None = None) -> None:
+    def __init__(self, reader: StreamReader, stop_step: int, *, model_vocab: int | None = None,
+                 keep_behind: int = 0) -> None:
         super().__init__(reader.stream, stop_step, model_vocab=model_vocab)
         self.reader = reader
-        # Steps read and not yet trained (as stored: uint16/uint32 tokens); those before the newest step
-        # asked for are dropped, so this holds at most the current step and the ones scored ahead of it.
+        self.keep_behind = keep_behind
+        # Steps read (as stored: uint16/uint32 tokens): the loader's current step, the ones the reference scored
+        # ahead of it, and the last ``keep_behind`` trained ones (the next refresh's L_train reads their rows).
         self._read: dict[int, Any] = {}
 
     def batch(self, step: int) -> dict[str, Any]:
         """The collated batch of ``step`` (also used by the reference to pre-compute scores), read from the shards
         once: asked for again (by the loader after the reference scored it, or by a data-parallel rank's record
-        of the whole batch) it comes from memory."""
+        of the whole batch) it comes from memory until the loader has passed it."""
         sb = self._read.get(step)
         if sb is None:
             sb = self.reader.read(step)
             if self.model_vocab is not None:
                 check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
             self._read[step] = sb
-        for old in [t for t in self._read if t < step]:
-            del self._read[old]
         return {
             "tokens": torch.from_numpy(sb.tokens.astype(np.int64)),
             "sample_id": torch.from_numpy(sb.sample_ids),
             "source": list(sb.sources),
             "step": int(step),
         }
+
+    def release_before(self, step: int) -> None:
+        for old in [t for t in self._read if t < step - self.keep_behind]:
+            del self._read[old]
 
 
 class RankBatches(StepBatches):
@@ -140,6 +149,9 @@ class RankBatches(StepBatches):
 
     def batch(self, step: int) -> dict[str, Any]:
         return rank_slice(self.full.batch(step), self.ranks)
+
+    def release_before(self, step: int) -> None:
+        self.full.release_before(step)
 
 
 def rank_slice(batch: dict[str, Any], ranks: Ranks) -> dict[str, Any]:

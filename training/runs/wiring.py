@@ -208,14 +208,16 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
                          + (" (jobs/train.py runs the group on Ray)" if ranks.world_size == 1 else ""))
     inputs = training_inputs(cfg)
     reader = StreamReader.open(cfg.data.candidates, batch_size=cfg.batch_size, seed=cfg.seed)
-    stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab)
-    schedule = schedule or run_schedule(cfg)
-    meters = meters if meters is not None else Meters()
     select = SelectionStep(cfg.selection.policy, cfg.selection.gamma, cfg.selection.seed, ranks, cfg.selection.scope)
     if scored is None and cfg.data.scored is not None:
         scored = ScoredShards(cfg.data.scored, reader.stream)
+    in_process = select.policy.needs_reference and scored is None
+    stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab,
+                           keep_behind=cfg.selection.refresh_candidate_batches if in_process else 0)
+    schedule = schedule or run_schedule(cfg)
+    meters = meters if meters is not None else Meters()
     reference = None
-    if select.policy.needs_reference and scored is None:
+    if in_process:
         validation = TokenRows(cfg.data.validation, "candidate", model_vocab=inputs.vocab)
         refresh = RefreshData(
             RefreshSettings.of(cfg.selection, lr=cfg.ref_lr, batch_size=cfg.refresh_batch_size,
