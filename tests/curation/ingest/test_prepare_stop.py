@@ -9,11 +9,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 import curation.ingest.prepare as prep
 from schemas.manifest import Manifest
 from tests.curation.ingest.test_prepare import _cfg, _rows, corpus  # noqa: F401 (corpus: a fixture)
+
+pytestmark = pytest.mark.slow  # two job processes each (CI runs them: pytest --all)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
