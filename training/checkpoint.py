@@ -140,11 +140,11 @@ def _content_refusal(path: str) -> str | None:
             return f"refused: not a torch.save checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         if unsafe:
             return (f"refused: it holds pickled objects that are not plain data ({', '.join(sorted(unsafe))}), "
-                    "whose loading could run code; nothing in it was run")
+                    "whose loading could run code (nothing in it was run)")
         try:  # globals pushed dynamically are not listed statically: the weights-only unpickler has the last word
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as e:
-            return f"refused: not plain data ({_refusal_reason(e)}); nothing in it was run"
+            return f"refused: not plain data ({_refusal_reason(e)}, nothing in it was run)"
         except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
             return f"unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if not isinstance(obj, dict) or not isinstance(obj.get("state"), dict):

@@ -60,7 +60,7 @@ def test_no_intact_checkpoint_left_is_one_line_naming_the_refused_file(make_conf
     _plant(path, marker)
     with pytest.raises(ValueError, match=rf"{folder}: no intact checkpoint to resume from \({path}: refused: it "
                                          r"holds pickled objects that are not plain data \(posix.system\), whose "
-                                         r"loading could run code; nothing in it was run\); delete "):
+                                         r"loading could run code \(nothing in it was run\)\); delete "):
         train(cfg)
     assert report_job_errors(lambda: train(cfg), f"training into {cfg.output_dir} failed") is None
     err = capsys.readouterr().err
