@@ -32,6 +32,7 @@ from schemas.config import parse_job_config
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
 from schemas.outdir import OutputDirLock, open_output_dir, report_job_errors
+from schemas.stop import GracefulStop, StopRequested, exit_code
 
 
 def _weights(path: str, what: str) -> Weights:
@@ -75,14 +76,24 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         precision=cfg.precision,
     )
     lock.write_records()
-    with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                     need_cpus=cfg.workers.count * cfg.workers.threads), RayEngine(
-            EngineWork(units=units, worker_spec=spec, ledger=ledger, engine_dir=os.path.join(cfg.output_dir, "engine")),
-            cfg.workers, fixed_weights={(REFERENCE, 0): reference, (PROXY, 0): proxy},
-    ) as engine:
-        engine.run(progress=cfg.progress, desc="curate")
-        report = engine.report()
-        engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
+    # SIGTERM / SIGINT: the workers finish their units in progress (RayEngine.close), then the job stops;
+    # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
+    try:
+        with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                         need_cpus=cfg.workers.count * cfg.workers.threads), GracefulStop(
+                what="the work units in progress"), RayEngine(
+                EngineWork(units=units, worker_spec=spec, ledger=ledger,
+                           engine_dir=os.path.join(cfg.output_dir, "engine")),
+                cfg.workers, fixed_weights={(REFERENCE, 0): reference, (PROXY, 0): proxy},
+        ) as engine:
+            engine.run(progress=cfg.progress, desc="curate")
+            report = engine.report()
+            engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
+    except StopRequested as e:
+        kept = Manifest.load_if_exists(out)
+        n = len({s.state.get("unit") for s in kept.shards if s.complete}) if kept is not None else 0
+        raise StopRequested(e.signum, f"with {n} of {len(units)} work units finished in {out}; rerun the same "
+                                      f"command to do the other {len(units) - n} (finished parts are kept)") from None
     manifest = Manifest.load(out)
     seconds = time.perf_counter() - start
     per_source = {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens,
@@ -102,7 +113,11 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(CurateConfig, description=__doc__.splitlines()[0], default=CurateConfig.demo_default,
                               argv=argv, set_example="gamma=0.4 --set output_dir=runs/demo/curate/gamma0.4")
-    s = report_job_errors(lambda: curate(cfg), f"curating into {cfg.output_dir} failed", expected=(EngineError,))
+    try:
+        s = report_job_errors(lambda: curate(cfg), f"curating into {cfg.output_dir} failed", expected=(EngineError,))
+    except StopRequested as e:  # SIGTERM / SIGINT (see _curate)
+        print(e, file=sys.stderr)
+        return exit_code(e.signum)
     if s is None:
         return 1
     print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from curation.ingest.prepare import prepare
 from schemas.config import PrepareConfig, parse_job_config
 from schemas.outdir import report_job_errors
+from schemas.stop import GracefulStop, StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,12 @@ def main(argv: list[str] | None = None) -> int:
         PrepareConfig, description=__doc__.splitlines()[0], default=PrepareConfig.demo_default, argv=argv,
         set_example="seq_len=256 --set sources.0.text_field=body",
     )
-    result = report_job_errors(lambda: prepare(cfg), f"preparing into {cfg.output_dir} failed")
+    try:  # SIGTERM / SIGINT: the part in progress is finished, then the job stops (a second signal: at once)
+        with GracefulStop(what="the part in progress"):
+            result = report_job_errors(lambda: prepare(cfg), f"preparing into {cfg.output_dir} failed")
+    except StopRequested as e:
+        print(f"{e}; rerun the same command to resume from the next part (finished parts are kept)", file=sys.stderr)
+        return exit_code(e.signum)
     if result is None:
         return 1
     for group, m in result.manifests.items():

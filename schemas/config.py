@@ -36,6 +36,9 @@ __all__ = [
     "ConfigError",
     "StrictModel",
     "Gamma",
+    "PATH_NAME_RULE",
+    "PathName",
+    "check_path_name",
     "SourceConfig",
     "TokenizerConfig",
     "PrepareConfig",
@@ -91,6 +94,28 @@ def check_unique_names(names: Sequence[str], what: str) -> None:
         raise ValueError(f"{what} {dup}")
 
 
+#: Files a job writes beside the folders named after sources (``candidates/index.json`` ...).
+RESERVED_NAMES = ("index.json", "manifest.json", "config.yaml")
+
+#: The rule for a config value used as one path component (a folder named after a source or a model).
+PATH_NAME_RULE = ("1 to 100 characters, only letters, digits, '-', '_', '.', not starting with '.' or '-' (so "
+                  "never '.', '..' or a hidden name like '.lock'), no path separator, and none of "
+                  + ", ".join(RESERVED_NAMES))
+
+
+def check_path_name(v: str, what: str = "name") -> str:
+    """Return ``v`` when it is safe as one path component (:data:`PATH_NAME_RULE`), else raise ``ValueError``
+    naming ``what`` and stating the rule."""
+    if not (0 < len(v) <= 100 and v[0] not in ".-" and all(c.isalnum() or c in "-_." for c in v)
+            and v not in RESERVED_NAMES):
+        raise ValueError(f"{what} {v!r} is used as a folder name and must be {PATH_NAME_RULE}")
+    return v
+
+
+#: A name used as one path component (a source's folder, a model's export folder).
+PathName = Annotated[str, AfterValidator(check_path_name)]
+
+
 def _check_gamma(v: float) -> float:
     if not (0.0 < v <= 1.0):
         raise ValueError(f"gamma must be in (0, 1], got {v!r}")
@@ -110,7 +135,8 @@ InputFormat = Literal["auto", "jsonl", "jsonl.zst", "parquet", "txt"]
 class SourceConfig(StrictModel):
     """One named input source: files + how to get a document's text out of a record."""
 
-    name: str = Field(description="source label stored in every sequence's `source` column")
+    name: str = Field(description="source label stored in every sequence's `source` column and the name of its "
+                      "folder of parts (candidates/<name>/): " + PATH_NAME_RULE)
     paths: list[str] = Field(description="files or glob patterns (sorted, deduplicated)")
     format: InputFormat = Field("auto", description="input format; auto = from the file extension")
     text_field: str = Field("text", description="JSON/parquet field holding the text")
@@ -126,9 +152,7 @@ class SourceConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not v or not all(c.isalnum() or c in "-_." for c in v):
-            raise ValueError(f"source name {v!r} must be non-empty and use only letters, digits, '-', '_', '.'")
-        return v
+        return check_path_name(v, "source name")
 
     @field_validator("paths")
     @classmethod

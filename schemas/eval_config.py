@@ -11,7 +11,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.config import DEMO_ROOT, SourceConfig, StrictModel, check_unique_names
+from schemas.config import (
+    DEMO_ROOT,
+    PATH_NAME_RULE,
+    SourceConfig,
+    StrictModel,
+    check_path_name,
+    check_unique_names,
+)
 
 __all__ = ["EvalModelSpec", "LmEvalConfig", "EvaluateConfig"]
 
@@ -23,13 +30,19 @@ class EvalModelSpec(StrictModel):
         description="an HF model directory (save_pretrained), a training run's output_dir or its final/ "
         "(final/model.safetensors + final/config.json); a glob matches several (e.g. runs/demo/train/*)"
     )
-    name: str | None = Field(None, description="label in the report (default: the directory name; not with a glob)")
+    name: str | None = Field(None, description="label in the report and the folder of its lm_eval export "
+                             "(output_dir/hf/<name>; default: the directory name; not with a glob): " + PATH_NAME_RULE)
     tokenizer: str | None = Field(
         None, description="tokenizer.json or directory (default: the model directory's, or the run's data.tokenizer)"
     )
     weights: str | None = Field(
         None, description="another safetensors file for the same architecture (e.g. final/reference.safetensors)"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return None if v is None else check_path_name(v, "model name")
 
 
 class LmEvalConfig(StrictModel):

@@ -129,7 +129,7 @@ def _ref_of(d: str, spec: EvalModelSpec, where: str) -> ModelRef:
             if not os.path.isfile(os.path.join(guess, "tokenizer.json")):
                 raise EvalError(f"{where}: run {run} records no data.tokenizer; set the model's `tokenizer`")
             tok = guess
-        name = spec.name or os.path.basename(os.path.normpath(run))
+        name = spec.name or os.path.basename(os.path.abspath(run))  # abspath: never '.' or '..'
         return ModelRef(name, final, spec.weights or os.path.join(final, "model.safetensors"), tok,
                         data.get("candidates"))
     if not os.path.isfile(os.path.join(d, "config.json")):
@@ -141,7 +141,7 @@ def _ref_of(d: str, spec: EvalModelSpec, where: str) -> ModelRef:
     tok = spec.tokenizer or d
     if spec.tokenizer is None and not os.path.isfile(os.path.join(d, "tokenizer.json")):
         raise EvalError(f"{where}: {d} has no tokenizer.json; set the model's `tokenizer`")
-    return ModelRef(spec.name or os.path.basename(os.path.normpath(d)), d, spec.weights, tok)
+    return ModelRef(spec.name or os.path.basename(os.path.abspath(d)), d, spec.weights, tok)
 
 
 def resolve_models(specs: Sequence[EvalModelSpec]) -> list[ModelRef]:

@@ -36,6 +36,7 @@ from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
 from schemas.outdir import config_diff, open_output_dir
 from schemas.shards import CANDIDATE, token_dtype
+from schemas.stop import check_stop
 
 __all__ = ["PrepareResult", "prepare", "GROUPS"]
 
@@ -345,6 +346,7 @@ def _prepare_source(
         manifest.shards.append(record)
         manifest.save(out)  # the part is on disk before the manifest says so
         part += 1
+        check_stop(f"after finishing {out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (schemas.stop)
 
     def feed(ids: np.ndarray) -> None:
         nonlocal pending, fed, to_skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -162,3 +163,40 @@ def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
     assert f"{parts[1]} is damaged" in proc.stderr and f"{parts[-1]} is damaged" in proc.stderr
     _assert_expected(out, setup["expected"])
     assert len(Manifest.load(sel).shards) == len(parts)
+
+
+def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_one_pass_shards(setup, session_killer):
+    """Preemption: SIGTERM mid-run stops the job after the units in progress, exit 143 and a line saying what
+    is finished and that a rerun does the rest; the rerun ends with exactly the shards of one pass."""
+    out = str(setup["dir"] / "sigterm")
+    cfg = _config(setup, out, count=1)
+    err_path = out + ".stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL, stderr=err,
+                                env=_env(), start_new_session=True)
+    try:
+        sel = os.path.join(out, "selected")
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(os.path.join(sel, "manifest.json")) and Manifest.load(sel).shards:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the job ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
+        proc.wait(timeout=120)
+    finally:
+        session_killer(proc.pid)  # whatever is left of its local Ray instance
+    stderr = open(err_path).read()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    stopped = Manifest.load(sel)
+    assert not stopped.complete and stopped.shards
+    last = stderr.strip().splitlines()[-1]
+    n = len(stopped.shards)
+    assert "SIGTERM received: finishing the work units in progress, then stopping" in stderr
+    assert last.startswith(f"stopped on SIGTERM with {n} of ") and last.endswith(
+        f"work units finished in {sel}; rerun the same command to do the other "
+        f"{int(last.split(' of ')[1].split()[0]) - n} (finished parts are kept)"), last
+    proc = _run(cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {s.name for s in stopped.shards} <= {s.name for s in Manifest.load(sel).shards}  # not redone
+    _assert_expected(out, setup["expected"])

@@ -119,3 +119,42 @@ def test_scientific_notation_is_a_number_in_files_and_overrides(tmp_path):
     path.write_text(text)
     cfg = load_config(TrainConfig, path=str(path), overrides=["selection.ref_lr=5E-4"])
     assert (cfg.optim.lr, cfg.optim.eps, cfg.selection.ref_lr) == (1e-3, 1e-8, 5e-4)
+
+
+@pytest.mark.parametrize("name", [".", "..", "a/b", "../x", "a\\b", "/abs", ".lock", ".hidden", "-rf", "",
+                                  "index.json", "manifest.json", "config.yaml", "a b", "x" * 101])
+def test_a_source_name_that_is_no_safe_folder_name_is_refused_with_the_rule(tmp_path, name):
+    for group in ("sources", "validation"):
+        with pytest.raises(ConfigError) as e:
+            load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                        overrides=[f"{group}.0.name='{name}'"])
+        msg = str(e.value)
+        assert f"{group}.0.name" in msg and f"source name {name!r} is used as a folder name" in msg
+        assert "not starting with '.' or '-'" in msg and "no path separator" in msg
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.parametrize("name", ["target", "gsm8k_v1.2", "Wiki-103", "a", "x" * 100, "données", "_misc", "2024"])
+def test_ordinary_source_names_are_accepted(tmp_path, name):
+    cfg = load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                      overrides=[f"sources.0.name='{name}'"])
+    assert cfg.sources[0].name == name
+
+
+def test_a_dot_source_name_stops_the_prepare_job_in_one_line_before_writing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_job_config(PrepareConfig, description="t", default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                         argv=["--set", "sources.0.name=.."])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "sources.0.name" in err and "source name '..' is used as a folder name" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "hf/../../x"])
+def test_an_evaluated_model_name_is_a_safe_folder_name(tmp_path, name):
+    from schemas.eval_config import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=rf"models.0.name: .*model name {re.escape(repr(name))} is used as a folder"):
+        load_config(EvaluateConfig, default=lambda: EvaluateConfig.demo_default(str(tmp_path)),
+                    overrides=[f"models.0.name='{name}'", "models.0.path=some/dir"])

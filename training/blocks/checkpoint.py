@@ -7,6 +7,12 @@ dtypes (its RNG snapshot) and ``TorchVersion`` (metadata). :func:`weights_only_l
 ``torch.load`` inside it run with ``weights_only=True`` (torch's documented
 ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch) with exactly those types allow-listed, so a checkpoint
 carrying any other pickled object is refused instead of executed.
+
+Before a rerun resumes, :func:`checkpoint_damage` checks each candidate checkpoint: a cut or changed
+file (its zip CRCs), and content that is not plain data (a pickled object whose loading could run code,
+e.g. ``os.system``) or not a Composer checkpoint at all. Such a file is refused with one line naming it,
+never unpickled outside ``weights_only=True``, and :func:`resume_checkpoint` falls back to the previous
+intact checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import pickle
 import random
 import re
 import shutil
@@ -26,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SAFE_GLOBALS", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
+__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
            "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
@@ -42,14 +49,42 @@ def _safe_globals() -> list[Any]:
 SAFE_GLOBALS = _safe_globals()
 
 
+class CheckpointRefused(ValueError, pickle.UnpicklingError):
+    """A checkpoint whose content is not plain data (loading it could run code) was refused; nothing in it ran.
+
+    A ``ValueError`` (bad input: jobs print it as one line) and still the ``UnpicklingError`` torch raised.
+    """
+
+
+def _refusal_reason(err: pickle.UnpicklingError) -> str:
+    """The line of torch's many-line ``weights_only`` refusal that says what was refused."""
+    lines = [ln.strip() for ln in str(err).splitlines()]
+    for ln in lines:
+        if "GLOBAL" in ln:
+            return re.sub(r"^WeightsUnpickler error: ", "", ln).split(". Please use")[0].rstrip(".")
+    for ln in lines:
+        if ln.startswith("WeightsUnpickler error:"):
+            return ln.removeprefix("WeightsUnpickler error:").strip().rstrip(".")
+    return lines[0] if lines else type(err).__name__
+
+
 @contextmanager
 def weights_only_loading() -> Iterator[None]:
-    """Within the block, ``torch.load`` runs with ``weights_only=True`` and :data:`SAFE_GLOBALS` allowed."""
+    """Within the block, ``torch.load`` runs with ``weights_only=True`` and :data:`SAFE_GLOBALS` allowed.
+
+    Raises:
+        CheckpointRefused: a load inside the block met pickled content that is not plain data (one line
+            instead of torch's many-line ``UnpicklingError``; :func:`resume_checkpoint` checks the files
+            first, so this is met only when a file changes after that check).
+    """
     old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             yield
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(f"a checkpoint was refused by torch.load(weights_only=True): {_refusal_reason(e)} "
+                                "(not plain data; nothing in it was run); rerun to check the checkpoints again") from e
     finally:
         if old is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -74,10 +109,14 @@ _CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")
 
 
 def checkpoint_damage(path: str) -> str | None:
-    """Why the checkpoint file at ``path`` cannot be loaded (truncated, not a zip, a CRC mismatch), or None.
+    """Why the checkpoint file at ``path`` cannot be resumed from, or None when it is intact.
 
     ``torch.save`` writes a zip archive with a CRC-32 per member: a cut file has no central directory and
-    a changed byte fails its CRC, both found here without unpickling anything (one read of the file).
+    a changed byte fails its CRC, both found without unpickling anything (one read of the file). An intact
+    archive is then checked for content: its pickle's globals are listed statically (nothing is imported)
+    and refused unless allow-listed (:data:`SAFE_GLOBALS` and torch's own), then it is loaded with
+    ``weights_only=True`` (tensors memory-mapped, not read) and must be a Composer checkpoint (a dict with
+    a ``state`` entry). A pickled object that would run code when loaded is never executed.
     """
     try:
         with zipfile.ZipFile(path) as z:
@@ -86,14 +125,39 @@ def checkpoint_damage(path: str) -> str | None:
         return "missing"
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
         return f"unreadable, probably truncated ({e})"
-    return f"damaged (member {bad} fails its CRC check)" if bad else None
+    if bad:
+        return f"damaged (member {bad} fails its CRC check)"
+    return _content_refusal(path)
+
+
+def _content_refusal(path: str) -> str | None:
+    """Why the content of the intact archive at ``path`` is refused (not plain data, not a Composer
+    checkpoint), or None."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except (ValueError, RuntimeError, KeyError, pickle.UnpicklingError, EOFError) as e:  # no data.pkl, ...
+            return f"refused: not a torch.save checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        if unsafe:
+            return (f"refused: it holds pickled objects that are not plain data ({', '.join(sorted(unsafe))}), "
+                    "whose loading could run code (nothing in it was run)")
+        try:  # globals pushed dynamically are not listed statically: the weights-only unpickler has the last word
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            return f"refused: not plain data ({_refusal_reason(e)}, nothing in it was run)"
+        except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
+            return f"unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if not isinstance(obj, dict) or not isinstance(obj.get("state"), dict):
+        return "refused: not a Composer checkpoint (no 'state' entry)"
+    return None
 
 
 def resume_checkpoint(folder: str) -> str | None:
     """The checkpoint a rerun resumes from: ``latest-rank0.pt`` when intact, else the newest intact one.
 
-    A damaged latest checkpoint (a full disk or a kill while Composer wrote it) falls back to the previous
-    intact checkpoint with a warning naming both; the steps after it are redone exactly.
+    A damaged latest checkpoint (a full disk or a kill while Composer wrote it) or one whose content is
+    refused (a pickled object that would run code, a foreign file: :func:`checkpoint_damage`) falls back to
+    the previous intact checkpoint with a warning naming both; the steps after it are redone exactly.
 
     Raises:
         ValueError: checkpoints exist but none is intact (names each file and what is wrong with it).
@@ -115,8 +179,9 @@ def resume_checkpoint(folder: str) -> str | None:
     for _, path in sorted(found, reverse=True):
         damage = checkpoint_damage(path)
         if damage is None:
+            skipped = f"; skipped as well: {'; '.join(bad[1:])}" if len(bad) > 1 else ""
             warnings.warn(f"the latest checkpoint {newest} is {bad[0].split(': ', 1)[1]}; resuming from the "
-                          f"previous intact checkpoint {path} (the steps after it are redone)", stacklevel=2)
+                          f"previous intact checkpoint {path} (the steps after it are redone){skipped}", stacklevel=2)
             return path
         bad.append(f"{path}: {damage}")
     raise ValueError(

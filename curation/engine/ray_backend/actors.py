@@ -54,6 +54,7 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from schemas.engine_config import WorkersConfig
+from schemas.stop import check_stop
 
 __all__ = ["ray_session", "RayEngine"]
 
@@ -430,7 +431,12 @@ class RayEngine:
 
     # --- batch API -----------------------------------------------------------------------------
     def run(self, *, progress: bool = True, desc: str = "curate") -> None:
-        """Block until every unit is done (batch curation), with a progress bar."""
+        """Block until every unit is done (batch curation), with a progress bar.
+
+        Raises:
+            StopRequested: a stop signal came (inside a :class:`schemas.stop.GracefulStop`); polled about once a
+                second. Leaving the engine's ``with`` block then lets the workers finish their units (:meth:`close`).
+        """
         from tqdm import tqdm
 
         total = self.progress()["units_total"]
@@ -440,6 +446,7 @@ class RayEngine:
                 bar.n = p["units_done"]
                 bar.set_postfix(tokens=p["tokens"], kept=p["kept_tokens"], redone=p["redone"])
                 bar.refresh()
+                check_stop(f"with {p['units_done']} of {p['units_total']} work units done")
 
             self._poll(lambda: self.coordinator.wait_finished.remote(1.0), each=show)
 

@@ -207,3 +207,15 @@ def test_bad_and_empty_sets_are_named(tmp_path):
     with pytest.raises(EvalError, match="set 'k': no documents in .* after skipping 2"):
         read_set(SourceConfig(name="k", paths=[str(rows)], text_field="question", skip_documents=2))
     assert read_set(SourceConfig(name="ok", paths=[str(rows)], text_field="question", skip_documents=1)) == ["q2"]
+
+
+@pytest.mark.parametrize("path", [".", "./", "sub/.."])
+def test_a_model_given_as_dot_is_named_after_its_directory_never_dot(tmp_path, monkeypatch, path):
+    # the name is also the folder of its lm_eval export (output_dir/hf/<name>): never '.' or '..'
+    model = tmp_path / "my-model"
+    (model / "sub").mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / f).write_text("{}")
+    monkeypatch.chdir(model)
+    [ref] = resolve_models([EvalModelSpec(path=path)])
+    assert ref.name == "my-model"
