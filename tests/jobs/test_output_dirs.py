@@ -105,22 +105,22 @@ def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_st
 
 
 def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp_path):
+    from curation.engine.batch_curation import curate
     from schemas.engine_config import CurateConfig
 
-    job = load_job("curate", "_outdirs")
     cfg = CurateConfig.demo_default(str(tmp_path))
     open_output_dir(cfg.output_dir, "curate", {"config.yaml": cfg}).write_records()
     record = (Path(cfg.output_dir) / "config.yaml").read_text()
     changed = cfg.model_copy(update={"gamma": 0.4, "progress": False,
                                      "workers": cfg.workers.model_copy(update={"count": 8, "range_steps": 5})})
     with pytest.raises(ConfigMismatch) as err:
-        job.curate(changed)
+        curate(changed)
     assert err.value.keys == ["gamma", "workers.range_steps"]
     assert (Path(cfg.output_dir) / "config.yaml").read_text() == record
     assert sorted(os.listdir(cfg.output_dir)) == [".lock", "config.yaml"]
     with OutputDirLock(cfg.output_dir, "curate"):
         with pytest.raises(OutputDirBusy, match="in use by another run: curate pid"):
-            job.curate(cfg)
+            curate(cfg)
 
 
 # ------------------------------------------------------------------------------------------------
