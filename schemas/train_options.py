@@ -15,6 +15,12 @@ The loggers are optional extras; each is off unless its section is present:
   ``file:`` / ``sqlite:`` URI or a plain directory (file store); ``http(s)://`` only when asked;
 - ``wandb``: ``mode: offline`` by default (runs are written under ``dir`` and can be synced later with
   ``wandb sync``); ``online`` needs a login and the network.
+
+Checked on Python 3.13 next to our pins (torch 2.7.0, composer 0.32.1), through Composer's own
+``TensorboardLogger``, ``MLFlowLogger`` and ``WandBLogger`` on a 4-batch fit, offline: tensorboard 2.21.0,
+mlflow 3.17.2 (``sqlite:///`` store, no server; it pulls pyarrow below 26) and wandb 0.28.2 in offline
+mode. wandb 0.29 and later removed ``Run.get_url``, which Composer 0.32.1's ``WandBLogger`` calls at init:
+the wandb extra needs ``wandb<0.29``.
 """
 
 from __future__ import annotations
