@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# CI's second stage: the newest other interpreter of the supported range (pyproject's requires-python) found
+# on this machine gets its own virtualenv (build/ci/py3.X, git-ignored, reused by the next run: pip brings
+# it up to date; rm -rf build/ci for a fresh one), README's install, the fast suite (`python -m pytest`)
+# and the jobs' end-to-end smoke (.ci/smoke.sh). Without such an interpreter it says so and succeeds.
+# Interpreters are looked up as python3.X on PATH (run once: a pyenv shim of a version that is not
+# selected fails), then under `pyenv root`/versions/3.X*/bin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEFAULT=${PYTHON:-python}
+
+# supported minor versions, newest first, without the default interpreter's
+want=$("$DEFAULT" - <<'EOF'
+import re, sys, tomllib
+spec = tomllib.load(open("pyproject.toml", "rb"))["project"]["requires-python"]
+lo, hi = int(re.search(r">=\s*3\.(\d+)", spec)[1]), int(re.search(r"<\s*3\.(\d+)", spec)[1])
+print(" ".join(f"3.{m}" for m in range(hi - 1, lo - 1, -1) if m != sys.version_info.minor))
+EOF
+)
+read -ra WANT <<< "$want"
+
+works() {  # works PYTHON VERSION: PYTHON runs, is that version and can make a virtualenv
+    [ "$("$1" -c 'import sys, venv, ensurepip; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$2" ]
+}
+
+PY="" VERSION=""
+for v in "${WANT[@]}"; do
+    candidates=()
+    if c=$(command -v "python$v"); then candidates+=("$c"); fi
+    if command -v pyenv >/dev/null; then
+        for c in "$(pyenv root)/versions/$v"*/bin/"python$v"; do [ -e "$c" ] && candidates+=("$c"); done
+    fi
+    for c in "${candidates[@]}"; do
+        if works "$c" "$v"; then PY=$c VERSION=$v; break 2; fi
+    done
+done
+if [ -z "$PY" ]; then
+    echo "ci: no other interpreter of the supported range (${WANT[*]:-none}) on this machine; second stage skipped"
+    exit 0
+fi
+
+VENV=build/ci/py$VERSION
+echo "ci: second interpreter $PY ($("$PY" --version 2>&1)) → $VENV"
+t=$SECONDS
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -e ".[dev,eval]"
+install=$((SECONDS - t)); t=$SECONDS
+"$VENV/bin/python" -m pytest
+fast=$((SECONDS - t)); t=$SECONDS
+PATH="$PWD/$VENV/bin:$PATH" .ci/smoke.sh "$PWD/$VENV/bin/python"
+smoke=$((SECONDS - t))
+echo "ci: python $VERSION: install ${install} s, fast suite ${fast} s, smoke ${smoke} s"
