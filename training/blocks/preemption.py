@@ -20,7 +20,7 @@ from composer.loggers import Logger
 
 from schemas.stop import StopRequested, stop_signal
 
-__all__ = ["StopAtStepEnd"]
+__all__ = ["StopAtStepEnd", "stopped_at_step"]
 
 
 class StopAtStepEnd(Callback):
@@ -49,11 +49,16 @@ class StopAtStepEnd(Callback):
             state.stop_training()
 
     def stop(self, output_dir: str, max_steps: int) -> StopRequested:
-        """The :class:`~schemas.stop.StopRequested` to raise after the fit: names the step and the checkpoint a
-        rerun resumes from."""
+        """The :class:`~schemas.stop.StopRequested` to raise after the fit (:func:`stopped_at_step`)."""
         assert self.stopped_at is not None and self.signum is not None
-        latest = os.path.join(output_dir, "checkpoints", "latest-rank0.pt")
-        ckpt = os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest)))
-        return StopRequested(signal.Signals(self.signum), (
-            f"after step {self.stopped_at} of {max_steps} (checkpoint {ckpt}); rerun the same command to resume "
-            f"from it at step {self.stopped_at + 1}"))
+        return stopped_at_step(self.signum, self.stopped_at, output_dir, max_steps)
+
+
+def stopped_at_step(signum: int, step: int, output_dir: str, max_steps: int) -> StopRequested:
+    """The :class:`~schemas.stop.StopRequested` of a run in ``output_dir`` stopped after ``step`` steps: names the
+    step and the checkpoint a rerun resumes from."""
+    latest = os.path.join(output_dir, "checkpoints", "latest-rank0.pt")
+    ckpt = os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest)))
+    return StopRequested(signal.Signals(signum), (
+        f"after step {step} of {max_steps} (checkpoint {ckpt}); rerun the same command to resume from it at step "
+        f"{step + 1}"))
