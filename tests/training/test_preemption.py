@@ -75,3 +75,14 @@ def test_a_signal_at_the_last_step_just_finishes_the_run(make_config):
     with GracefulStop() as stop:
         out = train(cfg, callbacks=[Signal(cfg.max_steps)])
     assert stop.requested and os.path.exists(out["final_weights"]) and os.path.exists(out["summary"])
+
+
+def test_a_signal_before_the_first_step_stops_before_training(make_config):
+    cfg = make_config("random", "early")
+    with GracefulStop(), pytest.raises(StopRequested) as e:
+        os.kill(os.getpid(), signal.SIGTERM)  # (as if it came while the model and the data were loading)
+        train(cfg)
+    assert str(e.value) == ("stopped on SIGTERM before training (nothing trained in this run); rerun the same "
+                            "command to start from the beginning")
+    assert not os.path.lexists(os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt"))  # no step trained
+    assert os.path.exists(train(cfg)["final_weights"])  # the rerun trains the whole run

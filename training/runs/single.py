@@ -18,7 +18,7 @@ from curation.io.models import model_vocab_size
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.manifest import atomic_write_text
 from schemas.outdir import open_output_dir
-from schemas.stop import check_stop
+from schemas.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
@@ -43,8 +43,10 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks)
-        check_stop(f"before training (nothing trained in this run); rerun the same command to start from "
-                   f"{run.resumed_from or 'the beginning'}")
+        if stop_requested():  # a signal while the model and data were loading
+            run.trainer.close()
+            check_stop(f"before training (nothing trained in this run); rerun the same command to start from "
+                       f"{run.resumed_from or 'the beginning'}")
         lock.write_records()
         run.fit()
         run.raise_if_stopped(cfg.max_steps)
