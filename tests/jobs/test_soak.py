@@ -33,4 +33,4 @@ def test_soak_smoke_kills_and_reruns_to_the_uninterrupted_outputs(tmp_path):
     assert all(e["exit"] == -9 for e in trainer if e["signal"] == "SIGKILL")
     for role in ("driver", "worker"):
         g = r["growth"][role]
-        assert g["samples"] > 0 and g["rss"] is not None and g["fds"] is not None, (role, g)
+        assert g["processes"] > 0 and g["rss"] is not None and g["fds"] is not None, (role, g)

@@ -10,9 +10,9 @@ its scoring workers, its refresh actor and its trainer, against an uninterrupted
 3. Checks: the chaos run's final proxy and reference, its selected-token masks and its workers' reference scores
    equal the uninterrupted run's byte for byte; every work unit of the plan is recorded exactly once in the ledger
    (``scored/manifest.json``); the resident memory and open file descriptors of the driver and of the scoring
-   workers, sampled every second, grow by at most ``max_growth`` between the first and the last quarter of the
-   samples of the last attempt (the longest stretch without a trainer death: a process's growth is measured over
-   its own lifetime, since a rerun starts new processes).
+   workers, sampled every second once training runs (``<out>/samples.jsonl``), grow by at most ``max_growth``
+   between the first and the last quarter of the last attempt (the longest stretch without a trainer death; each
+   process against itself, since a rerun starts new processes; a worker restarted within it is left out).
 
 The kills go to processes of the job's own session only (found under ``/proc``: Linux).
 """
@@ -204,22 +204,29 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
 
 
 def _growth(samples: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    """Growth of RSS and FDs of ``role``'s processes between the first and last quarter of their samples in the
-    last attempt (per process; the largest)."""
-    last = max((s["attempt"] for s in samples), default=0)
-    worst: dict[str, Any] = {"rss": None, "fds": None, "samples": 0}
-    for pid in {s["pid"] for s in samples if s["role"] == role and s["attempt"] == last}:
-        xs = [s for s in samples if s["pid"] == pid and s["attempt"] == last]
-        q = len(xs) // 4
-        if q == 0:
+    """Growth of RSS and FDs of ``role``'s processes between the first and the last quarter (by time) of the last
+    attempt, each process against itself; the largest, with that process's figures. Only processes alive in both
+    quarters count (a worker restarted by a kill starts over: its start-up is not a leak)."""
+    last = [s for s in samples if s["attempt"] == max((x["attempt"] for x in samples), default=0)]
+    out: dict[str, Any] = {"rss": None, "fds": None, "processes": 0, "excluded": 0}
+    if not last:
+        return out
+    t0, t1 = min(s["t"] for s in last), max(s["t"] for s in last)
+    q = (t1 - t0) / 4
+    for pid in sorted({s["pid"] for s in last if s["role"] == role}):
+        xs = [s for s in last if s["pid"] == pid]
+        first, end = [s for s in xs if s["t"] <= t0 + q], [s for s in xs if s["t"] >= t1 - q]
+        if not first or not end:
+            out["excluded"] += 1
             continue
-        worst["samples"] = max(worst["samples"], len(xs))
+        out["processes"] += 1
         for key in ("rss", "fds"):
-            first, end = np.mean([s[key] for s in xs[:q]]), np.mean([s[key] for s in xs[-q:]])
-            g = float(end / first - 1.0)
-            worst[key] = g if worst[key] is None else max(worst[key], g)
-            worst[f"{key}_first"], worst[f"{key}_last"] = float(first), float(end)
-    return worst
+            a, b = float(np.mean([s[key] for s in first])), float(np.mean([s[key] for s in end]))
+            g = b / a - 1.0
+            if out[key] is None or g > out[key]:
+                out[key] = g
+                out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_samples"] = a, b, (len(first), len(end))
+    return out
 
 
 def _read(path: str) -> bytes:
@@ -270,6 +277,8 @@ def soak(s: SoakSettings) -> dict[str, Any]:
         "units_exactly_once": len(units) == len(set(units)) and sorted(units) == sorted(
             r.state["unit"] for r in full.shards) and chaos.complete,
     }
+    with open(os.path.join(s.out, "samples.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(x) + "\n" for x in samples)
     growth = {role: _growth(samples, role) for role in ("driver", "worker")}
     checks["growth_within_limit"] = all(
         g[k] is not None and g[k] <= s.max_growth for g in growth.values() for k in ("rss", "fds"))
