@@ -23,6 +23,7 @@ from curation.engine.plan import EngineError
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import report_job_errors
+from schemas.stop import StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the config is parsed (Composer, Ray and torch take seconds): --help and bad settings answer at once.
     from training.runs.engine_job import curate_and_train
 
-    out = report_job_errors(lambda: curate_and_train(cfg), f"curate_and_train into {cfg.train.output_dir} failed",
-                            expected=(EngineError, WorkerGroupFailed))
+    try:
+        out = report_job_errors(lambda: curate_and_train(cfg), f"curate_and_train into {cfg.train.output_dir} failed",
+                                expected=(EngineError, WorkerGroupFailed))
+    except StopRequested as e:  # SIGTERM / SIGINT (see training.runs.engine_job.curate_and_train)
+        print(e, file=sys.stderr)
+        return exit_code(e.signum)
     if out is None:
         return 1
     with open(out["summary"], encoding="utf-8") as f:

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from schemas.config import parse_job_config
 from schemas.outdir import report_job_errors
+from schemas.stop import GracefulStop, StopRequested, exit_code
 from schemas.train_config import POLICY_CHOICES, TrainConfig
 
 #: Short override names accepted by --set (e.g. --set policy=rho1).
@@ -79,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return train(cfg)
 
-    out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+    try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
+        with GracefulStop(what="the training step in progress and its checkpoint"):
+            out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+    except StopRequested as e:
+        print(e, file=sys.stderr)
+        return exit_code(e.signum)
     if out is None:
         return 1
     _report(out)

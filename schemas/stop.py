@@ -25,7 +25,7 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopRequested", "GracefulStop", "check_stop", "stop_requested", "exit_code"]
+__all__ = ["StopRequested", "GracefulStop", "check_stop", "stop_requested", "stop_signal", "exit_code"]
 
 
 class StopRequested(Exception):  # noqa: N818 (named for what happened, like KeyboardInterrupt)
@@ -107,6 +107,11 @@ class GracefulStop:
 def stop_requested() -> bool:
     """Whether the innermost active :class:`GracefulStop` received a stop signal (False outside one)."""
     return bool(_ACTIVE) and _ACTIVE[-1].requested
+
+
+def stop_signal() -> int | None:
+    """The signal the innermost active :class:`GracefulStop` received (None: none yet, or outside one)."""
+    return _ACTIVE[-1].signum if _ACTIVE else None
 
 
 def check_stop(where: str = "") -> None:

@@ -216,3 +216,49 @@ def test_a_group_larger_than_the_cluster_is_refused(make_config, local_ray):
     cfg = make_config("full", "too-big", parallel={"workers": 4})  # 4 × 1 CPU on a 2-CPU instance
     with pytest.raises(ValueError, match=r"parallel.workers=4 trainer workers .* do not fit the Ray cluster"):
         train_parallel(cfg)
+
+
+def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
+    latest = os.path.join(out, "checkpoints", "latest-rank0.pt")
+    while not done.is_set():
+        if os.path.exists(latest):
+            os.kill(os.getpid(), signal.SIGTERM)  # to the driver (this process), as a scheduler preempting the job
+            return
+        time.sleep(0.02)
+
+
+def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_uninterrupted_run(make_config,
+                                                                                                 local_ray):
+    """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
+    all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
+    from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""
+    from schemas.stop import GracefulStop, StopRequested
+    from training.runs.group import STOPPED_FILE
+
+    steps = 40
+    full = train_parallel(make_config("random", "two-full", max_steps=steps, parallel={"workers": 2}))
+    cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2})
+    done = threading.Event()
+    sender = threading.Thread(target=_signal_after_first_checkpoint, args=(cfg.output_dir, done))
+    sender.start()
+    try:
+        with GracefulStop(), pytest.raises(StopRequested) as e:
+            train_parallel(cfg)
+    finally:
+        done.set()
+        sender.join()
+    with open(os.path.join(cfg.output_dir, STOPPED_FILE), encoding="utf-8") as f:
+        step = json.load(f)["step"]
+    ckpt = os.path.join(cfg.output_dir, "checkpoints", f"ep0-ba{step}-rank0.pt")
+    assert 4 <= step < steps and e.value.signum == signal.SIGTERM
+    assert str(e.value) == (f"stopped on SIGTERM after step {step} of {steps} (checkpoint {ckpt}); rerun the same "
+                            f"command to resume from it at step {step + 1}")
+    assert os.path.isfile(ckpt) and not os.path.exists(os.path.join(cfg.output_dir, "final"))
+
+    resumed = train_parallel(cfg)
+    assert all(a["resumed_from"] for a in _attempts(cfg.output_dir)[2:])  # both ranks resumed from the checkpoint
+    with open(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+        trained = [r["step"] for r in map(json.loads, f) if "loss/train/total" in r]
+    assert trained == list(range(steps))  # no completed step redone
+    wa, wb = load_file(full["final_weights"]), load_file(resumed["final_weights"])
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -3,8 +3,8 @@
 :func:`make_trainer` builds it from a :class:`~schemas.train_config.TrainConfig` or a
 :class:`~schemas.train_config.ReplayConfig`: AdamW + gradient clipping, the JSON-lines metrics log, validation
 every ``eval.interval`` steps (a data-parallel rank evaluates its share of the rows), checkpoints every
-``checkpoint.interval`` steps loaded weights-only, and, with ``parallel.strategy: fsdp`` on more than one rank,
-the model sharded by Composer's FSDP2 (one unit per decoder layer; :mod:`training.blocks.sharding`).
+``checkpoint.interval`` steps and at a step where a stop request ended training (loaded weights-only), and,
+with ``parallel.strategy: fsdp`` on more than one rank, the model sharded by Composer's FSDP2 (one unit per decoder layer; :mod:`training.blocks.sharding`).
 """
 
 from __future__ import annotations
@@ -80,12 +80,15 @@ def rank_eval_loader(loader: DataLoader) -> DataLoader:
                       num_workers=0)
 
 
-def _every(interval: int, last: int, event_name: str):
+def _every(interval: int, last: int, event_name: str, *, at_stop: bool = False):
+    """Due every ``interval`` steps and at step ``last``; ``at_stop``: also at a step where training was stopped
+    early (``state.stop_training()`` lowered ``max_duration`` to it: :mod:`training.blocks.preemption`)."""
     event = Event(event_name)
 
     def due(state: Any, ev: Any) -> bool:
         b = int(state.timestamp.batch)
-        return ev == event and b > 0 and (b % interval == 0 or b >= last)
+        stopped = at_stop and state.max_duration is not None and b >= int(state.max_duration.value)
+        return ev == event and b > 0 and (b % interval == 0 or b >= last or stopped)
 
     return due
 
@@ -131,7 +134,7 @@ def make_trainer(
                                        model_vocab_size(model.model)),
             eval_interval=_every(cfg.eval.interval, total_steps, "batch_end"),
             save_folder=os.path.join(cfg.output_dir, "checkpoints"),
-            save_interval=_every(cfg.checkpoint.interval, total_steps, "batch_checkpoint"),
+            save_interval=_every(cfg.checkpoint.interval, total_steps, "batch_checkpoint", at_stop=True),
             save_num_checkpoints_to_keep=cfg.checkpoint.keep,
             save_overwrite=True,
             load_path=resume,

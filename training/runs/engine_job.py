@@ -37,6 +37,7 @@ from curation.ingest.prepare import prepare
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import open_output_dir
+from schemas.stop import GracefulStop
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus
 from training.runs.wiring import RunOutputs, build_training, finish_run, run_schedule
@@ -116,6 +117,11 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
 
     Holds ``train.output_dir``'s lock; a rerun resumes only with the configs recorded there
     (``engine_config.yaml``, ``config.yaml``), else it is refused naming the differing keys.
+
+    Raises:
+        StopRequested: a SIGTERM / SIGINT came once the engine was up: the trainer stopped at the end of its step
+            with a checkpoint there, the workers finished (or dropped) their units and Ray was shut down; the
+            message names the step and the checkpoint a rerun resumes from.
     """
     with open_output_dir(cfg.train.output_dir, "curate_and_train",
                          {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
@@ -129,8 +135,12 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
 def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any]:
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     pipelined, parallel = eng.mode == "pipelined", t.parallel.workers > 1
+    # SIGTERM / SIGINT: the trainer stops at the end of its step with a checkpoint there (StopRequested), the
+    # engine's workers finish their units (RayEngine.close), the local Ray instance is shut down (ray_session);
+    # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
     with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                     need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), RayEngine(
+                     need_cpus=wk.count * wk.threads + (trainer_cpus(t) if parallel else 0)), GracefulStop(
+            what="the training step in progress and its checkpoint"), RayEngine(
             e.work, wk, lookahead=eng.lookahead,
             reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
     ) as engine:
@@ -153,6 +163,7 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
                   f"{eng.mode} mode, {eng.refresh} refresh, "
                   + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
             run.fit()  # a rerun of a finished run only reports
+            run.raise_if_stopped(t.max_steps)  # a stop signal: nothing is finished, the engine closes (above)
             outputs = run.outputs(reference=False)
             res = {"publish_seconds": sync.publish_seconds, "trainer_wait_seconds": engine.wait_seconds}
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again

@@ -18,6 +18,11 @@ where the rank shows (DESIGN.md §2, docs/dev/ray-train-composer.md):
 * **Outputs, once**: rank 0 writes the selected-token shards (full batches, in single-process row order,
   ``world_size`` in the manifest), the metrics log, the final weights and the summary; Composer writes the
   checkpoints from rank 0 only.
+* **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`schemas.stop.GracefulStop`) is written to
+  ``parallel/stop.json``; every rank reads it at the end of every step and the ranks agree with one ``all_reduce``
+  (MAX) of their flags (:class:`GroupStop`), so all stop after the same step, where rank 0's checkpoint is written
+  (:class:`training.blocks.preemption.StopAtStepEnd`). Rank 0 records the step in ``parallel/stopped.json`` and
+  the driver raises :class:`~schemas.stop.StopRequested` naming it and the checkpoint.
 * **Failures**: the worker group runs under Ray Train's failure config. A killed worker makes Ray Train
   restart the group, and every worker resumes from ``checkpoints/latest-rank0.pt`` (the run's usual
   resume), so the outputs equal an uninterrupted run. Ray Train retries *every* worker error; data errors
@@ -37,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from curation.core.distributed import Ranks, current_ranks
 from curation.engine.plan import EngineError
@@ -44,19 +50,26 @@ from curation.engine.ray_backend import engine_client, ray_session, run_trainer_
 from schemas.manifest import atomic_write_text
 from schemas.outdir import open_output_dir
 from schemas.shards import ShardSchemaError
+from schemas.stop import GracefulStop, stop_signal
 from schemas.train_config import TrainConfig
 from training.blocks.callbacks import JSONLinesLogger, StepTimes
+from training.blocks.preemption import StopAtStepEnd, stopped_at_step
 from training.blocks.sharding import is_sharded
 from training.runs.engine_feed import EngineSync
 from training.runs.wiring import build_training, finish_run
 from training.selection.shard_scores import EngineScores
 
-__all__ = ["train_worker", "train_parallel", "run_worker_group", "trainer_cpus", "FATAL_FILE", "ATTEMPTS_FILE"]
+__all__ = ["train_worker", "train_parallel", "run_worker_group", "trainer_cpus", "GroupStop", "FATAL_FILE",
+           "ATTEMPTS_FILE", "STOP_FILE", "STOPPED_FILE"]
 
 #: Where a worker records an error that retrying cannot fix (relative to output_dir).
 FATAL_FILE = os.path.join("parallel", "fatal.json")
 #: One line per worker start: rank, pid, attempt time, checkpoint resumed from (relative to output_dir).
 ATTEMPTS_FILE = os.path.join("parallel", "attempts.jsonl")
+#: Written by the driver when a stop signal came (``{"signum": 15}``); the ranks poll it (relative to output_dir).
+STOP_FILE = os.path.join("parallel", "stop.json")
+#: Written by rank 0 when the group stopped early on it (``{"step": 7, "signum": 15}``).
+STOPPED_FILE = os.path.join("parallel", "stopped.json")
 #: Errors that a restart of the worker group cannot fix.
 FATAL_ERRORS = (ValueError, ShardSchemaError, FileNotFoundError, EngineError)
 
@@ -74,6 +87,27 @@ def _record_attempt(output_dir: str, ranks: Ranks, resumed_from: str | None) -> 
     with open(path, "a", encoding="utf-8") as f:  # one short line per worker start (append is atomic enough)
         f.write(json.dumps({"rank": ranks.rank, "world_size": ranks.world_size, "pid": os.getpid(),
                             "time": time.time(), "resumed_from": resumed_from}) + "\n")
+
+
+class GroupStop:
+    """A rank's stop request, polled at the end of every step: the driver's ``parallel/stop.json``, agreed on by
+    every rank with one ``all_reduce`` (MAX) of the signal numbers, so that all ranks stop after the same step."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.path = os.path.join(output_dir, STOP_FILE)
+
+    def __call__(self) -> int | None:
+        local = 0
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                local = int(json.load(f)["signum"])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            cuda = dist.get_backend() == "nccl"
+            flag = torch.tensor([local], dtype=torch.int64,
+                                device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            local = int(flag.item())
+        return local or None
 
 
 def train_worker(config: dict[str, Any]) -> None:
@@ -108,7 +142,8 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
     if engine is not None:  # exact mode next to the Ray engine: every rank reads the scores of its rows
         schedule = engine["plan"].schedule  # the driver's: the engine's plan follows the same one
         scored = EngineScores(engine["client"], engine["scored_dir"], engine["stream"], timeout_s=engine["timeout_s"])
-    run = build_training(cfg, ranks=ranks, callbacks=callbacks, scored=scored, schedule=schedule)
+    run = build_training(cfg, ranks=ranks, callbacks=callbacks, scored=scored, schedule=schedule,
+                         stopper=StopAtStepEnd(GroupStop(cfg.output_dir)))
     sync = None
     if engine is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
         sync = EngineSync(engine["client"], engine["plan"], algorithm=run.algorithm,
@@ -122,6 +157,11 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                 d._file.close()
         run.trainer.logger.destinations = tuple(d for d in dests if not isinstance(d, JSONLinesLogger))
     run.fit()
+    if run.stopped_at is not None:  # every rank stopped after the same step (GroupStop); the driver reports it
+        if ranks.rank == 0:
+            atomic_write_text(os.path.join(cfg.output_dir, STOPPED_FILE),
+                              json.dumps({"step": run.stopped_at, "signum": run.stopper.signum}))
+        return
     # gathering a sharded model's final weights is a collective: every rank takes part, rank 0 writes
     outputs = run.outputs(reference=engine is None) if ranks.rank == 0 or is_sharded(run.model.model) else None
     if ranks.rank > 0:
@@ -147,10 +187,14 @@ def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: in
     Raises:
         ValueError: bad settings or data (the failing worker's message), or a group that cannot be placed.
         OutputDirError: the directory is in use or was written with another config.
+        StopRequested: a SIGTERM / SIGINT stopped the group after a step, with a checkpoint there (the module's
+            docstring); Ray is shut down, and the message names the step and the checkpoint.
     """
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         lock.write_records()
-        with ray_session(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg)):
+        # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
+        with ray_session(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg)), GracefulStop(
+                what="the training step in progress and its checkpoint"):
             return run_worker_group(cfg, step_times=step_times)
 
 
@@ -167,21 +211,40 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
     (exact mode) with ``scored_dir``, ``stream``, ``plan`` (whose schedule is the run's), ``timeout_s``: the workers read
     its scores, rank 0 publishes proxy snapshots to it; the driver checks the engine while the group runs and stops
     the group when the engine fails.
+
+    Inside a :class:`schemas.stop.GracefulStop`, a stop signal is handed to the ranks (``parallel/stop.json``,
+    within 2 s) and the group stops after a step they agree on (:class:`GroupStop`).
+
+    Raises:
+        StopRequested: the group stopped on a signal; names the step and the checkpoint a rerun resumes from.
     """
-    os.makedirs(os.path.join(cfg.output_dir, "parallel"), exist_ok=True)
-    for stale in (_fatal_path(cfg.output_dir), os.path.join(cfg.output_dir, "parallel", "outputs.json")):
-        if os.path.exists(stale):  # a rerun (after fixing the cause of an error) starts clean
+    out = cfg.output_dir
+    os.makedirs(os.path.join(out, "parallel"), exist_ok=True)
+    stop_file, stopped_file = os.path.join(out, STOP_FILE), os.path.join(out, STOPPED_FILE)
+    for stale in (_fatal_path(out), os.path.join(out, "parallel", "outputs.json"), stop_file, stopped_file):
+        if os.path.exists(stale):  # a rerun (after fixing the cause of an error, or after a stop) starts clean
             os.remove(stale)
     config: dict[str, Any] = {"train": cfg.model_dump(mode="json"), "step_times": step_times, "cwd": os.getcwd()}
-    monitor = on_error = None
+    check = on_error = None
     if engine is not None:
         handle = engine.pop("engine")
         config["engine"] = {**engine, "client": engine_client(handle)}
-        monitor, on_error = handle.check, handle.close
+        check, on_error = handle.check, handle.close
+
+    def monitor() -> None:  # every 2 s in the driver's main thread (where the signal handler runs)
+        signum = stop_signal()
+        if signum is not None and not os.path.exists(stop_file):
+            atomic_write_text(stop_file, json.dumps({"signum": signum}))
+        if check is not None:
+            check()
+
     run_trainer_group(
-        train_worker, config, cfg.parallel,
-        storage_path=os.path.join(os.path.abspath(cfg.output_dir), "parallel", "ray_train"), name="train",
-        fatal_file=_fatal_path(cfg.output_dir), monitor=monitor, on_monitor_error=on_error,
+        train_worker, config, cfg.parallel, storage_path=os.path.join(os.path.abspath(out), "parallel", "ray_train"),
+        name="train", fatal_file=_fatal_path(out), monitor=monitor, on_monitor_error=on_error,
     )
-    with open(os.path.join(cfg.output_dir, "parallel", "outputs.json"), encoding="utf-8") as f:
+    if os.path.exists(stopped_file):
+        with open(stopped_file, encoding="utf-8") as f:
+            stopped = json.load(f)
+        raise stopped_at_step(stopped["signum"], stopped["step"], out, cfg.max_steps)
+    with open(os.path.join(out, "parallel", "outputs.json"), encoding="utf-8") as f:
         return json.load(f)

@@ -18,6 +18,7 @@ from curation.io.models import model_vocab_size
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.manifest import atomic_write_text
 from schemas.outdir import open_output_dir
+from schemas.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
@@ -31,13 +32,24 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run (or resume) a training run; returns the output paths (``final_weights``, ``final_reference``,
     ``summary``, ``plots``, ``selected``) and the wired ``run``.
 
+    Within a :class:`schemas.stop.GracefulStop` (``jobs/train.py``), a SIGTERM / SIGINT ends the fit after the step
+    in progress with a checkpoint at that step (:mod:`training.blocks.preemption`); ``final/`` and the summary are
+    then not written.
+
     Raises:
         OutputDirError: the directory is in use, was written with another config, or is not writable.
+        StopRequested: a stop signal ended the run early; its message names the step and the checkpoint a rerun
+            resumes from.
     """
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks)
+        if stop_requested():  # a signal while the model and data were loading
+            run.trainer.close()
+            check_stop(f"before training (nothing trained in this run); rerun the same command to start from "
+                       f"{run.resumed_from or 'the beginning'}")
         lock.write_records()
         run.fit()
+        run.raise_if_stopped(cfg.max_steps)
         selected = os.path.join(cfg.output_dir, "selected") if cfg.write_selected else None
         out = finish_run(cfg.output_dir, run.outputs(extra={"selected_dir": selected}), plots=cfg.plots)
     return {**out, "selected": selected, "run": run}

@@ -49,6 +49,7 @@ from training.blocks.checkpoint import checkpoint_write_errors
 from training.blocks.data import RankBatches, StepBatches, StreamBatches, TokenRows, stream_loader
 from training.blocks.meters import Meters
 from training.blocks.model import MaskedCausalLM
+from training.blocks.preemption import StopAtStepEnd
 from training.blocks.sharding import full_state_dict, is_sharded
 from training.blocks.summary import write_summary
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
@@ -109,6 +110,18 @@ class TrainRun:
     stats: SelectionStats | None = None
     resumed_from: str | None = None
     manifest_extra: dict[str, Any] = field(default_factory=dict)
+    stopper: StopAtStepEnd | None = None  # ends the fit at a step end on a stop request (SIGTERM, SIGINT)
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The steps trained when a stop request ended the fit early (None: it was not stopped)."""
+        return self.stopper.stopped_at if self.stopper is not None else None
+
+    def raise_if_stopped(self, max_steps: int) -> None:
+        """After :meth:`fit`: raise :class:`~schemas.stop.StopRequested` naming the step and the checkpoint a rerun
+        resumes from when a stop request ended the fit early (``final/`` and the summary are then not written)."""
+        if self.stopped_at is not None:
+            raise self.stopper.stop(self.output_dir, max_steps)
 
     def fit(self) -> None:
         """Train to ``max_duration`` (a rerun of a finished run only reports), then close the trainer.
@@ -171,9 +184,10 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
 
 def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm: Any, *,
          callbacks: Sequence[Any], loggers: Sequence[Any] = (), manifest_extra: dict[str, Any] | None = None,
-         ) -> TrainRun:
+         stopper: StopAtStepEnd | None = None) -> TrainRun:
     """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics logged), resuming from
-    ``output_dir``'s checkpoints.
+    ``output_dir``'s checkpoints. ``stopper`` ends the fit at a step end on a stop request (default: on a signal
+    caught by the active :class:`schemas.stop.GracefulStop`; a data-parallel rank passes its group's).
 
     Raises:
         ValueError: ``output_dir`` holds checkpoints and ``checkpoint.resume`` is off.
@@ -181,22 +195,24 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
     stats = SelectionStats(algorithm)
+    stopper = stopper or StopAtStepEnd()
     trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data), total_steps=cfg.max_steps,
                            device=inputs.device, resume=resume, algorithms=[algorithm],
-                           callbacks=[stats, *callbacks], loggers=loggers)
+                           callbacks=[stats, *callbacks, stopper], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    resumed_from=resume, manifest_extra=manifest_extra or {})
+                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper)
 
 
 def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,
                    schedule: Schedule | None = None, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (),
-                   meters: Meters | None = None) -> TrainRun:
+                   meters: Meters | None = None, stopper: StopAtStepEnd | None = None) -> TrainRun:
     """Check the data against the model and wire the trainer of rank ``ranks`` (default: a single process) for
     ``cfg``: exact BLADE (or another policy) on the candidate stream.
 
     ``scored`` is a live source of reference scores used instead of ``cfg.data.scored`` (the Ray engine's
     :class:`~training.selection.shard_scores.EngineScores`); ``schedule`` the run's schedule when the caller
-    built it already (the engine's job: :func:`run_schedule`); ``meters`` the timers and counts (benchmarks).
+    built it already (the engine's job: :func:`run_schedule`); ``meters`` the timers and counts (benchmarks);
+    ``stopper`` as in :func:`wire`.
 
     Raises:
         ShardSchemaError: a shard directory has the wrong columns (names directory, shard and column).
@@ -247,4 +263,4 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             },
         ))
     return wire(cfg, inputs, RankBatches(stream, ranks), algorithm, callbacks=[*cbs, *callbacks], loggers=loggers,
-                manifest_extra=extra)
+                manifest_extra=extra, stopper=stopper)

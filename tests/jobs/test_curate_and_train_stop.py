@@ -1,0 +1,111 @@
+"""`jobs/curate_and_train.py` sent SIGTERM mid-run (issue 24): the trainer stops at the end of its step with a
+checkpoint there, the engine's workers finish their units, the local Ray instance is shut down, the job exits 143
+with one line naming the step and the checkpoint, and a rerun ends with an uninterrupted run's outputs (exact
+and pipelined mode)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run, assert_same_run
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+#: Runs jobs/curate_and_train.py with every forward pass of the driver's trainer slowed down (the Ray workers run
+#: at full speed), so that a signal lands mid-run.
+_SLOW_JOB = """
+import runpy, sys, time
+sys.path.insert(0, {repo!r})
+import training.blocks.model as m
+forward = m.MaskedCausalLM.forward
+def slow_forward(*a, **k):
+    time.sleep({delay})
+    return forward(*a, **k)
+m.MaskedCausalLM.forward = slow_forward
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-rank0.pt") -> int:
+    """Start the job, SIGTERM its driver once checkpoint ``after`` exists; check the exit and its message; return
+    the step it stopped after."""
+    code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5)
+    with open(os.path.join(os.path.dirname(cfg), "stderr.txt"), "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
+                                stderr=err, env=_env(), start_new_session=True)
+        try:
+            ckpt = os.path.join(out, "checkpoints", after)
+            deadline = time.monotonic() + 240
+            while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert proc.poll() is None, "the job ended before the signal"
+            proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
+            proc.wait(timeout=120)
+            err.seek(0)
+            stderr = err.read()
+            assert not _ray_left(proc.pid), "the job left its Ray instance running"
+        finally:
+            session_killer(proc.pid)  # whatever is left (nothing, when the test passes)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "SIGTERM received: finishing the training step in progress and its checkpoint, then stopping" in stderr
+    last = stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"stopped on SIGTERM after step (\d+) of 14 \(checkpoint (.+)\); rerun the same command to "
+                     r"resume from it at step (\d+)", last)
+    assert m, last
+    step = int(m[1])
+    assert 5 <= step < 14 and int(m[3]) == step + 1
+    assert m[2] == os.path.join(out, "checkpoints", f"ep0-ba{step}-rank0.pt") and os.path.isfile(m[2])
+    assert not os.path.exists(os.path.join(out, "final")) and not os.path.exists(os.path.join(out, "summary.json"))
+    return step
+
+
+def _ray_left(sid: int) -> list[int]:
+    """Processes still alive in the job's session (its local Ray instance: raylet, GCS, workers)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid and int(p) != sid]
+
+
+def _resume(cfg: str) -> None:
+    rerun = _run(cfg)
+    assert "resuming from" in rerun.stdout and "latest-rank0.pt" in rerun.stdout
+
+
+def test_sigterm_stops_the_exact_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
+        tmp_path, tiny_train, session_killer):
+    from schemas.train_config import TrainConfig
+    from training.runs.single import train
+
+    out = str(tmp_path / "stopped")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
+    _stop_mid_run(cfg, out, session_killer)
+    _resume(cfg)
+    # the uninterrupted reference: the single-process trainer (which the uninterrupted Ray exact run equals bit for
+    # bit: tests/jobs/test_curate_and_train.py::test_ray_exact_mode_equals_the_single_process_trainer)
+    single = str(tmp_path / "single")
+    train(TrainConfig.model_validate(tiny_train(single)))
+    assert_same_run(single, out)
+
+
+def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
+        tmp_path, tiny_train, session_killer):
+    from schemas.config import load_config
+    from schemas.engine_config import CurateAndTrainConfig
+    from training.runs.engine_job import curate_and_train
+
+    engine = {"mode": "pipelined", "snapshot_period": 2}
+    out = str(tmp_path / "stopped")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine=engine)
+    _stop_mid_run(cfg, out, session_killer)
+    _resume(cfg)
+    full = str(tmp_path / "uninterrupted")
+    curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
+                                                                     engine=engine)))
+    assert_same_run(full, out)
