@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, a few minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--steps", type=int, default=None, help="override the proxy steps per run")
+    ap.add_argument("--until", default=None, help="train the stages up to this one (data, bases, sweep, main, reuse), "
+                    "then stop without evaluating: a piece of a run resumed by the next invocation")
     args = ap.parse_args(argv)
     if not os.path.isdir(SHARED):
         print(f"error: the quality benchmark reads real text from {os.path.abspath(SHARED)}, which is absent",
@@ -48,10 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, steps=args.steps)
     import torch
 
-    from training.quality.report import make_figures, results_md
-    from training.quality.runs import run_experiment
+    from training.quality.experiment import train_all
 
-    results = run_experiment(s, args.out)
+    runs = train_all(s, args.out, until=args.until)
+    if args.until is not None:
+        print(f"[done] stages up to {args.until} in {args.out}; rerun without --until to evaluate and report")
+        return 0
+    from training.quality.analysis import analyse
+    from training.quality.report import make_figures, results_md
+
+    results = analyse(runs)
     results["preset"] = "quick" if args.quick else args.preset
     atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(results, indent=1))
     figs = make_figures(results, os.path.join(args.out, "figures"))
