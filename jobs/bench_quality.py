@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[done] stages up to {args.until} in {args.out}; rerun without --until to evaluate and report")
         return 0
     from training.quality.analysis import analyse
+
     from training.quality.report import make_figures, results_md
 
     results = analyse(runs)
