@@ -204,6 +204,9 @@ def _mds_shards(path: str, source: SourceConfig) -> list[Any]:
         if enc != "bytes" and enc.split(":")[0] != "ndarray":
             raise BadRecordError(index, 0, f"shard {name}: column {column!r} has encoding {enc!r}; token ids are read "
                                            "from 'bytes' (raw ids of token_encoding_type) or 'ndarray[:<int type>]'")
+        # Only the token column is decoded; the others stay raw bytes: no image decoding, and a `pkl` column
+        # of someone else's dataset is never unpickled (unpickling runs code).
+        shard.column_encodings = ["bytes" if n != column else e for n, e in encodings.items()]
     return shards
 
 
