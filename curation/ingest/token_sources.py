@@ -153,8 +153,6 @@ def _checked_ids(value: Any, vocab_size: int, column: str, file: str, line: int)
     if value is None:
         return BadRecordError(file, line, f"column {column!r} is null")
     ids = np.asarray(value)
-    if ids.dtype.kind == "f" and np.isnan(ids).any():  # arrow turns a list with null items into floats
-        return BadRecordError(file, line, f"column {column!r} holds a null token id")
     if ids.dtype.kind not in "iu":
         return BadRecordError(file, line, f"column {column!r} holds {ids.dtype} values, expected integer token ids")
     if ids.ndim != 1:
@@ -300,11 +298,34 @@ def _table_rows(path: str, fmt: str, source: SourceConfig, start: int) -> Iterat
         for batch in batches:
             n = batch.num_rows
             if row + n > start:
-                values = batch.column(batch.schema.get_field_index(column)).to_numpy(zero_copy_only=False)
-                for k in range(max(start - row, 0), n):
-                    yield row + k, path, row + k + 1, values[k]
+                lists = _lists(batch.column(batch.schema.get_field_index(column)))
+                for k, value in enumerate(lists):
+                    if k >= start - row:
+                        if isinstance(value, str):
+                            value = BadRecordError(path, row + k + 1, f"column {column!r} {value}")
+                        yield row + k, path, row + k + 1, value
             row += n
     except (OSError, pa.ArrowException) as e:
         raise BadRecordError(path, row + 1, f"cannot read {fmt} from here on: {e}") from e
     if row == 0:
         yield -1, path, 0, BadRecordError(path, 0, "file is empty (0 rows)")
+
+
+def _lists(column: Any) -> Iterator[np.ndarray | str | None]:
+    """The rows of an arrow list column: each an array of its integer type, ``None`` for a null row, or what
+    is wrong with it (a null item). (``to_numpy`` would turn every row of a batch with a null item into floats.)"""
+    import pyarrow.compute as pc
+
+    null_row = column.is_null().to_numpy(zero_copy_only=False)
+    ends = np.cumsum(pc.list_value_length(column).fill_null(0).to_numpy())
+    flat = column.flatten()  # the items of the non-null rows
+    null_item = flat.is_null().to_numpy(zero_copy_only=False)
+    items = flat.fill_null(0).to_numpy(zero_copy_only=False)
+    begins = np.concatenate([[0], ends[:-1]])
+    for k, (begin, end) in enumerate(zip(begins.tolist(), ends.tolist(), strict=True)):
+        if null_row[k]:
+            yield None
+        elif null_item[begin:end].any():
+            yield "holds a null token id"
+        else:
+            yield items[begin:end]

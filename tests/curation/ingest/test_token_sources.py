@@ -362,3 +362,52 @@ def test_a_damaged_output_part_is_regenerated_from_the_mds_input(tmp_path, tok, 
     with pytest.warns(UserWarning, match=f"{out}/{part} is damaged"):
         res = prep.prepare(cfg)
     assert res.regenerated == [os.path.join(out, part)] and _rows(out) == before
+
+
+def test_real_c4_converted_by_llm_foundry_equals_preparing_its_text(tmp_path, shared_data, gpt2_tokenizer):
+    """c4 text tokenized with GPT-2 and converted as `convert_dataset_json.py --concat_tokens 256 --eos_text
+    '<|endoftext|>' --compression zstd` would (default shard size) prepares into the very sequences that
+    preparing the text itself gives, in the same order."""
+    from curation.ingest.tokenizer import load_tokenizer
+
+    gpt2 = load_tokenizer(gpt2_tokenizer)
+    c4 = str(shared_data / "c4_sample" / "c4_sample.jsonl")
+    with open(c4, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line, _ in zip(f, range(150), strict=False)]
+    samples = list(foundry_samples(gpt2.encode_batch(texts), max_length=256, eos=[gpt2.eos_id]))
+    data = write_foundry_mds(tmp_path / "my-copy-c4" / "train", samples, size_limit=1 << 26)
+    kw = dict(seq_len=256, sequences_per_part=64)
+    from_mds = prep.prepare(_cfg(tmp_path / "a", gpt2, [SourceConfig(name="c4", format="mds", paths=[data])], **kw))
+    from_text = prep.prepare(_cfg(tmp_path / "b", gpt2, [SourceConfig(name="c4", paths=[c4], max_documents=150)],
+                                  **kw))
+    rows = _rows(from_mds.dirs["candidates"])
+    assert rows == _rows(from_text.dirs["candidates"]) and len(rows[0]) == len(samples) > 100
+    assert max(max(r) for r in rows[0]) > 40_000  # GPT-2 ids, stored as uint16
+    m = Manifest.load(from_mds.dirs["candidates"])
+    assert m.vocab_size == 50257 and m.sources["c4"].tokens == 256 * len(samples)
+
+
+def test_unusable_records_are_named_and_counted(tmp_path, tok):
+    from streaming import MDSWriter
+
+    pq.write_table(pa.table({"ids": pa.array([[1, 2, 3], None, [], [4, None], [5, 6]], pa.list_(pa.int64()))}),
+                   tmp_path / "x.parquet")
+    with MDSWriter(columns={"tokens": "bytes"}, out=str(tmp_path / "ds"), compression="zstd") as w:
+        for value in (np.arange(1, 9).tobytes(), b"\x01\x02\x03", np.arange(9, 13).tobytes()):
+            w.write({"tokens": value})
+    res = prep.prepare(_cfg(tmp_path, tok, [
+        SourceConfig(name="pq", paths=[str(tmp_path / "x.parquet")], tokens_field="ids"),
+        SourceConfig(name="mds", format="mds", paths=[str(tmp_path / "ds")]),
+    ], seq_len=4, skip_bad_records=True))
+    m = Manifest.load(res.dirs["candidates"])
+    shard = str(tmp_path / "ds" / "shard.00000.mds.zstd")
+    assert [(os.path.basename(b.file), b.line, b.reason) for b in m.bad_records] == [
+        ("x.parquet", 2, "column 'ids' is null"),
+        ("x.parquet", 3, "column 'ids' holds no token (empty record)"),
+        ("x.parquet", 4, "column 'ids' holds a null token id"),
+        (os.path.basename(shard), 2, "sample 1 of the dataset cannot be decoded (ValueError: 3 bytes are no whole "
+                                     "number of int64 ids (token_encoding_type))"),
+    ]
+    rows, srcs = _rows(res.dirs["candidates"])
+    assert sorted(zip(srcs, rows, strict=True)) == [("mds", [1, 2, 3, 4]), ("mds", [5, 6, 7, 8]),
+                                                    ("mds", [9, 10, 11, 12]), ("pq", [1, 2, 3, 5])]
