@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from curation.ingest.corpus import BadRecordError, resolve_paths
+from curation.ingest.corpus import BadRecordError, iter_inputs, resolve_paths
 from curation.io.shards import ShardIntegrityError, decode_sample, load_shard_file
 from schemas.config import SourceConfig
 
@@ -127,25 +127,19 @@ def iter_token_records(
         :class:`TokenRecord` or :class:`BadRecordError`. An input that cannot be used at all (unreadable, no
         token column, an unsupported encoding, a damaged MDS shard: that shard) yields a single error, line 0.
     """
-    for fi in range(start_file, len(files)):
-        path = files[fi]
-        first = start_record if fi == start_file else 0
-        try:
-            if source.format == "mds":
-                rows = _mds_rows(path, source, first)
-            else:
-                rows = _table_rows(path, _table_format(path, source), source, first)
-            for idx, file, line, value in rows:
-                if isinstance(value, BadRecordError):
-                    yield value
-                    continue
-                ids = _checked_ids(value, vocab_size, source.token_column, file, line)
-                if isinstance(ids, BadRecordError):
-                    yield ids
-                else:
-                    yield TokenRecord(ids=ids, file=file, line=line, file_index=fi, next_record=idx + 1)
-        except BadRecordError as e:
-            yield e
+
+    def records(fi: int, path: str, first: int) -> Iterator[TokenRecord | BadRecordError]:
+        if source.format == "mds":
+            rows = _mds_rows(path, source, first)
+        else:
+            rows = _table_rows(path, _table_format(path, source), source, first)
+        for idx, file, line, value in rows:
+            ids = value if isinstance(value, BadRecordError) else _checked_ids(
+                value, vocab_size, source.token_column, file, line)
+            yield ids if isinstance(ids, BadRecordError) else TokenRecord(
+                ids=ids, file=file, line=line, file_index=fi, next_record=idx + 1)
+
+    return iter_inputs(files, start_file, start_record, records)
 
 
 def _checked_ids(value: Any, vocab_size: int, column: str, file: str, line: int) -> np.ndarray | BadRecordError:

@@ -189,3 +189,11 @@ def test_text_sources_record_no_pre_tokenized_keys_so_older_records_still_resume
 def test_pre_tokenized_source_settings_are_checked(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)), overrides=[override])
+
+
+def test_an_evaluation_set_is_text(tmp_path):
+    from schemas.eval_config import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=r"sets.0 \('target_val'\): evaluation sets are read as text"):
+        load_config(EvaluateConfig, default=lambda: EvaluateConfig.demo_default(str(tmp_path)),
+                    overrides=["sets.0.template=null", "sets.0.format=mds"])
