@@ -411,3 +411,26 @@ def test_unusable_records_are_named_and_counted(tmp_path, tok):
     rows, srcs = _rows(res.dirs["candidates"])
     assert sorted(zip(srcs, rows, strict=True)) == [("mds", [1, 2, 3, 4]), ("mds", [5, 6, 7, 8]),
                                                     ("mds", [9, 10, 11, 12]), ("pq", [1, 2, 3, 5])]
+
+
+@pytest.mark.slow  # two job processes
+def test_sigkill_of_the_job_between_parts_then_a_rerun_is_identical(tmp_path, tok, c4):
+    import signal
+
+    from tests.curation.ingest.test_prepare_stop import _rerun, _start, _wait_for_a_part
+
+    root, _, _ = c4
+    sources = [SourceConfig(name="c4", format="mds", paths=[str(root / "train")])]
+    kw = dict(seq_len=48, sequences_per_part=5)
+    clean = prep.prepare(_cfg(tmp_path / "clean", tok, sources, **kw)).dirs["candidates"]
+    cfg = _cfg(tmp_path / "job", tok, sources, **kw)
+    proc = _start(tmp_path / "job", cfg, delay=0.3)  # every part write slowed down: the kill lands mid-run
+    _wait_for_a_part(cfg, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = os.path.join(cfg.output_dir, "candidates")
+    assert not Manifest.load(out).complete
+    _rerun(cfg)
+    assert _rows(out) == _rows(clean)
+    a, b = Manifest.load(out), Manifest.load(clean)
+    assert [s.model_dump() for s in a.shards] == [s.model_dump() for s in b.shards] and a.sources == b.sources
