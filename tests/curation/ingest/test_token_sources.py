@@ -58,7 +58,10 @@ def write_foundry_mds(out, samples, *, encoding="ndarray:int32", compression="zs
     with MDSWriter(columns={"tokens": encoding}, out=str(out), compression=compression, hashes=hashes,
                    size_limit=size_limit) as w:
         for s in samples:
-            value = np.asarray(s, dtype=np.int32) if encoding == "ndarray:int32" else np.asarray(s).tobytes()
+            if encoding == "bytes":
+                value = np.asarray(s).tobytes()
+            else:  # ndarray[:dtype[:shape]]: the dtype named, int32 when it is not
+                value = np.asarray(s, dtype=(encoding.split(":") + ["int32"])[1])
             w.write({"tokens": value})
     return str(out)
 
@@ -89,8 +92,10 @@ def c4(tmp_path, tok):
     return tmp_path / "c4", train, val
 
 
-@pytest.mark.parametrize("encoding", ["ndarray:int32", "bytes"])
+@pytest.mark.parametrize("encoding", ["ndarray:int32", "bytes", "ndarray:uint16:32", "ndarray"])
 def test_llm_foundry_mds_round_trips_exactly(tmp_path, tok, encoding):
+    """llm-foundry's two encodings (ndarray:int32 since v0.9.0, int64 bytes before), and other integer ndarray
+    encodings (a static shape, a dtype stored per sample)."""
     docs = tok.encode_batch(_texts(1, 250))
     samples = list(foundry_samples(docs, eos=[tok.eos_id]))
     data = write_foundry_mds(tmp_path / "c4" / "train", samples, encoding=encoding)
