@@ -150,13 +150,16 @@ def _documents(
 
 def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
              ) -> Iterator[list[Document | TokenRecord | BadRecordError]]:
-    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters
-    (a huge document ends its batch, so at most one is held at a time)."""
+    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters (or
+    bytes of token ids: a huge document or record ends its batch, so at most one is held at a time)."""
     batch: list[Document | TokenRecord | BadRecordError] = []
     chars = 0
     for item in items:
         batch.append(item)
-        chars += len(item.text) if isinstance(item, Document) else 0
+        if isinstance(item, Document):
+            chars += len(item.text)
+        elif isinstance(item, TokenRecord):
+            chars += item.ids.nbytes
         if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
