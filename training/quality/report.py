@@ -169,8 +169,8 @@ def answers(r: dict[str, Any]) -> list[str]:
             for n, a in e["amortized"].items():
                 d = a["equal_compute"].get(t)
                 reach = a["vs_full_flops"]
-                per.append(f"R = {n}: {_iv(d) if d else 'n/a'}, reaches full's final loss with "
-                           + (f"{reach:.2f}× full's FLOPs" if reach is not None else "never (within its run)"))
+                per.append(f"R = {n}: {_iv(d) if d else 'n/a'}, reaches full's final loss "
+                           + (f"with {reach:.2f}× full's FLOPs" if reach is not None else "never (within its run)"))
             lines.append(f"`{p}` ({e['selection_vs_target_run']:.2f}× a target run to select) " + "; ".join(per))
         wins = [p for p, e in reuse["policies"].items()
                 if any(a["equal_compute"].get(t, {}).get("hi", 1) < 0 for a in e["amortized"].values())]
