@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from curation.core.stats import Histogram
-from curation.evaluation.heldout import DocScores, paired_difference
+from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.models import build_causal_lm
 from schemas.manifest import atomic_write_text
 from training.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
 from training.quality.experiment import Runs, train_all
@@ -128,6 +129,10 @@ def analyse(r: Runs) -> dict[str, Any]:
                for p, rs in r.main.items()}
     ev_eq = {p: [ev(f"full-seed{k}@{r.eq_steps[p]}", small, snap(full, r.eq_steps[p]))
                  for k, full in enumerate(r.main["full"])] for p in POLICIES[1:]}
+    for p, rs in r.main.items():  # models/<policy>-seed<k>/: HF directories for jobs/evaluate.py
+        for k, res in enumerate(rs):
+            export_hf(build_causal_lm(small.model_copy(update={"weights": final_w(p, res)})), r.tokenizer,
+                      os.path.join(out, "models", f"{p}-seed{k}"))
     base_ev = ev("base-proxy", small, r.bases["proxy"]["final_weights"])
     curve_steps = sorted(int(n) for n in r.main["rho1"][0]["snapshots"] if int(n) <= s.steps)
     test_curves = {p: [[(0, base_ev[TARGET_SET].mean)] + [
