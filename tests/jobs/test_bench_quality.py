@@ -12,11 +12,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ≈ 2 minutes on 2 idle cores; 9 minutes per invocation was seen on a shared machine
+@pytest.mark.timeout(3600)  # ≈ 3 minutes on 2 idle cores; over 15 minutes per invocation on a heavily shared machine
 def test_quick_quality_benchmark(tmp_path, shared_data):
     out = tmp_path / "q"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=1700, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     policies = {"full", "random", "rho1", "blade", "blade-nosync"}
@@ -72,7 +72,7 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     assert model.config.vocab_size == len(tok)
     # rerun with the same --out skips every finished run and reproduces the table
     again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
-                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                           capture_output=True, text=True, timeout=1700, cwd=tmp_path)
     assert again.returncode == 0 and json.loads((out / "results.json").read_text())["eval"] == res["eval"]
 
 
