@@ -115,6 +115,18 @@ def test_the_project_modules_import_one_another_without_a_circle():
         visit(module, [])
 
 
+#: The packages in the order of their dependencies (DESIGN.md §4): each imports only the ones after it.
+LAYERS = ("jobs", "training", "curation", "schemas")
+
+
+def test_the_packages_import_one_way():
+    """``jobs → training → curation → schemas``: a module never imports one of a package before its own (imports for
+    annotations included), even where no circle results."""
+    found = [f"{p.relative_to(REPO)}: {t}" for p in _sources() for t in _project_targets(p, runtime_only=False)
+             if LAYERS.index(t.split(".")[0]) < LAYERS.index(_module(p).split(".")[0])]
+    assert not found, f"imports against jobs → training → curation → schemas: {found}"
+
+
 def test_project_modules_are_imported_at_module_level_except_by_the_jobs():
     """A function-local import between project modules hides a dependency (and often a circle). The jobs are
     the one exception, for start-up time: they parse the config (``--help``, a bad setting) before importing

@@ -47,11 +47,11 @@ class RefreshSpec:
         ref_lr: ``η_w``.
         refresh_batch_size: sequences per validation / candidate batch of a refresh step.
         engine_dir: where reference versions are saved (``reference-0003.safetensors``).
+        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (the one the trainer and the
+            engine's plan follow).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
         precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
-        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (``None``: the warm-up and τ
-            of ``selection``, open-ended).
     """
 
     model: dict[str, Any]
@@ -62,10 +62,10 @@ class RefreshSpec:
     ref_lr: float
     refresh_batch_size: int
     engine_dir: str
+    schedule: dict[str, Any]
     device: str = "auto"
     threads: int | None = None
     precision: str = "fp32"
-    schedule: dict[str, Any] | None = None
 
 
 def reference_path(engine_dir: str, version: int) -> str:
@@ -95,8 +95,7 @@ class RefreshRunner:
         self.validation = open_shards(spec.validation, "candidate")
         self.stream = CandidateStream.from_dict(spec.stream)
         self.candidates = open_shards(spec.candidates, "candidate")
-        self.schedule = (Schedule.from_dict(spec.schedule) if spec.schedule is not None
-                         else Schedule(self.cfg.warmup_steps, self.cfg.tau))
+        self.schedule = Schedule.from_dict(spec.schedule)
         # The same batches and settings as the single-process trainer's refreshes.
         settings = RefreshSettings.of(self.cfg, lr=spec.ref_lr, batch_size=spec.refresh_batch_size,
                                       precision=spec.precision)
