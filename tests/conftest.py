@@ -223,12 +223,12 @@ def s3_server():
 def s3(s3_server, tmp_path, monkeypatch):
     """A new bucket on the test server, this process's environment pointing at it (endpoint, credentials)
     and an empty object cache (``BLADE_CACHE_DIR``); ``s3.url(path)`` is ``s3://<bucket>/<path>``."""
-    from curation.io import storage
+    from curation.io import objects
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
-    storage.forget_clients()
+    objects.forget_clients()
 
     class Bucket:
         server = s3_server
@@ -243,4 +243,4 @@ def s3(s3_server, tmp_path, monkeypatch):
             return {**os.environ, **s3_server.env(), "BLADE_CACHE_DIR": self.cache, **more}
 
     yield Bucket()
-    storage.forget_clients()
+    objects.forget_clients()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from curation.io import storage
 from curation.io.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.outdir import config_diff
@@ -114,7 +114,7 @@ class PartLedger:
                 continue
             for part in sorted(os.listdir(path)):
                 if part.endswith(".tmp") or f"{entry}/{part}" not in recorded:
-                    shutil.rmtree(os.path.join(path, part))
+                    storage.remove(os.path.join(path, part))
 
     def done_units(self) -> dict[str, ShardRecord]:
         """unit name → its record."""
@@ -139,7 +139,7 @@ class PartLedger:
         for entry in os.listdir(self.out_dir):
             other = os.path.join(self.out_dir, entry, result.unit)
             if entry.startswith("worker-") and f"{entry}/{result.unit}" != result.name and os.path.isdir(other):
-                shutil.rmtree(other)
+                storage.remove(other)
         self._publish()
         return rec
 

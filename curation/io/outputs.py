@@ -1,7 +1,8 @@
 """Jobs' directories that may be object-store URLs: resolve a config to cache paths, open an output directory.
 
 * :func:`localize`: a config whose shard and output directories (``output_dir``, ``candidates``,
-  ``validation``, ``scored``, ``selected``) and tokenizer file may be ``s3://`` URLs → the same config with their cache paths
+  ``validation``, ``scored``, ``selected``) and files (``tokenizer``, ``reference_weights``, ``proxy_weights``)
+  may be ``s3://`` URLs → the same config with their cache paths
   (:func:`curation.io.storage.local_path`); a URL anywhere else is refused naming the key. Everything below a
   job's entry takes that config; records and run keys keep the URLs (:func:`urls_in`, ``storage.canonical``).
 * :func:`open_output`: :func:`schemas.outdir.open_output_dir` for a local directory; for a URL, the same on its
@@ -32,15 +33,15 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from curation.io import storage
+from curation.io import objects, storage
 from schemas.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
 __all__ = ["URL_FIELDS", "localize", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
 
-#: Config keys (at any depth) whose value may be an object-store URL: shard and output directories, and the
-#: tokenizer file (prepare writes it into its output directory), downloaded into the cache by :func:`localize`.
-URL_FIELDS = frozenset({"output_dir", "candidates", "validation", "scored", "selected", "tokenizer"})
-_FILE_FIELDS = frozenset({"tokenizer"})
+#: Config keys (at any depth) whose value may be an object-store URL: shard and output directories, and files
+#: other jobs write into theirs (the tokenizer, weights), which :func:`localize` downloads into the cache.
+_FILE_FIELDS = frozenset({"tokenizer", "reference_weights", "proxy_weights"})
+URL_FIELDS = frozenset({"output_dir", "candidates", "validation", "scored", "selected"}) | _FILE_FIELDS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -55,7 +56,7 @@ def lease_seconds() -> float:
 # ------------------------------------------------------------------------------------------------
 def localize(cfg: M) -> M:
     """``cfg`` with every object-store URL of a :data:`URL_FIELDS` key replaced by its cache path (``cfg``
-    itself when it holds none); a file (the tokenizer) is brought into the cache.
+    itself when it holds none); a file (tokenizer, weights) is brought into the cache.
 
     Raises:
         ValueError: a URL in another key, or of an unsupported scheme (names the key and the value).
@@ -72,15 +73,15 @@ def localize(cfg: M) -> M:
                 walk(v, key + ".")
             elif isinstance(v, str) and "://" in v:
                 if str(k) in URL_FIELDS:
-                    storage.check_scheme(v)
-                if storage.is_url(v):
+                    objects.check_scheme(v)
+                if objects.is_url(v):
                     if str(k) not in URL_FIELDS:
                         raise ValueError(f"{key}: object-store URLs are supported for shard and output directories "
                                          f"only ({', '.join(sorted(URL_FIELDS))}); got {v}")
                     node[k] = storage.local_path(v)
                     changed = True
-                    if str(k) in _FILE_FIELDS and not storage.refresh(node[k]):
-                        raise FileNotFoundError(f"{key}: {v} does not exist")
+                    if str(k) in _FILE_FIELDS:
+                        storage.refresh(node[k])  # absent: its reader says so (or a prepare writes it first)
 
     walk(data, "")
     return type(cfg).model_validate_json(json.dumps(data)) if changed else cfg
@@ -95,6 +96,13 @@ def urls_in(data: Any) -> Any:
     if isinstance(data, str) and os.path.isabs(data):
         return storage.url_of(data) or data
     return data
+
+
+def _with_urls(cfg: BaseModel | Mapping[str, Any]) -> BaseModel | Mapping[str, Any]:
+    """A config as recorded: the URLs of a localized config's cache paths (of the same model type)."""
+    if isinstance(cfg, BaseModel):
+        return type(cfg).model_validate_json(json.dumps(urls_in(cfg.model_dump(mode="json"))))
+    return urls_in(json.loads(json.dumps(dict(cfg))))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,7 +135,7 @@ class RemoteLock:
         self.etag = self._acquire()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
-        storage.guard(url, self.check)
+        objects.guard(url, self.check)
         self._thread = threading.Thread(target=self._renew, name=f"lock {url}", daemon=True)
         self._thread.start()
 
@@ -137,10 +145,10 @@ class RemoteLock:
     def _acquire(self) -> str:
         for _ in range(3):  # the holder may release between our two calls: try again
             try:
-                return storage.write_object(self.key, self._body(), IfNoneMatch="*")
+                return objects.write_object(self.key, self._body(), IfNoneMatch="*")
             except FileExistsError:
                 pass
-            current = storage.read_object(self.key)
+            current = objects.read_object(self.key)
             if current is None:
                 continue
             try:
@@ -156,7 +164,7 @@ class RemoteLock:
                     f"renewed {current.age_s:.0f} s ago. Wait for it to finish or stop it; if it was killed, its "
                     f"lock is taken over {left:.0f} s from now (at once from its own host), or use another output_dir")
             try:
-                etag = storage.write_object(self.key, self._body(), IfMatch=current.etag)
+                etag = objects.write_object(self.key, self._body(), IfMatch=current.etag)
             except FileExistsError:
                 continue  # another run took it over first
             print(f"note: took over the lock of {self.url} from {info.get('job')} pid {info.get('pid')} on host "
@@ -180,7 +188,7 @@ class RemoteLock:
     def _renew(self) -> None:
         while not self._stop.wait(self.lease / 3):
             try:
-                self.etag = storage.write_object(self.key, self._body(), IfMatch=self.etag)
+                self.etag = objects.write_object(self.key, self._body(), IfMatch=self.etag)
                 self._renewed = time.monotonic()
             except FileExistsError:
                 self.lost = "another run took it over (this one did not renew it within its lease)"
@@ -200,11 +208,11 @@ class RemoteLock:
         """Stop renewing and delete the lock object if it is still this run's."""
         self._stop.set()
         self._thread.join(timeout=30)
-        storage.guard(self.url, None)
+        objects.guard(self.url, None)
         if self.lost is None:
-            current = storage.read_object(self.key)
+            current = objects.read_object(self.key)
             if current is not None and current.etag == self.etag:
-                storage.delete_object(self.key)
+                objects.delete_object(self.key)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,10 +226,12 @@ def open_output(directory: str, job: str, records: Mapping[str, BaseModel | Mapp
         OutputDirBusy, ConfigMismatch, OutputDirError: see :mod:`schemas.outdir` (naming the URL).
         StorageError: the bucket cannot be reached or refuses the credentials.
     """
-    storage.check_scheme(directory)
-    if not storage.is_url(directory):
+    objects.check_scheme(directory)
+    directory = storage.url_of(directory) or directory  # a localized config's cache path: its URL
+    if not objects.is_url(directory):
         return open_output_dir(directory, job, records)
     local = storage.local_path(directory)
+    records = {name: _with_urls(cfg) for name, cfg in (records or {}).items()}
 
     def attach(lock: OutputDirLock) -> None:
         remote = RemoteLock(directory, lock.holder)

@@ -240,9 +240,7 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     for entry in sorted(os.listdir(base)):
         rel = os.path.join(group, entry.removesuffix(".tmp"))
         if entry.endswith(".tmp") or rel not in completed:
-            shutil.rmtree(os.path.join(base, entry))
-            if not entry.endswith(".tmp"):
-                storage.unpublish(os.path.join(base, entry))
+            storage.remove(os.path.join(base, entry))
             removed.append(rel)
     return removed
 

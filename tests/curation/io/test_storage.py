@@ -11,9 +11,10 @@ import socket
 import numpy as np
 import pytest
 
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.outputs import RemoteLock, localize, open_output, urls_in
 from curation.io.shards import ShardIntegrityError, ShardReader, write_part
+from schemas.config import PrepareConfig
 from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
 from schemas.shards import CANDIDATE
 from schemas.train_config import TrainConfig
@@ -34,7 +35,7 @@ def test_cache_paths_map_both_ways(tmp_path, monkeypatch):
         storage.local_path("s3://bkt/../x")
     with pytest.raises(ValueError, match="gs:// paths are not supported; use a local path or s3://bucket/prefix "
                                          r"\(Google Cloud Storage: use its S3-compatible API"):
-        storage.check_scheme("gs://b/x")
+        objects.check_scheme("gs://b/x")
 
 
 def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
@@ -47,11 +48,12 @@ def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     assert urls_in(local.model_dump(mode="json")) == cfg.model_dump(mode="json")
     plain = TrainConfig.demo_default("runs/demo")
     assert localize(plain) is plain
-    bad = plain.model_copy(update={"selection": plain.selection.model_copy(
-        update={"reference_weights": "s3://bkt/ref.safetensors"})})
-    with pytest.raises(ValueError, match=r"selection.reference_weights: object-store URLs are supported for shard and "
-                                         r"output directories only \(candidates, output_dir, scored, selected, "
-                                         r"tokenizer, validation\); got s3://bkt/ref.safetensors"):
+    prep = PrepareConfig.demo_default("runs/demo")
+    bad = prep.model_copy(update={"sources": [prep.sources[0].model_copy(update={"paths": ["s3://bkt/raw.jsonl"]})]})
+    with pytest.raises(ValueError, match=r"^sources.0.paths.0: object-store URLs are supported for shard and output "
+                                         r"directories only \(candidates, output_dir, proxy_weights, "
+                                         r"reference_weights, scored, selected, tokenizer, validation\); "
+                                         "got s3://bkt/raw.jsonl"):
         localize(bad)
 
 
@@ -75,9 +77,9 @@ def test_push_pull_mirror_files_and_links(s3):
     os.unlink(f"{root}/ck/ep0-ba4-rank0.pt")  # pruned (checkpoint.keep)
     storage.push(root, "ck", delete=True)
     storage.push(root)
-    objects = storage.list_objects(s3.url("run"))
-    assert sorted(objects) == ["ck/.symlinks.json", "ck/ep0-ba8-rank0.pt", "logs/metrics.jsonl"]
-    assert objects["ck/ep0-ba8-rank0.pt"].etag == storage.file_etag(f"{root}/ck/ep0-ba8-rank0.pt")
+    stored = objects.list_objects(s3.url("run"))
+    assert sorted(stored) == ["ck/.symlinks.json", "ck/ep0-ba8-rank0.pt", "logs/metrics.jsonl"]
+    assert stored["ck/ep0-ba8-rank0.pt"].etag == objects.file_etag(f"{root}/ck/ep0-ba8-rank0.pt")
 
     shutil.rmtree(storage.cache_root())  # another machine: an empty cache
     assert storage.pull(root) == ["ck/ep0-ba8-rank0.pt", "logs/metrics.jsonl"]
@@ -103,7 +105,7 @@ def _part(path: str, n: int = 40) -> list[np.ndarray]:
 def test_shards_are_read_through_the_cache_and_checked(s3, flip_bit):
     part = storage.local_path(s3.url("data/candidates/s/part-00000"))
     rows = _part(part)  # written into the cache and uploaded (index.json last)
-    names = sorted(storage.list_objects(s3.url("data/candidates/s/part-00000")))
+    names = sorted(objects.list_objects(s3.url("data/candidates/s/part-00000")))
     assert "index.json" in names and len(names) > 2
     shutil.rmtree(storage.cache_root())
     reader = ShardReader(part)
@@ -141,35 +143,35 @@ def test_remote_lock_refuses_a_live_holder_and_takes_over_a_dead_one(s3):
                                             rf"{socket.gethostname()}, started t0 \(x\); its lock was renewed \d+ s ago"):
         RemoteLock(url, _holder(os.getpid()))
     first.release()
-    assert storage.read_object(f"{url}/.lock") is None
+    assert objects.read_object(f"{url}/.lock") is None
     second = RemoteLock(url, _holder(os.getpid()))
     second.release()
 
     # a holder on this host whose process is gone (kill -9): taken over at once
     dead = 2 ** 22 + 12345
-    storage.write_object(f"{url}/.lock", json.dumps({**_holder(dead), "lease_s": 3600}).encode())
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(dead), "lease_s": 3600}).encode())
     third = RemoteLock(url, _holder(os.getpid()))
-    assert json.loads(storage.read_object(f"{url}/.lock").body)["pid"] == os.getpid()
+    assert json.loads(objects.read_object(f"{url}/.lock").body)["pid"] == os.getpid()
     third.release()
 
     # another host's holder: taken over once its lease ran out (by the server's clock), never before
-    storage.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 3600}).encode())
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 3600}).encode())
     with pytest.raises(OutputDirBusy, match="pid 1 on host elsewhere"):
         RemoteLock(url, _holder(os.getpid()))
-    storage.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 0}).encode())
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 0}).encode())
     import time
 
     time.sleep(1.1)
     fourth = RemoteLock(url, _holder(os.getpid()))
     # ... and a run whose lock was taken over stops uploading
-    storage.write_object(f"{url}/.lock", json.dumps(_holder(2, "elsewhere")).encode())
+    objects.write_object(f"{url}/.lock", json.dumps(_holder(2, "elsewhere")).encode())
     fourth.lost = "another run took it over"
     path = storage.local_path(f"{url}/f.txt")
     _write(path, b"x")
     with pytest.raises(OutputDirError, match=rf"^{url}: this run lost its lock \(another run took it over\)"):
         storage.publish(path)
     fourth.release()
-    assert json.loads(storage.read_object(f"{url}/.lock").body)["pid"] == 2  # not deleted: not ours
+    assert json.loads(objects.read_object(f"{url}/.lock").body)["pid"] == 2  # not deleted: not ours
 
 
 def test_open_output_resumes_from_the_bucket_with_an_empty_cache(s3):
@@ -181,7 +183,7 @@ def test_open_output_resumes_from_the_bucket_with_an_empty_cache(s3):
         storage.push(lock.directory)
         with pytest.raises(OutputDirBusy, match=f"^{url} is in use by another run"):
             open_output(url, "train", {"config.yaml": cfg})
-    assert sorted(storage.list_objects(url)) == ["checkpoints/x.pt", "config.yaml"]  # the lock object is gone
+    assert sorted(objects.list_objects(url)) == ["checkpoints/x.pt", "config.yaml"]  # the lock object is gone
     shutil.rmtree(storage.cache_root())
     other = cfg.model_copy(update={"seed": 7})
     with pytest.raises(ConfigMismatch, match=rf"^{url} was written with a different config \(differs in: seed\)"
@@ -202,11 +204,11 @@ def test_unreachable_endpoint_missing_and_refused_credentials(s3, monkeypatch, t
     closed = s.getsockname()[1]
     s.close()
     monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
-    storage.forget_clients()
-    with pytest.raises(storage.StorageError, match=rf"^cannot read {url}: the object store at http://127.0.0.1:"
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError, match=rf"^cannot read {url}: the object store at http://127.0.0.1:"
                                                    rf"{closed} cannot be reached \(.*\); check S3_ENDPOINT_URL and the "
                                                    "network, then rerun"):
-        storage.read_object(url)
+        objects.read_object(url)
 
     monkeypatch.setenv("S3_ENDPOINT_URL", s3.server.endpoint)
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
@@ -214,15 +216,15 @@ def test_unreachable_endpoint_missing_and_refused_credentials(s3, monkeypatch, t
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    storage.forget_clients()
-    with pytest.raises(storage.StorageError, match=rf"^cannot read {url}: no object-store credentials found: set "
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError, match=rf"^cannot read {url}: no object-store credentials found: set "
                                                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
-        storage.read_object(url)
+        objects.read_object(url)
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
-    storage.forget_clients()
-    with pytest.raises(storage.StorageError) as e:
-        storage.read_object(url)
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError) as e:
+        objects.read_object(url)
     assert str(e.value).startswith(f"cannot read {url}: the object store refused the credentials (InvalidAccessKeyId)")
     assert "wrong-secret" not in str(e.value)
