@@ -65,6 +65,7 @@ class PartLedger:
         self.out_dir = out_dir
         self.spec = SPECS[kind]
         os.makedirs(out_dir, exist_ok=True)
+        storage.pull(out_dir)  # an object-store directory, on whatever node this runs: its cache = the bucket
         key = json.loads(json.dumps(dict(run_key)))
         existing = Manifest.load_if_exists(out_dir)
         if existing is not None:
@@ -124,7 +125,7 @@ class PartLedger:
         """Record a finished part (it must be on disk), merge the index, save the manifest."""
         if result.unit in self.done_units():
             raise ValueError(f"{self.out_dir}: {result.unit} is already recorded")
-        if not os.path.isfile(os.path.join(self.out_dir, result.name, "index.json")):
+        if not storage.fetch(os.path.join(self.out_dir, result.name, "index.json")):  # (a worker on another node)
             raise ValueError(f"{self.out_dir}/{result.name}: the part is not on disk")
         rec = ShardRecord(
             name=result.name, samples=result.samples, tokens=result.tokens,

@@ -188,7 +188,7 @@ class RefreshRunner:
         if self.opt_version == version:
             return CONTINUE
         path = self._opt_path(version)
-        if not os.path.exists(path):
+        if not storage.fetch(path):
             raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")
         return torch.load(path, map_location="cpu", weights_only=True)
 

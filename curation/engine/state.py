@@ -59,7 +59,6 @@ def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMa
     weights.save(proxy_path(engine_dir, step))
     if recent is not None and recent.steps:
         save_recent(recent, recent_path(engine_dir, step))
-        storage.publish(recent_path(engine_dir, step))
     storage.publish(proxy_path(engine_dir, step))  # an object-store output directory: before it is published
 
 
@@ -172,6 +171,7 @@ class EngineState:
         self.core = Coordinator(units, done=set(ledger.done_units()), lookahead=lookahead)
         self.engine_dir = engine_dir
         os.makedirs(engine_dir, exist_ok=True)
+        storage.pull(engine_dir)  # an object-store directory, on whatever node this runs: its cache = the bucket
         self.plan = plan
         self.refresh_mode = RefreshMode(refresh_mode)
         if plan is not None and plan.refreshes != (self.refresh_mode in _REFRESHED):

@@ -21,7 +21,7 @@ from curation.io import objects, storage
 from curation.io.shards import ShardReader
 from schemas.config import PrepareConfig
 from schemas.manifest import Manifest
-from tests.conftest import ENGINE_SIZES, ENGINE_VOCAB, load_job
+from tests.conftest import ENGINE_VOCAB, load_job
 from tests.jobs.test_curate_and_train import JOB as MAIN_JOB
 from tests.jobs.test_curate_and_train import assert_same_run
 
@@ -80,7 +80,20 @@ def _pulled(s3, run: str) -> str:
     return path
 
 
-def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, tmp_path, session_killer, capsys):
+@pytest.fixture(scope="module")
+def local_run(tiny_train, tmp_path_factory) -> str:
+    """The tiny blade run of ``tiny_train`` on the local copy of the data, uninterrupted (what the bucket's runs
+    must equal bit for bit)."""
+    from schemas.train_config import TrainConfig
+    from training.runs.single import train
+
+    out = str(tmp_path_factory.mktemp("local") / "run")
+    train(TrainConfig.model_validate(tiny_train(out)))
+    return out
+
+
+def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, local_run, tmp_path, session_killer,
+                                                   capsys):
     # prepare into the bucket: the same shards as a local prepare, readable by StreamingDataset from the bucket
     cfg = _prepare_into(s3, engine_demo)
     stored = objects.list_objects(s3.url("data"))
@@ -104,13 +117,8 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     assert ".lock" not in objects.list_objects(s3.url("run"))
 
     # bit for bit the run of the same config on the local copy of the data, uninterrupted
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
-    reference = str(tmp_path / "local-run")
-    train(TrainConfig.model_validate(tiny_train(reference)))
     shutil.rmtree(s3.cache)
-    assert_same_run(reference, _pulled(s3, "run"))
+    assert_same_run(local_run, _pulled(s3, "run"))
 
     # a bit flip in a stored shard: a reader names the object; a rerun of prepare (its cache still holding the
     # intact copy) finds it by its ETag, rewrites the part, and the object is whole again
@@ -142,7 +150,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
 
 
 @pytest.mark.ray
-def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, tiny_train, tmp_path,
+def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, tiny_train, local_run, tmp_path,
                                                               session_killer):
     _prepare_into(s3, engine_demo)
     config = {"train": tiny_train(s3.url("run"), data=_s3_data(s3)), "workers": {"count": 2, "range_steps": 2},
@@ -159,12 +167,35 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
     assert ".lock" not in stored
 
     # exact mode on Ray equals the single-process trainer, here on the local copy of the data
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
-    reference = str(tmp_path / "local-run")
-    train(TrainConfig.model_validate(tiny_train(reference)))
     shutil.rmtree(s3.cache)
     run = _pulled(s3, "run")
     assert Manifest.load(os.path.join(run, "scored")).complete
-    assert_same_run(reference, run)
+    assert_same_run(local_run, run)
+
+
+@pytest.mark.ray
+def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, tmp_path):
+    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
+    from curation.engine.ray_backend import ray_session
+    from schemas.train_config import TrainConfig
+    from training.runs.group import train_parallel
+    from training.runs.single import train
+
+    _prepare_into(s3, engine_demo)
+    steps = 8
+    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), max_steps=steps,
+                                                parallel={"workers": 2}))
+    with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
+        train_parallel(cfg)
+    stored = objects.list_objects(s3.url("dp"))
+    assert {"config.yaml", "selected/manifest.json", "final/model.safetensors", "summary.json",
+            "checkpoints/.symlinks.json", "logs/metrics.jsonl"} <= set(stored) and ".lock" not in stored
+
+    single = str(tmp_path / "single")
+    train(TrainConfig.model_validate(tiny_train(single, max_steps=steps)))
+    shutil.rmtree(s3.cache)
+    a, b = ShardReader(os.path.join(single, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
+    assert len(a) == len(b) == steps * 8
+    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
+    first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
+    assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)
