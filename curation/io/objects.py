@@ -178,6 +178,18 @@ def _errors(url: str, action: str) -> Iterator[None]:
         raise _error(e, url, action) from None
 
 
+def _unless_missing(url: str, action: str, call: Callable[[], Any]) -> Any:
+    """``call()`` (an S3 request about ``url``) with its errors as :class:`StorageError`; ``None`` when the object
+    does not exist."""
+    with _errors(url, action):
+        try:
+            return call()
+        except Exception as e:
+            if _not_found(e):
+                return None
+            raise
+
+
 def _not_found(e: Exception) -> bool:
     from botocore.exceptions import ClientError
 
@@ -217,13 +229,10 @@ def read_object(url: str) -> StoredObject | None:
     from email.utils import parsedate_to_datetime
 
     bucket, key = split_url(url)
+    r = _unless_missing(url, "read", lambda: client().get_object(Bucket=bucket, Key=key))
+    if r is None:
+        return None
     with _errors(url, "read"):
-        try:
-            r = client().get_object(Bucket=bucket, Key=key)
-        except Exception as e:
-            if _not_found(e):
-                return None
-            raise
         body = r["Body"].read()
     date = r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     age = (parsedate_to_datetime(date) - r["LastModified"]).total_seconds() if date else 0.0
@@ -251,13 +260,9 @@ def write_object(url: str, body: bytes, **conditions: str) -> str:
 def head_object(url: str) -> ObjectInfo | None:
     """Size and ETag of one object (``None`` when it does not exist)."""
     bucket, key = split_url(url)
-    with _errors(url, "read"):
-        try:
-            r = client().head_object(Bucket=bucket, Key=key)
-        except Exception as e:
-            if _not_found(e):
-                return None
-            raise
+    r = _unless_missing(url, "read", lambda: client().head_object(Bucket=bucket, Key=key))
+    if r is None:
+        return None
     return ObjectInfo(int(r["ContentLength"]), r["ETag"].strip('"'))
 
 
@@ -309,16 +314,13 @@ def download(url: str, path: str) -> None:
     """Download one object to ``path`` atomically (a temporary file in the same folder, then a rename), so
     processes sharing the cache never read half a file; a single-PUT object's MD5 is checked."""
     bucket, key = split_url(url)
+    r = _unless_missing(url, "download", lambda: client().get_object(Bucket=bucket, Key=key))
+    if r is None:
+        raise FileNotFoundError(errno.ENOENT, "no such object", url)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dl-", dir=os.path.dirname(path))
     try:
         with _errors(url, "download"), os.fdopen(fd, "wb") as f:
-            try:
-                r = client().get_object(Bucket=bucket, Key=key)
-            except Exception as e:
-                if _not_found(e):
-                    raise FileNotFoundError(errno.ENOENT, "no such object", url) from None
-                raise
             etag, h = r["ETag"].strip('"'), hashlib.md5(usedforsecurity=False)
             for chunk in r["Body"].iter_chunks(1 << 20):
                 f.write(chunk)
