@@ -172,6 +172,22 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
     assert Manifest.load(os.path.join(run, "scored")).complete
     assert_same_run(local_run, run)
 
+    # jobs/curate.py: the candidates and the run's final weights from the bucket, its selected tokens into it
+    from curation.engine.batch_curation import curate
+    from schemas.engine_config import CurateConfig
+
+    curated = curate(CurateConfig.model_validate({
+        "candidates": s3.url("data/candidates"), "model": config["train"]["model"], "gamma": 0.5, "batch_size": 8,
+        "reference_weights": s3.url("run/final/reference.safetensors"),
+        "proxy_weights": s3.url("run/final/model.safetensors"), "output_dir": s3.url("curate"), "progress": False,
+        "workers": {"count": 2, "range_steps": 10}}))
+    shutil.rmtree(s3.cache)
+    selected = os.path.join(_pulled(s3, "curate"), "selected")
+    manifest, rows = Manifest.load(selected), ShardReader(selected)
+    assert manifest.complete and len(rows) == curated["sequences"] == len(ShardReader(
+        os.path.join(engine_demo, "data", "candidates"))) // 8 * 8
+    assert sum(int(rows[i]["loss_mask"].sum()) for i in range(len(rows))) == manifest.totals().kept_tokens > 0
+
 
 @pytest.mark.ray
 def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, tmp_path):
