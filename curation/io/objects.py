@@ -283,9 +283,19 @@ def delete_many(url: str, rels: Iterable[str]) -> None:
                                                            "Quiet": True})
 
 
+_etags: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → ETag: a checkpoint is hashed once
+
+
 def file_etag(path: str) -> str:
     """The ETag this module's upload gives ``path``: its MD5, or S3's multipart form above ``_SINGLE_PUT``."""
-    size = os.path.getsize(path)
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _etags:
+        _etags[key] = _md5_etag(path, st.st_size)
+    return _etags[key]
+
+
+def _md5_etag(path: str, size: int) -> str:
     with open(path, "rb") as f:
         if size <= _SINGLE_PUT:
             h = hashlib.md5(usedforsecurity=False)

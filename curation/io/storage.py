@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
 
 from curation.io.objects import (
     delete_many,
@@ -186,18 +185,17 @@ def remove(path: str) -> None:
         unpublish(path)
 
 
-def pull(root: str, *, keep: Iterable[str] = ()) -> list[str]:
+def pull(root: str) -> list[str]:
     """Make the cache directory ``root`` equal to its bucket prefix: download objects the cache lacks or holds
-    differently (ETag ≠ MD5 of the cached file), delete cached files the bucket does not have (``keep``:
-    top-level names left alone), restore symbolic links. Returns the files downloaded (relative)."""
+    differently (ETag ≠ MD5 of the cached file), delete cached files the bucket does not have (the local lock
+    file and temporary files excepted), restore symbolic links. Returns the files downloaded (relative)."""
     url = url_of(root)
     if url is None:
         return []
     remote = list_objects(url)
     files, links = _walk(root) if os.path.isdir(root) else ({}, {})
-    keep = set(keep) | _LOCAL_ONLY
     for rel, path in {**files, **{r: os.path.join(root, r) for r in links}}.items():
-        if rel not in remote and rel.split("/", 1)[0] not in keep:
+        if rel not in remote:
             os.unlink(path)
     got = []
     for rel, info in sorted(remote.items()):
