@@ -25,7 +25,7 @@ from tests.conftest import ENGINE_VOCAB, load_job
 from tests.jobs.test_curate_and_train import JOB as MAIN_JOB
 from tests.jobs.test_curate_and_train import assert_same_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # minutes each on a loaded 2-core machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_JOB = os.path.join(REPO, "jobs", "train.py")
@@ -190,28 +190,23 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
 
 
 @pytest.mark.ray
-def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, tmp_path):
+def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run):
     """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
     from curation.engine.ray_backend import ray_session
     from schemas.train_config import TrainConfig
     from training.runs.group import train_parallel
-    from training.runs.single import train
 
     _prepare_into(s3, engine_demo)
-    steps = 8
-    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), max_steps=steps,
-                                                parallel={"workers": 2}))
+    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}))
     with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
         train_parallel(cfg)
     stored = objects.list_objects(s3.url("dp"))
     assert {"config.yaml", "selected/manifest.json", "final/model.safetensors", "summary.json",
             "checkpoints/.symlinks.json", "logs/metrics.jsonl"} <= set(stored) and ".lock" not in stored
 
-    single = str(tmp_path / "single")
-    train(TrainConfig.model_validate(tiny_train(single, max_steps=steps)))
     shutil.rmtree(s3.cache)
-    a, b = ShardReader(os.path.join(single, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
-    assert len(a) == len(b) == steps * 8
+    a, b = ShardReader(os.path.join(local_run, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
+    assert len(a) == len(b) == cfg.max_steps * cfg.batch_size
     assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
     first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
     assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)
