@@ -11,14 +11,17 @@ import glob
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zstandard
 
 from schemas.config import SourceConfig
 
-__all__ = ["Document", "BadRecordError", "resolve_paths", "detect_format", "iter_documents"]
+__all__ = ["Document", "BadRecordError", "resolve_paths", "detect_format", "iter_inputs", "iter_documents"]
+
+T = TypeVar("T")
 
 
 class BadRecordError(ValueError):
@@ -296,6 +299,20 @@ def _parquet_records(path: str, source: SourceConfig, start: int) -> Iterator[tu
             row += 1
 
 
+def iter_inputs(
+    files: list[str], start_file: int, start_record: int,
+    records: Callable[[int, str, int], Iterator[T | BadRecordError]],
+) -> Iterator[T | BadRecordError]:
+    """The items of ``files`` from a resume position: ``records(file_index, path, first)`` yields one file's
+    items from its record ``first`` on; a :class:`BadRecordError` it raises (a file that cannot be used at all)
+    is yielded, and reading goes on with the next file."""
+    for fi in range(start_file, len(files)):
+        try:
+            yield from records(fi, files[fi], start_record if fi == start_file else 0)
+        except BadRecordError as e:
+            yield e
+
+
 def iter_documents(
     source: SourceConfig,
     *,
@@ -315,22 +332,21 @@ def iter_documents(
         :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
         A file that cannot be opened at all yields a single error with line 0.
     """
-    files = resolve_paths(source) if files is None else files
-    for fi in range(start_file, len(files)):
-        path = files[fi]
-        first = start_record if fi == start_file else 0
-        try:
-            fmt = detect_format(path, source.format)
-            if fmt in ("jsonl", "jsonl.zst"):
-                records = _jsonl_records(path, fmt, source, first)
-            elif fmt == "parquet":
-                records = _parquet_records(path, source, first)
+
+    def documents(fi: int, path: str, first: int) -> Iterator[Document | BadRecordError]:
+        fmt = detect_format(path, source.format)
+        if fmt in ("jsonl", "jsonl.zst"):
+            records = _jsonl_records(path, fmt, source, first)
+        elif fmt == "parquet":
+            records = _parquet_records(path, source, first)
+        elif fmt == "txt":
+            records = _txt_records(path, source, first)
+        else:  # a pre-tokenized format: curation.ingest.token_sources reads it
+            raise BadRecordError(path, 0, f"format {fmt!r} holds token ids, not text (source '{source.name}')")
+        for idx, line, item in records:
+            if isinstance(item, BadRecordError):
+                yield item
             else:
-                records = _txt_records(path, source, first)
-            for idx, line, item in records:
-                if isinstance(item, BadRecordError):
-                    yield item
-                else:
-                    yield Document(text=item, file=path, line=line, file_index=fi, next_record=idx + 1)
-        except BadRecordError as e:
-            yield e
+                yield Document(text=item, file=path, line=line, file_index=fi, next_record=idx + 1)
+
+    yield from iter_inputs(resolve_paths(source) if files is None else files, start_file, start_record, documents)

@@ -1,5 +1,9 @@
 """Corpus preparation: named sources → tokenized, packed, zstd MDS candidate (and validation) shards.
 
+Text sources are read by :mod:`curation.ingest.corpus` and tokenized here; pre-tokenized ones (MDS token
+datasets, parquet/arrow token columns) by :mod:`curation.ingest.token_sources`, whose records' ids are packed
+as they are (``token_rows: stream``) or each followed by EOS like a text document (``token_rows: documents``).
+
 Layout of ``output_dir``::
 
     tokenizer/tokenizer.json          (trained here, or a copy of nothing: a given tokenizer stays where it is)
@@ -30,6 +34,7 @@ from tqdm import tqdm
 from curation.ingest.corpus import BadRecordError, Document, iter_documents, resolve_paths
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.packing import Packer
+from curation.ingest.token_sources import TokenRecord, iter_token_records, resolve_token_inputs
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
 from curation.io import storage
 from curation.io.outputs import localize, open_output, urls_in
@@ -114,42 +119,56 @@ def _prepare_locked(cfg: PrepareConfig) -> PrepareResult:
 
 # ------------------------------------------------------------------------------------------------
 def _files(source: SourceConfig, skip_bad: bool) -> tuple[list[str], list[BadRecordError]]:
-    """The source's files, and (with ``skip_bad``) one bad record per pattern that matches nothing."""
+    """The source's files (a pre-tokenized source's inputs: files, or MDS dataset directories), and (with
+    ``skip_bad``) one bad record per pattern that matches nothing."""
+    resolve = resolve_token_inputs if source.pre_tokenized else resolve_paths
     if not skip_bad:
-        return resolve_paths(source), []
+        return resolve(source), []
     files: list[str] = []
     missing: list[BadRecordError] = []
     for pattern in source.paths:  # a missing path is one bad record, the others still count
         try:
-            files.extend(resolve_paths(source.model_copy(update={"paths": [pattern]})))
+            files.extend(resolve(source.model_copy(update={"paths": [pattern]})))
         except BadRecordError as e:
             missing.append(e)
     return sorted(set(files)), missing
 
 
-def _documents(source: SourceConfig, skip_bad: bool, **pos) -> Iterator[Document | BadRecordError]:
-    """Documents of a source from a position; bad records raise unless ``skip_bad`` (then they are yielded
-    to count). Patterns matching nothing are not yielded here (see :func:`_files`)."""
+def _documents(
+    source: SourceConfig, skip_bad: bool, vocab_size: int | None = None, **pos
+) -> Iterator[Document | TokenRecord | BadRecordError]:
+    """Documents (a pre-tokenized source's token records: their ids checked against ``vocab_size``) of a source
+    from a position; bad records raise unless ``skip_bad`` (then they are yielded to count). Patterns matching
+    nothing are not yielded here (see :func:`_files`)."""
     files, _ = _files(source, skip_bad)
     at_start = pos.get("start_file", 0) == 0 and pos.get("start_record", 0) == 0
     to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
-    for item in iter_documents(source, files=files, **pos):
+    if source.pre_tokenized:
+        assert vocab_size is not None, "token records are checked against the tokenizer's vocabulary"
+        items = iter_token_records(source, files=files, vocab_size=vocab_size, **pos)
+    else:
+        items = iter_documents(source, files=files, **pos)
+    for item in items:
         if to_skip:
-            to_skip -= isinstance(item, Document)
+            to_skip -= not isinstance(item, BadRecordError)
             continue
         if isinstance(item, BadRecordError) and not skip_bad:
             raise item
         yield item
 
 
-def _batches(items: Iterator[Document | BadRecordError]) -> Iterator[list[Document | BadRecordError]]:
-    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters
-    (a huge document ends its batch, so at most one is held at a time)."""
-    batch: list[Document | BadRecordError] = []
+def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
+             ) -> Iterator[list[Document | TokenRecord | BadRecordError]]:
+    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters (or
+    bytes of token ids: a huge document or record ends its batch, so at most one is held at a time)."""
+    batch: list[Document | TokenRecord | BadRecordError] = []
     chars = 0
     for item in items:
         batch.append(item)
-        chars += len(item.text) if isinstance(item, Document) else 0
+        if isinstance(item, Document):
+            chars += len(item.text)
+        elif isinstance(item, TokenRecord):
+            chars += item.ids.nbytes
         if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -375,7 +394,8 @@ def _prepare_source(
             flush(seqs, {"file": doc_pos[0], "record": doc_pos[1], "skip": written})
 
     eos = np.asarray([tok.eos_id], dtype=np.int64)
-    items = _documents(source, cfg.skip_bad_records, start_file=state["file"], start_record=state["record"])
+    items = _documents(source, cfg.skip_bad_records, tok.vocab_size, start_file=state["file"],
+                       start_record=state["record"])
     bar = tqdm(desc=f"{os.path.basename(out)}/{source.name}", unit="doc", disable=not cfg.progress,
                initial=counts.documents, dynamic_ncols=True)
     stop = False
@@ -389,11 +409,16 @@ def _prepare_source(
                                                       reason=item.reason))
                     continue
                 doc_pos, fed = (item.file_index, item.next_record - 1), 0
-                pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
-                          else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS))
+                if isinstance(item, TokenRecord):  # ids as they are; a stream's pieces hold their own EOS
+                    pieces, ends = [item.ids], source.token_rows == "documents"
+                else:
+                    pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
+                              else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS))
+                    ends = True
                 for ids in pieces:
                     feed(ids)
-                feed(eos)
+                if ends:
+                    feed(eos)
                 # Counted once complete: a part written in the middle saves the counts without it, and a
                 # rerun reads it again.
                 counts.documents += 1

@@ -10,7 +10,8 @@ Integrity: every shard file is written with an ``xxh64`` hash of its compressed 
 MDS index (``StreamingDataset(..., validate_hash="xxh64")`` checks them too). :class:`ShardReader` checks
 them when it first loads a shard and raises :class:`ShardIntegrityError` naming the file and saying how to
 regenerate the part; :func:`verify_part` checks a whole part (jobs use it on a rerun to rewrite corrupt or
-missing parts). Directories written before hashes were recorded are read without the check.
+missing parts). Directories written before hashes were recorded (or by others, e.g. llm-foundry's converters)
+are checked against the sizes their index records, and any other hash it records.
 
 Parts of step-indexed directories (scored and selected-token shards) are named by :func:`part_name`; a
 directory's manifest is read and checked against its shard spec by :func:`shard_dir_info`, and
@@ -38,7 +39,7 @@ from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
-    "ShardDirInfo", "shard_dir_info", "check_tokenizer", "save_manifest",
+    "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
 ]
 
 #: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
@@ -63,19 +64,24 @@ class ShardIntegrityError(ValueError):
 
 
 def _check_bytes(data: bytes, info: Any, path: str) -> None:
-    """Compare ``data`` with the hash and size recorded for it (nothing recorded: nothing to check)."""
+    """Compare ``data`` with the size and the hash recorded for it: ``xxh64`` when recorded, else the first
+    algorithm the index names (MDS directories written by others may record another one, or none: then the
+    size is all there is to check)."""
     from streaming.base.hashing import get_hash
 
-    expected = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
-    if expected is not None and (len(data) != info.bytes or get_hash(SHARD_HASH, data) != expected):
+    hashes = getattr(info, "hashes", None) or {}
+    algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
+    expected = hashes.get(algo) if algo is not None else None
+    if len(data) != info.bytes or (expected is not None and get_hash(algo, data) != expected):
+        got, want = (f", {algo} {get_hash(algo, data)}", f", {algo} {expected}") if expected is not None else ("", "")
         raise ShardIntegrityError(
-            f"{path}: corrupt shard ({len(data)} bytes, {SHARD_HASH} {get_hash(SHARD_HASH, data)}; "
-            f"its index records {info.bytes} bytes, {SHARD_HASH} {expected})"
+            f"{path}: corrupt shard ({len(data)} bytes{got}; its index records {info.bytes} bytes{want})"
         )
 
 
-def _load_shard_file(directory: str, shard: Any) -> bytes:
-    """The raw (decompressed) bytes of one shard, checked against its recorded hashes.
+def load_shard_file(directory: str, shard: Any) -> bytes:
+    """The raw (decompressed) bytes of one shard (a ``streaming`` shard reader of ``directory``'s index), checked
+    against the sizes and hashes its index records.
 
     In the cache of an object-store directory, a shard not cached yet is downloaded first, and one whose cached
     copy fails the check is downloaded again once (a damaged cache); a downloaded copy that fails is damaged in
@@ -121,6 +127,13 @@ def _read_shard(directory: str, shard: Any) -> bytes:
     return data
 
 
+def decode_sample(shard: Any, data: bytes, local: int) -> dict[str, Any]:
+    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by the
+    shard's reader. Garbage bytes raise numpy, struct or unicode errors (callers name the shard)."""
+    begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
+    return shard.decode_sample(data[begin:end])
+
+
 def recovery_hint(directory: str, shard_file: str) -> str:
     """How to regenerate the part holding ``shard_file`` (relative to ``directory``), from the manifest."""
     part = os.path.dirname(shard_file) or "."
@@ -158,7 +171,7 @@ def verify_part(part_dir: str) -> str | None:
         return f"{index}: missing or unreadable index ({e})"
     try:
         for shard in shards:
-            _load_shard_file(part_dir, shard)
+            load_shard_file(part_dir, shard)
     except ShardIntegrityError as e:
         return str(e)
     return None
@@ -277,7 +290,7 @@ class ShardReader:
             self._cache.move_to_end(i)
             return self._cache[i]
         try:
-            data = _load_shard_file(self.path, self.shards[i])
+            data = load_shard_file(self.path, self.shards[i])
         except ShardIntegrityError as e:
             raise ShardIntegrityError(f"{e}; {self._hint(self._name(i))}") from e
         self._cache[i] = data
@@ -307,8 +320,7 @@ class ShardReader:
         local = idx - (self._ends[i - 1] if i else 0)
         data = self._shard_bytes(i)
         try:  # a shard without recorded hashes (older directories) may still be damaged
-            begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
-            return self.shards[i].decode_sample(data[begin:end])
+            return decode_sample(self.shards[i], data, local)
         except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
             name = storage.display(os.path.join(self.path, self._name(i)))
             raise ShardIntegrityError(

@@ -72,14 +72,14 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
 
 
-def replay(cfg: ReplayConfig) -> dict[str, Any]:
+def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve.
 
     Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
     curve = ValidationCurve()
     cfg = localize(cfg)
     with open_output(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
-        run = build_replay(cfg, callbacks=[curve])
+        run = build_replay(cfg, callbacks=[curve, *callbacks])
         lock.write_records()
         run.fit()
         out = finish_run(cfg.output_dir, run.outputs(reference=False), plots=False)
