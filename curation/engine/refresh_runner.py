@@ -25,6 +25,7 @@ from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
+from curation.io import storage
 from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.shards import open_shards
 from schemas.manifest import atomic_write_text
@@ -135,6 +136,9 @@ class RefreshRunner:
         path = reference_path(self.spec.engine_dir, version)
         weights.save(path)
         atomic_write_text(path.replace(".safetensors", ".json"), json.dumps(log, indent=1))
+        for name in (path, self._opt_path(version), path.replace(".safetensors", ".json")):  # the log last
+            if os.path.exists(name):
+                storage.publish(name)  # an object-store output directory: in the bucket before it is used
 
     def refresh(
         self,
@@ -183,7 +187,7 @@ class RefreshRunner:
         if self.opt_version == version:
             return CONTINUE
         path = self._opt_path(version)
-        if not os.path.exists(path):
+        if not storage.fetch(path):
             raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")
         return torch.load(path, map_location="cpu", weights_only=True)
 

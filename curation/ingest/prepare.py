@@ -36,10 +36,18 @@ from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.packing import Packer
 from curation.ingest.token_sources import TokenRecord, iter_token_records, resolve_token_inputs
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
-from curation.io.shards import merge_part_indexes, remove_incomplete_parts, verify_part, write_part
+from curation.io import storage
+from curation.io.outputs import localize, open_output, urls_in
+from curation.io.shards import (
+    merge_part_indexes,
+    remove_incomplete_parts,
+    save_manifest,
+    verify_part,
+    write_part,
+)
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import BadRecord, Manifest, ShardRecord
-from schemas.outdir import config_diff, open_output_dir
+from schemas.outdir import config_diff
 from schemas.shards import CANDIDATE, token_dtype
 from schemas.stop import check_stop
 
@@ -74,7 +82,8 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
             (``output_dir/config.yaml``), or is not writable.
         ValueError: no sequence was produced.
     """
-    with open_output_dir(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
+    cfg = localize(cfg)  # an s3:// output_dir: its local cache (curation.io.storage), filled from the bucket
+    with open_output(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
         lock.write_records()
         return _prepare_locked(cfg)
 
@@ -181,10 +190,12 @@ def _get_tokenizer(cfg: PrepareConfig) -> LoadedTokenizer:
                 if isinstance(item, Document):
                     yield item.text
 
-    return train_bpe_tokenizer(
+    tok = train_bpe_tokenizer(
         itertools.islice(texts(), tc.train_max_documents),
         vocab_size=tc.vocab_size, min_frequency=tc.min_frequency, eos_token=tc.eos_token, save_to=saved,
     )
+    storage.publish(saved)
+    return tok
 
 
 def _group_key(cfg: PrepareConfig, sources: list[SourceConfig], tok: LoadedTokenizer) -> dict:
@@ -213,9 +224,9 @@ def _prepare_group(
         )
     if manifest is None:
         manifest = Manifest(
-            kind=CANDIDATE.name, job="prepare", config=cfg.model_dump(mode="json"),
+            kind=CANDIDATE.name, job="prepare", config=urls_in(cfg.model_dump(mode="json")),
             tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size, seq_len=cfg.seq_len,
-            extra={"group": group, "group_key": key, "tokenizer_path": os.path.abspath(tok.path)},
+            extra={"group": group, "group_key": key, "tokenizer_path": storage.canonical(tok.path)},
         )
     damaged = _repair_parts(cfg, out, sources, tok, manifest)
     regenerated.extend(os.path.join(out, name) for name in damaged)
@@ -236,7 +247,7 @@ def _prepare_group(
         )
     merge_part_indexes(out, parts)
     manifest.complete = True
-    manifest.save(out)
+    save_manifest(out, manifest)
     return manifest, tokens
 
 
@@ -363,7 +374,7 @@ def _prepare_source(
                                  "input files changed since this directory was prepared; prepare into a new output_dir")
             raise _PartRewritten()
         manifest.shards.append(record)
-        manifest.save(out)  # the part is on disk before the manifest says so
+        save_manifest(out, manifest)  # the part is on disk (and in the bucket) before the manifest says so
         part += 1
         check_stop(f"after finishing {out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (schemas.stop)
 

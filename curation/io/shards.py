@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 
 from curation.ingest.tokenizer import tokenizer_json_path
+from curation.io import storage
 from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
-    "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample",
+    "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
 ]
 
 #: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
@@ -82,29 +83,47 @@ def load_shard_file(directory: str, shard: Any) -> bytes:
     """The raw (decompressed) bytes of one shard (a ``streaming`` shard reader of ``directory``'s index), checked
     against the sizes and hashes its index records.
 
+    In the cache of an object-store directory, a shard not cached yet is downloaded first, and one whose cached
+    copy fails the check is downloaded again once (a damaged cache); a downloaded copy that fails is damaged in
+    the bucket, and the error names its URL.
+
     Raises:
         ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
     """
+    path = os.path.join(directory, (shard.zip_data or shard.raw_data).basename)
+    downloaded = not os.path.exists(path) and storage.fetch(path)
+    try:
+        return _read_shard(directory, shard)
+    except ShardIntegrityError:
+        if downloaded or storage.url_of(directory) is None or not os.path.exists(path):
+            raise
+        os.unlink(path)  # a damaged cached copy: download it once more
+        storage.fetch(path)
+        return _read_shard(directory, shard)
+
+
+def _read_shard(directory: str, shard: Any) -> bytes:
     from streaming.base.compression import decompress
 
     raw = os.path.join(directory, shard.raw_data.basename)
     try:
-        if os.path.exists(raw):
+        if os.path.exists(raw) or shard.zip_data is None:
             with open(raw, "rb") as f:
                 data = f.read()
         else:
             zipped = os.path.join(directory, shard.zip_data.basename)
             with open(zipped, "rb") as f:
                 packed = f.read()
-            _check_bytes(packed, shard.zip_data, zipped)
+            _check_bytes(packed, shard.zip_data, storage.display(zipped))
             try:
                 data = decompress(shard.compression, packed)
             except Exception as e:  # zstd raises ZstdError, other codecs their own
-                raise ShardIntegrityError(f"{zipped}: corrupt shard: cannot decompress ({e})") from e
+                raise ShardIntegrityError(f"{storage.display(zipped)}: corrupt shard: cannot decompress ({e})") from e
             raw = zipped
     except OSError as e:
-        raise ShardIntegrityError(f"{e.filename or raw}: cannot read shard file ({e.strerror or e})") from e
-    _check_bytes(data, shard.raw_data, raw)
+        where = storage.display(e.filename) if isinstance(e.filename, str) else raw
+        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
+    _check_bytes(data, shard.raw_data, storage.display(raw))
     return data
 
 
@@ -145,6 +164,7 @@ def verify_part(part_dir: str) -> str | None:
 
     index = os.path.join(part_dir, "index.json")
     try:
+        storage.fetch(index)
         with open(index, encoding="utf-8") as f:
             shards = [reader_from_json(part_dir, None, s) for s in json.load(f)["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -181,6 +201,7 @@ def write_part(
             w.write(sample)
             n += 1
     os.replace(tmp, part_dir)  # the part appears whole or not at all
+    storage.publish(part_dir)  # an object-store directory: uploaded now (its index.json last)
     return n
 
 
@@ -205,7 +226,13 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
             shards.append(shard)
             total += shard["samples"]
     atomic_write_text(os.path.join(root, "index.json"), json.dumps({"version": 2, "shards": shards}, indent=1))
+    storage.publish(os.path.join(root, "index.json"))
     return total
+
+
+def save_manifest(out_dir: str, manifest: Manifest) -> None:
+    """Save the manifest (atomically) and, for an object-store directory, upload it."""
+    storage.publish(manifest.save(out_dir))
 
 
 def publish_parts(out_dir: str, manifest: Any) -> None:
@@ -214,7 +241,7 @@ def publish_parts(out_dir: str, manifest: Any) -> None:
     parts = [r.name for r in manifest.shards if r.complete]
     if parts:
         merge_part_indexes(out_dir, parts)
-    manifest.save(out_dir)
+    save_manifest(out_dir, manifest)
 
 
 def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[str]:
@@ -226,7 +253,7 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     for entry in sorted(os.listdir(base)):
         rel = os.path.join(group, entry.removesuffix(".tmp"))
         if entry.endswith(".tmp") or rel not in completed:
-            shutil.rmtree(os.path.join(base, entry))
+            storage.remove(os.path.join(base, entry))
             removed.append(rel)
     return removed
 
@@ -245,6 +272,7 @@ class ShardReader:
     def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None):
         from streaming.base.format import reader_from_json
 
+        storage.fetch(os.path.join(path, "index.json"))  # an object-store directory's shards come when read
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)
         self.path = path
@@ -294,7 +322,7 @@ class ShardReader:
         try:  # a shard without recorded hashes (older directories) may still be damaged
             return decode_sample(self.shards[i], data, local)
         except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
-            name = os.path.join(self.path, self._name(i))
+            name = storage.display(os.path.join(self.path, self._name(i)))
             raise ShardIntegrityError(
                 f"{name}: corrupt shard: sample {local} cannot be decoded ({type(e).__name__}: {e}); "
                 f"{self._hint(self._name(i))}"
@@ -336,9 +364,13 @@ class ShardDirInfo:
 def shard_dir_info(path: str, spec: str) -> ShardDirInfo:
     """Validate ``path`` against the shard ``spec`` and read its manifest.
 
+    An object-store directory's ``index.json`` and ``manifest.json`` are brought up to date in its cache first.
+
     Raises:
         ShardSchemaError: wrong columns/encodings (names directory, shard and column), or no manifest.
     """
+    for name in ("index.json", "manifest.json"):
+        storage.refresh(os.path.join(path, name))
     validate_shard_dir(path, spec)
     if not os.path.exists(Manifest.path_in(path)):
         raise ShardSchemaError(f"{path}: no manifest.json (not written by this project's jobs)")
