@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from curation.ingest.tokenizer import tokenizer_json_path
 from curation.io import storage
 from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
@@ -391,7 +390,7 @@ def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str
     """
     known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
     if tokenizer is not None:
-        path = tokenizer_json_path(tokenizer)
+        path = storage.tokenizer_json_path(tokenizer)
         known.insert(0, (path, sha256_file(path)))
     for where, fp in known[1:]:
         if fp != known[0][1]:

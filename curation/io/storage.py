@@ -41,7 +41,7 @@ from curation.io.objects import (
 
 __all__ = [
     "cache_root", "local_path", "url_of", "canonical", "display", "fetch", "refresh", "publish", "unpublish",
-    "remove", "pull", "push", "SYMLINKS",
+    "remove", "pull", "push", "SYMLINKS", "tokenizer_json_path",
 ]
 
 #: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
@@ -252,3 +252,15 @@ def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
     if delete and gone:
         delete_many(prefix, gone)
     return sent
+
+
+def tokenizer_json_path(path: str) -> str:
+    """``path`` itself if it is a file, else ``path/tokenizer.json``."""
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(candidate):
+            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
+        return candidate
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    return path
