@@ -227,6 +227,7 @@ def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.timeout(1200)  # three group start-ups; 370 s on a loaded 2-core machine
 def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_uninterrupted_run(make_config,
                                                                                                  local_ray):
     """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
@@ -235,7 +236,7 @@ def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_un
     from schemas.stop import GracefulStop, StopRequested
     from training.runs.group import STOPPED_FILE
 
-    steps = 40
+    steps = 80  # the driver hands the signal on within 0.5 s: the run must outlast that after its first checkpoint
     full = train_parallel(make_config("random", "two-full", max_steps=steps, parallel={"workers": 2}))
     cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2})
     done = threading.Event()

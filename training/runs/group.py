@@ -214,7 +214,7 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
     the group when the engine fails.
 
     Inside a :class:`schemas.stop.GracefulStop`, a stop signal is handed to the ranks (``parallel/stop.json``,
-    within 2 s) and the group stops after a step they agree on (:class:`GroupStop`).
+    within 0.5 s) and the group stops after a step they agree on (:class:`GroupStop`).
 
     Raises:
         StopRequested: the group stopped on a signal; names the step and the checkpoint a rerun resumes from.
@@ -232,7 +232,7 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
         config["engine"] = {**engine, "client": engine_client(handle)}
         check, on_error = handle.check, handle.close
 
-    def monitor() -> None:  # every 2 s in the driver's main thread (where the signal handler runs)
+    def monitor() -> None:  # every 0.5 s in the driver's main thread (where the signal handler runs)
         signum = stop_signal()
         if signum is not None and not os.path.exists(stop_file):
             atomic_write_text(stop_file, json.dumps({"signum": signum}))

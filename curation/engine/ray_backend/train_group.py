@@ -35,6 +35,7 @@ def _group_fits(workers: int, cpus: float, gpus: float) -> None:
 def run_trainer_group(
     train_fn: Any, config: dict[str, Any], parallel: ParallelConfig, *, storage_path: str, name: str,
     fatal_file: str | None = None, monitor: Any = None, on_monitor_error: Any = None,
+    monitor_every_s: float = 0.5,
 ) -> None:
     """Run ``train_fn(config)`` on ``parallel.workers`` Ray Train workers (``TorchTrainer``) and wait for it.
 
@@ -48,8 +49,8 @@ def run_trainer_group(
     ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
     exists after the run, its message is raised as a ValueError.
 
-    ``monitor()``: called every 2 s while the group runs (the engine's ``check``); when it raises,
-    ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
+    ``monitor()``: called every ``monitor_every_s`` seconds while the group runs (the engine's ``check``, the
+    driver's stop signal); when it raises, ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
     and the monitor's error is raised once the group has ended.
 
     Raises:
@@ -94,7 +95,7 @@ def run_trainer_group(
         thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
         thread.start()
         while thread.is_alive():
-            thread.join(2.0)
+            thread.join(monitor_every_s)
             if monitored is None and thread.is_alive():
                 try:
                     monitor()
