@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from curation.core.distributed import Ranks
-from curation.core.refresh_data import RefreshData, RefreshSettings
+from curation.core.refresh import RefreshSettings
+from curation.core.refresh_data import RefreshData
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.engine.scorer import ScoredShards
