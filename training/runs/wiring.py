@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from curation.core.distributed import Ranks
-from curation.core.refresh_data import RefreshData, RefreshSettings
+from curation.core.refresh import RefreshSettings
+from curation.core.refresh_data import RefreshData
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.engine.scorer import ScoredShards
@@ -246,10 +247,8 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             step_tokens=lambda step: stream.batch(step)["tokens"])
         reference = InProcessReference(ReferenceSettings.of(cfg), refresh, stream, schedule=schedule, ranks=ranks,
                                        meters=meters)
-    algorithm = BladeAlgorithm(
-        select, schedule, stream, reference=reference, scored=ShardScores(scored, ranks) if scored else None,
-        microbatch_size=cfg.effective_microbatch_size, recent_batches=cfg.selection.refresh_candidate_batches,
-        distance_interval=cfg.distance_interval, meters=meters)
+    algorithm = BladeAlgorithm(cfg, select, schedule, stream, reference=reference,
+                               scored=ShardScores(scored, ranks) if scored else None, meters=meters)
     extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
              "gamma": cfg.selection.gamma, "candidates": storage.canonical(cfg.data.candidates),
              "world_size": cfg.parallel.workers}
