@@ -73,7 +73,7 @@ class EngineRun:
         stream = CandidateStream(num, t.batch_size, t.seed)
         out = os.path.join(t.output_dir, "selected" if pipelined else "scored")
         engine_dir = os.path.join(t.output_dir, "engine")
-        model = t.model.model_dump(mode="json")
+        model = t.model.architecture.model_dump(mode="json")  # the workers' model: how the trainer runs it aside
         selection = t.selection.model_dump(mode="json")
         run_key = {
             "stream": stream.to_dict(), "plan": plan.to_dict(), "policy": policy.name, "model": model,
