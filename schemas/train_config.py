@@ -294,6 +294,9 @@ class TrainConfig(StrictModel):
                     f"set microbatch_size to null or {per_rank}, or use more workers")
             if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
+        if self.model.compile and self.parallel.strategy == "fsdp":
+            raise ValueError("model.compile is not wired for parallel.strategy=fsdp (each FSDP unit would have to be "
+                             "compiled); use strategy=ddp or model.compile=false")
         return self
 
     # --- settings whose default is another setting, resolved here once -----------------------------

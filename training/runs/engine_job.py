@@ -38,6 +38,7 @@ from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import open_output_dir
 from schemas.stop import GracefulStop
+from training.blocks.loggers import check_installed
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus
 from training.runs.wiring import RunOutputs, build_training, finish_run, run_schedule
@@ -123,6 +124,7 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
             with a checkpoint there, the workers finished (or dropped) their units and Ray was shut down; the
             message names the step and the checkpoint a rerun resumes from.
     """
+    check_installed(cfg.train.loggers)  # before Ray starts
     with open_output_dir(cfg.train.output_dir, "curate_and_train",
                          {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
         start = time.perf_counter()
@@ -149,7 +151,8 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
                   f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
             res = run_worker_group(t, engine={"engine": engine, "scored_dir": e.out_dir, "stream": e.stream,
                                               "plan": e.plan, "timeout_s": eng.wait_timeout_s})
-            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"]})
+            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"],
+                                                            "throughput": res["throughput"]})
         else:
             if pipelined:
                 run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
@@ -184,6 +187,6 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
     }
     selected = os.path.join(t.output_dir, "selected")
     outputs.extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": outputs.extra.get("resumed_from"),
-                     "stream": e.stream.to_dict(), "selected_dir": selected}
+                     "stream": e.stream.to_dict(), "selected_dir": selected, "throughput": outputs.extra.get("throughput")}
     paths = finish_run(t.output_dir, outputs, plots=t.plots)
     return {**paths, "engine": engine_summary, "selected": selected, "scored": None if pipelined else e.out_dir}

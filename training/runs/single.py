@@ -22,6 +22,8 @@ from schemas.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
+from training.blocks.loggers import check_installed
+from training.blocks.throughput import throughput_callbacks
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.runs.wiring import TrainRun, build_training, finish_run
 
@@ -41,6 +43,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
         StopRequested: a stop signal ended the run early; its message names the step and the checkpoint a rerun
             resumes from.
     """
+    check_installed(cfg.loggers)
     with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks)
         if stop_requested():  # a signal while the model and data were loading
@@ -65,9 +68,11 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     rows = TokenRows(cfg.selected, "selected", use_mask=True, model_vocab=model_vocab_size(model.model))
     loader = rows_loader(rows, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
-    trainer = make_trainer(cfg, model=model, loader=loader, total_steps=cfg.max_steps or len(loader) * cfg.epochs,
-                           device=device, resume=resume, callbacks=callbacks)
-    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
+    total = cfg.max_steps or len(loader) * cfg.epochs
+    speed, meter = throughput_callbacks(cfg, model, total_steps=total, validation=cfg.validation is not None)
+    trainer = make_trainer(cfg, model=model, loader=loader, total_steps=total, device=device, resume=resume,
+                           callbacks=[*callbacks, speed, meter])
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume, throughput=meter)
 
 
 def replay(cfg: ReplayConfig) -> dict[str, Any]:
@@ -75,6 +80,7 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
 
     Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
     curve = ValidationCurve()
+    check_installed(cfg.loggers)
     with open_output_dir(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
         run = build_replay(cfg, callbacks=[curve])
         lock.write_records()
