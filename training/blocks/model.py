@@ -68,9 +68,9 @@ class MaskedCausalLM(ComposerModel):
         self.val_metrics = {"TokenLoss": TokenLoss(), "TokenPerplexity": TokenPerplexity()}
         self.compiled: nn.Module | None = None  # not a submodule: the same weights, no second name for them
 
-    def compile_forward(self) -> None:
-        """Run the forward passes (training and evaluation) through ``torch.compile(self.model)``."""
-        object.__setattr__(self, "compiled", torch.compile(self.model))
+    def compile_forward(self, **options: Any) -> None:
+        """Run the forward passes (training and evaluation) through ``torch.compile(self.model, **options)``."""
+        object.__setattr__(self, "compiled", torch.compile(self.model, **options))
 
     # --- forward / loss ----------------------------------------------------------------------
     def forward(self, batch: dict[str, Any]) -> LMOutputs:

@@ -13,6 +13,7 @@ Composer's FSDP2 (one unit per decoder layer, activation checkpointing through i
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,6 +140,10 @@ def make_trainer(
     elif cfg.model.activation_checkpointing:
         checkpoint_activations(model.model)
     if cfg.model.compile:
+        compiler = os.environ.get("CXX") or "g++"
+        if device.type == "cpu" and shutil.which(compiler) is None:
+            raise ValueError(f"model.compile on a CPU needs a C++ compiler ({compiler} not found; torch.compile's "
+                             "inductor builds C++ kernels): install one or set model.compile=false")
         model.compile_forward()
     clipping = [GradientClipping(clipping_type="norm", clipping_threshold=cfg.optim.grad_clip)] \
         if cfg.optim.grad_clip else []
