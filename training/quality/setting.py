@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curation.core.schedule import Schedule
+from curation.evaluation import flops
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
 
@@ -210,10 +211,11 @@ class Compute:
 
 
 def forward_flops_per_token(s: Setting) -> float:
-    """2·(weights used in matmuls, LM head included) + 2·layers·context·hidden (attention scores and values)."""
-    h, n = s.hidden, s.layers
-    per_layer = 4 * h * h + 3 * h * _inter(h)  # q, k, v, o (as many kv heads as heads) + gated MLP
-    return 2.0 * (n * per_layer + h * s.vocab) + 2.0 * n * s.seq_len * h
+    """2·(weights used in matmuls, LM head included) + 2·layers·context·hidden (attention scores and values): the
+    formula of :mod:`curation.evaluation.flops` (the trainer's MFU uses it too) for the setting's model."""
+    shape = flops.ModelShape(hidden=s.hidden, layers=s.layers, intermediate=_inter(s.hidden), vocab=s.vocab,
+                             context=s.seq_len)
+    return flops.forward_flops_per_token(shape)
 
 
 def compute(s: Setting, policy: str, steps: int, *, sel: dict[str, Any] | None = None) -> Compute:
