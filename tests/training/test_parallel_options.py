@@ -18,6 +18,7 @@ from schemas.train_config import TrainConfig
 from training.runs.group import train_parallel
 from training.runs.single import train
 
+from .conftest import tiny_config
 from .test_loggers import mlflow_series, tensorboard_series, wandb_series
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -29,6 +30,13 @@ STEPS, B, L, W = 12, 8, 128, 2
 def local_ray():
     with ray_session("local", num_cpus=2):
         yield
+
+
+@pytest.fixture(scope="module")
+def single(demo_root, tmp_path_factory) -> dict:
+    """The single-process run both groups are compared with (no checkpointing)."""
+    return train(tiny_config(demo_root, str(tmp_path_factory.mktemp("parallel-options") / "single"), "blade",
+                             max_steps=STEPS))
 
 
 def _checkpointed(cfg: TrainConfig) -> TrainConfig:
@@ -48,11 +56,10 @@ def _same_run(single: dict, group: dict) -> None:
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
 
 
-def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_ray):
+def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_ray, single):
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    single = train(make_config("blade", "single", max_steps=STEPS))
     cfg = _checkpointed(make_config(
         "blade", "ddp", max_steps=STEPS, parallel={"workers": 2}, throughput={"window": 3, "peak_flops": 1e11},
         loggers={"tensorboard": {}, "mlflow": {"experiment": "ddp"}, "wandb": {}}))
@@ -90,8 +97,7 @@ def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_
     assert tp["mfu"] == pytest.approx(tp["proxy_flops"] / 2 / tp["train_seconds"] / 1e11)
 
 
-def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, local_ray):
-    single = train(make_config("blade", "single", max_steps=STEPS))
+def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, local_ray, single):
     cfg = _checkpointed(make_config("blade", "fsdp", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"}))
     group = train_parallel(cfg)
     _same_run(single, group)

@@ -71,9 +71,14 @@ def install_wrap_policy(hf: nn.Module) -> None:
 
 
 def install_checkpoint_policy(hf: nn.Module) -> None:
-    """Tell Composer's FSDP activation checkpointing to wrap every decoder layer (``activation_checkpointing_fn``)."""
+    """Tell Composer's FSDP activation checkpointing to wrap every decoder layer (``activation_checkpointing_fn``),
+    and turn the HF model's key/value cache off: a wrapped layer's forward runs again in the backward pass, and with
+    the cache on it would append its keys and values to the ones the first pass stored (HF's own gradient
+    checkpointing turns the cache off while training for the same reason; clones built from the config inherit
+    it). Training never reads the cache: the logits are the same."""
     layers = decoder_layers(hf)
     hf.activation_checkpointing_fn = lambda module: isinstance(module, layers)  # type: ignore[attr-defined]
+    hf.config.use_cache = False
 
 
 def shard_like(module: nn.Module, mesh: object | None = None, *, checkpointed: bool = False) -> nn.Module:
