@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_path_name",
     "SourceConfig",
     "TokenizerConfig",
+    "RayConfig",
     "PrepareConfig",
     "apply_override",
     "load_config",
@@ -172,6 +174,25 @@ class TokenizerConfig(StrictModel):
     train_max_documents: int = Field(200_000, ge=1, description="documents used to train the tokenizer")
 
 
+class RayConfig(StrictModel):
+    """Which Ray cluster the job runs on."""
+
+    address: str | None = Field(
+        None,
+        description="None: the cluster of `ray job submit` (RAY_ADDRESS) when there is one, else a new local "
+        "instance; 'local': always a new local instance; else a cluster address (e.g. 127.0.0.1:6379)",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a new local instance; None = max(os.cpu_count(), what the actors ask for)"
+    )
+    include_dashboard: bool = Field(False, description="start the dashboard with a new local instance")
+
+
+#: Prepare keys added after preparations were recorded: left out of the dump while at their defaults, so a
+#: record written before them (``config.yaml``) still equals the config resuming it.
+_LATER_PREPARE_KEYS = ("unit_bytes",)
+
+
 class PrepareConfig(StrictModel):
     """Config of ``jobs/prepare.py``: corpora → packed candidate shards + validation shards."""
 
@@ -188,6 +209,16 @@ class PrepareConfig(StrictModel):
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
     progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
+    unit_bytes: int = Field(
+        8 << 20, ge=1, description="input bytes per work unit: a source's files, in order, are cut into units of "
+        "about this size (a large plain .jsonl at a line, a .parquet at a row group; other files whole), each "
+        "packed on its own (its last fewer-than-seq_len tokens dropped and counted)")
+    workers: int | None = Field(
+        None, ge=1, description="processes preparing work units at once (Ray tasks of one CPU); None = the CPUs of "
+        "the machine (or of the Ray cluster), at most one per unit_bytes of input left; 1 = in this process, "
+        "without Ray. The output is the same for any number", json_schema_extra=OPERATIONAL)
+    ray: RayConfig = Field(default_factory=RayConfig, description="the Ray cluster of workers > 1",
+                           json_schema_extra=OPERATIONAL)
 
     @field_validator("sources")
     @classmethod
@@ -201,6 +232,12 @@ class PrepareConfig(StrictModel):
         for group in ("sources", "validation"):
             check_unique_names([s.name for s in getattr(self, group)], f"{group}: duplicate source names")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        fields = type(self).model_fields
+        return {k: v for k, v in data.items() if k not in _LATER_PREPARE_KEYS or v != fields[k].default}
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> PrepareConfig:

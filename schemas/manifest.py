@@ -24,6 +24,7 @@ __all__ = [
     "SourceCounts",
     "ShardRecord",
     "Manifest",
+    "UnitRecord",
     "sha256_file",
     "atomic_write_text",
 ]
@@ -139,6 +140,39 @@ class Manifest(_Strict):
         for c in self.sources.values():
             total = total + c
         return total
+
+
+class UnitRecord(_Strict):
+    """Progress of one work unit of ``prepare`` (``<group>/<source>/unit-00000.json``), saved by the unit's task
+    after each part it finished: the driver builds the group's manifest from these, in plan order, and a rerun
+    resumes each unit from its last finished part (a ``done`` unit is never redone)."""
+
+    source: str
+    unit: int
+    spans: list[list[Any]] = Field(description="the unit's input: [file, start, stop] (bytes or row groups)")
+    parts: list[ShardRecord] = Field(default_factory=list, description="finished parts, each with its resume state")
+    counts: SourceCounts = Field(default_factory=SourceCounts, description="documents, tokens... of the finished "
+                                 "parts (dropped_tokens once done)")
+    bad_records: list[BadRecord] = Field(default_factory=list, description=f"the first {MAX_LISTED_BAD_RECORDS}")
+    done: bool = False
+
+    def add_bad_record(self, record: BadRecord) -> None:
+        self.counts.bad_records += 1
+        if len(self.bad_records) < MAX_LISTED_BAD_RECORDS:
+            self.bad_records.append(record)
+
+    @classmethod
+    def load(cls, path: str) -> UnitRecord:
+        """Load a unit record; errors name the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.model_validate(json.load(f))
+        except (OSError, ValueError) as e:  # json and pydantic errors are ValueErrors
+            raise ValueError(f"{path}: cannot read the work unit's record ({e})") from e
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        atomic_write_text(path, self.model_dump_json(indent=1))
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -7,6 +7,7 @@ byte-identical ``tokenizer.json``). The fingerprint of a tokenizer is the sha256
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -17,7 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from schemas.manifest import atomic_write_text, sha256_file
 
-__all__ = ["LoadedTokenizer", "load_tokenizer", "train_bpe_tokenizer", "tokenizer_json_path", "PIECE_CHARS"]
+__all__ = ["LoadedTokenizer", "load_tokenizer", "shared_tokenizer", "train_bpe_tokenizer", "tokenizer_json_path",
+           "PIECE_CHARS"]
 
 #: Documents longer than this many characters are tokenized piece by piece (see ``encode_pieces``).
 PIECE_CHARS = 1 << 18
@@ -87,6 +89,20 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedToke
         )
     vocab = tok.get_vocab_size(with_added_tokens=True)
     return LoadedTokenizer(tok, json_path, eos_id, vocab, sha256_file(json_path))
+
+
+@functools.lru_cache(maxsize=4)
+def shared_tokenizer(path: str, *, eos_token: str, fingerprint: str) -> LoadedTokenizer:
+    """The tokenizer at ``path``, loaded once per process (work units of one run share it).
+
+    Raises:
+        ValueError: the file is no longer the one the run started with (``fingerprint``, its sha256).
+    """
+    tok = load_tokenizer(path, eos_token=eos_token)
+    if tok.fingerprint != fingerprint:
+        raise ValueError(f"{tok.path}: the tokenizer changed while preparing (sha256 {tok.fingerprint[:12]}…, the run "
+                         f"started with {fingerprint[:12]}…); restore it, or prepare into a new output_dir")
+    return tok
 
 
 def train_bpe_tokenizer(

@@ -24,12 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 _SLOW_JOB = """
 import runpy, sys, time
 sys.path.insert(0, {repo!r})
-import curation.ingest.prepare as prep
-real = prep.write_part
+import curation.ingest.units as units
+real = units.write_part
 def slow(*a, **k):
     time.sleep({delay})
     return real(*a, **k)
-prep.write_part = slow
+units.write_part = slow
 sys.argv = [{script!r}, *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
