@@ -171,14 +171,23 @@ class UnitRecord(_Strict):
             raise ValueError(f"{path}: cannot read the work unit's record ({e})") from e
 
     def save(self, path: str) -> None:
+        """Save atomically through ``<path>.tmp`` (only the unit's task writes it: a rerun removes what a kill
+        left of it)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        atomic_write_text(path, self.model_dump_json(indent=1))
+        atomic_write_text(path, self.model_dump_json(indent=1), temp=path + ".tmp")
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half."""
+def atomic_write_text(path: str, text: str, *, temp: str | None = None) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half.
+
+    ``temp``: the temporary file's path (default: a new ``.tmp-*`` beside ``path``); a writer that owns a fixed
+    one (a work unit's record) can find and remove what a kill left of it.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    if temp is None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    else:
+        fd, tmp = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), temp
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

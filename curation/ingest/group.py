@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class ShardGroup:
                 unfinished preparation of a version before work units.
         """
         out = os.path.join(cfg.output_dir, name)
+        for entry in os.listdir(out) if os.path.isdir(out) else []:  # what a killed driver left of a manifest write
+            if entry.startswith(".tmp-"):
+                os.unlink(os.path.join(out, entry))
         key = group_key(cfg, sources, tokenizer_fingerprint)
         manifest = Manifest.load_if_exists(out)
         if manifest is not None:
@@ -99,33 +103,35 @@ class ShardGroup:
     def plan(self, files: dict[str, tuple[list[str], list[BadRecordError]]]) -> None:
         """Cut every source into work units and load the records of those already started.
 
+        A record written for other spans than the unit now has (its input changed since, e.g. a bad line was
+        fixed, which moves the cuts after it) is removed with its parts, and the unit is prepared again, as is
+        every unit a record exists for that the plan no longer has: the output is then the one of this input.
+
         Args:
             files: per source name, its files and the patterns that matched nothing (``skip_bad_records``).
-
-        Raises:
-            ValueError: a unit's record was written for other input (the files changed since).
         """
         self.units = []
         for si, source in enumerate(self.sources):
             paths, self.missing[source.name] = files[source.name]
             units = plan_units(self.out, si, source, paths, self.cfg.unit_bytes)
             self.units.extend(units)
+            planned = {u.record_path: u for u in units}
             folder = os.path.join(self.out, source.name)
-            planned = {os.path.basename(u.record_path) for u in units}
-            stray = sorted(e for e in (os.listdir(folder) if os.path.isdir(folder) else [])
-                           if e.startswith("unit-") and e.endswith(".json") and e not in planned)
-            if stray:
-                raise ValueError(f"{folder}/{stray[0]}: a work unit this input does not have: the input files changed "
-                                 "since this directory was prepared; prepare into a new output_dir")
-        for unit in self.units:
-            if os.path.exists(unit.record_path):
-                record = UnitRecord.load(unit.record_path)
-                if record.spans != unit.span_list:
-                    raise ValueError(
-                        f"{unit.record_path}: the work unit was planned on other input ({record.spans} now "
-                        f"{unit.span_list}): the input files changed since this directory was prepared; prepare "
-                        "into a new output_dir")
-                self.records[(unit.source.name, unit.index)] = record
+            for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                path = os.path.join(folder, entry)
+                if not (entry.startswith("unit-") and entry.endswith(".json")):
+                    continue
+                record = UnitRecord.load(path)
+                unit = planned.get(path)
+                if unit is not None and record.spans == unit.span_list:
+                    self.records[(source.name, unit.index)] = record
+                    continue
+                now = unit.span_list if unit is not None else "no such unit"
+                warnings.warn(f"{path}: its input changed since it was written ({record.spans} now {now}); "
+                              "preparing it again", stacklevel=2)
+                for part in record.parts:
+                    shutil.rmtree(os.path.join(self.out, part.name), ignore_errors=True)
+                os.unlink(path)
 
     def recorded_units(self) -> list[WorkUnit]:
         """The units of a finished group, rebuilt from their records (no input is read)."""

@@ -214,8 +214,9 @@ def _batches(items: Iterator[Document | BadRecordError]) -> Iterator[list[Docume
         yield batch
 
 
-def _remove_unrecorded_parts(unit: WorkUnit, record: UnitRecord) -> None:
-    """Delete this unit's part directories its record does not list (a killed run's unfinished part)."""
+def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
+    """Delete what a killed run of this unit left: part directories its record does not list (the unfinished
+    part) and a half-written record. Only this unit's files: other units may be running beside it."""
     folder = os.path.join(unit.out, unit.source.name)
     if not os.path.isdir(folder):
         return
@@ -224,6 +225,8 @@ def _remove_unrecorded_parts(unit: WorkUnit, record: UnitRecord) -> None:
     for entry in sorted(os.listdir(folder)):
         if entry.startswith(prefix) and (entry.endswith(".tmp") or entry not in recorded):
             shutil.rmtree(os.path.join(folder, entry))
+    if os.path.exists(unit.record_path + ".tmp"):
+        os.unlink(unit.record_path + ".tmp")
 
 
 def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecord, ShardRecord] | None = None,
@@ -257,7 +260,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
         record = UnitRecord.load(unit.record_path) if os.path.exists(unit.record_path) else unit.fresh_record()
         if record.done:
             return UnitResult(unit, record)
-        _remove_unrecorded_parts(unit, record)
+        _remove_leftovers(unit, record)
     n, seq_len = settings.sequences_per_part, settings.seq_len
     state = dict(record.parts[-1].state) if record.parts else {"file": 0, "record": 0, "skip": 0}
     k = len(record.parts)

@@ -11,9 +11,11 @@ handed out in plan order; results come back as they finish. The driver stays the
 * **Bad input** (``skip_bad_records: false``): the unit returns the bad record; the driver stops handing out
   units, the running ones finish, and it raises the first error in plan order.
 * **SIGTERM / SIGINT**: ``ray.init`` replaces the driver's SIGTERM handler, so the pool catches the signals again
-  (:class:`~schemas.stop.GracefulStop`) once Ray is up; on the first one the running tasks are cancelled (their
-  unfinished parts are dropped: the records say what is finished), the driver saves the manifests and the job
-  stops (exit 143 / 130); a rerun continues every unit from its last finished part.
+  (:class:`~schemas.stop.GracefulStop`) once Ray is up; on the first one no further unit starts, the running ones
+  finish (up to ``STOP_WAIT_S``; one still running then is ended with the Ray session, dropping its part in
+  progress: its record says what it finished), the driver saves the manifests and the job stops (exit 143 /
+  130); a rerun continues every unit from its last finished part. (Not ``ray.cancel``: cancelling a task that is
+  just finishing crashed Ray 2.60's driver, "Tried to complete task that was not pending".)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError, TaskCancelledError
+from ray.exceptions import RayTaskError
 
 from curation.engine.ray_backend.actors import ray_session
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, run_unit
@@ -34,7 +36,8 @@ __all__ = ["RayUnitPool", "ray_unit_pool"]
 
 #: A task is run again this often after its worker died (the unit resumes from its record).
 MAX_RETRIES = 3
-_CANCEL_WAIT_S = 30.0
+#: After a stop signal, how long the running units may take to finish.
+STOP_WAIT_S = 30.0
 
 
 def _unwrap(err: RayTaskError) -> BaseException:
@@ -55,7 +58,8 @@ class RayUnitPool:
 
     def run(self, units: Sequence[WorkUnit], settings: PackSettings) -> Iterator[UnitResult]:
         """Yield every unit's result as it finishes. Leaving early (the driver met bad input) lets the running
-        units finish; a stop signal cancels them and raises :class:`~schemas.stop.StopRequested`."""
+        units finish; so does a stop signal (for ``STOP_WAIT_S``), which then raises
+        :class:`~schemas.stop.StopRequested`."""
         todo = list(units)[::-1]
         running: dict[Any, WorkUnit] = {}
         settings_ref = ray.put(settings)
@@ -68,9 +72,11 @@ class RayUnitPool:
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
                 signum = stop_signal()
                 if signum is not None:
-                    self._cancel(running)
-                    raise StopRequested(signum, f"with {len(running)} work units in progress cancelled (their "
-                                        "unfinished parts are dropped; every finished part is kept)")
+                    done, late = ray.wait(list(running), num_returns=len(running), timeout=STOP_WAIT_S)
+                    running.clear()
+                    raise StopRequested(signum, f"after the work units in progress finished ({len(done)}" + (
+                        f"; {len(late)} still running after {STOP_WAIT_S:.0f}s ended, their parts in progress dropped)"
+                        if late else ")"))
                 for ref in ready:
                     running.pop(ref)
                     try:
@@ -90,17 +96,6 @@ class RayUnitPool:
             with contextlib.suppress(Exception):
                 ray.get(ref)
 
-    @staticmethod
-    def _cancel(running: dict[Any, WorkUnit]) -> None:
-        for ref in running:
-            ray.cancel(ref)
-        _, late = ray.wait(list(running), num_returns=len(running), timeout=_CANCEL_WAIT_S)
-        for ref in late:  # stuck outside Python: end its worker
-            ray.cancel(ref, force=True)
-        for ref in running:
-            with contextlib.suppress(TaskCancelledError, Exception):
-                ray.get(ref, timeout=_CANCEL_WAIT_S)
-
 
 @contextlib.contextmanager
 def ray_unit_pool(ray_cfg: RayConfig, workers: int | None, units: int) -> Iterator[RayUnitPool]:
@@ -110,6 +105,5 @@ def ray_unit_pool(ray_cfg: RayConfig, workers: int | None, units: int) -> Iterat
                      need_cpus=workers or 1):
         cpus = int(ray.cluster_resources().get("CPU", 1))
         check_stop("before the work units started")  # a signal that came before ray.init replaced the handler
-        with GracefulStop(what="the manifests of the finished parts (the work units in progress are cancelled, "
-                               "their unfinished parts dropped)"):
+        with GracefulStop(what=f"the work units in progress (up to {STOP_WAIT_S:.0f}s)"):
             yield RayUnitPool(max(1, min(workers or cpus, units)))

@@ -260,18 +260,27 @@ def test_changed_input_and_old_directories(units_corpus):
     m.save(out)
     with pytest.raises(ValueError, match="started by an older version .* delete the directory and rerun"):
         prep.prepare(c)
-    # input that changed under an unfinished directory is refused naming the unit
+    # input that changed under an unfinished directory (a bad line fixed, a line added): the units whose input
+    # moved are prepared again, the others kept; the output is the one of the new input
     c2 = cfg("changed2")
     prep.prepare(c2)
     out2 = os.path.join(c2.output_dir, "candidates")
     m2 = Manifest.load(out2)
     m2.complete = False
     m2.save(out2)
+    plan = plan_units(out2, 0, src, resolve_paths(src), c2.unit_bytes)
+    stamps = {u.index: os.stat(u.record_path).st_mtime_ns for u in plan}
     f0 = os.path.join(os.path.dirname(src.paths[0]), "f0.jsonl")
     with open(f0, "a") as f:
         f.write(json.dumps({"text": "one more"}) + "\n")
-    with pytest.raises(ValueError, match=r"unit-000\d\d\.json: the work unit was planned on other input"):
-        prep.prepare(c2)
+    with pytest.warns(UserWarning, match=r"unit-000\d\d\.json: its input changed since it was written"):
+        res = prep.prepare(c2)
+    fresh = prep.prepare(cfg("fresh"))
+    assert _rows(res.dirs["candidates"]) == _rows(fresh.dirs["candidates"])
+    assert Manifest.load(out2).shards == Manifest.load(fresh.dirs["candidates"]).shards
+    moved = [u.index for u in plan_units(out2, 0, src, resolve_paths(src), c2.unit_bytes)
+             if os.stat(u.record_path).st_mtime_ns != stamps.get(u.index)]
+    assert moved and min(moved) > 0  # the units before f0's end were kept
 
 
 def test_config_records_written_before_unit_bytes_still_resume(tmp_path):
