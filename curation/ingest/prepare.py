@@ -39,7 +39,7 @@ from tqdm import tqdm
 from curation.ingest.corpus import BadRecordError, Document, FileSpan, resolve_paths
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
-from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
+from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
 from curation.io.shards import merge_part_indexes
 from schemas.config import PrepareConfig, SourceConfig
@@ -130,6 +130,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None) -> PrepareResu
     for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
     tok = _get_tokenizer(cfg)
+    share_tokenizer(tok, eos_token=cfg.tokenizer.eos_token)  # the units run in this process need not load it again
     result = PrepareResult(tokenizer=tok)
     settings = PackSettings(
         seq_len=cfg.seq_len, seed=cfg.seed, sequences_per_part=cfg.sequences_per_part,

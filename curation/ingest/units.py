@@ -54,6 +54,9 @@ __all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "
 
 _ENCODE_BATCH = 256
 _BATCH_CHARS = 1 << 20
+#: Pieces of a huge document encoded together: one per tokenizer thread (at most 8: ~40 MB of the tokenizer's
+#: memory each), so a huge document is tokenized on every core too, in this process.
+_PIECES_AT_ONCE = min(8, int(os.environ.get("RAYON_NUM_THREADS") or os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
                     continue
                 doc_pos, fed = (item.file_index, item.next_record - 1), 0
                 pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
-                          else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS))
+                          else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE))
                 for ids in pieces:
                     feed(ids)
                 feed(eos)
