@@ -167,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_only:
         print(json.dumps(_raw(args.input, args.tokenizer)))
         return 0
-    import ray
-
     from curation.engine.ray_backend.actors import ray_session
     from curation.engine.ray_backend.prepare_pool import ray_unit_pool
     from schemas.config import RayConfig
@@ -185,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         local = _prepare(_config(args, path, os.path.join(tmp, "local"), 1), None)
         runs = []
         with ray_session(RayConfig().address, need_cpus=max(counts)):
-            cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
             for n in counts:
                 def pool(workers, units, n=n):  # noqa: ANN001, ANN202 - the prepare pool factory, n workers
                     return ray_unit_pool(RayConfig(), n, units)
@@ -197,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = None if args.no_cold else _cold(args, path, tmp, max(counts))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report = _report(args, mb, raw, raw1, local, runs, cold, cluster_cpus)
+    report = _report(args, mb, raw, raw1, local, runs, cold)
     if args.json:
         print(json.dumps(report))
     return 0
@@ -214,10 +211,10 @@ def _warm_up(args: argparse.Namespace, path: str, tmp: str, pool, n: int) -> flo
     return time.perf_counter() - t
 
 
-def _report(args, mb, raw, raw1, local, runs, cold, cluster_cpus) -> dict:  # noqa: ANN001
+def _report(args, mb, raw, raw1, local, runs, cold) -> dict:  # noqa: ANN001
     base = runs[0]
     print(f"prepare vs the raw tokenizer: {mb:.1f} MB of jsonl, {raw['tokens']:,} tokens, {os.path.basename(args.tokenizer)},"
-          f" seq_len {args.seq_len}, {os.cpu_count()} CPUs ({cluster_cpus} in the Ray instance)")
+          f" seq_len {args.seq_len}, {os.cpu_count()} CPUs")
     print(f"  raw encode_batch(256), all cores: {raw['tokens_per_s']:>10,.0f} tokens/s  {raw['tokens_per_cpu_s']:>10,.0f} "
           "tokens/CPU-s")
     print(f"  raw encode_batch(256), one core:  {raw1['tokens_per_s']:>10,.0f} tokens/s  {raw1['tokens_per_cpu_s']:>10,.0f} "
