@@ -195,6 +195,8 @@ class ShardGroup:
                     pass
                 self._check_rewritten(part.name)
                 damaged.append(os.path.join(self.out, part.name))
+        if damaged and self.manifest.complete:
+            self._write_index()
         return damaged
 
     def _check_rewritten(self, part: str) -> None:
@@ -212,7 +214,7 @@ class ShardGroup:
                 "files changed since this directory was prepared; prepare into a new output_dir"
             )
 
-    # --- the manifest: the one place it (and the root index) is written --------------------------
+    # --- the manifest and the root index: the one place they are written ---------------------------
     def commit(self, *, final: bool = False) -> Manifest:
         """Save the manifest: the units' records in plan order. ``final`` (every unit done): also the root
         ``index.json`` (before the manifest says ``complete``).
@@ -236,13 +238,16 @@ class ShardGroup:
         m.extra["units"] = {s.name: sum(u.source.name == s.name for u in self.units) for s in self.sources}
         os.makedirs(self.out, exist_ok=True)
         if final:
-            parts = [s.name for s in m.shards if s.samples > 0]
-            if not parts:
+            if not any(s.samples > 0 for s in m.shards):
                 raise ValueError(
                     f"{self.out}: no sequence of {self.cfg.seq_len} tokens was produced; the {self.name} sources are "
                     "too small for seq_len (see the manifest's dropped_tokens)"
                 )
-            merge_part_indexes(self.out, parts)
+            self._write_index()
             m.complete = True
         m.save(self.out)
         return m
+
+    def _write_index(self) -> None:
+        """The root ``index.json``: the shards of the manifest's parts, in its order."""
+        merge_part_indexes(self.out, [s.name for s in self.manifest.shards if s.samples > 0])

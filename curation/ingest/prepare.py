@@ -41,7 +41,6 @@ from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
-from curation.io.shards import merge_part_indexes
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import Manifest, UnitRecord
 from schemas.outdir import open_output_dir
@@ -146,10 +145,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None) -> PrepareResu
         group = ShardGroup.open(cfg, name, sources, tok.fingerprint, tok.vocab_size, tok.path)
         if not group.manifest.complete:
             group.plan({s.name: _files(s, cfg.skip_bad_records) for s in sources})
-        damaged = group.repair(settings)
-        result.regenerated.extend(damaged)
-        if group.manifest.complete and damaged:
-            merge_part_indexes(group.out, [r.name for r in group.manifest.shards if r.samples > 0])
+        result.regenerated.extend(group.repair(settings))
         groups.append(group)
         result.dirs[name] = group.out
     _run_units(cfg, groups, settings, pool, result)

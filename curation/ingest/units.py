@@ -325,6 +325,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     try:
         items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=state["file"],
                                start_record=state["record"])
+        stop = False
         for batch in _batches(items):
             short = [d.text for d in batch if isinstance(d, Document) and len(d.text) <= PIECE_CHARS]
             encoded = iter(tok.encode_batch(short))
@@ -345,10 +346,10 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
                 counts.tokens += fed
                 tokens += fed
                 if source.max_documents is not None and counts.documents >= source.max_documents:
+                    stop = True
                     break
-            else:
-                continue
-            break
+            if stop:
+                break
     except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
         saved = UnitRecord.load(unit.record_path) if os.path.exists(unit.record_path) else unit.fresh_record()
         return UnitResult(unit, saved, tokens, BadRecord(source=source.name, file=e.file, line=e.line,
