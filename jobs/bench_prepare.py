@@ -17,7 +17,8 @@ written to a temporary file. In one run, on the same texts:
   Ray start-up included).
 
 For each: tokens/s (wall clock) and tokens per CPU-second (the CPU time of this process and of every process it
-started, Ray's included: robust to other load on a shared machine, which the wall clock is not). Ratios: prepare ÷
+started, Ray's included: robust to other load on a shared machine, which the wall clock is not; the cold run:
+wall clock only). Ratios: prepare ÷
 raw (goal ≥ 0.8 with all workers) and the scaling efficiency T(N) ÷ (N · T(1)) of the Ray runs (goal ≥ 0.9 per
 added worker where there are free cores).
 """
@@ -121,7 +122,7 @@ def _raw_one_core(args: argparse.Namespace, path: str) -> dict:
     return json.loads(out.stdout)
 
 
-def _config(args: argparse.Namespace, path: str, out: str, workers: int):
+def _config(args: argparse.Namespace, path: str, out: str, workers: int | None):
     from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 
     extra = {"unit_bytes": int(args.unit_mb * 2**20)} if args.unit_mb else {}
@@ -149,17 +150,16 @@ def _cold(args: argparse.Namespace, path: str, tmp: str, workers: int) -> dict:
     with open(conf, "w", encoding="utf-8") as f:
         json.dump(cfg.model_dump(mode="json"), f)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cpu = _cpu()
     wall = time.perf_counter()
     done = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", conf],
                           capture_output=True, text=True, env=env)
-    wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+    wall = time.perf_counter() - wall
     if done.returncode != 0:
         raise RuntimeError(f"jobs/prepare.py failed: {done.stderr[-2000:]}")
     n = int(done.stdout.split("tokenized ")[1].split()[0])
     shutil.rmtree(cfg.output_dir, ignore_errors=True)
-    return {"workers": workers, "tokens": n, "seconds": wall, "cpu_seconds": cpu, "tokens_per_s": n / wall,
-            "tokens_per_cpu_s": n / cpu}
+    # (no CPU time: the job's Ray processes are not its waited-for children, so they cannot be counted here)
+    return {"workers": workers, "tokens": n, "seconds": wall, "tokens_per_s": n / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                     return ray_unit_pool(RayConfig(), n, units)
 
                 warm = _warm_up(args, path, tmp, pool, n)
-                run = _prepare(_config(args, path, os.path.join(tmp, f"ray{n}"), n), pool)
+                # workers: null (1 would run in this process); the pool makes it n
+                run = _prepare(_config(args, path, os.path.join(tmp, f"ray{n}"), None), pool)
                 run["warm_up_seconds"] = warm
                 runs.append(run)
         cold = None if args.no_cold else _cold(args, path, tmp, max(counts))
@@ -206,7 +207,7 @@ def _warm_up(args: argparse.Namespace, path: str, tmp: str, pool, n: int) -> flo
     with open(path, "rb") as f, open(small, "wb") as out:
         out.write(b"".join(f.readline() for _ in range(2000 * n)))
     t = time.perf_counter()
-    cfg = _config(args, small, os.path.join(tmp, "warm"), n)
+    cfg = _config(args, small, os.path.join(tmp, "warm"), None)
     _prepare(cfg.model_copy(update={"unit_bytes": max(1, os.path.getsize(small) // n)}), pool)
     return time.perf_counter() - t
 
@@ -215,17 +216,18 @@ def _report(args, mb, raw, raw1, local, runs, cold) -> dict:  # noqa: ANN001
     base = runs[0]
     print(f"prepare vs the raw tokenizer: {mb:.1f} MB of jsonl, {raw['tokens']:,} tokens, {os.path.basename(args.tokenizer)},"
           f" seq_len {args.seq_len}, {os.cpu_count()} CPUs")
-    print(f"  raw encode_batch(256), all cores: {raw['tokens_per_s']:>10,.0f} tokens/s  {raw['tokens_per_cpu_s']:>10,.0f} "
-          "tokens/CPU-s")
-    print(f"  raw encode_batch(256), one core:  {raw1['tokens_per_s']:>10,.0f} tokens/s  {raw1['tokens_per_cpu_s']:>10,.0f} "
-          "tokens/CPU-s")
+    for name, r in (("raw encode_batch(256), all cores:", raw), ("raw encode_batch(256), one core:", raw1)):
+        print(f"  {name:34s} {r['tokens_per_s']:>10,.0f} tokens/s  {r['tokens_per_cpu_s']:>10,.0f} tokens/CPU-s")
 
     def line(name: str, r: dict) -> None:
         r["vs_raw"] = r["tokens_per_s"] / raw["tokens_per_s"]
-        r["vs_raw_cpu"] = r["tokens_per_cpu_s"] / raw["tokens_per_cpu_s"]
-        print(f"  {name:32s} {r['tokens_per_s']:>10,.0f} tokens/s  {r['tokens_per_cpu_s']:>10,.0f} tokens/CPU-s  "
-              f"÷ raw {r['vs_raw']:.2f} (CPU {r['vs_raw_cpu']:.2f})" + (
-                  f"  scaling {r['efficiency']:.2f} (CPU {r['efficiency_cpu']:.2f})" if "efficiency" in r else ""))
+        cpu = ""
+        if "tokens_per_cpu_s" in r:
+            r["vs_raw_cpu"] = r["tokens_per_cpu_s"] / raw["tokens_per_cpu_s"]
+            cpu = f"{r['tokens_per_cpu_s']:>10,.0f} tokens/CPU-s"
+        print(f"  {name:34s} {r['tokens_per_s']:>10,.0f} tokens/s  {cpu:>23s}  ÷ raw {r['vs_raw']:.2f}"
+              + (f" (CPU {r['vs_raw_cpu']:.2f})" if "vs_raw_cpu" in r else "")
+              + (f"  scaling {r['efficiency']:.2f} (CPU {r['efficiency_cpu']:.2f})" if "efficiency" in r else ""))
 
     line("prepare in-process (workers 1):", local)
     for r in runs:
