@@ -16,15 +16,12 @@ match and resumes unfinished ones from their checkpoints, so a preset can be run
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from schemas.manifest import atomic_write_text  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, a few minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--steps", type=int, default=None, help="override the proxy steps per run")
+    ap.add_argument("--until", default=None, help="train the stages up to this one (data, bases, sweep, main, reuse), "
+                    "then stop without evaluating: a piece of a run resumed by the next invocation")
     args = ap.parse_args(argv)
     if not os.path.isdir(SHARED):
         print(f"error: the quality benchmark reads real text from {os.path.abspath(SHARED)}, which is absent",
@@ -46,22 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, seeds=args.seeds)
     if args.steps:
         s = replace(s, steps=args.steps)
-    import torch
+    from training.quality.analysis import run_benchmark
 
-    from training.quality.report import make_figures, results_md
-    from training.quality.runs import run_experiment
-
-    results = run_experiment(s, args.out)
-    results["preset"] = "quick" if args.quick else args.preset
-    atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(results, indent=1))
-    figs = make_figures(results, os.path.join(args.out, "figures"))
     command = "python jobs/bench_quality.py" + (" --quick" if args.quick else f" --preset {args.preset}") + \
         (f" --seeds {args.seeds}" if args.seeds else "") + (f" --steps {args.steps}" if args.steps else "") + \
         f" --out {args.out}"
-    hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                else f"{platform.processor() or platform.machine()}, {s.threads} CPU threads")
-    atomic_write_text(os.path.join(args.out, "RESULTS.md"), results_md(results, figs, command, hardware=hardware))
-    print(f"[done] {os.path.join(args.out, 'RESULTS.md')} in {results['wall_seconds'] / 60:.1f} min")
+    report = run_benchmark(s, args.out, until=args.until, command=command,
+                           preset="quick" if args.quick else args.preset)
+    print(f"[done] {report}" if report else
+          f"[done] stages up to {args.until} in {args.out}; rerun without --until to evaluate and report")
     return 0
 
 

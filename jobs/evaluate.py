@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from curation.evaluation.harness import run_harness  # noqa: E402 (imports lm_eval only when called)
 from curation.evaluation.heldout import (
     EvalError,
     evaluate_models,
@@ -45,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate_models(refs, cfg.sets, max_len=cfg.max_len, batch_size=cfg.batch_size, rounds=cfg.bootstrap,
                               seed=cfg.seed, eos_token=cfg.eos_token, device=device, progress=cfg.progress)
         if cfg.lm_eval is not None:
-            from curation.evaluation.harness import run_harness
-
             dirs = {}
             for ref in refs:  # the harness loads HF directories: export runs (and other weights) as one
                 if ref.weights is None and os.path.isfile(os.path.join(ref.model_dir, "tokenizer.json")):

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(cfg.selected, "index.json")):
         print(f"error: no selected-token shards in {cfg.selected}; run `python jobs/train.py` first", file=sys.stderr)
         return 1
+    # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once.
     from training.runs.single import replay
 
     out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")

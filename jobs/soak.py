@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['attempts']} attempts, {len(r['events'])} kills, {r['seconds']:.0f}s)")
         for name, ok in r["checks"].items():
             print(f"  {name}: {ok}")
+        print(f"  kills: {r['kills']}; redone: {r['redone']}")
         for role, g in r["growth"].items():
             print(f"  {role}: RSS {g['rss']}, FDs {g['fds']} (growth, last attempt)")
     return 0 if r["ok"] else 1

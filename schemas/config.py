@@ -41,6 +41,7 @@ __all__ = [
     "PathName",
     "check_path_name",
     "SourceConfig",
+    "TOKEN_ENCODING_TYPES",
     "TokenizerConfig",
     "RayConfig",
     "PrepareConfig",
@@ -131,16 +132,34 @@ Gamma = Annotated[float, AfterValidator(_check_gamma)]
 # ------------------------------------------------------------------------------------------------
 # prepare
 # ------------------------------------------------------------------------------------------------
-InputFormat = Literal["auto", "jsonl", "jsonl.zst", "parquet", "txt"]
+InputFormat = Literal["auto", "jsonl", "jsonl.zst", "parquet", "txt", "mds", "arrow"]
+
+#: Formats whose records are token ids, not text (parquet too when ``tokens_field`` is set).
+_TOKEN_FORMATS = ("mds", "arrow")
+
+#: The integer types a ``bytes`` token column of an MDS dataset may hold (llm-foundry's ``token_encoding_type``).
+TOKEN_ENCODING_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+#: Source keys added after preparations were recorded: left out of the dump while at their defaults, so a
+#: record written before them (``config.yaml``, a manifest's group key) still equals the config resuming it.
+_LATER_SOURCE_KEYS = ("tokens_field", "token_rows", "token_encoding_type")
+
+
+def _without_later_defaults(model: BaseModel, data: dict[str, Any], later: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` (``model`` dumped) without the keys of ``later`` that are at their defaults."""
+    fields = type(model).model_fields
+    return {k: v for k, v in data.items() if k not in later or v != fields[k].default}
 
 
 class SourceConfig(StrictModel):
-    """One named input source: files + how to get a document's text out of a record."""
+    """One named input source: files + how to get a document's text (or its token ids) out of a record."""
 
     name: str = Field(description="source label stored in every sequence's `source` column and the name of its "
                       "folder of parts (candidates/<name>/): " + PATH_NAME_RULE)
-    paths: list[str] = Field(description="files or glob patterns (sorted, deduplicated)")
-    format: InputFormat = Field("auto", description="input format; auto = from the file extension")
+    paths: list[str] = Field(description="files or glob patterns (sorted, deduplicated); format mds: MDS dataset "
+                             "directories (each with an index.json) or globs of them")
+    format: InputFormat = Field("auto", description="input format; auto = from the file extension; mds and arrow "
+                                "are pre-tokenized (see tokens_field)")
     text_field: str = Field("text", description="JSON/parquet field holding the text")
     template: str | None = Field(
         None, description="Python format template joining several fields, e.g. '{question}\\n{answer}'"
@@ -150,6 +169,16 @@ class SourceConfig(StrictModel):
     )
     skip_documents: int = Field(0, ge=0, description="skip the first N documents (e.g. a held-out slice)")
     max_documents: int | None = Field(None, ge=1, description="stop after this many documents (after skipping)")
+    tokens_field: str | None = Field(
+        None, description="pre-tokenized input: the column of token ids (mds and arrow: default 'tokens'; set it to "
+        "read a parquet column of token-id lists instead of text)")
+    token_rows: Literal["stream", "documents"] = Field(
+        "stream", description="pre-tokenized input: 'stream' = records are consecutive pieces of one token stream "
+        "that already holds its EOS separators (llm-foundry's converters), joined as they are; 'documents' = each "
+        "record is one document without EOS, followed by the tokenizer's EOS like a text document")
+    token_encoding_type: Literal[TOKEN_ENCODING_TYPES] = Field(  # type: ignore[valid-type]
+        "int64", description="mds `bytes` token columns: the integer type of the raw bytes (llm-foundry's "
+        "token_encoding_type; int64 is what its converters wrote before v0.9); ndarray columns carry their own")
 
     @field_validator("name")
     @classmethod
@@ -162,6 +191,30 @@ class SourceConfig(StrictModel):
         if not v:
             raise ValueError("at least one path or glob is required")
         return v
+
+    @model_validator(mode="after")
+    def _token_settings(self) -> SourceConfig:
+        if self.tokens_field is not None and not self.tokens_field:
+            raise ValueError("tokens_field must not be empty (leave it out for the default)")
+        if self.tokens_field is not None and self.format in ("jsonl", "jsonl.zst", "txt"):
+            raise ValueError(f"tokens_field: token ids are read from mds, parquet or arrow input, not {self.format}")
+        if self.pre_tokenized and self.template is not None:
+            raise ValueError("template: a pre-tokenized source (format mds or arrow, or tokens_field set) has no text")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        return _without_later_defaults(self, handler(self), _LATER_SOURCE_KEYS)
+
+    @property
+    def pre_tokenized(self) -> bool:
+        """Records are token ids (MDS datasets, arrow files, parquet with ``tokens_field``), not text."""
+        return self.format in _TOKEN_FORMATS or self.tokens_field is not None
+
+    @property
+    def token_column(self) -> str:
+        """The column of token ids of a pre-tokenized source."""
+        return self.tokens_field or "tokens"
 
 
 class TokenizerConfig(StrictModel):
@@ -188,8 +241,8 @@ class RayConfig(StrictModel):
     include_dashboard: bool = Field(False, description="start the dashboard with a new local instance")
 
 
-#: Prepare keys added after preparations were recorded: left out of the dump while at their defaults, so a
-#: record written before them (``config.yaml``) still equals the config resuming it.
+#: Prepare keys added after preparations were recorded, left out of the dump while at their defaults (as
+#: :data:`_LATER_SOURCE_KEYS`).
 _LATER_PREPARE_KEYS = ("unit_bytes",)
 
 
@@ -231,13 +284,16 @@ class PrepareConfig(StrictModel):
     def _unique_names(self) -> PrepareConfig:
         for group in ("sources", "validation"):
             check_unique_names([s.name for s in getattr(self, group)], f"{group}: duplicate source names")
+            for i, s in enumerate(getattr(self, group)):
+                if s.pre_tokenized and self.tokenizer.path is None:
+                    raise ValueError(
+                        f"{group}.{i} ({s.name!r}) is pre-tokenized: set tokenizer.path to the tokenizer its ids "
+                        "come from (a tokenizer is trained only from text)")
         return self
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        fields = type(self).model_fields
-        return {k: v for k, v in data.items() if k not in _LATER_PREPARE_KEYS or v != fields[k].default}
+        return _without_later_defaults(self, handler(self), _LATER_PREPARE_KEYS)
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> PrepareConfig:

@@ -84,6 +84,10 @@ class EvaluateConfig(StrictModel):
     @model_validator(mode="after")
     def _unique_set_names(self) -> EvaluateConfig:
         check_unique_names([s.name for s in self.sets], "sets: duplicate names")
+        for i, s in enumerate(self.sets):
+            if s.pre_tokenized:
+                raise ValueError(f"sets.{i} ({s.name!r}): evaluation sets are read as text (each document is "
+                                 "tokenized by each model's tokenizer); a pre-tokenized source is not accepted here")
         return self
 
     @classmethod

@@ -88,21 +88,24 @@ class OutputDirLock:
         OutputDirError: the directory cannot be created or written (names it and the OS error).
     """
 
-    def __init__(self, directory: str, job: str) -> None:
+    def __init__(self, directory: str, job: str, *, name: str | None = None) -> None:
         self.directory = directory
+        self.name = name or directory  # how messages name it (an object-store URL for its local cache)
         self.path = os.path.join(directory, LOCK_NAME)
+        self.on_release: list[Callable[[], None]] = []  # run once when the lock is released
+        self.on_record: Callable[[str], None] | None = None  # run after each record is written (its path)
         try:
             os.makedirs(directory, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise OutputDirError(describe_os_error(e, f"cannot open the output directory {directory}")) from e
+            raise OutputDirError(describe_os_error(e, f"cannot open the output directory {self.name}")) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
             raise OutputDirBusy(
-                f"{directory} is in use by another run: {holder}. Wait for it to finish or stop it (its lock is "
+                f"{self.name} is in use by another run: {holder}. Wait for it to finish or stop it (its lock is "
                 f"released when it exits, also when killed), or use another output_dir"
             ) from None
         self._fd: int | None = fd
@@ -121,10 +124,14 @@ class OutputDirLock:
         """Write the config records the directory did not have yet (an equal record is not rewritten)."""
         for name, cfg in list(self.pending.items()):
             write_config_record(os.path.join(self.directory, name), cfg)
+            if self.on_record is not None:
+                self.on_record(os.path.join(self.directory, name))
             del self.pending[name]
 
     def release(self) -> None:
         """Release the lock (the file stays: removing it would let two writers lock different inodes)."""
+        while getattr(self, "on_release", None):
+            self.on_release.pop()()
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
@@ -213,10 +220,12 @@ def _as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     return cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else json.loads(json.dumps(dict(cfg)))
 
 
-def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None) -> bool:
+def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None,
+                        name: str | None = None) -> bool:
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
 
-    ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model.
+    ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model; ``name``: how messages name the
+    record (default ``path``).
 
     Raises:
         ConfigMismatch: the record differs; the message names each differing key with both values.
@@ -233,10 +242,11 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     diff = config_diff(old, _as_dict(cfg), ignore)
     if diff:
         keys = [d.split(":", 1)[0] for d in diff]
+        name = name or path
         raise ConfigMismatch(
-            f"{os.path.dirname(path) or '.'} was written with a different config (differs in: {', '.join(keys)}):\n  "
+            f"{os.path.dirname(name) or '.'} was written with a different config (differs in: {', '.join(keys)}):\n  "
             + "\n  ".join(diff)
-            + f"\nrerun with the config recorded in {path} to resume, or use a new output_dir "
+            + f"\nrerun with the config recorded in {name} to resume, or use a new output_dir "
             "(nothing was changed in this one)",
             keys,
         )
@@ -252,8 +262,13 @@ def write_config_record(path: str, cfg: BaseModel | Mapping[str, Any]) -> None:
 
 
 def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
+                    *, name: str | None = None, after_lock: Callable[[OutputDirLock], None] | None = None,
                     ) -> OutputDirLock:
     """Lock ``directory`` for ``job`` and check its config records (file name → config).
+
+    ``name``: how messages name the directory (the object-store URL whose local cache ``directory`` is);
+    ``after_lock(lock)`` runs once the lock is held, before the records are checked (it brings the records of
+    an object-store directory into its cache, and adds what :meth:`OutputDirLock.release` must undo).
 
     Nothing is written but the lock file: the caller calls :meth:`OutputDirLock.write_records` once its
     own checks passed, right before its first output, so neither a refused rerun nor a run stopped by
@@ -263,11 +278,14 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
     Raises:
         OutputDirBusy, ConfigMismatch, OutputDirError: see the classes.
     """
-    lock = OutputDirLock(directory, job)
+    lock = OutputDirLock(directory, job, name=name)
     try:
-        for name, cfg in (records or {}).items():
-            if not check_config_record(os.path.join(directory, name), cfg):
-                lock.pending[name] = cfg
+        if after_lock is not None:
+            after_lock(lock)
+        for record, cfg in (records or {}).items():
+            shown = f"{name}/{record}" if name else None
+            if not check_config_record(os.path.join(directory, record), cfg, name=shown):
+                lock.pending[record] = cfg
     except BaseException:
         lock.release()
         raise

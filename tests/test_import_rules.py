@@ -115,6 +115,38 @@ def test_the_project_modules_import_one_another_without_a_circle():
         visit(module, [])
 
 
+#: The packages in the order of their dependencies (DESIGN.md §4): each imports only the ones after it.
+LAYERS = ("jobs", "training", "curation", "schemas")
+
+
+def test_the_packages_import_one_way():
+    """``jobs → training → curation → schemas``: a module never imports one of a package before its own (imports for
+    annotations included), even where no circle results."""
+    found = [f"{p.relative_to(REPO)}: {t}" for p in _sources() for t in _project_targets(p, runtime_only=False)
+             if LAYERS.index(t.split(".")[0]) < LAYERS.index(_module(p).split(".")[0])]
+    assert not found, f"imports against jobs → training → curation → schemas: {found}"
+
+
+def test_the_folders_of_curation_import_one_another_without_a_circle():
+    """The folders of ``curation/`` (core, ingest, io, engine, evaluation) form no loop either, even where the modules
+    inside them do not (e.g. io → ingest → io through different modules)."""
+    edges: dict[str, set[str]] = {}
+    for p in _sources():
+        src = _module(p).split(".")
+        if src[0] != "curation" or len(src) < 3:
+            continue
+        for t in _project_targets(p, runtime_only=False):
+            dst = t.split(".")
+            if dst[0] == "curation" and len(dst) >= 2 and dst[1] != src[1]:
+                edges.setdefault(src[1], set()).add(dst[1])
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
+
+    loops = sorted(f"{a} ↔ {b}" for a in edges for b in edges[a] if reaches(b, a, {b}))
+    assert not loops, f"folder-level import loops in curation/: {loops}"
+
+
 def test_project_modules_are_imported_at_module_level_except_by_the_jobs():
     """A function-local import between project modules hides a dependency (and often a circle). The jobs are
     the one exception, for start-up time: they parse the config (``--help``, a bad setting) before importing

@@ -19,11 +19,13 @@ from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.io import storage
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.outputs import localize, open_output, urls_in
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.engine_config import CurateConfig
 from schemas.manifest import Manifest, atomic_write_text
-from schemas.outdir import OutputDirLock, open_output_dir
+from schemas.outdir import OutputDirLock
 from schemas.stop import GracefulStop, StopRequested
 
 __all__ = ["curate"]
@@ -40,7 +42,8 @@ def curate(cfg: CurateConfig) -> dict:
 
     Holds ``output_dir``'s lock; a rerun resumes only with the config recorded in ``output_dir/config.yaml``.
     """
-    with open_output_dir(cfg.output_dir, "curate", {"config.yaml": cfg}) as lock:
+    cfg = localize(cfg)  # s3:// directories and weights: their local caches (curation.io.storage)
+    with open_output(cfg.output_dir, "curate", {"config.yaml": cfg}) as lock:
         return _curate(cfg, lock)
 
 
@@ -58,9 +61,9 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
     units = plan_batch_units(order.num_steps, cfg.workers.range_steps)
     out = os.path.join(cfg.output_dir, "selected")
     fps = {"reference": reference.fingerprint(), "proxy": proxy.fingerprint()}
-    run_key = {"candidates": os.path.abspath(cfg.candidates), "order": order.to_dict(), "gamma": cfg.gamma,
+    run_key = {"candidates": storage.canonical(cfg.candidates), "order": order.to_dict(), "gamma": cfg.gamma,
                "model": cfg.model.model_dump(mode="json"), "weights": fps, "range_steps": cfg.workers.range_steps}
-    ledger = dict(out_dir=out, kind="selected", job="curate", run_key=run_key, config=cfg.model_dump(mode="json"),
+    ledger = dict(out_dir=out, kind="selected", job="curate", run_key=run_key, config=urls_in(cfg.model_dump(mode="json")),
                   vocab_size=cand.vocab_size, seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
                   model_fingerprints=fps, extra={"order": order.to_dict()})
     spec = WorkerSpec(
@@ -101,4 +104,5 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
+    storage.push(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
     return summary

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from curation.io import storage
 from curation.io.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.outdir import config_diff
@@ -65,6 +65,7 @@ class PartLedger:
         self.out_dir = out_dir
         self.spec = SPECS[kind]
         os.makedirs(out_dir, exist_ok=True)
+        storage.pull(out_dir)  # an object-store directory, on whatever node this runs: its cache = the bucket
         key = json.loads(json.dumps(dict(run_key)))
         existing = Manifest.load_if_exists(out_dir)
         if existing is not None:
@@ -114,7 +115,7 @@ class PartLedger:
                 continue
             for part in sorted(os.listdir(path)):
                 if part.endswith(".tmp") or f"{entry}/{part}" not in recorded:
-                    shutil.rmtree(os.path.join(path, part))
+                    storage.remove(os.path.join(path, part))
 
     def done_units(self) -> dict[str, ShardRecord]:
         """unit name → its record."""
@@ -124,7 +125,7 @@ class PartLedger:
         """Record a finished part (it must be on disk), merge the index, save the manifest."""
         if result.unit in self.done_units():
             raise ValueError(f"{self.out_dir}: {result.unit} is already recorded")
-        if not os.path.isfile(os.path.join(self.out_dir, result.name, "index.json")):
+        if not storage.fetch(os.path.join(self.out_dir, result.name, "index.json")):  # (a worker on another node)
             raise ValueError(f"{self.out_dir}/{result.name}: the part is not on disk")
         rec = ShardRecord(
             name=result.name, samples=result.samples, tokens=result.tokens,
@@ -139,7 +140,7 @@ class PartLedger:
         for entry in os.listdir(self.out_dir):
             other = os.path.join(self.out_dir, entry, result.unit)
             if entry.startswith("worker-") and f"{entry}/{result.unit}" != result.name and os.path.isdir(other):
-                shutil.rmtree(other)
+                storage.remove(other)
         self._publish()
         return rec
 

@@ -25,6 +25,7 @@ from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
+from curation.io import storage
 from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.shards import open_shards
 from schemas.manifest import atomic_write_text
@@ -47,11 +48,11 @@ class RefreshSpec:
         ref_lr: ``η_w``.
         refresh_batch_size: sequences per validation / candidate batch of a refresh step.
         engine_dir: where reference versions are saved (``reference-0003.safetensors``).
+        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (the one the trainer and the
+            engine's plan follow).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
         precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
-        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (``None``: the warm-up and τ
-            of ``selection``, open-ended).
     """
 
     model: dict[str, Any]
@@ -62,10 +63,10 @@ class RefreshSpec:
     ref_lr: float
     refresh_batch_size: int
     engine_dir: str
+    schedule: dict[str, Any]
     device: str = "auto"
     threads: int | None = None
     precision: str = "fp32"
-    schedule: dict[str, Any] | None = None
 
 
 def reference_path(engine_dir: str, version: int) -> str:
@@ -95,8 +96,7 @@ class RefreshRunner:
         self.validation = open_shards(spec.validation, "candidate")
         self.stream = CandidateStream.from_dict(spec.stream)
         self.candidates = open_shards(spec.candidates, "candidate")
-        self.schedule = (Schedule.from_dict(spec.schedule) if spec.schedule is not None
-                         else Schedule(self.cfg.warmup_steps, self.cfg.tau))
+        self.schedule = Schedule.from_dict(spec.schedule)
         # The same batches and settings as the single-process trainer's refreshes.
         settings = RefreshSettings.of(self.cfg, lr=spec.ref_lr, batch_size=spec.refresh_batch_size,
                                       precision=spec.precision)
@@ -136,6 +136,9 @@ class RefreshRunner:
         path = reference_path(self.spec.engine_dir, version)
         weights.save(path)
         atomic_write_text(path.replace(".safetensors", ".json"), json.dumps(log, indent=1))
+        for name in (path, self._opt_path(version), path.replace(".safetensors", ".json")):  # the log last
+            if os.path.exists(name):
+                storage.publish(name)  # an object-store output directory: in the bucket before it is used
 
     def refresh(
         self,
@@ -184,7 +187,7 @@ class RefreshRunner:
         if self.opt_version == version:
             return CONTINUE
         path = self._opt_path(version)
-        if not os.path.exists(path):
+        if not storage.fetch(path):
             raise ValueError(f"{path}: optimizer state of reference {version} is missing (blade-nosync resume)")
         return torch.load(path, map_location="cpu", weights_only=True)
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from curation.core.losses import autocast, model_token_losses
 from curation.core.stream import CandidateStream
 from curation.io.models import build_causal_lm, load_weights, resolve_device
-from curation.io.shards import merge_part_indexes, open_shards, part_name, write_part
+from curation.io.shards import merge_part_indexes, open_shards, part_name, save_manifest, write_part
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest, ShardRecord
 from schemas.shards import SCORED
@@ -179,7 +179,7 @@ def write_scored_steps(
     manifest.shards.append(rec)
     manifest.shards.sort(key=lambda r: r.state["first_step"])
     merge_part_indexes(out_dir, [r.name for r in manifest.shards if r.complete])
-    manifest.save(out_dir)
+    save_manifest(out_dir, manifest)
     return rec
 
 

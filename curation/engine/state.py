@@ -36,6 +36,7 @@ from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
 from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
+from curation.io import storage
 from curation.io.recent import load_recent, save_recent
 from schemas.manifest import SourceCounts
 
@@ -58,6 +59,7 @@ def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMa
     weights.save(proxy_path(engine_dir, step))
     if recent is not None and recent.steps:
         save_recent(recent, recent_path(engine_dir, step))
+    storage.publish(proxy_path(engine_dir, step))  # an object-store output directory: before it is published
 
 
 def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:
@@ -169,6 +171,7 @@ class EngineState:
         self.core = Coordinator(units, done=set(ledger.done_units()), lookahead=lookahead)
         self.engine_dir = engine_dir
         os.makedirs(engine_dir, exist_ok=True)
+        storage.pull(engine_dir)  # an object-store directory, on whatever node this runs: its cache = the bucket
         self.plan = plan
         self.refresh_mode = RefreshMode(refresh_mode)
         if plan is not None and plan.refreshes != (self.refresh_mode in _REFRESHED):
@@ -289,7 +292,7 @@ class EngineState:
                 dropped.append(version)
                 for path in (proxy_path(self.engine_dir, version), recent_path(self.engine_dir, version)):
                     if os.path.exists(path):
-                        os.remove(path)
+                        storage.remove(path)
         return dropped
 
     # --- workers and trainer -------------------------------------------------------------------

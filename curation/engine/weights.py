@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from curation.io import storage
 from curation.io.models import save_weights
 
 
@@ -63,6 +64,7 @@ class Weights:
     def load(cls, path: str) -> Weights:
         from safetensors.torch import load_file
 
+        storage.fetch(path)  # an object-store directory's file not in this node's cache yet
         return cls.from_state_dict(load_file(path, device="cpu"))
 
     def fingerprint(self) -> str:

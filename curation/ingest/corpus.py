@@ -18,18 +18,22 @@ import glob
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import zstandard
 
 from schemas.config import SourceConfig
 
-__all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_documents",
-           "parquet_row_groups", "SPLITTABLE_FORMATS"]
+__all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
+           "iter_documents", "parquet_row_groups", "SPLITTABLE_FORMATS"]
 
 #: Formats whose files a work unit may read in part (:class:`FileSpan`): byte ranges, row-group ranges.
 SPLITTABLE_FORMATS = ("jsonl", "parquet")
+
+T = TypeVar("T")
+P = TypeVar("P")
 
 
 class BadRecordError(ValueError):
@@ -396,6 +400,20 @@ def _parquet_records(path: str, source: SourceConfig, start: int, span: FileSpan
             row += 1
 
 
+def iter_inputs(
+    files: Sequence[P], start_file: int, start_record: int,
+    records: Callable[[int, P, int], Iterator[T | BadRecordError]],
+) -> Iterator[T | BadRecordError]:
+    """The items of ``files`` (paths, or :class:`FileSpan` s) from a resume position: ``records(file_index, file,
+    first)`` yields one file's items from its record ``first`` on; a :class:`BadRecordError` it raises (a file
+    that cannot be used at all) is yielded, and reading goes on with the next file."""
+    for fi in range(start_file, len(files)):
+        try:
+            yield from records(fi, files[fi], start_record if fi == start_file else 0)
+        except BadRecordError as e:
+            yield e
+
+
 def iter_documents(
     source: SourceConfig,
     *,
@@ -419,27 +437,27 @@ def iter_documents(
     """
     if spans is None:
         spans = [FileSpan(p) for p in (resolve_paths(source) if files is None else files)]
-    for fi in range(start_file, len(spans)):
-        span = spans[fi]
+
+    def documents(fi: int, span: FileSpan, first: int) -> Iterator[Document | BadRecordError]:
         path = span.path
-        first = start_record if fi == start_file else 0
-        try:
-            fmt = detect_format(path, source.format)
-            if not span.whole and fmt not in SPLITTABLE_FORMATS:
-                raise ValueError(f"{path}: a {fmt} file is read whole, not in spans ({span})")
-            base = _NO_LINES_BEFORE
-            if fmt in ("jsonl", "jsonl.zst"):
-                base = _LineBase(path, _span_start(path, span.start))
-                records = _jsonl_records(path, fmt, source, first, span, base)
-            elif fmt == "parquet":
-                records = _parquet_records(path, source, first, span)
+        fmt = detect_format(path, source.format)
+        if not span.whole and fmt not in SPLITTABLE_FORMATS:
+            raise ValueError(f"{path}: a {fmt} file is read whole, not in spans ({span})")
+        base = _NO_LINES_BEFORE
+        if fmt in ("jsonl", "jsonl.zst"):
+            base = _LineBase(path, _span_start(path, span.start))
+            records = _jsonl_records(path, fmt, source, first, span, base)
+        elif fmt == "parquet":
+            records = _parquet_records(path, source, first, span)
+        elif fmt == "txt":
+            records = _txt_records(path, source, first)
+        else:  # a pre-tokenized format: curation.ingest.token_sources reads it
+            raise BadRecordError(path, 0, f"format {fmt!r} holds token ids, not text (source '{source.name}')")
+        for idx, line, item in records:
+            if isinstance(item, BadRecordError):
+                yield item
             else:
-                records = _txt_records(path, source, first)
-            for idx, line, item in records:
-                if isinstance(item, BadRecordError):
-                    yield item
-                else:
-                    yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
-                                   lines_before=base)
-        except BadRecordError as e:
-            yield e
+                yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
+                               lines_before=base)
+
+    yield from iter_inputs(spans, start_file, start_record, documents)

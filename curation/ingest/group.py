@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from dataclasses import dataclass, field
 
 from curation.ingest.corpus import BadRecordError, FileSpan
 from curation.ingest.units import PackSettings, PartRewritten, WorkUnit, plan_units, run_unit
-from curation.io.shards import merge_part_indexes, verify_part
+from curation.io import storage
+from curation.io.outputs import urls_in
+from curation.io.shards import merge_part_indexes, save_manifest, verify_part
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import MAX_LISTED_BAD_RECORDS, BadRecord, Manifest, SourceCounts, UnitRecord
 from schemas.outdir import config_diff
@@ -89,9 +90,9 @@ class ShardGroup:
                                  "source, before work units); delete the directory and rerun")
         else:
             manifest = Manifest(
-                kind=CANDIDATE.name, job="prepare", config=cfg.model_dump(mode="json"),
+                kind=CANDIDATE.name, job="prepare", config=urls_in(cfg.model_dump(mode="json")),
                 tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size, seq_len=cfg.seq_len,
-                extra={"group": name, "group_key": key, "tokenizer_path": os.path.abspath(tokenizer_path)},
+                extra={"group": name, "group_key": key, "tokenizer_path": storage.canonical(tokenizer_path)},
             )
         return cls(cfg, name, out, sources, manifest)
 
@@ -130,8 +131,8 @@ class ShardGroup:
                 warnings.warn(f"{path}: its input changed since it was written ({record.spans} now {now}); "
                               "preparing it again", stacklevel=2)
                 for part in record.parts:
-                    shutil.rmtree(os.path.join(self.out, part.name), ignore_errors=True)
-                os.unlink(path)
+                    storage.remove(os.path.join(self.out, part.name))
+                storage.remove(path)
 
     def recorded_units(self) -> list[WorkUnit]:
         """The units of a finished group, rebuilt from their records (no input is read)."""
@@ -159,7 +160,7 @@ class ShardGroup:
     def reload(self, units: list[WorkUnit]) -> None:
         """Read the records of ``units`` again (the truth, after tasks in other processes saved them)."""
         for unit in units:
-            if unit.out == self.out and os.path.exists(unit.record_path):
+            if unit.out == self.out and storage.refresh(unit.record_path):  # written on another node: the bucket's
                 self.update(UnitRecord.load(unit.record_path))
 
     # --- damaged parts ----------------------------------------------------------------------------
@@ -245,7 +246,7 @@ class ShardGroup:
                 )
             self._write_index()
             m.complete = True
-        m.save(self.out)
+        save_manifest(self.out, m)  # (uploaded, for an object-store directory, after the index)
         return m
 
     def _write_index(self) -> None:

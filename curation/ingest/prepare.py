@@ -20,6 +20,12 @@ resumes (only the manifests' ``config.workers`` and ``config.ray`` say how it wa
 Resume: a killed run, rerun with the same config, never redoes a finished unit and continues every other one
 from its last finished part (the document that part ended in is read again and its tokens already written are
 skipped), producing the same parts as an uninterrupted run.
+
+Text sources are read by :mod:`curation.ingest.corpus` and tokenized; pre-tokenized ones (MDS token datasets,
+parquet/arrow token columns) by :mod:`curation.ingest.token_sources`, whose records' ids are packed as they are
+(``token_rows: stream``) or each followed by EOS like a text document (``token_rows: documents``). An
+``s3://`` output directory is worked on in its local cache (:mod:`curation.io.storage`): every finished part,
+unit record, manifest and index is uploaded as it is written, and a rerun resumes from what is in the bucket.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from tqdm import tqdm
 from curation.ingest.corpus import BadRecordError, Document, FileSpan, resolve_paths
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
+from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
+from curation.io import storage
+from curation.io.outputs import localize, open_output
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import Manifest, UnitRecord
-from schemas.outdir import open_output_dir
 
 __all__ = ["PrepareResult", "prepare", "GROUPS", "UnitPool", "PoolFactory", "LocalPool"]
 
@@ -109,7 +117,8 @@ def prepare(cfg: PrepareConfig, *, pool: PoolFactory | None = None) -> PrepareRe
         ValueError: no sequence was produced.
         StopRequested: a SIGTERM / SIGINT came (finished parts are recorded; a rerun continues).
     """
-    with open_output_dir(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
+    cfg = localize(cfg)  # an s3:// output_dir: its local cache (curation.io.storage), filled from the bucket
+    with open_output(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
         lock.write_records()
         return _prepare_locked(cfg, pool)
 
@@ -204,14 +213,16 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
 
 # ------------------------------------------------------------------------------------------------
 def _files(source: SourceConfig, skip_bad: bool) -> tuple[list[str], list[BadRecordError]]:
-    """The source's files, and (with ``skip_bad``) one bad record per pattern that matches nothing."""
+    """The source's files (a pre-tokenized source's inputs: files, or MDS dataset directories), and (with
+    ``skip_bad``) one bad record per pattern that matches nothing."""
+    resolve = resolve_token_inputs if source.pre_tokenized else resolve_paths
     if not skip_bad:
-        return resolve_paths(source), []
+        return resolve(source), []
     files: list[str] = []
     missing: list[BadRecordError] = []
     for pattern in source.paths:  # a missing path is one bad record, the others still count
         try:
-            files.extend(resolve_paths(source.model_copy(update={"paths": [pattern]})))
+            files.extend(resolve(source.model_copy(update={"paths": [pattern]})))
         except BadRecordError as e:
             missing.append(e)
     return sorted(set(files)), missing
@@ -232,7 +243,9 @@ def _get_tokenizer(cfg: PrepareConfig) -> LoadedTokenizer:
                 if isinstance(item, Document):
                     yield item.text
 
-    return train_bpe_tokenizer(
+    tok = train_bpe_tokenizer(
         itertools.islice(texts(), tc.train_max_documents),
         vocab_size=tc.vocab_size, min_frequency=tc.min_frequency, eos_token=tc.eos_token, save_to=saved,
     )
+    storage.publish(saved)
+    return tok

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from curation.io.storage import tokenizer_json_path
 from schemas.manifest import atomic_write_text, sha256_file
 
 __all__ = ["LoadedTokenizer", "load_tokenizer", "shared_tokenizer", "share_tokenizer", "train_bpe_tokenizer",
-           "tokenizer_json_path", "PIECE_CHARS"]
+           "PIECE_CHARS"]
 
 #: Documents longer than this many characters are tokenized piece by piece (see ``encode_pieces``).
 PIECE_CHARS = 1 << 18
@@ -65,18 +66,6 @@ class LoadedTokenizer:
                 for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
                     yield np.asarray(enc.ids, dtype=np.int64)
                 group = []
-
-
-def tokenizer_json_path(path: str) -> str:
-    """``path`` itself if it is a file, else ``path/tokenizer.json``."""
-    if os.path.isdir(path):
-        candidate = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(candidate):
-            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
-        return candidate
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"tokenizer path {path} does not exist")
-    return path
 
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedTokenizer:

@@ -27,7 +27,6 @@ Everything here runs in-process (the world size 1 of ``prepare``) and, unchanged
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,7 +42,9 @@ from curation.ingest.corpus import (
     parquet_row_groups,
 )
 from curation.ingest.packing import Packer
+from curation.ingest.token_sources import TokenRecord, iter_token_records
 from curation.ingest.tokenizer import PIECE_CHARS, shared_tokenizer
+from curation.io import storage
 from curation.io.shards import write_part
 from schemas.config import SourceConfig
 from schemas.manifest import BadRecord, ShardRecord, UnitRecord
@@ -141,7 +142,7 @@ def plan_units(out: str, source_index: int, source: SourceConfig, files: list[st
 
     for path in files:
         size = _size(path)
-        fmt = _format(path, source)
+        fmt = None if source.pre_tokenized else _format(path, source)  # pre-tokenized inputs are read whole
         if fmt == "jsonl" and size > unit_bytes - filled:  # cut at byte offsets
             start = 0
             while start < size:
@@ -171,7 +172,10 @@ def _row_group_bytes(path: str) -> list[int]:
 
 
 def _size(path: str) -> int:
+    """Bytes of an input file, or of the files of an input directory (an MDS dataset)."""
     try:
+        if os.path.isdir(path):
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names)
         return os.path.getsize(path)
     except OSError:
         return 0  # the reader reports it (file:0: cannot open)
@@ -188,28 +192,40 @@ def _format(path: str, source: SourceConfig) -> str | None:
 # running a unit
 # ------------------------------------------------------------------------------------------------
 def read_documents(source: SourceConfig, spans: list[FileSpan], skip_bad: bool, *, start_file: int = 0,
-                   start_record: int = 0) -> Iterator[Document | BadRecordError]:
-    """A source's documents in ``spans`` from a resume position; bad records raise unless ``skip_bad`` (then they
-    are yielded to count). ``skip_documents`` are skipped when reading from the start."""
+                   start_record: int = 0, vocab_size: int | None = None,
+                   ) -> Iterator[Document | TokenRecord | BadRecordError]:
+    """A source's documents in ``spans`` (a pre-tokenized source's token records, whole inputs, their ids checked
+    against ``vocab_size``) from a resume position; bad records raise unless ``skip_bad`` (then they are yielded
+    to count). ``skip_documents`` are skipped when reading from the start."""
     at_start = start_file == 0 and start_record == 0
     to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
-    for item in iter_documents(source, spans=spans, start_file=start_file, start_record=start_record):
+    if source.pre_tokenized:
+        assert vocab_size is not None, "token records are checked against the tokenizer's vocabulary"
+        items = iter_token_records(source, files=[s.path for s in spans], vocab_size=vocab_size,
+                                   start_file=start_file, start_record=start_record)
+    else:
+        items = iter_documents(source, spans=spans, start_file=start_file, start_record=start_record)
+    for item in items:
         if to_skip:
-            to_skip -= isinstance(item, Document)
+            to_skip -= not isinstance(item, BadRecordError)
             continue
         if isinstance(item, BadRecordError) and not skip_bad:
             raise item
         yield item
 
 
-def _batches(items: Iterator[Document | BadRecordError]) -> Iterator[list[Document | BadRecordError]]:
-    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters
-    (a huge document ends its batch, so at most one is held at a time)."""
-    batch: list[Document | BadRecordError] = []
+def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
+             ) -> Iterator[list[Document | TokenRecord | BadRecordError]]:
+    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters (or
+    bytes of token ids: a huge document or record ends its batch, so at most one is held at a time)."""
+    batch: list[Document | TokenRecord | BadRecordError] = []
     chars = 0
     for item in items:
         batch.append(item)
-        chars += len(item.text) if isinstance(item, Document) else 0
+        if isinstance(item, Document):
+            chars += len(item.text)
+        elif isinstance(item, TokenRecord):
+            chars += item.ids.nbytes
         if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -227,9 +243,15 @@ def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
     recorded = {os.path.basename(p.name) for p in record.parts}
     for entry in sorted(os.listdir(folder)):
         if entry.startswith(prefix) and (entry.endswith(".tmp") or entry not in recorded):
-            shutil.rmtree(os.path.join(folder, entry))
+            storage.remove(os.path.join(folder, entry))  # an object-store directory's objects too
     if os.path.exists(unit.record_path + ".tmp"):
         os.unlink(unit.record_path + ".tmp")
+
+
+def _save_record(unit: WorkUnit, record: UnitRecord) -> None:
+    """Save the unit's record after a finished part (uploaded, for an object-store directory, after the part)."""
+    record.save(unit.record_path)
+    storage.publish(unit.record_path)
 
 
 def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecord, ShardRecord] | None = None,
@@ -260,7 +282,8 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
         record, target = rewrite
     else:
         target = None
-        record = UnitRecord.load(unit.record_path) if os.path.exists(unit.record_path) else unit.fresh_record()
+        started = storage.refresh(unit.record_path)  # a worker on another node: the bucket's copy
+        record = UnitRecord.load(unit.record_path) if started else unit.fresh_record()
         if record.done:
             return UnitResult(unit, record)
         _remove_leftovers(unit, record)
@@ -299,7 +322,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
             raise PartRewritten()
         record.parts.append(part)
         record.done = bool(state.get("done"))
-        record.save(unit.record_path)  # the part is on disk before its record says so
+        _save_record(unit, record)  # the part is on disk (and in the bucket) before its record says so
         k += 1
         if on_part is not None:
             on_part(record)
@@ -324,7 +347,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     source = unit.source
     try:
         items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=state["file"],
-                               start_record=state["record"])
+                               start_record=state["record"], vocab_size=tok.vocab_size)
         stop = False
         for batch in _batches(items):
             short = [d.text for d in batch if isinstance(d, Document) and len(d.text) <= PIECE_CHARS]
@@ -335,11 +358,16 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
                                                     reason=item.reason))
                     continue
                 doc_pos, fed = (item.file_index, item.next_record - 1), 0
-                pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
-                          else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE))
+                if isinstance(item, TokenRecord):  # ids as they are; a stream's pieces hold their own EOS
+                    pieces, ends = [item.ids], source.token_rows == "documents"
+                else:
+                    pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
+                              else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE))
+                    ends = True
                 for ids in pieces:
                     feed(ids)
-                feed(eos)
+                if ends:
+                    feed(eos)
                 # Counted once complete: a part written in the middle saves the counts without it, and a
                 # rerun reads it again.
                 counts.documents += 1

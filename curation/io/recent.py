@@ -8,6 +8,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from curation.core.refresh_data import RecentMasks
+from curation.io import storage
 
 __all__ = ["save_recent", "load_recent"]
 
@@ -20,11 +21,12 @@ def save_recent(recent: RecentMasks, path: str) -> None:
     tmp = path + ".tmp"
     save_file(data, tmp)
     os.replace(tmp, path)
+    storage.publish(path)  # an object-store directory: uploaded now
 
 
 def load_recent(path: str, *, missing_ok: bool = False) -> RecentMasks:
     """Inverse of :func:`save_recent`; with ``missing_ok`` a file that does not exist reads as no recent steps."""
-    if missing_ok and not os.path.exists(path):
+    if not storage.fetch(path) and missing_ok:  # (from the bucket when this node's cache lacks it)
         return RecentMasks()
     data = load_file(path)
     return RecentMasks([int(s) for s in data["steps"]], data.get("masks"))

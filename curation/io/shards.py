@@ -10,7 +10,8 @@ Integrity: every shard file is written with an ``xxh64`` hash of its compressed 
 MDS index (``StreamingDataset(..., validate_hash="xxh64")`` checks them too). :class:`ShardReader` checks
 them when it first loads a shard and raises :class:`ShardIntegrityError` naming the file and saying how to
 regenerate the part; :func:`verify_part` checks a whole part (jobs use it on a rerun to rewrite corrupt or
-missing parts). Directories written before hashes were recorded are read without the check.
+missing parts). Directories written before hashes were recorded (or by others, e.g. llm-foundry's converters)
+are checked against the sizes their index records, and any other hash it records.
 
 Parts of step-indexed directories (scored and selected-token shards) are named by :func:`part_name`; a
 directory's manifest is read and checked against its shard spec by :func:`shard_dir_info`, and
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from curation.ingest.tokenizer import tokenizer_json_path
+from curation.io import storage
 from curation.io.mds import SHARD_HASH, write_mds
 from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
@@ -38,7 +39,7 @@ from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
-    "ShardDirInfo", "shard_dir_info", "check_tokenizer",
+    "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -59,44 +60,74 @@ class ShardIntegrityError(ValueError):
 
 
 def _check_bytes(data: bytes, info: Any, path: str) -> None:
-    """Compare ``data`` with the hash and size recorded for it (nothing recorded: nothing to check)."""
+    """Compare ``data`` with the size and the hash recorded for it: ``xxh64`` when recorded, else the first
+    algorithm the index names (MDS directories written by others may record another one, or none: then the
+    size is all there is to check)."""
     from streaming.base.hashing import get_hash
 
-    expected = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
-    if expected is not None and (len(data) != info.bytes or get_hash(SHARD_HASH, data) != expected):
+    hashes = getattr(info, "hashes", None) or {}
+    algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
+    expected = hashes.get(algo) if algo is not None else None
+    if len(data) != info.bytes or (expected is not None and get_hash(algo, data) != expected):
+        got, want = (f", {algo} {get_hash(algo, data)}", f", {algo} {expected}") if expected is not None else ("", "")
         raise ShardIntegrityError(
-            f"{path}: corrupt shard ({len(data)} bytes, {SHARD_HASH} {get_hash(SHARD_HASH, data)}; "
-            f"its index records {info.bytes} bytes, {SHARD_HASH} {expected})"
+            f"{path}: corrupt shard ({len(data)} bytes{got}; its index records {info.bytes} bytes{want})"
         )
 
 
-def _load_shard_file(directory: str, shard: Any) -> bytes:
-    """The raw (decompressed) bytes of one shard, checked against its recorded hashes.
+def load_shard_file(directory: str, shard: Any) -> bytes:
+    """The raw (decompressed) bytes of one shard (a ``streaming`` shard reader of ``directory``'s index), checked
+    against the sizes and hashes its index records.
+
+    In the cache of an object-store directory, a shard not cached yet is downloaded first, and one whose cached
+    copy fails the check is downloaded again once (a damaged cache); a downloaded copy that fails is damaged in
+    the bucket, and the error names its URL.
 
     Raises:
         ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
     """
+    path = os.path.join(directory, (shard.zip_data or shard.raw_data).basename)
+    downloaded = not os.path.exists(path) and storage.fetch(path)
+    try:
+        return _read_shard(directory, shard)
+    except ShardIntegrityError:
+        if downloaded or storage.url_of(directory) is None or not os.path.exists(path):
+            raise
+        os.unlink(path)  # a damaged cached copy: download it once more
+        storage.fetch(path)
+        return _read_shard(directory, shard)
+
+
+def _read_shard(directory: str, shard: Any) -> bytes:
     from streaming.base.compression import decompress
 
     raw = os.path.join(directory, shard.raw_data.basename)
     try:
-        if os.path.exists(raw):
+        if os.path.exists(raw) or shard.zip_data is None:
             with open(raw, "rb") as f:
                 data = f.read()
         else:
             zipped = os.path.join(directory, shard.zip_data.basename)
             with open(zipped, "rb") as f:
                 packed = f.read()
-            _check_bytes(packed, shard.zip_data, zipped)
+            _check_bytes(packed, shard.zip_data, storage.display(zipped))
             try:
                 data = decompress(shard.compression, packed)
             except Exception as e:  # zstd raises ZstdError, other codecs their own
-                raise ShardIntegrityError(f"{zipped}: corrupt shard: cannot decompress ({e})") from e
+                raise ShardIntegrityError(f"{storage.display(zipped)}: corrupt shard: cannot decompress ({e})") from e
             raw = zipped
     except OSError as e:
-        raise ShardIntegrityError(f"{e.filename or raw}: cannot read shard file ({e.strerror or e})") from e
-    _check_bytes(data, shard.raw_data, raw)
+        where = storage.display(e.filename) if isinstance(e.filename, str) else raw
+        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
+    _check_bytes(data, shard.raw_data, storage.display(raw))
     return data
+
+
+def decode_sample(shard: Any, data: bytes, local: int) -> dict[str, Any]:
+    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by the
+    shard's reader. Garbage bytes raise numpy, struct or unicode errors (callers name the shard)."""
+    begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
+    return shard.decode_sample(data[begin:end])
 
 
 def recovery_hint(directory: str, shard_file: str) -> str:
@@ -129,13 +160,14 @@ def verify_part(part_dir: str) -> str | None:
 
     index = os.path.join(part_dir, "index.json")
     try:
+        storage.fetch(index)
         with open(index, encoding="utf-8") as f:
             shards = [reader_from_json(part_dir, None, s) for s in json.load(f)["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{index}: missing or unreadable index ({e})"
     try:
         for shard in shards:
-            _load_shard_file(part_dir, shard)
+            load_shard_file(part_dir, shard)
     except ShardIntegrityError as e:
         return str(e)
     return None
@@ -161,6 +193,7 @@ def write_part(
         shutil.rmtree(tmp)
     n = write_mds(tmp, spec.mds_columns(vocab_size=vocab_size), samples, size_limit=size_limit)
     os.replace(tmp, part_dir)  # the part appears whole or not at all
+    storage.publish(part_dir)  # an object-store directory: uploaded now (its index.json last)
     return n
 
 
@@ -173,7 +206,7 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
     total = 0
     for part in parts:
         index_path = os.path.join(root, part, "index.json")
-        if not os.path.exists(index_path):
+        if not storage.fetch(index_path):  # a part another machine wrote into an object-store directory: fetched
             continue
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
@@ -185,7 +218,13 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
             shards.append(shard)
             total += shard["samples"]
     atomic_write_text(os.path.join(root, "index.json"), json.dumps({"version": 2, "shards": shards}, indent=1))
+    storage.publish(os.path.join(root, "index.json"))
     return total
+
+
+def save_manifest(out_dir: str, manifest: Manifest) -> None:
+    """Save the manifest (atomically) and, for an object-store directory, upload it."""
+    storage.publish(manifest.save(out_dir))
 
 
 def publish_parts(out_dir: str, manifest: Any) -> None:
@@ -194,7 +233,7 @@ def publish_parts(out_dir: str, manifest: Any) -> None:
     parts = [r.name for r in manifest.shards if r.complete]
     if parts:
         merge_part_indexes(out_dir, parts)
-    manifest.save(out_dir)
+    save_manifest(out_dir, manifest)
 
 
 def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[str]:
@@ -206,7 +245,7 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     for entry in sorted(os.listdir(base)):
         rel = os.path.join(group, entry.removesuffix(".tmp"))
         if entry.endswith(".tmp") or rel not in completed:
-            shutil.rmtree(os.path.join(base, entry))
+            storage.remove(os.path.join(base, entry))
             removed.append(rel)
     return removed
 
@@ -225,6 +264,7 @@ class ShardReader:
     def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None):
         from streaming.base.format import reader_from_json
 
+        storage.fetch(os.path.join(path, "index.json"))  # an object-store directory's shards come when read
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)
         self.path = path
@@ -242,7 +282,7 @@ class ShardReader:
             self._cache.move_to_end(i)
             return self._cache[i]
         try:
-            data = _load_shard_file(self.path, self.shards[i])
+            data = load_shard_file(self.path, self.shards[i])
         except ShardIntegrityError as e:
             raise ShardIntegrityError(f"{e}; {self._hint(self._name(i))}") from e
         self._cache[i] = data
@@ -272,10 +312,9 @@ class ShardReader:
         local = idx - (self._ends[i - 1] if i else 0)
         data = self._shard_bytes(i)
         try:  # a shard without recorded hashes (older directories) may still be damaged
-            begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
-            return self.shards[i].decode_sample(data[begin:end])
+            return decode_sample(self.shards[i], data, local)
         except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
-            name = os.path.join(self.path, self._name(i))
+            name = storage.display(os.path.join(self.path, self._name(i)))
             raise ShardIntegrityError(
                 f"{name}: corrupt shard: sample {local} cannot be decoded ({type(e).__name__}: {e}); "
                 f"{self._hint(self._name(i))}"
@@ -317,9 +356,13 @@ class ShardDirInfo:
 def shard_dir_info(path: str, spec: str) -> ShardDirInfo:
     """Validate ``path`` against the shard ``spec`` and read its manifest.
 
+    An object-store directory's ``index.json`` and ``manifest.json`` are brought up to date in its cache first.
+
     Raises:
         ShardSchemaError: wrong columns/encodings (names directory, shard and column), or no manifest.
     """
+    for name in ("index.json", "manifest.json"):
+        storage.refresh(os.path.join(path, name))
     validate_shard_dir(path, spec)
     if not os.path.exists(Manifest.path_in(path)):
         raise ShardSchemaError(f"{path}: no manifest.json (not written by this project's jobs)")
@@ -340,7 +383,7 @@ def check_tokenizer(infos: Sequence[ShardDirInfo], tokenizer: str | None) -> str
     """
     known = [(Manifest.path_in(i.path), i.tokenizer_fingerprint) for i in infos if i.tokenizer_fingerprint]
     if tokenizer is not None:
-        path = tokenizer_json_path(tokenizer)
+        path = storage.tokenizer_json_path(tokenizer)
         known.insert(0, (path, sha256_file(path)))
     for where, fp in known[1:]:
         if fp != known[0][1]:

@@ -1,7 +1,7 @@
 """`jobs/curate_and_train.py` sent SIGTERM mid-run (issue 24): the trainer stops at the end of its step with a
 checkpoint there, the engine's workers finish their units, the local Ray instance is shut down, the job exits 143
 with one line naming the step and the checkpoint, and a rerun ends with an uninterrupted run's outputs (exact
-and pipelined mode)."""
+and pipelined mode). A second SIGTERM ends the job at once, its local Ray instance with it."""
 
 from __future__ import annotations
 
@@ -18,34 +18,44 @@ from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run, ass
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-#: Runs jobs/curate_and_train.py with every forward pass of the driver's trainer slowed down (the Ray workers run
-#: at full speed), so that a signal lands mid-run.
+#: Runs jobs/curate_and_train.py with every forward pass of the driver's trainer (and every checkpoint write) slowed
+#: down (the Ray workers run at full speed), so that a signal lands mid-run.
 _SLOW_JOB = """
 import runpy, sys, time
 sys.path.insert(0, {repo!r})
+from composer.callbacks.checkpoint_saver import CheckpointSaver
 import training.blocks.model as m
-forward = m.MaskedCausalLM.forward
+forward, save = m.MaskedCausalLM.forward, CheckpointSaver._save_checkpoint
 def slow_forward(*a, **k):
     time.sleep({delay})
     return forward(*a, **k)
-m.MaskedCausalLM.forward = slow_forward
+def slow_save(*a, **k):
+    time.sleep({save_delay})
+    return save(*a, **k)
+m.MaskedCausalLM.forward, CheckpointSaver._save_checkpoint = slow_forward, slow_save
 sys.argv = [{script!r}, *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
 
+def _start_until(cfg: str, ckpt: str, err, *, save_delay: float = 0.0) -> subprocess.Popen:
+    """Start the slowed job in a session of its own; return it once checkpoint ``ckpt`` exists."""
+    code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5, save_delay=save_delay)
+    proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
+                            stderr=err, env=_env(), start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
 def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-rank0.pt") -> int:
     """Start the job, SIGTERM its driver once checkpoint ``after`` exists; check the exit and its message; return
     the step it stopped after."""
-    code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5)
     with open(os.path.join(os.path.dirname(cfg), "stderr.txt"), "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
-                                stderr=err, env=_env(), start_new_session=True)
+        proc = None
         try:
-            ckpt = os.path.join(out, "checkpoints", after)
-            deadline = time.monotonic() + 240
-            while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            proc = _start_until(cfg, os.path.join(out, "checkpoints", after), err)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
             proc.wait(timeout=120)
@@ -53,7 +63,8 @@ def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-r
             stderr = err.read()
             assert not _ray_left(proc.pid), "the job left its Ray instance running"
         finally:
-            session_killer(proc.pid)  # whatever is left (nothing, when the test passes)
+            if proc is not None:
+                session_killer(proc.pid)  # whatever is left (nothing, when the test passes)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM received: finishing the training step in progress and its checkpoint, then stopping" in stderr
     last = stderr.strip().splitlines()[-1]
@@ -109,3 +120,45 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
     curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
                                                                      engine=engine)))
     assert_same_run(full, out)
+
+
+def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun_equals_an_uninterrupted_run(
+        tmp_path, tiny_train, session_killer):
+    from schemas.train_config import TrainConfig
+    from training.runs.single import train
+
+    out = str(tmp_path / "stopped")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc = None
+        try:  # every checkpoint write takes ≥ 2 s: the second signal comes while the stop's checkpoint is written
+            proc = _start_until(cfg, os.path.join(out, "checkpoints", "ep0-ba5-rank0.pt"), err, save_delay=2.0)
+            assert proc.poll() is None, "the job ended before the signal"
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while "SIGTERM received" not in open(err.name).read() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            waited = time.monotonic() - t0
+            # the local Ray instance follows its driver: raylet and GCS at once, its agents (ray::DashboardAgent, …)
+            # when their check of the raylet finds it gone (measured: about a minute after the driver)
+            deadline = time.monotonic() + 180
+            while _ray_left(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            left = _ray_left(proc.pid)
+            err.seek(0)
+            stderr = err.read()
+        finally:
+            if proc is not None:
+                session_killer(proc.pid)
+    assert proc.returncode == -signal.SIGTERM and waited < 5, (proc.returncode, waited, stderr[-3000:])
+    assert "SIGTERM received: finishing the training step in progress and its checkpoint" in stderr
+    assert not left, "the job left its Ray instance running"
+    assert not os.path.exists(os.path.join(out, "final"))
+
+    _resume(cfg)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
+    single = str(tmp_path / "single")
+    train(TrainConfig.model_validate(tiny_train(single)))
+    assert_same_run(single, out)

@@ -43,3 +43,26 @@ def test_embedded_default_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "tokens/s (1 worker)" in out.stdout and "candidates: " in out.stdout  # small: in-process, no Ray
     assert os.path.exists(tmp_path / "runs" / "demo" / "data" / "candidates" / "index.json")
+
+
+def test_an_llm_foundry_mds_dataset_is_prepared_and_a_bad_id_is_one_line(tmp_path):
+    """The README's example: an MDS token dataset as a source, then the same dataset with an id outside the
+    vocabulary: exit 1 with one line naming the shard file, the sample and the id."""
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+    from tests.curation.ingest.test_token_sources import _texts, foundry_samples, write_foundry_mds
+
+    tok = train_bpe_tokenizer(iter(_texts(0, 300)), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    samples = list(foundry_samples(tok.encode_batch(_texts(1, 100)), eos=[tok.eos_id]))
+    data = write_foundry_mds(tmp_path / "my-copy-c4" / "train_small", samples, size_limit=1 << 26)
+    args = ["--set", f"sources=[{{name: c4, format: mds, paths: [{data}]}}]", "--set", "validation=[]",
+            "--set", f"tokenizer.path={tok.path}", "--set", "seq_len=32", "--set", "demo=false"]
+    out = _run(*args, "--set", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"candidates: {len(samples)} sequences × 32 tokens from {len(samples)} documents" in out.stdout
+    samples[7][3] = 5000
+    bad = write_foundry_mds(tmp_path / "bad", samples, size_limit=1 << 26)
+    out = _run(*args, "--set", f"sources.0.paths=[{bad}]", "--set", f"output_dir={tmp_path / 'out2'}", cwd=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        f"error: {bad}/shard.00000.mds.zstd:8: token id 5000 (position 3) is outside the tokenizer's vocabulary "
+        f"(ids 0 to {tok.vocab_size - 1}): was this data tokenized with another tokenizer?")

@@ -15,6 +15,7 @@ from training.runs.soak import SoakSettings, soak
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1800)  # above the soak's own limit (timeout_s): ~3.5 min alone, over 10 on a loaded machine
 def test_soak_smoke_kills_and_reruns_to_the_uninterrupted_outputs(tmp_path):
     # seed 3: the trainer SIGTERM'd at step 21, the refresh actor SIGTERM'd at 40, the trainer SIGKILL'd at 43, a
     # scoring worker SIGKILL'd at 44
@@ -31,6 +32,10 @@ def test_soak_smoke_kills_and_reruns_to_the_uninterrupted_outputs(tmp_path):
     assert r["attempts"] == 3 and not r["events_not_reached"]
     assert all(e["exit"] == 143 for e in trainer if e["signal"] == "SIGTERM")  # a clean stop at a step end
     assert all(e["exit"] == -9 for e in trainer if e["signal"] == "SIGKILL")
+    assert r["kills"] == {"refresh_SIGTERM": 1, "trainer_SIGKILL": 1, "trainer_SIGTERM": 1, "worker_SIGKILL": 1}
+    redone = r["redone"]  # the SIGTERM redid no step; the SIGKILL the ones after the last checkpoint (every 10)
+    assert 0 <= redone["steps"] < 10 and redone["steps_trained"] == 60 + redone["steps"], redone
+    assert [a["attempt"] for a in r["per_attempt"]] == [1, 2, 3] and r["per_attempt"][-1]["exit"] == 0
     g = r["growth"]  # measured; in an attempt of seconds a killed or late-sampled worker may leave none to compare
     assert g["driver"]["processes"] == 1 and g["driver"]["rss"] is not None and g["driver"]["fds"] is not None, g
     assert g["worker"]["processes"] + g["worker"]["excluded"] >= 2, g

@@ -158,3 +158,42 @@ def test_an_evaluated_model_name_is_a_safe_folder_name(tmp_path, name):
     with pytest.raises(ConfigError, match=rf"models.0.name: .*model name {re.escape(repr(name))} is used as a folder"):
         load_config(EvaluateConfig, default=lambda: EvaluateConfig.demo_default(str(tmp_path)),
                     overrides=[f"models.0.name='{name}'", "models.0.path=some/dir"])
+
+
+def test_text_sources_record_no_pre_tokenized_keys_so_older_records_still_resume(tmp_path):
+    """The keys of pre-tokenized sources appear in a record only when set: a text source dumps exactly the keys
+    it had before them, so config.yaml files and manifests written then still equal the config resuming them."""
+    from schemas.config import SourceConfig
+
+    keys_before = ["name", "paths", "format", "text_field", "template", "txt_split", "skip_documents",
+                   "max_documents"]
+    assert list(SourceConfig(name="a", paths=["x"]).model_dump(mode="json")) == keys_before
+    cfg = load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                      overrides=["tokenizer.path=/t.json", "sources.0={name: c4, format: mds, paths: [/d/train], "
+                                 "token_rows: documents, token_encoding_type: int32}"])
+    dumped = cfg.model_dump(mode="json")["sources"][0]
+    assert dumped["token_rows"] == "documents" and dumped["token_encoding_type"] == "int32"
+    assert "tokens_field" not in dumped  # at its default
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert load_config(PrepareConfig, path=str(path)) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sources.0={name: s, paths: [x], format: mds}", r"sources\.0 \('s'\) is pre-tokenized: set tokenizer\.path"),
+    ("sources.0={name: s, paths: [x], format: mds, template: '{a}'}", "template: a pre-tokenized source"),
+    ("sources.0={name: s, paths: [x.jsonl], tokens_field: ids, format: jsonl}",
+     "tokens_field: token ids are read from mds, parquet or arrow input, not jsonl"),
+    ("sources.0={name: s, paths: [x], format: mds, token_encoding_type: float32}", "token_encoding_type: Input should"),
+])
+def test_pre_tokenized_source_settings_are_checked(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)), overrides=[override])
+
+
+def test_an_evaluation_set_is_text(tmp_path):
+    from schemas.eval_config import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=r"sets.0 \('target_val'\): evaluation sets are read as text"):
+        load_config(EvaluateConfig, default=lambda: EvaluateConfig.demo_default(str(tmp_path)),
+                    overrides=["sets.0.template=null", "sets.0.format=mds"])

@@ -8,35 +8,7 @@ import pytest
 from safetensors.torch import load_file
 
 from training.quality.report import seed_interval
-from training.quality.setting import (
-    Setting,
-    compute,
-    equal_compute_steps,
-    eval_sources,
-    forward_flops_per_token,
-)
-
-TINY = Setting(hidden=4, layers=1, vocab=10, seq_len=8, batch=2, warmup=2, tau=3, rho1_steps=5, steps=10)
-
-
-def test_flops_by_hand():
-    # per layer: q,k,v,o 4·4² = 64, MLP 3·4·8 = 96 (intermediate int(4·8/3)//8·8 = 8); head 4·10 = 40
-    # forward per token: 2·(160 + 40) + attention 2·1·8·4 = 464
-    assert forward_flops_per_token(TINY) == 464
-    tokens = 2 * 8
-    full = compute(TINY, "full", 10)
-    assert (full.proxy, full.scoring, full.refresh) == (3 * 464 * tokens * 10, 0, 0)
-    assert compute(TINY, "random", 10) == full
-    rho1 = compute(TINY, "rho1", 10)  # scoring after W = 2 steps; static reference: 5 steps of b/4 = 1 sequence
-    assert (rho1.scoring, rho1.refresh) == (464 * tokens * 8, 3 * 464 * 1 * 8 * 5)
-    sel = {"refresh_steps": 2, "lam": 1.0, "refresh_batch_size": 2}
-    blade = compute(TINY, "blade", 10, sel=sel)  # refreshes before steps 2, 5, 8: 3 × 2 steps × (2 val + 2 cand) × 8
-    assert blade.refresh == 3 * 464 * (2 * 8 * 2) * 2 * 3
-    assert compute(TINY, "blade", 10, sel={**sel, "lam": 0.0}).refresh == blade.refresh / 2  # no candidate batch
-    assert compute(TINY, "blade-nosync", 10, sel=sel) == blade
-    assert blade.total == blade.proxy + blade.scoring + blade.refresh
-    assert equal_compute_steps(TINY, "blade", sel) == round(blade.total / (3 * 464 * tokens))
-    assert equal_compute_steps(TINY, "full") == equal_compute_steps(TINY, "random") == 10
+from training.quality.setting import MAX_EPOCHS, PRESETS, QUICK, Setting, eval_sources, forward_flops
 
 
 def test_seed_interval():
@@ -47,22 +19,28 @@ def test_seed_interval():
     assert seed_interval([-0.1, -0.1]).hi == pytest.approx(-0.1)  # no spread: a zero-width interval
 
 
-def test_evaluation_sets_are_disjoint_from_pool_and_base():
+def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
     from training.quality.setting import SOURCES, data_configs
 
     s = Setting()
     cfgs = data_configs(s, "/tmp/unused")
     pool = {c.name: c for c in cfgs["pool"].sources}
     base = {c.name: c for c in cfgs["base"].sources}
+    base_val = {c.name.removesuffix("_val"): c for c in cfgs["base"].validation}
     assert "math" not in pool and "aqua" not in pool  # math in other styles is evaluation only
+    assert set(base) == {n for n, *_, dom, _b, _v, _h, _c in SOURCES if dom == "general"}  # bases: general text only
+    assert "speeches" in base and "speeches" not in pool  # the speeches feed the bases only
+    for name, b in base.items():  # [base | base validation | held-out | pool] slices of the same documents
+        assert base_val[name].skip_documents == b.max_documents
     for ev in eval_sources(s):
         name = ev.name.removesuffix("_heldout")
-        if ev.name.endswith("_heldout"):  # [base | held-out | pool] slices of the same documents
-            assert ev.skip_documents == base[name].max_documents
+        if ev.name.endswith("_heldout"):
+            assert ev.skip_documents == base[name].max_documents + base_val[name].max_documents
             assert pool[name].skip_documents == ev.skip_documents + ev.max_documents
         else:
             assert all(ev.paths[0] not in c.paths for c in [*pool.values(), *base.values()])
     assert {n for n, *_, held, _ in SOURCES if held} == {"c4", "wikitext2", "lambada"}
+    assert cfgs["pool"].validation[0].max_documents == 500 and pool["gsm8k"].skip_documents == 500
 
 
 @pytest.mark.slow
@@ -80,24 +58,31 @@ def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
     assert long["config"]["snapshots"] == [4, 7]
 
 
-def test_gpu_preset_meets_the_brief():
-    """One H100-class GPU: a 30–125M-parameter Llama, context ≥ 512, the GPT-2 tokenizer, ≥ 2,000 proxy
-    steps, 3 seeds, resumable in pieces."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from training.quality.setting import PRESETS, SHARED, model_config
-
-    s = PRESETS["gpu"]
-    cfg = dict(model_config(s).hf_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    assert 30e6 <= sum(p.numel() for p in model.parameters()) <= 125e6
-    assert s.seq_len >= 512 and s.steps >= 2000 and s.seeds == 3 and s.long_steps >= s.steps
-    assert s.tokenizer == "tokenizer_gpt2/gpt2_tokenizer.json" and s.vocab >= 50257
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_presets_meet_the_brief(preset):
+    """The target's training FLOPs per token are ≥ 5× the proxy's; the long horizon is ≥ 2,000 steps with 3 seeds;
+    the refresh sweep includes the paper's K/τ = 0.3 and at least two cheaper settings; the bases see the base text
+    at most MAX_EPOCHS times; amortized over 1 and 4 target runs; resumable in pieces (checkpoints)."""
+    s = PRESETS[preset]
+    assert forward_flops(s, target=True) >= 5 * forward_flops(s)
+    assert s.steps >= 2000 and s.seeds == 3
+    kt = sorted(c["refresh_steps"] / s.tau for c in s.sweep)
+    assert 0.3 in kt and sum(k < 0.3 for k in kt) >= 2
+    assert max(s.base_epochs, s.target_base_epochs) <= MAX_EPOCHS
+    assert set(s.reuse_policies) == {"blade", "rho1", "random"} and s.reuse_runs == (1, 4)
     assert s.checkpoint_interval is not None and s.checkpoint_interval < s.steps
-    assert PRESETS["cpu"] == Setting()  # the default preset is the previous CPU setting
-    assert SHARED.endswith("data")
+    assert s.steps % s.curve_interval == 0 and s.steps % s.target_curve_interval == 0
+
+
+def test_cpu_preset_model_sizes():
+    """The CPU preset's proxy and target, by hand: Llama 64×4 and 192×4, vocabulary 4,096, context 128."""
+    s = PRESETS["cpu"]
+    # proxy: per layer 4·64² + 3·64·168 = 16384 + 32256; ×4 = 194560; head 64·4096 = 262144; attention 2·4·128·64
+    assert forward_flops(s) == 2 * (194560 + 262144) + 65536
+    # target: per layer 4·192² + 3·192·512 = 147456 + 294912; ×4 = 1769472; head 192·4096 = 786432
+    assert forward_flops(s, target=True) == 2 * (1769472 + 786432) + 2 * 4 * 128 * 192
+    assert forward_flops(s, target=True) / forward_flops(s) == pytest.approx(5.4226, abs=1e-4)
+    assert QUICK.steps < s.steps  # the CI smoke is smaller
 
 
 def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():

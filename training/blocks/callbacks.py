@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -33,6 +32,7 @@ from composer.loggers import Logger, LoggerDestination
 from curation.core.policies import ScoreKind, SelectionPolicy
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.core.stats import SourceCounts as BatchCounts
+from curation.io import storage
 from curation.io.shards import PART_PREFIX, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts, atomic_write_text
 from schemas.shards import SELECTED, token_dtype
@@ -116,7 +116,7 @@ class SelectedShardWriter(Callback):
         for entry in sorted(os.listdir(self.out_dir)):
             # Parts written after the checkpoint this run resumes from (or half-written ones) go first.
             if entry.startswith(PART_PREFIX) and (entry.endswith(".tmp") or entry not in keep):
-                shutil.rmtree(os.path.join(self.out_dir, entry))
+                storage.remove(os.path.join(self.out_dir, entry))
         self._publish()
 
     def batch_end(self, state: State, logger: Logger) -> None:

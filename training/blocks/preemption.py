@@ -18,6 +18,7 @@ from collections.abc import Callable
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from curation.io import storage
 from schemas.stop import StopRequested, stop_signal
 
 __all__ = ["StopAtStepEnd", "stopped_at_step"]
@@ -58,7 +59,7 @@ def stopped_at_step(signum: int, step: int, output_dir: str, max_steps: int) -> 
     """The :class:`~schemas.stop.StopRequested` of a run in ``output_dir`` stopped after ``step`` steps: names the
     step and the checkpoint a rerun resumes from."""
     latest = os.path.join(output_dir, "checkpoints", "latest-rank0.pt")
-    ckpt = os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest)))
+    ckpt = storage.display(os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest))))
     return StopRequested(signal.Signals(signum), (
         f"after step {step} of {max_steps} (checkpoint {ckpt}); rerun the same command to resume from it at step "
         f"{step + 1}"))

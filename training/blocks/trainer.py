@@ -14,14 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from composer import Trainer
+from composer import Callback, Trainer
 from composer.algorithms import GradientClipping
-from composer.core import Evaluator, Event
+from composer.core import Evaluator, Event, State
+from composer.loggers import Logger
 from composer.utils.parallelism import FSDP2Config
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from curation.core.distributed import current_ranks
+from curation.io import storage
 from curation.io.models import build_causal_lm, check_vocab, model_vocab_size, resolve_device
 from curation.io.shards import ShardDirInfo
 from schemas.manifest import Manifest
@@ -150,4 +152,25 @@ def make_trainer(
         )
     if is_sharded(model.model):
         average_on_gloo(model.model)
+    if storage.url_of(cfg.output_dir) is not None and current_ranks().rank == 0:
+        trainer.state.callbacks.append(CheckpointUpload(cfg.output_dir))  # after Composer's checkpoint saver
     return trainer
+
+
+class CheckpointUpload(Callback):
+    """An object-store output directory: after each checkpoint Composer saves (this callback is added after its
+    saver), ``checkpoints/`` is mirrored to the bucket (new files uploaded, pruned ones deleted, the
+    ``latest-rank0.pt`` link kept) and ``logs/`` uploaded, so a rerun anywhere resumes from that step."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+
+    def _push(self) -> None:
+        storage.push(self.output_dir, "checkpoints", delete=True)
+        storage.push(self.output_dir, "logs")
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._push()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._push()

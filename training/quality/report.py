@@ -1,22 +1,22 @@
 """The quality benchmark's report: statistics over seeds, figures and the generated RESULTS.md.
 
-Pure functions of the results dict written by :func:`training.quality.runs.run_experiment` (no training).
+Pure functions of the results dict written by :func:`training.quality.analysis.analyse` (no training). The
+first lines of RESULTS.md answer the three questions, whichever way they go: BLADE vs RHO-1 at the long
+horizon; native selection at equal compute; reused selection at equal total compute. A hand-written reading,
+when ``--out`` holds a ``READING.md``, is placed right after them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from typing import Any
 
-import numpy as np
-
 from curation.evaluation.heldout import Interval
-from training.quality.setting import POLICIES
 
-__all__ = ["seed_interval", "make_figures", "results_md"]
+__all__ = ["seed_interval", "make_figures", "results_md", "answers"]
 
+POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..10); larger: 1.96 would be optimistic, so 2.2
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -30,12 +30,8 @@ def seed_interval(diffs: list[float]) -> Interval:
     return Interval(m, m - half, m + half)
 
 
-def _mean_std(xs: list[float]) -> tuple[float, float]:
-    return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def _fmt(xs: list[float]) -> str:
-    m, sd = _mean_std(xs)
+    m, sd = statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
     return f"{m:.3f} ± {sd:.3f}" if len(xs) > 1 else f"{m:.3f}"
 
 
@@ -43,12 +39,12 @@ def _iv(d: dict[str, Any]) -> str:
     return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
 
 
-def _verdict(d: dict[str, Any]) -> str:
-    if d["hi"] < 0:
-        return "better"
-    if d["lo"] > 0:
-        return "worse"
-    return "no significant difference"
+def _verdict(d: dict[str, Any], better: str = "better", worse: str = "worse") -> str:
+    return better if d["hi"] < 0 else worse if d["lo"] > 0 else "no significant difference"
+
+
+def _mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    return [(pts[0][0], statistics.fmean(p[1] for p in pts)) for pts in zip(*curves, strict=False)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,69 +66,56 @@ def make_figures(r: dict[str, Any], fig_dir: str) -> dict[str, str]:
         plt.close(fig)
         figs[name] = path
 
+    s, target = r["setting"], r["target_set"]
     color = {p: f"C{i}" for i, p in enumerate(POLICIES)}
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for p, curves in r["val_curves"].items():
-        for i, v in enumerate(curves):
-            ax.plot([x["step"] for x in v], [x["loss"] for x in v], color=color[p], alpha=1.0 if i == 0 else 0.35,
-                    label=p if i == 0 else None)
-    ax.set(xlabel="proxy step", ylabel="validation loss (GSM8K train slice)", title="Validation loss per policy")
-    ax.legend()
-    save(fig, "val_loss.png")
 
-    # loss versus compute: validation curves against cumulative FLOPs (seed 0), the long full run included
-    s = r["setting"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4))  # the bases flatten
+    for role, b in r["bases"].items():
+        tok = s["base_batch"] * s["seq_len"]
+        ax.plot([p["step"] * tok / b["parameters"] for p in b["curve"]], [p["loss"] for p in b["curve"]], "o-", ms=3,
+                label=f"{role} ({b['parameters'] / 1e6:.2f}M parameters, {b['epochs']:.1f} epochs)")
+    ax.set(xlabel="tokens per parameter", ylabel="loss on held-out general text", title="Base pretraining")
+    ax.legend(fontsize=8)
+    save(fig, "bases.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))  # curves over steps: validation and the target set
     for p in POLICIES:
-        curve = r["full_long_curves"][0] if p == "full" else r["val_curves"][p][0]
-        at = r["flops_at_step"][p]
-        axes[0].plot([at[str(x["step"])] for x in curve], [x["loss"] for x in curve], color=color[p],
-                     label=p + (" (long run)" if p == "full" else ""))
+        val = _mean_curve([[(x["step"], x["loss"]) for x in c] for c in r["val_curves"][p]])
+        axes[0].plot(*zip(*val, strict=True), color=color[p], label=p)
+        axes[1].plot(*zip(*_mean_curve(r["test_curves"][p]), strict=True), "o-", ms=3, color=color[p], label=p)
+    axes[1].axhline(r["static_reference"][target], color="gray", ls="--", label="static RHO-1 reference")
+    axes[0].set(xlabel="proxy step", ylabel="validation loss (mean over seeds)", title="Validation (GSM8K train slice)")
+    axes[1].set(xlabel="proxy step", ylabel=f"{target} loss (mean over seeds)", title=f"{target} over the horizon")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    save(fig, "curves.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))  # native loss vs compute; the refresh frontier
+    for p in POLICIES:
+        axes[0].plot(*zip(*r["compute_curves"][p][0], strict=True), color=color[p], label=p)
+    axes[0].plot(*zip(*r["full_val_compute_curve"], strict=True), color=color["full"], ls=":", label="full (run on)")
     axes[0].set(xlabel="FLOPs (analytic)", ylabel="validation loss", title="Validation loss vs compute (seed 0)")
-    axes[0].legend(fontsize=8)
-    target = next(iter(r["eval_sets"]))
-    eq = r["equal_compute_steps"]
-    xs = sorted(set(eq.values()))
-    full_at = {n: None for n in xs}
-    for p in POLICIES[1:]:
-        full_at[eq[p]] = statistics.fmean(e[target] for e in r["eval_equal_compute_full"][p])
-    full_pts = sorted((n, v) for n, v in full_at.items() if v is not None)
-    f_full = r["flops"]["full"]["proxy"] / s["steps"]
-    axes[1].plot([n * f_full for n, _ in full_pts], [v for _, v in full_pts], "o-", color=color["full"],
-                 label="full at each policy's compute")
-    for p in POLICIES[1:]:
-        axes[1].plot([r["flops"][p]["total"]], [statistics.fmean(e[target] for e in r["eval"][p])], "s",
-                     color=color[p], label=p)
-    axes[1].set(xlabel="FLOPs (analytic)", ylabel=f"{target} loss (mean over seeds)",
-                title=f"{target} vs compute after {s['steps']} steps")
-    axes[1].legend(fontsize=8)
+    for row in r["sweep"]:
+        axes[1].plot(*zip(*row["curve"], strict=True), label=f"K/τ = {row['kt']:.2g}" + (" (chosen)" if row["chosen"] else ""))
+    axes[1].plot(*zip(*r["full_val_compute_curve"], strict=True), color="k", ls=":", label="full")
+    axes[1].axvline(r["sweep_budget"], color="gray", ls="--", label="equal-compute budget")
+    axes[1].set(xlabel="FLOPs (analytic)", ylabel="validation loss", title="Refresh strength: frontier (blade, seed 0)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.set_ylim(top=min(ax.get_ylim()[1], r["final_val"]["full"][0] + 0.6))
     save(fig, "loss_vs_compute.png")
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for p, curve in r["long_val_curves"].items():
-        ax.plot([x["step"] for x in curve], [x["loss"] for x in curve], color=color[p], label=p)
-    if r.get("static_reference"):
-        ax.axhline(r["static_reference"]["gsm8k_val"], color="gray", ls="--",
-                   label="static reference (trained on this slice)")
-    ax.set(xlabel="proxy step", ylabel="validation loss", title="Long horizon")
-    ax.legend()
-    save(fig, "long_horizon.png")
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
-    for col, p in enumerate(("blade", "rho1")):
-        hists = r["delta_histograms"][p]
-        keys = sorted(hists, key=int)
-        picks = [keys[0], keys[len(keys) // 2], keys[-1]] if len(keys) >= 3 else keys
-        for ax, k in zip(axes, picks, strict=False):
-            h = hists[k]
-            edges = np.asarray(h["edges"])
-            counts = np.asarray(h["counts"][1:-1] if len(h["counts"]) == len(edges) + 1 else h["counts"], float)
-            ax.plot((edges[:-1] + edges[1:]) / 2, counts / max(counts.sum(), 1), color=f"C{col}",
-                    label=f"{p} (episode {k})")
-            ax.set(xlabel="Δ = ℓ(u) − ℓ(w)", title=f"point {picks.index(k) + 1}")
-            ax.legend(fontsize=7)
-    axes[0].set_ylabel("share of tokens")
-    save(fig, "delta_hist.png")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))  # Δ over time (the paper's Fig. 3)
+    for p, ls in (("rho1", "--"), ("blade", "-"), ("blade-nosync", ":")):
+        rows = r["delta_over_time"][p]
+        for q, c in (("q0.5", "C0"), ("q0.9", "C1"), ("q0.99", "C3")):
+            axes[0].plot([x["episode"] for x in rows], [x[q] for x in rows], ls=ls, color=c, label=f"{p} {q[1:]}")
+        axes[1].plot([x["episode"] for x in rows], [x["positive"] for x in rows], ls=ls, label=p)
+    axes[0].set(xlabel="episode (τ steps)", ylabel="Δ = ℓ(u) − ℓ(w̃) quantile", title="Δ distribution over time")
+    axes[1].set(xlabel="episode (τ steps)", ylabel="share of tokens with Δ > 0", title="Right tail over time")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    save(fig, "delta_over_time.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for p in ("blade", "blade-nosync", "rho1"):
@@ -142,150 +125,199 @@ def make_figures(r: dict[str, Any], fig_dir: str) -> dict[str, str]:
     ax.legend()
     save(fig, "param_distance.png")
 
-    for key, xlabel, name in (("gamma_sweep", "γ", "gamma_sweep.png"), ("tau_sweep", "τ", "tau_sweep.png")):
-        sw = r[key]
-        if len(sw) < 2:
-            continue
-        xs = sorted(sw, key=float)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([float(x) for x in xs], [sw[x]["val"] for x in xs], "o-", label="validation")
-        ax.plot([float(x) for x in xs], [sw[x][target] for x in xs], "s-", label=target)
-        ax.set(xlabel=xlabel, ylabel="token loss", title=f"BLADE, {xlabel} sweep")
-        ax.legend()
-        save(fig, name)
+    reuse = r.get("reuse") or {}
+    if reuse:
+        runs = list(s["reuse_runs"])
+        fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), sharey=True)
+        for ax, n in zip(axes if len(runs) > 1 else [axes], runs, strict=True):
+            ax.plot(*zip(*reuse["full_curve"], strict=True), "o-", ms=3, color=color["full"], label="full (target)")
+            for p, e in reuse["policies"].items():
+                ax.plot(*zip(*e["amortized"][str(n)]["curve"], strict=True), "o-", ms=3, color=color[p],
+                        label=f"replay {p}")
+            ax.axhline(reuse["full_final"][target], color="gray", ls="--", label="full's final loss")
+            ax.set(xlabel="total FLOPs (target training + selection / R)", ylabel=f"{target} loss",
+                   title=f"Target replaying the proxy's shards, selection amortized over R = {n}")
+            ax.legend(fontsize=8)
+        save(fig, "reuse.png")
     return figs
 
 
 # ------------------------------------------------------------------------------------------------
 # RESULTS.md
 # ------------------------------------------------------------------------------------------------
-def results_md(r: dict[str, Any], figs: dict[str, str], command: str, *, hardware: str) -> str:
+def answers(r: dict[str, Any]) -> list[str]:
+    """The three answers, generated from the numbers (whichever way they go)."""
+    t = r["target_set"]
     s = r["setting"]
+    br = r["blade_vs_rho1"][t]
+    out = [f"1. **BLADE vs RHO-1 at the long horizon** ({s['steps']} proxy steps, {s['seeds']} seeds, {t}): "
+           f"`blade` − `rho1` = {_iv(br)} nats: "
+           + {"better": "**BLADE is better**.", "worse": "**RHO-1 is better**.",
+              "no significant difference": "**no significant difference**."}[_verdict(br)]]
+    eq = r["vs_full_equal_compute"]
+    parts = [f"`{p}` {_iv(eq[p][t])} ({_verdict(eq[p][t], 'beats full', 'full wins')}; "
+             f"{r['flops'][p]['total'] / r['flops']['full']['total']:.2f}× full's FLOPs)" for p in POLICIES[2:]]
+    winners = [p for p in POLICIES[2:] if eq[p][t]["hi"] < 0]
+    out.append(f"2. **Native selection at equal compute** (policy − `full` with the same analytic FLOPs, {t}): "
+               + "; ".join(parts) + ". " + (f"**Selection pays for its compute: {', '.join(winners)}.**" if winners
+                                             else "**No selection policy beats `full` at equal compute.**"))
+    reuse = r.get("reuse") or {}
+    if reuse:
+        lines = []
+        for p, e in reuse["policies"].items():
+            per = []
+            for n, a in e["amortized"].items():
+                d = a["equal_compute"].get(t)
+                reach = a["vs_full_flops"]
+                per.append(f"R = {n}: {_iv(d) if d else 'n/a'}, reaches full's final loss "
+                           + (f"with {reach:.2f}× full's FLOPs" if reach is not None else "never (within its run)"))
+            lines.append(f"`{p}` ({e['selection_vs_target_run']:.2f}× a target run to select) " + "; ".join(per))
+        wins = [p for p, e in reuse["policies"].items()
+                if any(a["equal_compute"].get(t, {}).get("hi", 1) < 0 for a in e["amortized"].values())]
+        out.append(f"3. **Reused selection at equal total compute** (a {reuse['flops_ratio']:.1f}× target replaying "
+                   f"the proxy's shards − the target's `full` at the same total FLOPs, selection counted and "
+                   f"amortized over R target runs, {t}): " + "; ".join(lines) + ". "
+                   + (f"**Reuse pays for selection: {', '.join(wins)}.**" if wins else
+                      "**No reused selection beats `full` at equal total compute.**"))
+    return out
+
+
+def _stage_table(r: dict[str, Any]) -> list[str]:
+    st = r.get("stage_times") or {}
+    rows = ["| stage | wall (min) | process CPU (min) | pieces |", "|---|---|---|---|"]
+    rows += [f"| {k} | {v['wall'] / 60:.1f} | {v['cpu'] / 60:.1f} | {v['pieces']} |" for k, v in st.items()]
+    if st:
+        rows.append(f"| **total** | {sum(v['wall'] for v in st.values()) / 60:.1f} | "
+                    f"{sum(v['cpu'] for v in st.values()) / 60:.1f} | |")
+    return rows
+
+
+def results_md(r: dict[str, Any], figs: dict[str, str], command: str, *, hardware: str, reading: str = "") -> str:
+    s, t = r["setting"], r["target_set"]
     sets = list(r["eval_sets"])
-    target = sets[0]
-    full_t = statistics.fmean(r["step_seconds"]["full"])
     ff = r["flops"]["full"]["total"]
-    lines = [
-        "# BLADE quality benchmark (real public text)", "",
-        f"Produced by `{command}` in {r['wall_seconds'] / 60:.1f} minutes ({hardware})"
-        + (f"; {len(r['reused_runs'])} runs finished by an earlier invocation with the same settings were reused, "
-           "so this is not the from-scratch time." if r.get("reused_runs") else "."), "",
+    full_t = statistics.fmean(r["step_seconds"]["full"])
+    b, tb = r["bases"]["proxy"], r["bases"]["target"]
+    lines = ["# BLADE quality benchmark (real public text)", "",
+             f"Produced by `{command}` ({hardware}). Stage times below (added up over the resumed pieces).", "",
+             "## Three answers (generated from the numbers)", "", *answers(r), ""]
+    if reading:
+        lines += [reading.strip(), ""]
+    lines += [
         "## Setting", "",
-        f"- Llama {s['hidden']}×{s['layers']} (tied embeddings), vocabulary {s['vocab']}"
-        f" ({'tokenizer ' + s['tokenizer'] if s['tokenizer'] else 'BPE trained on the pool'}), context {s['seq_len']}; "
-        f"base pretrained {s['base_steps']} steps on off-domain text only.",
-        f"- Candidate pool: {sum(c['sequences'] for c in r['pool_counts'].values())} sequences, "
-        f"{r['math_share'] * 100:.0f}% math (GSM8K train minus the validation slice, OpenIntro, HoTT).",
-        f"- {s['steps']} proxy steps × {s['batch']} × {s['seq_len']} tokens per policy, γ = {s['gamma']}, "
-        f"W = {s['warmup']}, τ = {s['tau']}, {s['seeds']} seed(s); lr {s['lr']} (AdamW, wd 0.01, clip 1.0, constant).",
-        f"- RHO-1: static reference trained {s['rho1_steps']} steps on the validation slice from the base model.",
-        "- Validation (target) = first 500 GSM8K train problems (not in the pool). Evaluation sets (in no pool and "
-        "no validation set, never used for any choice): "
-        + ", ".join(f"{k} ({r['eval_documents'][k]} docs; {g})" for k, g in r["eval_sets"].items()) + ".",
-        "- Metric: whole-document token loss (`curation.evaluation.heldout`, nats per token, mean over all tokens of a set). "
-        "Differences are paired by seed: mean over seeds with a 95% t interval (one seed: a document bootstrap).",
-        "",
-        "## Held-out loss per policy at equal proxy steps (lower is better; mean ± std over seeds)", "",
-        "| policy | " + " | ".join(sets) + " | validation | FLOPs vs full | time/step vs full |",
-        "|---|" + "---|" * (len(sets) + 3),
-        "| base (no CPT) | " + " | ".join(f"{r['base_eval'][k]:.3f}" for k in sets) + " | | | |",
-    ]
+        f"- **Proxy** (the selector): Llama {s['hidden']}×{s['layers']}, {b['parameters'] / 1e6:.2f}M parameters; "
+        f"**target**: Llama {s['target_hidden']}×{s['target_layers']}, {tb['parameters'] / 1e6:.2f}M parameters, "
+        f"{r['reuse'].get('flops_ratio', float('nan')):.2f}× the proxy's training FLOPs per token. Tied embeddings, "
+        f"vocabulary {s['vocab']} ({'tokenizer ' + s['tokenizer'] if s['tokenizer'] else 'BPE trained on the pool'}), "
+        f"context {s['seq_len']}.",
+        f"- **Bases**, pretrained from scratch on general text only ({b['unique_tokens'] / 1e6:.2f}M tokens: C4, "
+        "WikiText-2, LAMBADA, BoolQ, PubMedQA, Tiny Shakespeare, US presidential speeches; held-out slices excluded): "
+        f"proxy {b['epochs']:.1f} epochs = **{b['tokens_per_parameter']:.1f} tokens per parameter** "
+        f"(final held-out general loss {b['final_val']:.3f}); target {tb['epochs']:.1f} epochs = "
+        f"**{tb['tokens_per_parameter']:.1f} tokens per parameter** ({tb['final_val']:.3f}); constant lr "
+        f"{s['base_lr']}, {s['base_batch']} sequences per step (figure `bases.png`).",
+        f"- **Pool**: {sum(c['sequences'] for c in r['pool_counts'].values())} sequences, {r['math_share'] * 100:.0f}% "
+        "math (GSM8K train after the validation slice, OpenIntro, HoTT), the rest general text disjoint from the bases.",
+        f"- **Continual pre-training**: {s['steps']} proxy steps × {s['batch']} × {s['seq_len']} tokens per policy, "
+        f"γ = {s['gamma']}, W = {s['warmup']}, τ = {s['tau']}, {s['seeds']} seeds; lr {s['lr']} (AdamW, wd 0.01, "
+        f"clip 1.0, constant). RHO-1's static reference: {s['rho1_steps']} steps on the validation slice from the base.",
+        "- Validation (target) = first 500 GSM8K train problems (not in the pool). Evaluation sets (never used for any "
+        "choice): " + ", ".join(f"{k} ({r['eval_documents'][k]} docs; {g})" for k, g in r["eval_sets"].items()) + ".",
+        "- Metric: whole-document token loss (nats per token). Paired by seed: mean over seeds, 95% t interval; one "
+        "seed (the target runs): document bootstrap.", "",
+        "## Stage times", "", *_stage_table(r), "",
+        f"## Refresh strength at equal compute (blade, seed 0; chosen by validation loss at {r['sweep_budget']:.3g} "
+        "FLOPs, the cheapest candidate's whole run)", "",
+        "| K | K/τ | refresh batch | η_w | λ | FLOPs vs full | validation at the budget | final validation | chosen |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for row in r["sweep"]:
+        st = row["setting"]
+        lines.append(f"| {st['refresh_steps']} | {row['kt']:.2g} | {st.get('refresh_batch_size')} | {st['ref_lr']} | "
+                     f"{st['lam']} | {row['flops_vs_full']:.2f}× | {row['val_at_budget']:.3f} | {row['val_loss']:.3f} | "
+                     f"{'**yes**' if row['chosen'] else ''} |")
+    lines += ["", f"## Held-out loss per policy after {s['steps']} proxy steps (mean ± std over seeds)", "",
+              "| policy | " + " | ".join(sets) + " | validation | FLOPs vs full | time/step vs full |",
+              "|---|" + "---|" * (len(sets) + 3),
+              "| base (no CPT) | " + " | ".join(f"{r['base_eval'][k]:.3f}" for k in sets) + " | | | |"]
     for p in POLICIES:
         lines.append(f"| {p} | " + " | ".join(_fmt([e[k] for e in r["eval"][p]]) for k in sets)
                      + f" | {_fmt(r['final_val'][p])} | {r['flops'][p]['total'] / ff:.2f}× | "
                      f"{statistics.fmean(r['step_seconds'][p]) / full_t:.2f}× |")
+    ref = r["static_reference"]
+    lines.append("| static RHO-1 reference | " + " | ".join(f"{ref[k]:.3f}" for k in sets) + " | | | |")
     lines += ["", "## Paired differences vs `full` (policy − full; negative = the policy is better)", "",
-              f"Equal tokens: both after {s['steps']} steps. Equal compute: `full` after the steps with the same "
-              "analytic FLOPs (" + ", ".join(f"{p}: {r['equal_compute_steps'][p]} steps" for p in POLICIES[2:])
-              + "), taken from one long `full` run per seed.", "",
-              "| policy | compared at | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets)]
+              f"Equal tokens: both after {s['steps']} steps. Equal compute: `full` after the steps with the same FLOPs ("
+              + ", ".join(f"{p}: {r['equal_compute_steps'][p]}" for p in POLICIES[2:]) + "), snapshots of one run per seed.",
+              "", "| policy | compared at | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets)]
     for p in POLICIES[1:]:
         for how, key in (("equal tokens", "vs_full_equal_tokens"), ("equal compute", "vs_full_equal_compute")):
             lines.append(f"| {p} | {how} | " + " | ".join(_iv(r[key][p][k]) for k in sets) + " |")
     lines += ["", "| pair (equal tokens) | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
     for label, key in (("blade − rho1", "blade_vs_rho1"), ("blade − blade-nosync", "blade_vs_nosync")):
         lines.append(f"| {label} | " + " | ".join(_iv(r[key][k]) for k in sets) + " |")
-    lines += ["", "## Compute per policy (analytic FLOPs of the proxy steps; measured time)", "",
-              "| policy | proxy fwd+bwd | reference scoring | reference training | total vs full | "
-              "measured time vs full | measured refresh / scoring / selection (ms per step, wall clock) |",
-              "|---|---|---|---|---|---|---|"]
+    steps = [n for n, _ in r["test_curves"]["full"][0]]
+    lines += ["", f"## The long horizon: {t} over steps (mean over seeds)", "",
+              "| policy | " + " | ".join(str(n) for n in steps) + " | passed the static reference by "
+              f"{r['pass_margin']} nats at (per seed) |", "|---|" + "---|" * (len(steps) + 1)]
     for p in POLICIES:
-        f = r["flops"][p]
-        parts = r.get("part_seconds", {}).get(p)
-        measured = " / ".join(f"{parts[k] * 1e3:.0f}" for k in ("refresh", "score", "select")) if parts else ""
+        lines.append(f"| {p} | " + " | ".join(f"{v:.3f}" for _, v in _mean_curve(r["test_curves"][p])) + " | "
+                     + ", ".join("never" if x is None else str(x) for x in r["passed_static_reference"][p]) + " |")
+    lines += ["", f"Static reference on {t}: {ref[t]:.3f}.", "",
+              "## Δ over time (pooled over seeds; the paper's Fig. 3)", "",
+              "| policy | episode | tokens | Δ median | Δ 90% | Δ 99% | share Δ > 0 |", "|---|---|---|---|---|---|---|"]
+    for p in ("rho1", "blade", "blade-nosync"):
+        rows = r["delta_over_time"][p]
+        picks = sorted({0, len(rows) // 4, len(rows) // 2, 3 * len(rows) // 4, len(rows) - 1}) if rows else []
+        for i in picks:
+            x = rows[i]
+            lines.append(f"| {p} | {x['episode']} | {x['tokens']} | {x['q0.5']:+.3f} | {x['q0.9']:+.3f} | "
+                         f"{x['q0.99']:+.3f} | {x['positive'] * 100:.1f}% |")
+    lines += _reuse_md(r, sets)
+    lines += ["", "## Compute per policy (analytic FLOPs; measured time)", "",
+              "| policy | proxy fwd+bwd | reference scoring | reference training | total vs full | measured time vs full | "
+              "refresh / scoring / selection (ms per step, wall) |", "|---|---|---|---|---|---|---|"]
+    for p in POLICIES:
+        f, parts = r["flops"][p], r["part_seconds"][p]
         lines.append(f"| {p} | {f['proxy']:.3g} | {f['scoring']:.3g} | {f['refresh']:.3g} | {f['total'] / ff:.2f}× | "
-                     f"{statistics.fmean(r['step_seconds'][p]) / full_t:.2f}× | {measured} |")
-    lines += ["", "## Refresh-strength sweep (blade, seed 0; chosen by validation loss)", "",
-              "| setting | final validation loss | mean ‖u − w‖ |", "|---|---|---|"]
-    for row in r["sweep"]:
-        d = row["param_distance_mean"]
-        lines.append(f"| `{json.dumps(row['setting'])}` | {row['val_loss']:.3f} | {'' if d is None else f'{d:.2f}'} |")
-    lines += ["", f"Chosen: `{json.dumps(r['best_refresh'])}`.", "", "## Kept share per source (seed 0)", "",
-              "| source | pool share | " + " | ".join(POLICIES) + " |", "|---|---|" + "---|" * len(POLICIES)]
+                     f"{statistics.fmean(r['step_seconds'][p]) / full_t:.2f}× | "
+                     + " / ".join(f"{parts[k] * 1e3:.0f}" for k in ("refresh", "score", "select")) + " |")
+    lines += ["", "## Kept share per source (seed 0)", "", "| source | pool share | " + " | ".join(POLICIES) + " |",
+              "|---|---|" + "---|" * len(POLICIES)]
     for src in sorted(r["pool_share"]):
-        lines.append(f"| {src} | {r['pool_share'][src] * 100:.1f}% | "
-                     + " | ".join(_pct(r["kept_share"][p].get(src)) for p in POLICIES) + " |")
-    for key, sym in (("gamma_sweep", "γ"), ("tau_sweep", "τ")):
-        if len(r[key]) > 1:
-            lines += ["", f"## {sym} sweep (blade, seed 0)", "", f"| {sym} | validation | " + " | ".join(sets) + " |",
-                      "|---|---|" + "---|" * len(sets)]
-            lines += [f"| {g} | {v['val']:.3f} | " + " | ".join(f"{v[k]:.3f}" for k in sets) + " |"
-                      for g, v in r[key].items()]
-    lines += ["", f"## Long horizon ({s['long_steps']} steps, seed 0)", "",
-              "| policy | final validation | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets)]
-    lines += [f"| {p} | {r['long_val_curves'][p][-1]['loss']:.3f} | "
-              + " | ".join(f"{r['long_eval'][p][k]:.3f}" for k in sets) + " |" for p in r["long_val_curves"]]
-    if r.get("static_reference"):
-        ref = r["static_reference"]
-        lines.append(f"| static rho1 reference | {ref['gsm8k_val']:.3f} (in-sample) | "
-                     + " | ".join(f"{ref[k]:.3f}" for k in sets) + " |")
-    if r["transfer"]:
-        lines += ["", f"## Transfer (BLADE-Tr): Llama {s['big_hidden']}×{s['big_layers']} replaying selected tokens", "",
-                  "| selected tokens from | " + " | ".join(sets) + " | validation |", "|---|" + "---|" * (len(sets) + 1),
-                  "| (big base, no CPT) | " + " | ".join(f"{r['big_base_eval'][k]:.3f}" for k in sets) + " | |"]
-        for k, v in r["transfer"].items():
-            val = f"{v['val']:.3f}" if v["val"] is not None else ""
-            lines.append(f"| {k} (seed 0, γ = {s['gamma']}) | " + " | ".join(f"{v[x]:.3f}" for x in sets) + f" | {val} |")
-    lines += ["", "## Figures", ""] + [f"![{name}](figures/{name})" for name in figs]
-    lines += ["", "## What the numbers say (generated)", ""] + _verdicts(r, sets, target) + [""]
+        lines.append(f"| {src} | {r['pool_share'][src] * 100:.1f}% | " + " | ".join(
+            "–" if r["kept_share"][p].get(src) is None else f"{r['kept_share'][p][src] * 100:.0f}%" for p in POLICIES)
+            + " |")
+    lines += ["", "## Figures", ""] + [f"![{name}](figures/{name})" for name in figs] + [""]
     return "\n".join(lines)
 
 
-def _verdicts(r: dict[str, Any], sets: list[str], target: str) -> list[str]:
-    out = []
-    means = {p: statistics.fmean(e[target] for e in r["eval"][p]) for p in POLICIES}
-    best = min(means, key=means.get)
-    out.append(f"- Equal tokens, {target}: lowest loss {best} ({means[best]:.3f}); vs full: "
-               + "; ".join(f"{p} {_iv(r['vs_full_equal_tokens'][p][target])} ({_verdict(r['vs_full_equal_tokens'][p][target])})"
-                           for p in POLICIES[1:]) + ".")
-    eq = r["vs_full_equal_compute"]
-    winners = [p for p in POLICIES[2:] if eq[p][target]["hi"] < 0]
-    losers = [p for p in POLICIES[2:] if eq[p][target]["lo"] > 0]
-    out.append(f"- Equal compute, {target}: " + "; ".join(
-        f"{p} − full with {r['equal_compute_steps'][p]} steps {_iv(eq[p][target])} ({_verdict(eq[p][target])})"
-        for p in POLICIES[2:]) + ". " + (f"Winner at equal compute: {', '.join(winners)}." if winners else
-                                         "Winner at equal compute: full" + (f" (beats {', '.join(losers)})." if losers
-                                                                            else ": no policy beats it significantly.")))
-    for group in dict.fromkeys(r["eval_sets"].values()):
-        names = [k for k, g in r["eval_sets"].items() if g == group and k != target]
-        if not names:
-            continue
-        for how, key in (("equal tokens", "vs_full_equal_tokens"), ("equal compute", "vs_full_equal_compute")):
-            out.append(f"- {group}, {how}: " + "; ".join(
-                f"{p} " + ", ".join(f"{k} {_iv(r[key][p][k])}" for k in names) for p in POLICIES[2:]) + ".")
-    ref = r.get("static_reference")
-    if ref:
-        steps = []
-        for p, curve in r["long_val_curves"].items():
-            hit = next((pt["step"] for pt in curve if pt["loss"] < ref["gsm8k_val"]), None)
-            steps.append(f"{p} at step {hit}" if hit is not None else f"{p} not within {r['setting']['long_steps']} steps")
-        out.append(f"- Static reference: {ref['gsm8k_val']:.3f} on the validation slice it was trained on (in-sample), "
-                   f"{ref[target]:.3f} on {target}; the proxies' (packed-sequence) validation loss passes this (whole-document) "
-                   "in-sample loss: " + ", ".join(steps)
-                   + f". On {target} after {r['setting']['long_steps']} steps: "
-                   + ", ".join(f"{p} {v[target]:.3f}" for p, v in r["long_eval"].items()) + ".")
-    return out
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{x * 100:.0f}%"
+def _reuse_md(r: dict[str, Any], sets: list[str]) -> list[str]:
+    reuse, s, t = r.get("reuse") or {}, r["setting"], r["target_set"]
+    if not reuse:
+        return []
+    lines = ["", f"## Reuse: the target ({reuse['flops_ratio']:.2f}× the proxy's FLOPs per token) replaying the "
+             "proxy's selected shards (seed 0)", "",
+             f"Each target run continues the target's base for {s['steps']} steps of {s['batch']} sequences, on the "
+             "same sequences in the same order; `full` trains on every token (and runs on to "
+             f"{reuse['full_steps']} steps for the equal-compute points). Selection compute = the proxy's whole "
+             "run (proxy, reference scoring, refreshes, static reference; `random` needs no model: 0), amortized over R "
+             f"target runs. `full`'s final {t} loss: {reuse['full_final'][t]:.3f} (base {reuse['base'][t]:.3f}).", "",
+             "| replayed | selection ÷ target run | compared at | " + " | ".join(sets) + " | FLOPs to reach full's final "
+             f"{t} loss (× full's) |", "|---|---|---|" + "---|" * (len(sets) + 1)]
+    for p, e in reuse["policies"].items():
+        lines.append(f"| {p} | {e['selection_vs_target_run']:.2f} | equal target steps | "
+                     + " | ".join(_iv(e["equal_steps"][k]) for k in sets) + " | |")
+        for n, a in e["amortized"].items():
+            reach = a["vs_full_flops"]
+            lines.append(f"| {p} | | equal total compute, R = {n} | "
+                         + " | ".join(_iv(a["equal_compute"][k]) if k in a["equal_compute"] else "n/a" for k in sets)
+                         + f" | {'never' if reach is None else f'{reach:.2f}×'} |")
+    lines += ["", "| target model | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets),
+              "| base (no CPT) | " + " | ".join(f"{reuse['base'][k]:.3f}" for k in sets) + " |",
+              f"| full, {s['steps']} steps | " + " | ".join(f"{reuse['full_final'][k]:.3f}" for k in sets) + " |"]
+    lines += [f"| replay {p} | " + " | ".join(f"{e['final'][k]:.3f}" for k in sets) + " |"
+              for p, e in reuse["policies"].items()]
+    lines += ["", "Target curves (" + t + " loss at target step): "
+              + "; ".join(f"{p}: " + ", ".join(f"{n} {v:.3f}" for n, v in e["curve_steps"])
+                          for p, e in reuse["policies"].items()) + "."]
+    return lines

@@ -1,18 +1,21 @@
-"""Settings of the quality benchmark: presets, data (pool, base, validation, evaluation sets) and the compute
-model (FLOPs per policy).
+"""Settings of the quality benchmark: presets, data (bases, pool, validation, evaluation sets) and models.
 
-Data, all from ``../shared/data`` (each source's SOURCE.md):
+Data, all from ``../shared/data`` (each source's SOURCE.md). Every off-domain (general) source is cut into
+consecutive document slices ``[base | base validation | held-out evaluation | pool]``:
 
-* validation (target) slice: the first 500 GSM8K *train* problems (not in the pool);
-* pool: in-domain math in GSM8K's style and textbooks (GSM8K train minus the validation slice, OpenIntro
-  Statistics and HoTT LaTeX) mixed with off-domain text (C4, WikiText-2, LAMBADA, BoolQ, PubMedQA, Tiny
-  Shakespeare);
-* base model data: the first ~40% of the documents of each off-domain source (disjoint from the pool);
-* evaluation sets, in no pool and no validation set: GSM8K test (the target's distribution), MATH test and
-  AQuA (math in other styles), and held-out slices of WikiText-2, LAMBADA and C4 (general text: forgetting),
-  taken right after each source's base slice and skipped by the pool.
+* **bases**: the proxy and the target model are each pretrained from scratch on the *base* slices of the
+  general sources only (C4, WikiText-2, LAMBADA, BoolQ, PubMedQA, Tiny Shakespeare, and the US presidential
+  speeches, which feed the bases only), at most ``MAX_EPOCHS`` passes, with the base-validation slices as
+  their validation set (the loss curve that shows the base flattening);
+* **validation (target)**: the first 500 GSM8K *train* problems (in no pool);
+* **pool**: in-domain math in GSM8K's style and textbooks (GSM8K train after the validation slice, capped;
+  OpenIntro Statistics; HoTT) mixed with the pool slices of the general sources;
+* **evaluation sets**, in no pool, base or validation set and never used for any choice: GSM8K test (the
+  target's distribution), MATH test and AQuA (math in other styles), and the held-out slices of WikiText-2,
+  LAMBADA and C4 (general text: forgetting).
 
-Nothing is chosen on an evaluation set: the refresh strength is chosen by validation loss only.
+Two model sizes: the **proxy** (the selector: every policy's continual pre-training) and the **target** (a
+model whose training FLOPs per token are ≥ 5× the proxy's, which replays the proxy's selected shards).
 """
 
 from __future__ import annotations
@@ -21,31 +24,35 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from curation.core.schedule import Schedule
+from curation.evaluation.flops import ModelShape, forward_flops_per_token
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
+from training.quality.compute import RunShape
 
-__all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "Setting", "PRESETS", "QUICK",
-           "data_configs", "eval_sources", "model_config", "Compute", "compute", "equal_compute_steps",
-           "forward_flops_per_token"]
+__all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "MAX_EPOCHS", "Setting", "PRESETS", "QUICK",
+           "data_configs", "eval_sources", "model_config", "run_shape", "forward_flops"]
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..", "shared",
                       "data")
 POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
+MAX_EPOCHS = 4  # passes over the base text, at most
 
-# (name, file(s) under ../shared/data, how to read a record, domain, documents for the base model (off-domain),
-#  held-out evaluation documents right after the base slice, pool cap (documents, None = all the rest))
-SOURCES: list[tuple[str, list[str], dict[str, Any], str, int, int, int | None]] = [
-    ("gsm8k", ["gsm8k/train.jsonl"], {"template": "{question}\n{answer}"}, "math", 0, 0, 3000),
-    ("openintro", ["textbook_openintro_stats/openintro_stats_tex.jsonl"], {}, "math", 0, 0, 10),
-    ("hott", ["textbook_hott/hott_tex.jsonl"], {}, "math", 0, 0, 3),
-    ("c4", ["c4_sample/c4_sample.jsonl"], {}, "general", 400, 100, None),
-    ("wikitext2", ["wikitext2/valid.txt", "wikitext2/test.txt"], {}, "general", 992, 200, None),
-    ("lambada", ["lambada/lambada_openai.jsonl"], {"template": "{context} {continuation}"}, "general", 2061, 300, None),
-    ("boolq", ["boolq/boolq.jsonl"], {"text_field": "query"}, "general", 1308, 0, None),
-    ("pubmedqa", ["pubmedqa/pubmed_qa_labeled.jsonl"], {"template": "{context} {continuation}"}, "general", 400, 0,
-     None),
-    ("shakespeare", ["tinyshakespeare/input.txt"], {}, "general", 2889, 0, None),
+# (name, file(s) under ../shared/data, how to read a record, domain, documents for the bases, base-validation
+#  documents, held-out evaluation documents, pool cap (documents; None = all the rest; 0 = bases only))
+SOURCES: list[tuple[str, list[str], dict[str, Any], str, int, int, int, int | None]] = [
+    ("gsm8k", ["gsm8k/train.jsonl"], {"template": "{question}\n{answer}"}, "math", 0, 0, 0, 3000),
+    ("openintro", ["textbook_openintro_stats/openintro_stats_tex.jsonl"], {}, "math", 0, 0, 0, 10),
+    ("hott", ["textbook_hott/hott_tex.jsonl"], {}, "math", 0, 0, 0, 3),
+    ("c4", ["c4_sample/c4_sample.jsonl"], {}, "general", 500, 20, 100, None),
+    ("wikitext2", ["wikitext2/valid.txt", "wikitext2/test.txt"], {}, "general", 1200, 40, 200, None),
+    ("lambada", ["lambada/lambada_openai.jsonl"], {"template": "{context} {continuation}"}, "general", 2600, 80,
+     300, None),
+    ("boolq", ["boolq/boolq.jsonl"], {"text_field": "query"}, "general", 1700, 50, 0, None),
+    ("pubmedqa", ["pubmedqa/pubmed_qa_labeled.jsonl"], {"template": "{context} {continuation}"}, "general", 500, 20,
+     0, None),
+    ("shakespeare", ["tinyshakespeare/input.txt"], {}, "general", 3600, 100, 0, None),
+    ("speeches", ["us_presidential_speeches/state_union.jsonl", "us_presidential_speeches/inaugural.jsonl"], {},
+     "general", 118, 6, 0, 0),
 ]
 # evaluation sets that are whole files (or a prefix): (name, files, how, documents (None = all), group)
 EVAL_FILES: list[tuple[str, list[str], dict[str, Any], int | None, str]] = [
@@ -55,72 +62,81 @@ EVAL_FILES: list[tuple[str, list[str], dict[str, Any], int | None, str]] = [
 ]
 #: every evaluation set and its group (the held-out general slices are named <source>_heldout)
 EVAL_SETS: dict[str, str] = {**{n: g for n, _, _, _, g in EVAL_FILES},
-                             **{f"{n}_heldout": "general (forgetting)" for n, _, _, _, _, held, _ in SOURCES if held}}
+                             **{f"{n}_heldout": "general (forgetting)" for n, *_, held, _ in SOURCES if held}}
+TARGET_SET = "gsm8k_test"
 VAL_DOCS = 500  # first GSM8K train problems: the validation (target) slice, skipped in the pool
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setting:
     """Sizes of one benchmark setting (a preset)."""
 
+    # data
     doc_scale: float = 1.0  # multiplies every document count (quick mode shrinks the corpus)
     pool_doc_cap: int | None = None  # cap on the documents of every pool source (quick mode)
     skip_sources: tuple[str, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json under ../shared/data; None = train a BPE of `vocab` tokens
     vocab: int = 4096  # BPE size, or the model's (padded) vocabulary with a given tokenizer
-    hidden: int = 128
-    layers: int = 4
-    big_hidden: int = 192  # transfer target (BLADE-Tr)
-    big_layers: int = 6
-    transfer: bool = True
     seq_len: int = 128
-    batch: int = 16
-    base_steps: int = 400
-    steps: int = 300
+    # models: the proxy (selector) and the target (≥ 5× the proxy's FLOPs per token)
+    hidden: int = 64
+    layers: int = 4
+    target_hidden: int = 192
+    target_layers: int = 4
+    # bases: pretrained from scratch on the general base slices, `base_epochs` passes (≤ MAX_EPOCHS)
+    base_epochs: float = 4.0
+    target_base_epochs: float = 4.0
+    base_batch: int = 16
+    base_lr: float = 2e-3
+    base_eval_interval: int = 250
+    # continual pre-training of the proxy (every policy)
+    batch: int = 8
+    steps: int = 2000
     seeds: int = 3
     lr: float = 1e-3
-    warmup: int = 50
-    tau: int = 50
+    warmup: int = 100
+    tau: int = 100
     gamma: float = 0.6
-    rho1_steps: int = 120
-    eval_interval: int = 50
-    eval_batches: int | None = 10
+    rho1_steps: int = 200
+    eval_interval: int = 100
+    eval_batches: int | None = 8
+    curve_interval: int = 500  # snapshots every this many steps, scored on the target evaluation set (curves)
+    # refresh-strength candidates for blade (keys of SelectionConfig), compared at equal compute on validation
+    sweep: tuple[dict[str, Any], ...] = field(default_factory=lambda: (
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.3 (the paper's)
+        {"refresh_steps": 10, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.1
+        {"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.03
+    ))
+    # reuse: the target replays the selected shards of seed 0 of these policies; `full` is its own baseline
+    reuse_policies: tuple[str, ...] = ("blade", "rho1", "random")
+    reuse_runs: tuple[int, ...] = (1, 4)  # target runs one selection is amortized over
+    target_lr: float = 1e-3
+    target_curve_interval: int = 250
+    target_extra_steps: int | None = None  # target `full` beyond `steps` (None: to the largest equal total compute)
     eval_docs: int | None = None  # cap on the documents of every evaluation set (None = the sizes above)
     threads: int = 2
     precision: str = "fp32"
-    checkpoint_interval: int | None = None  # None = only at the end of a run
-    # refresh strength candidates for blade (chosen by validation loss, seed 0); keys of SelectionConfig
-    sweep: list[dict[str, Any]] = field(default_factory=lambda: [
-        {"refresh_steps": 20, "ref_lr": 1e-3, "lam": 1.0},   # the calibration run's setting
-        {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 1.0},   # stronger: more steps, larger lr
-        {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 0.25},  # stronger, pulled harder to validation
-        # the same with validation and candidate batches of b sequences instead of the default b/4
-        {"refresh_steps": 40, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 16},
-    ])
-    gammas: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
-    taus: tuple[int, ...] = (25, 50, 100)
-    long_steps: int = 600  # the long horizon (full, rho1, blade; seed 0; = steps: the main runs' seed 0)
+    checkpoint_interval: int | None = 500  # None = only at the end of a run
 
 
 CPU = Setting()
-# One H100-class GPU, about 30-40 minutes (an estimate: not run yet, see README): a 51M-parameter Llama with the
-# GPT-2 tokenizer, context 512, 2,000 proxy steps, 3 seeds; the main runs are the long horizon (long_steps =
-# steps: 2,000 steps, 9 refreshes); one refresh setting (K/τ = 0.2 with batches of b sequences, the CPU
-# sweep's winning shape at a cheaper K), no γ/τ sweeps and no transfer run, to fit the time; checkpoints every
-# 500 steps, so it can be run in pieces.
+# One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
+# a 11× target; the bases are held to the same text, so the proxy stays small enough for ≥ 5 tokens/parameter.
 GPU = Setting(
-    tokenizer="tokenizer_gpt2/gpt2_tokenizer.json", vocab=50304, hidden=512, layers=8, transfer=False, seq_len=512,
-    batch=16, base_steps=1000, steps=2000, seeds=3, lr=3e-4, warmup=200, tau=200, rho1_steps=400, eval_interval=200,
-    eval_batches=20, threads=16, precision="amp_bf16", checkpoint_interval=500,
-    sweep=[{"refresh_steps": 40, "ref_lr": 3e-4, "lam": 0.25, "refresh_batch_size": 16}],
-    gammas=(0.6,), taus=(200,), long_steps=2000,
+    seq_len=512, hidden=128, layers=4, target_hidden=384, target_layers=8, base_batch=32, batch=32, steps=4000,
+    warmup=200, tau=200, rho1_steps=400, eval_interval=200, eval_batches=20, curve_interval=1000,
+    sweep=({"refresh_steps": 60, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
+           {"refresh_steps": 20, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
+           {"refresh_steps": 6, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32}),
+    target_curve_interval=500, threads=16, precision="amp_bf16", checkpoint_interval=1000,
 )
 QUICK = Setting(
-    doc_scale=0.02, pool_doc_cap=30, skip_sources=("openintro", "hott"), vocab=1024, hidden=32, layers=1, big_hidden=48,
-    big_layers=1, seq_len=64, batch=8, base_steps=8, steps=8, seeds=1, warmup=2, tau=3, rho1_steps=3, eval_interval=4,
-    eval_batches=2, eval_docs=40, threads=2,
-    sweep=[{"refresh_steps": 2, "ref_lr": 1e-3, "lam": 1.0}, {"refresh_steps": 3, "ref_lr": 3e-3, "lam": 1.0}],
-    gammas=(0.4, 0.6), taus=(3, 4), long_steps=12,
+    doc_scale=0.02, pool_doc_cap=30, skip_sources=("openintro", "hott"), vocab=1024, seq_len=64, hidden=32, layers=1,
+    target_hidden=96, target_layers=1, base_epochs=1.0, target_base_epochs=1.0, base_batch=8, base_eval_interval=4,
+    batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4, eval_batches=2, curve_interval=6,
+    sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
+           {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4}),
+    target_curve_interval=4, eval_docs=40, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
@@ -137,31 +153,40 @@ def _src(name: str, files: list[str], how: dict[str, Any], **kw: Any) -> SourceC
     return SourceConfig(name=name, paths=[os.path.join(SHARED, f) for f in files], **how, **kw)
 
 
+def _slices(s: Setting, base: int, val: int, held: int) -> tuple[int, int, int]:
+    """Scaled document counts of a general source's base, base-validation and held-out slices."""
+    return _cap(base, s.doc_scale), _cap(val, s.doc_scale) if val else 0, _cap(held, s.doc_scale) if held else 0
+
+
 def eval_sources(s: Setting) -> list[SourceConfig]:
     """The evaluation sets (read by curation.evaluation.heldout, whole documents)."""
     out = [_src(name, files, how, max_documents=_cap(n, s.doc_scale, s.eval_docs))
            for name, files, how, n, _ in EVAL_FILES]
-    for name, files, how, _, base_docs, held, _ in SOURCES:
+    for name, files, how, _, base, val, held, _ in SOURCES:
         if held and name not in s.skip_sources:
-            out.append(_src(f"{name}_heldout", files, how, skip_documents=_cap(base_docs, s.doc_scale),
+            b, v, h = _slices(s, base, val, held)
+            out.append(_src(f"{name}_heldout", files, how, skip_documents=b + v,
                             max_documents=_cap(held, s.doc_scale, s.eval_docs)))
     return out
 
 
 def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
-    """The two preparations: pool (+ validation; trains the tokenizer unless one is given) and base."""
-    pool, base = [], []
-    for name, files, how, domain, base_docs, held, cap in SOURCES:
+    """The two preparations: pool (+ the target validation slice; trains the tokenizer unless one is given)
+    and base (+ the base-validation slices), tokenized alike."""
+    pool, base, base_val = [], [], []
+    for name, files, how, domain, base_docs, val_docs, held_docs, cap in SOURCES:
         if name in s.skip_sources:
             continue
         if domain == "math":
             skip = VAL_DOCS if name == "gsm8k" else 0
             pool.append(_src(name, files, how, skip_documents=skip, max_documents=_cap(cap, s.doc_scale, s.pool_doc_cap)))
-        else:
-            b = _cap(base_docs, s.doc_scale)
-            h = _cap(held, s.doc_scale) if held else 0
-            base.append(_src(name, files, how, max_documents=b))
-            pool.append(_src(name, files, how, skip_documents=b + h,
+            continue
+        b, v, h = _slices(s, base_docs, val_docs, held_docs)
+        base.append(_src(name, files, how, max_documents=b))
+        if v:
+            base_val.append(_src(f"{name}_val", files, how, skip_documents=b, max_documents=v))
+        if cap != 0:
+            pool.append(_src(name, files, how, skip_documents=b + v + h,
                              max_documents=_cap(cap, s.doc_scale, s.pool_doc_cap)))
     val = _src("gsm8k_val", ["gsm8k/train.jsonl"], {"template": "{question}\n{answer}"},
                max_documents=_cap(VAL_DOCS, max(s.doc_scale, 0.1)))
@@ -174,13 +199,17 @@ def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
     return {
         "pool": PrepareConfig(sources=pool, validation=[val], tokenizer=pool_tok,
                               output_dir=os.path.join(out, "data", "pool"), **common),
-        "base": PrepareConfig(sources=base, validation=[val], tokenizer=base_tok,
+        "base": PrepareConfig(sources=base, validation=base_val, tokenizer=base_tok,
                               output_dir=os.path.join(out, "data", "base"), **common),
     }
 
 
-def model_config(s: Setting, *, big: bool = False, weights: str | None = None) -> ModelConfig:
-    h, n = (s.big_hidden, s.big_layers) if big else (s.hidden, s.layers)
+# ------------------------------------------------------------------------------------------------
+# models and their compute
+# ------------------------------------------------------------------------------------------------
+def model_config(s: Setting, *, target: bool = False, weights: str | None = None) -> ModelConfig:
+    """The proxy's (or the target's) Llama: tied embeddings, heads of 32 (64 from hidden 512)."""
+    h, n = (s.target_hidden, s.target_layers) if target else (s.hidden, s.layers)
     heads = max(1, h // 64) if h >= 512 else max(1, h // 32)
     return ModelConfig(hf_config={
         "model_type": "llama", "vocab_size": s.vocab, "hidden_size": h, "intermediate_size": _inter(h),
@@ -193,53 +222,12 @@ def _inter(h: int) -> int:
     return int(h * 8 / 3) // 8 * 8
 
 
-# ------------------------------------------------------------------------------------------------
-# compute
-# ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Compute:
-    """FLOPs of one run, by part (forward = 2 FLOPs per weight per token + attention; backward = 2 forwards)."""
-
-    proxy: float  # forward + backward of the proxy on every candidate token
-    scoring: float  # reference forward on the candidate batches after the warm-up
-    refresh: float  # reference training: the refreshes (blade) or the static reference (rho1)
-
-    @property
-    def total(self) -> float:
-        return self.proxy + self.scoring + self.refresh
+def forward_flops(s: Setting, *, target: bool = False) -> float:
+    """Forward FLOPs per token of the proxy (or the target) at the setting's context."""
+    return forward_flops_per_token(ModelShape.from_hf_config(model_config(s, target=target).hf_config, s.seq_len))
 
 
-def forward_flops_per_token(s: Setting) -> float:
-    """2·(weights used in matmuls, LM head included) + 2·layers·context·hidden (attention scores and values)."""
-    h, n = s.hidden, s.layers
-    per_layer = 4 * h * h + 3 * h * _inter(h)  # q, k, v, o (as many kv heads as heads) + gated MLP
-    return 2.0 * (n * per_layer + h * s.vocab) + 2.0 * n * s.seq_len * h
-
-
-def compute(s: Setting, policy: str, steps: int, *, sel: dict[str, Any] | None = None) -> Compute:
-    """Analytic FLOPs of ``steps`` proxy steps of ``policy`` with the selection settings ``sel`` (the
-    refresh setting; keys of SelectionConfig), following the schedule of training/selection/algorithm.py: every
-    step trains the proxy on b·L tokens (the masked ones too: a masked token still costs its share of the
-    forward and backward pass); after the W warm-up steps the reference scores each candidate batch; a
-    refresh runs K steps on a validation batch and (λ ≠ 0) a candidate batch of ``refresh_batch_size``
-    sequences each, before steps W, W + τ, …; rho1 trains its static reference rho1_steps steps on
-    validation batches once."""
-    sel = sel or {}
-    f = forward_flops_per_token(s)
-    tokens = s.batch * s.seq_len
-    warm, tau = sel.get("warmup_steps", s.warmup), sel.get("tau", s.tau)
-    proxy = 3.0 * f * tokens * steps
-    if policy in ("full", "random"):
-        return Compute(proxy, 0.0, 0.0)
-    rb = sel.get("refresh_batch_size") or max(1, s.batch // 4)
-    scoring = f * tokens * max(0, steps - warm)
-    if policy == "rho1":
-        return Compute(proxy, scoring, 3.0 * f * rb * s.seq_len * sel.get("rho1_steps", s.rho1_steps))
-    refreshes = Schedule(warm, tau, steps).num_refreshes()
-    per_step = rb * s.seq_len * (2 if sel.get("lam", 1.0) != 0 else 1)
-    return Compute(proxy, scoring, 3.0 * f * per_step * sel.get("refresh_steps", 20) * refreshes)
-
-
-def equal_compute_steps(s: Setting, policy: str, sel: dict[str, Any] | None = None) -> int:
-    """Steps of ``full`` with the FLOPs of ``s.steps`` steps of ``policy``."""
-    return max(1, round(compute(s, policy, s.steps, sel=sel).total / compute(s, "full", 1).total))
+def run_shape(s: Setting, *, target: bool = False) -> RunShape:
+    """What a continual pre-training run's FLOPs depend on (batch, schedule, the model's FLOPs per token)."""
+    return RunShape(forward_flops=forward_flops(s, target=target), batch=s.batch, seq_len=s.seq_len,
+                    warmup=s.warmup, tau=s.tau, rho1_steps=s.rho1_steps)

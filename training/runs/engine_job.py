@@ -34,9 +34,10 @@ from curation.engine.refresh_runner import RefreshSpec, reference_path
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.ingest.prepare import prepare
+from curation.io import storage
+from curation.io.outputs import localize, open_output, urls_in
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import open_output_dir
 from schemas.stop import GracefulStop
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus
@@ -78,11 +79,11 @@ class EngineRun:
         run_key = {
             "stream": stream.to_dict(), "plan": plan.to_dict(), "policy": policy.name, "model": model,
             "selection": selection, "optim": t.optim.model_dump(mode="json"),
-            "candidates": os.path.abspath(t.data.candidates), "validation": os.path.abspath(t.data.validation),
+            "candidates": storage.canonical(t.data.candidates), "validation": storage.canonical(t.data.validation),
             "range_steps": wk.range_steps,
         }
         ledger = dict(out_dir=out, kind="selected" if pipelined else "scored", job="curate_and_train",
-                      run_key=run_key, config=cfg.model_dump(mode="json"), vocab_size=cand.vocab_size,
+                      run_key=run_key, config=urls_in(cfg.model_dump(mode="json")), vocab_size=cand.vocab_size,
                       seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
                       extra={"stream": stream.to_dict(), "policy": policy.name})
         worker_spec = WorkerSpec(
@@ -104,7 +105,7 @@ class EngineRun:
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
     cand = cfg.train.data.candidates
-    if os.path.exists(os.path.join(cand, "index.json")):
+    if storage.fetch(os.path.join(cand, "index.json")):  # (from the bucket for an s3:// directory)
         return
     if cfg.prepare is None:
         raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
@@ -123,8 +124,9 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
             with a checkpoint there, the workers finished (or dropped) their units and Ray was shut down; the
             message names the step and the checkpoint a rerun resumes from.
     """
-    with open_output_dir(cfg.train.output_dir, "curate_and_train",
-                         {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
+    cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage)
+    with open_output(cfg.train.output_dir, "curate_and_train",
+                     {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
         start = time.perf_counter()
         _ensure_data(cfg)
         e = EngineRun.of(cfg)

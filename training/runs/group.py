@@ -47,8 +47,8 @@ import torch.distributed as dist
 from curation.core.distributed import Ranks, current_ranks
 from curation.engine.plan import EngineError
 from curation.engine.ray_backend import engine_client, ray_session, run_trainer_group
+from curation.io.outputs import localize, open_output
 from schemas.manifest import atomic_write_text
-from schemas.outdir import open_output_dir
 from schemas.shards import ShardSchemaError
 from schemas.stop import GracefulStop, stop_signal
 from schemas.train_config import TrainConfig
@@ -190,7 +190,8 @@ def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: in
         StopRequested: a SIGTERM / SIGINT stopped the group after a step, with a checkpoint there (the module's
             docstring); Ray is shut down, and the message names the step and the checkpoint.
     """
-    with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
+    cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage), shared by the ranks
+    with open_output(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         lock.write_records()
         # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
         with ray_session(address, num_cpus=num_cpus, need_cpus=trainer_cpus(cfg)), GracefulStop(

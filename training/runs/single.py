@@ -14,10 +14,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from curation.io import storage
 from curation.io.models import model_vocab_size
+from curation.io.outputs import localize, open_output
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.manifest import atomic_write_text
-from schemas.outdir import open_output_dir
 from schemas.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
@@ -41,7 +42,8 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
         StopRequested: a stop signal ended the run early; its message names the step and the checkpoint a rerun
             resumes from.
     """
-    with open_output_dir(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
+    cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage)
+    with open_output(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks)
         if stop_requested():  # a signal while the model and data were loading
             run.trainer.close()
@@ -70,15 +72,17 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
 
 
-def replay(cfg: ReplayConfig) -> dict[str, Any]:
+def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train ``cfg.model`` on the selected-token shards; returns output paths and the validation curve.
 
     Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
     curve = ValidationCurve()
-    with open_output_dir(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
-        run = build_replay(cfg, callbacks=[curve])
+    cfg = localize(cfg)
+    with open_output(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
+        run = build_replay(cfg, callbacks=[curve, *callbacks])
         lock.write_records()
         run.fit()
         out = finish_run(cfg.output_dir, run.outputs(reference=False), plots=False)
         atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
+        storage.publish(os.path.join(cfg.output_dir, "validation.json"))
     return {**out, "validation": curve.points, "run": run}

@@ -13,6 +13,9 @@ its scoring workers, its refresh actor and its trainer, against an uninterrupted
    workers, sampled every second once training runs (``<out>/samples.jsonl``), grow by at most ``max_growth``
    between the first and the last quarter of the last attempt (the longest stretch without a trainer death; each
    process against itself, since a rerun starts new processes; a worker restarted within it is left out).
+4. Figures: the kills sent by target and signal (``kills``), and the work they made the run redo (``redone``): trainer
+   steps trained twice (the metrics log), work units whose parts an ended session left unfinished, and units redone
+   by restarted workers (the engine's count).
 
 The kills go to processes of the job's own session only (found under ``/proc``: Linux).
 """
@@ -127,12 +130,15 @@ def _kill_session(sid: int) -> None:
 
 
 class _StepLog:
-    """The trainer's last finished step, read incrementally from ``logs/metrics.jsonl``."""
+    """The trainer's last finished step, read incrementally from ``logs/metrics.jsonl``; what this attempt logged:
+    the steps it trained and the engine's count of units redone by restarted workers (logged every 10 steps)."""
 
     def __init__(self, output_dir: str) -> None:
         self.path, self.pos, self.step = os.path.join(output_dir, "logs", "metrics.jsonl"), 0, 0
+        self.trained = self.units_redone = 0
         self.read()  # what earlier attempts logged
         self.fresh = False  # whether this attempt has trained a step yet
+        self.trained = self.units_redone = 0  # (this attempt's)
 
     def read(self) -> int:
         if os.path.exists(self.path):
@@ -145,7 +151,21 @@ class _StepLog:
                     rec = json.loads(line)
                     if "loss/train/total" in rec:
                         self.step, self.fresh = int(rec["step"]) + 1, True
+                        self.trained += 1
+                    if "engine/redone" in rec:
+                        self.units_redone = int(rec["engine/redone"])
         return self.step
+
+
+def _unfinished_parts(output_dir: str) -> int:
+    """Parts of the workers left unfinished (``.tmp``) or unrecorded in ``scored/`` by an ended session: the units
+    the rerun redoes (its ledger removes these parts first)."""
+    out = os.path.join(output_dir, "scored")
+    manifest = Manifest.load_if_exists(out)
+    recorded = {r.name for r in manifest.shards if r.complete} if manifest is not None else set()
+    return sum(part.endswith(".tmp") or f"{entry}/{part}" not in recorded
+               for entry in (os.listdir(out) if os.path.isdir(out) else []) if entry.startswith("worker-")
+               for part in os.listdir(os.path.join(out, entry)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,10 +178,20 @@ def _start(config: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
-def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadline: float,
-             samples: list[dict[str, Any]], log: list[dict[str, Any]], attempt: int) -> bool:
+@dataclass
+class _Record:
+    """What the chaos run's attempts leave: resource samples, the kills sent, one line per attempt."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadline: float, rec: _Record,
+             attempt: int) -> bool:
     """One run of the job until it ends or a trainer event ends it; returns whether it finished (exit 0)."""
     proc, steps, last_sample = _start(config), _StepLog(output_dir), 0.0
+    samples, log = rec.samples, rec.events
     try:
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -201,6 +231,10 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
             proc.kill()
         _kill_session(proc.pid)  # its local Ray instance, whatever is left of it
         proc.wait()
+        steps.read()
+        rec.attempts.append({"attempt": attempt, "exit": proc.returncode, "steps_trained": steps.trained,
+                             "units_redone_logged": steps.units_redone,
+                             "parts_left_unfinished": _unfinished_parts(output_dir)})
 
 
 def _growth(samples: list[dict[str, Any]], role: str) -> dict[str, Any]:
@@ -251,17 +285,17 @@ def soak(s: SoakSettings) -> dict[str, Any]:
         paths[name] = os.path.join(s.out, f"{name}.yaml")
         with open(paths[name], "w", encoding="utf-8") as f:
             yaml.safe_dump(soak_config(s.out, name, s.steps), f)
-    samples: list[dict[str, Any]] = []
-    events, log = s.events or _schedule(s), []
+    events, rec = s.events or _schedule(s), _Record()
+    samples, log = rec.samples, rec.events
     full_dir, chaos_dir = os.path.join(s.out, "uninterrupted"), os.path.join(s.out, "chaos")
     t0 = time.monotonic()
-    if not _attempt(paths["uninterrupted"], full_dir, [], deadline, [], [], 0):
+    if not _attempt(paths["uninterrupted"], full_dir, [], deadline, _Record(), 0):
         raise RuntimeError("the uninterrupted run did not finish")
     uninterrupted_s = time.monotonic() - t0
     pending, attempts = list(events), 0
     while True:
         attempts += 1
-        if _attempt(paths["chaos"], chaos_dir, pending, deadline, samples, log, attempts):
+        if _attempt(paths["chaos"], chaos_dir, pending, deadline, rec, attempts):
             break
     full, chaos = Manifest.load(os.path.join(full_dir, "scored")), Manifest.load(os.path.join(chaos_dir, "scored"))
     units = [r.state["unit"] for r in chaos.shards]
@@ -283,6 +317,29 @@ def soak(s: SoakSettings) -> dict[str, Any]:
     checks["growth_within_limit"] = all(
         g[k] is not None and g[k] <= s.max_growth for g in growth.values() for k in ("rss", "fds"))
     return {"ok": all(checks.values()), "checks": checks, "steps": s.steps, "seed": s.seed, "attempts": attempts,
-            "events": log, "events_not_reached": pending, "units": len(units), "growth": growth,
+            "events": log, "events_not_reached": pending, "kills": _kills(log), "units": len(units),
+            "redone": _redone(rec.attempts, s.steps, chaos_dir), "per_attempt": rec.attempts, "growth": growth,
             "max_growth": s.max_growth, "uninterrupted_seconds": uninterrupted_s,
             "seconds": time.monotonic() - start, "out": s.out}
+
+
+def _kills(log: list[dict[str, Any]]) -> dict[str, int]:
+    """The kills sent (and survived, when the run's checks pass), by target and signal."""
+    out: dict[str, int] = {}
+    for e in log:
+        if e["target"] == "trainer" or e["killed"]:
+            key = f"{e['target']}_{e['signal']}"
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _redone(attempts: list[dict[str, Any]], steps: int, output_dir: str) -> dict[str, Any]:
+    """What the kills made the chaos run do again: trainer steps (trained in all, from the metrics log, less
+    ``steps``), work units of the workers' parts left unfinished by an ended session, and units redone by restarted
+    workers (the engine's count: the last attempt's from its summary, the earlier ones' as last logged)."""
+    with open(os.path.join(output_dir, "summary.json"), encoding="utf-8") as f:
+        last = int(json.load(f)["engine"]["units_redone_after_restart"])
+    trained = sum(a["steps_trained"] for a in attempts)
+    return {"steps_trained": trained, "steps": trained - steps,
+            "units_left_unfinished_by_trainer_deaths": sum(a["parts_left_unfinished"] for a in attempts[:-1]),
+            "units_redone_by_restarted_workers": sum(a["units_redone_logged"] for a in attempts[:-1]) + last}

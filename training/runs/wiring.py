@@ -40,7 +40,9 @@ from curation.core.refresh_data import RefreshData, RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.engine.scorer import ScoredShards
+from curation.io import storage
 from curation.io.models import model_vocab_size, save_weights, weights_fingerprint
+from curation.io.outputs import urls_in
 from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
 from curation.io.stream_reader import StreamReader
 from schemas.train_config import TrainConfig
@@ -179,6 +181,7 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
             save_weights(out.reference, target)
     if out.stats is not None:
         paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=out.extra, plots=plots)
+    storage.push(output_dir)  # an object-store output directory: what is not in the bucket yet
     return paths
 
 
@@ -248,7 +251,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
         microbatch_size=cfg.effective_microbatch_size, recent_batches=cfg.selection.refresh_candidate_batches,
         distance_interval=cfg.distance_interval, meters=meters)
     extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
-             "gamma": cfg.selection.gamma, "candidates": os.path.abspath(cfg.data.candidates),
+             "gamma": cfg.selection.gamma, "candidates": storage.canonical(cfg.data.candidates),
              "world_size": cfg.parallel.workers}
     cbs: list[Any] = []
     if cfg.write_selected:
@@ -258,7 +261,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
             flush_every=cfg.checkpoint.interval, rank=ranks.rank,
             manifest_fields={
-                "config": cfg.model_dump(mode="json"), "tokenizer_fingerprint": inputs.tokenizer_fingerprint,
+                "config": urls_in(cfg.model_dump(mode="json")), "tokenizer_fingerprint": inputs.tokenizer_fingerprint,
                 "model_fingerprints": {"initial_proxy": weights_fingerprint(inputs.model.model)}, "extra": extra,
             },
         ))

@@ -137,7 +137,8 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     out, engine_dir = str(tmp_path / "scored"), str(tmp_path / "engine")
     rspec = RefreshSpec(model=MODEL.model_dump(mode="json"), validation=val, candidates=cand,
                         stream=stream.to_dict(), selection=sel.model_dump(mode="json"), ref_lr=1e-3,
-                        refresh_batch_size=2, engine_dir=engine_dir, device="cpu", threads=1)
+                        refresh_batch_size=2, engine_dir=engine_dir, schedule=sched.to_dict(), device="cpu",
+                        threads=1)
     wspec = WorkerSpec(candidates=cand, out_dir=out, model=MODEL.model_dump(mode="json"),
                        order=BatchOrder("stream", n, B).to_dict(), vocab_size=512, schedule=sched.to_dict(),
                        needs_proxy=False, device="cpu")

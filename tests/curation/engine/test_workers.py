@@ -199,7 +199,7 @@ class _Snap(Callback):
 
 @pytest.mark.parametrize("policy", ["blade", "rho1"])
 def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_path, tiny_train, policy):
-    from training.runs.wiring import build_training
+    from training.runs.wiring import build_training, run_schedule
 
     cfg = TrainConfig.model_validate(tiny_train(str(tmp_path / "train"), max_steps=3, write_selected=False,
                                                 selection={"policy": policy}))
@@ -212,7 +212,8 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
                        candidates=cfg.data.candidates, stream=CandidateStream(len(open_shards(cfg.data.candidates)),
                                                                               cfg.batch_size, cfg.seed).to_dict(),
                        selection=cfg.selection.model_dump(mode="json"), ref_lr=cfg.optim.lr,
-                       refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"))
+                       refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"),
+                       schedule=run_schedule(cfg).to_dict())
     os.makedirs(spec.engine_dir)
     runner = RefreshRunner(spec)
     if policy == "blade":

@@ -166,3 +166,9 @@ def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
     # two whole frames back to back are still one valid file
     p.write_bytes(frame + frame)
     assert len(_docs(SourceConfig(name="s", paths=[str(p)]))) == 2 * len(rows)
+
+
+def test_a_pre_tokenized_format_is_not_read_as_text(tmp_path):
+    (tmp_path / "x.arrow").write_bytes(b"ARROW1")
+    items = _docs(SourceConfig(name="s", paths=[str(tmp_path / "x.arrow")], format="arrow"))
+    assert [str(e) for e in items] == [f"{tmp_path}/x.arrow: format 'arrow' holds token ids, not text (source 's')"]

@@ -1,0 +1,266 @@
+"""Object storage (S3 API) behind local paths: every shard or output directory may be ``s3://bucket/prefix``.
+
+The rest of the project reads and writes local files only. A URL is worked on through its *cache path*,
+``<cache>/s3/<bucket>/<prefix>`` (``<cache>``: ``BLADE_CACHE_DIR``, default ``~/.cache/blade-curation``), and
+this module moves bytes between the two at the boundaries:
+
+* :func:`local_path` maps a URL to its cache path (a local path is returned as it is), :func:`url_of` maps
+  a path under the cache back to its URL, so a job resolves its config once (:func:`localize`) and every
+  function below it keeps taking paths; for a path outside the cache every function here is a no-op.
+* Reading: :func:`fetch` downloads one object into the cache when it is not there (shards, lazily, as they
+  are read: :class:`curation.io.shards.ShardReader` checks their ``xxh64`` hashes as for local files);
+  :func:`refresh` downloads it again when the bucket's copy changed (an index, a manifest).
+* Writing: :func:`publish` uploads a finished file or directory (a part: its shard files before its
+  ``index.json``), :func:`unpublish` deletes one; :func:`pull` makes a cache directory equal to the bucket
+  (what a job does when it opens its output directory), :func:`push` uploads what changed under a cache
+  directory (objects whose ETag is not the local file's MD5).
+
+The objects themselves (client, credentials from the environment only, errors) are :mod:`curation.io.objects`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from curation.io.objects import (
+    delete_many,
+    delete_object,
+    download,
+    file_etag,
+    head_object,
+    is_url,
+    list_objects,
+    read_object,
+    split_url,
+    upload,
+    write_object,
+)
+
+__all__ = [
+    "cache_root", "local_path", "url_of", "canonical", "display", "fetch", "refresh", "publish", "unpublish",
+    "remove", "pull", "push", "SYMLINKS", "tokenizer_json_path",
+]
+
+#: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
+SYMLINKS = ".symlinks.json"
+_LOCAL_ONLY = {".lock"}  # never uploaded, never deleted by a pull
+
+
+def cache_root() -> str:
+    """Where URLs are cached: ``BLADE_CACHE_DIR``, default ``~/.cache/blade-curation`` (absolute)."""
+    root = os.environ.get("BLADE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "blade-curation")
+    return os.path.abspath(root)
+
+
+def local_path(path: str) -> str:
+    """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is."""
+    if not is_url(path):
+        return path
+    bucket, key = split_url(path)
+    parts = [p for p in key.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ValueError(f"{path}: '.' and '..' are not allowed in an object-store path")
+    return os.path.join(cache_root(), "s3", bucket, *parts)
+
+
+def url_of(path: str) -> str | None:
+    """The URL whose cache path ``path`` is (or is under); ``None`` for any other path."""
+    root = os.path.join(cache_root(), "s3") + os.sep
+    full = os.path.abspath(path)
+    if not full.startswith(root):
+        return None
+    rel = full[len(root):].replace(os.sep, "/")
+    return f"s3://{rel}" if "/" in rel or rel else None
+
+
+def canonical(path: str) -> str:
+    """A path as recorded in run keys: its URL for a cache path, else the absolute path."""
+    return url_of(path) or os.path.abspath(path)
+
+
+def display(path: str) -> str:
+    """A path as shown in messages: its URL for a cache path, else as given."""
+    return url_of(path) or path
+
+
+# ------------------------------------------------------------------------------------------------
+# cache paths ↔ objects
+# ------------------------------------------------------------------------------------------------
+def fetch(path: str) -> bool:
+    """Make the file ``path`` present: for a cache path not there yet, download its object. Returns whether
+    the file exists afterwards (``False``: no such object either)."""
+    if os.path.exists(path):
+        return True
+    url = url_of(path)
+    if url is None:
+        return False
+    try:
+        download(url, path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def refresh(path: str) -> bool:
+    """For a cache path: download the object again when the bucket's copy differs from the cached one (or
+    the cache has none). Returns whether the file exists afterwards; a local path: whether it exists."""
+    url = url_of(path)
+    if url is None:
+        return os.path.exists(path)
+    head = head_object(url)
+    if head is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return False
+    if not os.path.exists(path) or head.etag != file_etag(path):
+        download(url, path)
+    return True
+
+
+def _order(rel: str) -> int:
+    """Upload order inside one publish: data first, then part indexes, then the records naming them."""
+    name = rel.rsplit("/", 1)[-1]
+    if name in ("manifest.json", "config.yaml", "engine_config.yaml"):
+        return 3
+    if name == "index.json":
+        return 2 if "/" not in rel else 1
+    return 0
+
+
+def _walk(root: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Files (rel → path) and symbolic links (rel → target) under ``root``; temporary files left out."""
+    files, links = {}, {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
+        for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if name in _LOCAL_ONLY or name == SYMLINKS or name.startswith((".tmp-", ".dl-")):
+                continue
+            if os.path.islink(path):
+                links[rel] = os.readlink(path)
+            elif os.path.isfile(path):
+                files[rel] = path
+    return files, links
+
+
+def publish(path: str) -> None:
+    """Upload the finished file or directory ``path`` when it is a cache path (else nothing): a directory's
+    files in the order data, part ``index.json``, root ``index.json``, manifest, so a reader of the bucket
+    never sees an index naming a missing file."""
+    url = url_of(path)
+    if url is None:
+        return
+    if os.path.isdir(path):
+        files, _ = _walk(path)
+        for rel in sorted(files, key=lambda r: (_order(r), r)):
+            upload(files[rel], f"{url}/{rel}")
+    else:
+        upload(path, url)
+
+
+def unpublish(path: str) -> None:
+    """Delete the objects of the file or directory ``path`` when it is a cache path (else nothing)."""
+    url = url_of(path)
+    if url is None:
+        return
+    under = list_objects(url)
+    if under:
+        delete_many(url, under)
+    else:
+        delete_object(url)
+
+
+def remove(path: str) -> None:
+    """Delete the file or directory ``path`` and, for a cache path, its objects (a ``.tmp`` leftover was never
+    uploaded)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    if not path.rstrip("/").endswith(".tmp"):
+        unpublish(path)
+
+
+def pull(root: str) -> list[str]:
+    """Make the cache directory ``root`` equal to its bucket prefix: download objects the cache lacks or holds
+    differently (ETag ≠ MD5 of the cached file), delete cached files the bucket does not have (the local lock
+    file and temporary files excepted), restore symbolic links. Returns the files downloaded (relative)."""
+    url = url_of(root)
+    if url is None:
+        return []
+    remote = list_objects(url)
+    files, links = _walk(root) if os.path.isdir(root) else ({}, {})
+    for rel, path in {**files, **{r: os.path.join(root, r) for r in links}}.items():
+        if rel not in remote:
+            os.unlink(path)
+    got = []
+    for rel, info in sorted(remote.items()):
+        if rel.rsplit("/", 1)[-1] == SYMLINKS:
+            continue
+        path = os.path.join(root, *rel.split("/"))
+        if rel in links or not (os.path.isfile(path) and os.path.getsize(path) == info.size
+                                and file_etag(path) == info.etag):
+            if os.path.islink(path):
+                os.unlink(path)
+            download(f"{url}/{rel}", path)
+            got.append(rel)
+    for rel in sorted(r for r in remote if r.rsplit("/", 1)[-1] == SYMLINKS):
+        stored = read_object(f"{url}/{rel}")
+        base = os.path.join(root, *rel.split("/")[:-1])
+        for name, target in (json.loads(stored.body) if stored else {}).items():
+            link = os.path.join(base, *name.split("/"))
+            if os.path.lexists(link):
+                os.unlink(link)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(target, link)
+    return got
+
+
+def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
+    """Upload what changed under ``root/subdir`` (a cache directory) since the bucket last saw it: files whose
+    object is missing or has another ETag, in :func:`publish` order, and the symbolic links (as a
+    ``.symlinks.json`` in their folder). ``delete``: also delete objects under ``subdir`` that have no file (or link) any more
+    (for a folder only this process writes, e.g. ``checkpoints/`` that Composer prunes). Returns the uploaded
+    files (relative to ``root``)."""
+    url = url_of(root)
+    if url is None:
+        return []
+    base = os.path.join(root, subdir) if subdir else root
+    prefix = f"{url}/{subdir.strip('/')}" if subdir else url
+    remote = list_objects(prefix)
+    files, links = _walk(base) if os.path.isdir(base) else ({}, {})
+    sent = []
+    for rel in sorted(files, key=lambda r: (_order(r), r)):
+        info = remote.get(rel)
+        if info is None or info.size != os.path.getsize(files[rel]) or info.etag != file_etag(files[rel]):
+            upload(files[rel], f"{prefix}/{rel}")
+            sent.append(f"{subdir}/{rel}" if subdir else rel)
+    by_dir: dict[str, dict[str, str]] = {}  # each folder's links go to its own .symlinks.json
+    for rel, target in links.items():
+        folder, _, name = rel.rpartition("/")
+        by_dir.setdefault(folder, {})[name] = target
+    tables = {(f"{d}/{SYMLINKS}" if d else SYMLINKS): t for d, t in by_dir.items()}
+    for rel, table in sorted(tables.items()):
+        body = json.dumps(dict(sorted(table.items())), indent=1).encode()
+        if rel not in remote or remote[rel].etag != hashlib.md5(body, usedforsecurity=False).hexdigest():
+            write_object(f"{prefix}/{rel}", body)
+    gone = [r for r in remote if r not in files and r not in tables and r.split("/", 1)[0] not in _LOCAL_ONLY]
+    if delete and gone:
+        delete_many(prefix, gone)
+    return sent
+
+
+def tokenizer_json_path(path: str) -> str:
+    """``path`` itself if it is a file, else ``path/tokenizer.json``."""
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(candidate):
+            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
+        return candidate
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    return path

@@ -1,0 +1,230 @@
+"""Object storage against a real S3 server (SeaweedFS, ``s3`` fixture): cache paths, transfers, sync, shard reads
+with their integrity checks, the bucket's lock object, failures (unreachable endpoint, credentials)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+import numpy as np
+import pytest
+
+from curation.io import objects, storage
+from curation.io.outputs import RemoteLock, localize, open_output, urls_in
+from curation.io.shards import ShardIntegrityError, ShardReader, write_part
+from schemas.config import PrepareConfig
+from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
+from schemas.shards import CANDIDATE
+from schemas.train_config import TrainConfig
+
+
+# ------------------------------------------------------------------------------------------------
+# paths (no server)
+# ------------------------------------------------------------------------------------------------
+def test_cache_paths_map_both_ways(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
+    assert storage.local_path("s3://bkt/a/b") == str(tmp_path / "c" / "s3" / "bkt" / "a" / "b")
+    assert storage.local_path("runs/x") == "runs/x"
+    assert storage.url_of(str(tmp_path / "c" / "s3" / "bkt" / "a" / "b" / "f.json")) == "s3://bkt/a/b/f.json"
+    assert storage.url_of(str(tmp_path / "elsewhere")) is None
+    assert storage.canonical(storage.local_path("s3://bkt/a")) == "s3://bkt/a"
+    assert storage.canonical("runs/x") == os.path.abspath("runs/x")
+    with pytest.raises(ValueError, match=r"s3://bkt/\.\./x: '\.' and '\.\.' are not allowed"):
+        storage.local_path("s3://bkt/../x")
+    with pytest.raises(ValueError, match="gs:// paths are not supported; use a local path or s3://bucket/prefix "
+                                         r"\(Google Cloud Storage: use its S3-compatible API"):
+        objects.check_scheme("gs://b/x")
+
+
+def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
+    cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer": None})})
+    local = localize(cfg)
+    assert local.output_dir == str(tmp_path / "c" / "s3" / "bkt" / "run")
+    assert local.data.candidates == str(tmp_path / "c" / "s3" / "bkt" / "data" / "candidates")
+    assert urls_in(local.model_dump(mode="json")) == cfg.model_dump(mode="json")
+    plain = TrainConfig.demo_default("runs/demo")
+    assert localize(plain) is plain
+    prep = PrepareConfig.demo_default("runs/demo")
+    bad = prep.model_copy(update={"sources": [prep.sources[0].model_copy(update={"paths": ["s3://bkt/raw.jsonl"]})]})
+    with pytest.raises(ValueError, match=r"^sources.0.paths.0: object-store URLs are supported for shard and output "
+                                         r"directories only \(candidates, output_dir, proxy_weights, "
+                                         r"reference_weights, scored, selected, tokenizer, validation\); "
+                                         "got s3://bkt/raw.jsonl"):
+        localize(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# transfers and sync
+# ------------------------------------------------------------------------------------------------
+def _write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_push_pull_mirror_files_and_links(s3):
+    root = storage.local_path(s3.url("run"))
+    _write(f"{root}/ck/ep0-ba4-rank0.pt", b"four" * 100)
+    _write(f"{root}/ck/ep0-ba8-rank0.pt", b"eight" * 100)
+    os.symlink("ep0-ba8-rank0.pt", f"{root}/ck/latest-rank0.pt")
+    _write(f"{root}/logs/metrics.jsonl", b'{"step": 1}\n')
+    assert storage.push(root, "ck", delete=True) == ["ck/ep0-ba4-rank0.pt", "ck/ep0-ba8-rank0.pt"]
+    assert storage.push(root, "ck", delete=True) == []  # unchanged: nothing sent
+    os.unlink(f"{root}/ck/ep0-ba4-rank0.pt")  # pruned (checkpoint.keep)
+    storage.push(root, "ck", delete=True)
+    storage.push(root)
+    stored = objects.list_objects(s3.url("run"))
+    assert sorted(stored) == ["ck/.symlinks.json", "ck/ep0-ba8-rank0.pt", "logs/metrics.jsonl"]
+    assert stored["ck/ep0-ba8-rank0.pt"].etag == objects.file_etag(f"{root}/ck/ep0-ba8-rank0.pt")
+
+    shutil.rmtree(storage.cache_root())  # another machine: an empty cache
+    assert storage.pull(root) == ["ck/ep0-ba8-rank0.pt", "logs/metrics.jsonl"]
+    assert os.readlink(f"{root}/ck/latest-rank0.pt") == "ep0-ba8-rank0.pt"
+    assert open(f"{root}/ck/latest-rank0.pt", "rb").read() == b"eight" * 100
+
+    # a stale cache: a changed object (same size) is downloaded again, a file the bucket lacks is deleted
+    _write(f"{root}/ck/ep0-ba8-rank0.pt", b"EIGHT" * 100)
+    _write(f"{root}/extra/leftover.bin", b"x")
+    _write(f"{root}/.lock", b"held")
+    assert storage.pull(root) == ["ck/ep0-ba8-rank0.pt"]
+    assert open(f"{root}/ck/ep0-ba8-rank0.pt", "rb").read() == b"eight" * 100
+    assert not os.path.exists(f"{root}/extra/leftover.bin") and os.path.exists(f"{root}/.lock")
+    assert not storage.fetch(f"{root}/nothing/here.json")
+
+
+def _part(path: str, n: int = 40) -> list[np.ndarray]:
+    rows = [np.arange(i, i + 16, dtype=np.uint16) for i in range(n)]
+    write_part(path, CANDIDATE, ({"tokens": r, "source": "s"} for r in rows), vocab_size=512, size_limit=1 << 9)
+    return rows
+
+
+def test_shards_are_read_through_the_cache_and_checked(s3, flip_bit):
+    part = storage.local_path(s3.url("data/candidates/s/part-00000"))
+    rows = _part(part)  # written into the cache and uploaded (index.json last)
+    names = sorted(objects.list_objects(s3.url("data/candidates/s/part-00000")))
+    assert "index.json" in names and len(names) > 2
+    shutil.rmtree(storage.cache_root())
+    reader = ShardReader(part)
+    assert [r["tokens"].tolist() for r in (reader[i] for i in range(len(reader)))] == [r.tolist() for r in rows]
+
+    # a damaged cached copy is downloaded again; the bucket's copy is intact
+    shard = reader.shards[1].zip_data.basename
+    flip_bit(os.path.join(part, shard))
+    assert ShardReader(part)[reader.locate(0)[1] + 3]["tokens"].tolist() == rows[3].tolist()
+
+    # a bit flip in the stored object: detected on download, named by its URL
+    c, key = s3.server.client(), f"data/candidates/s/part-00000/{shard}"
+    body = bytearray(c.get_object(Bucket=s3.name, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x10
+    c.put_object(Bucket=s3.name, Key=key, Body=bytes(body))
+    shutil.rmtree(storage.cache_root())
+    reader = ShardReader(part)
+    first = next(i for i in range(len(reader)) if reader.locate(i)[0] == shard)
+    with pytest.raises(ShardIntegrityError, match=rf"^{s3.url(key)}: corrupt shard \(\d+ bytes, xxh64 [0-9a-f]+; "
+                                                  r"its index records \d+ bytes, xxh64 [0-9a-f]+\)"):
+        reader[first]
+
+
+# ------------------------------------------------------------------------------------------------
+# the lock object and output directories
+# ------------------------------------------------------------------------------------------------
+def _holder(pid: int, host: str | None = None) -> dict:
+    return {"pid": pid, "host": host or socket.gethostname(), "job": "train", "started": "t0", "command": "x"}
+
+
+def test_remote_lock_refuses_a_live_holder_and_takes_over_a_dead_one(s3):
+    url = s3.url("run")
+    first = RemoteLock(url, _holder(os.getpid()))
+    with pytest.raises(OutputDirBusy, match=rf"^{url} is in use by another run: train pid {os.getpid()} on host "
+                                            rf"{socket.gethostname()}, started t0 \(x\); its lock was renewed \d+ s ago"):
+        RemoteLock(url, _holder(os.getpid()))
+    first.release()
+    assert objects.read_object(f"{url}/.lock") is None
+    second = RemoteLock(url, _holder(os.getpid()))
+    second.release()
+
+    # a holder on this host whose process is gone (kill -9): taken over at once
+    dead = 2 ** 22 + 12345
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(dead), "lease_s": 3600}).encode())
+    third = RemoteLock(url, _holder(os.getpid()))
+    assert json.loads(objects.read_object(f"{url}/.lock").body)["pid"] == os.getpid()
+    third.release()
+
+    # another host's holder: taken over once its lease ran out (by the server's clock), never before
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 3600}).encode())
+    with pytest.raises(OutputDirBusy, match="pid 1 on host elsewhere"):
+        RemoteLock(url, _holder(os.getpid()))
+    objects.write_object(f"{url}/.lock", json.dumps({**_holder(1, "elsewhere"), "lease_s": 0}).encode())
+    import time
+
+    time.sleep(1.1)
+    fourth = RemoteLock(url, _holder(os.getpid()))
+    # ... and a run whose lock was taken over stops uploading
+    objects.write_object(f"{url}/.lock", json.dumps(_holder(2, "elsewhere")).encode())
+    fourth.lost = "another run took it over"
+    path = storage.local_path(f"{url}/f.txt")
+    _write(path, b"x")
+    with pytest.raises(OutputDirError, match=rf"^{url}: this run lost its lock \(another run took it over\)"):
+        storage.publish(path)
+    fourth.release()
+    assert json.loads(objects.read_object(f"{url}/.lock").body)["pid"] == 2  # not deleted: not ours
+
+
+def test_open_output_resumes_from_the_bucket_with_an_empty_cache(s3):
+    url = s3.url("runs/a")
+    cfg = TrainConfig.demo_default("runs/demo").model_copy(update={"output_dir": url})
+    with open_output(url, "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+        _write(os.path.join(lock.directory, "checkpoints", "x.pt"), b"ck")
+        storage.push(lock.directory)
+        with pytest.raises(OutputDirBusy, match=f"^{url} is in use by another run"):
+            open_output(url, "train", {"config.yaml": cfg})
+    assert sorted(objects.list_objects(url)) == ["checkpoints/x.pt", "config.yaml"]  # the lock object is gone
+    shutil.rmtree(storage.cache_root())
+    other = cfg.model_copy(update={"seed": 7})
+    with pytest.raises(ConfigMismatch, match=rf"^{url} was written with a different config \(differs in: seed\)"
+                                             rf":\n  seed: 0 → 7\nrerun with the config recorded in {url}/config.yaml"):
+        open_output(url, "train", {"config.yaml": other})
+    with open_output(url, "train", {"config.yaml": cfg}) as lock:  # same config: resumes, the cache filled
+        assert not lock.pending
+        assert open(os.path.join(lock.directory, "checkpoints", "x.pt"), "rb").read() == b"ck"
+
+
+# ------------------------------------------------------------------------------------------------
+# failures: one line naming the URL and what to do
+# ------------------------------------------------------------------------------------------------
+def test_unreachable_endpoint_missing_and_refused_credentials(s3, monkeypatch, tmp_path):
+    url = s3.url("x/manifest.json")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    closed = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError, match=rf"^cannot read {url}: the object store at http://127.0.0.1:"
+                                                   rf"{closed} cannot be reached \(.*\); check S3_ENDPOINT_URL and the "
+                                                   "network, then rerun"):
+        objects.read_object(url)
+
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3.server.endpoint)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError, match=rf"^cannot read {url}: no object-store credentials found: set "
+                                                   "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        objects.read_object(url)
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    objects.forget_clients()
+    with pytest.raises(objects.StorageError) as e:
+        objects.read_object(url)
+    assert str(e.value).startswith(f"cannot read {url}: the object store refused the credentials (InvalidAccessKeyId)")
+    assert "wrong-secret" not in str(e.value)

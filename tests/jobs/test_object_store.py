@@ -1,0 +1,209 @@
+"""The jobs end to end on a real S3 server (SeaweedFS, the ``s3`` fixture): prepare into ``s3://``, train and the Ray
+main job reading from and writing to the bucket, a kill and a resume from the bucket with the local cache wiped in
+between (the outputs equal a local run's bit for bit), and a bit flip in a stored shard detected by name and
+repaired by a rerun of prepare."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import yaml
+
+from curation.io import objects, storage
+from curation.io.shards import ShardReader
+from schemas.config import PrepareConfig
+from schemas.manifest import Manifest
+from tests.conftest import ENGINE_VOCAB, load_job
+from tests.jobs.test_curate_and_train import JOB as MAIN_JOB
+from tests.jobs.test_curate_and_train import assert_same_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # minutes each on a loaded 2-core machine
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_JOB = os.path.join(REPO, "jobs", "train.py")
+CURATE_JOB = os.path.join(REPO, "jobs", "curate.py")
+
+
+def _prepare_into(s3, engine_demo: str, prefix: str = "data") -> PrepareConfig:
+    """The engine demo's corpus prepared into ``s3://<bucket>/<prefix>`` (the same settings as ``engine_demo``)."""
+    from curation.ingest.prepare import prepare
+
+    cfg = PrepareConfig.demo_default(engine_demo)
+    cfg = cfg.model_copy(update={"progress": False, "output_dir": s3.url(prefix),
+                                 "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": ENGINE_VOCAB})})
+    prepare(cfg)
+    return cfg
+
+
+def _s3_data(s3, prefix: str = "data") -> dict:
+    return {"candidates": s3.url(f"{prefix}/candidates"), "validation": s3.url(f"{prefix}/validation"),
+            "tokenizer": s3.url(f"{prefix}/tokenizer/tokenizer.json")}
+
+
+def _start(job: str, config: dict, path, s3) -> subprocess.Popen:
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    env = {k: v for k, v in s3.env(PYTHONUNBUFFERED="1").items() if k != "RAY_ADDRESS"}  # a local Ray instance
+    return subprocess.Popen([sys.executable, job, "--config", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def _kill_after_first_checkpoint(proc: subprocess.Popen, s3, run: str, killer) -> None:
+    """SIGKILL the job's whole session once its first checkpoint is in the bucket (not only on disk)."""
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if "checkpoints/.symlinks.json" in objects.list_objects(s3.url(run)):
+            break
+        time.sleep(0.2)
+    killer(proc.pid)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == -9, "the job ended before it could be killed:\n" + out[-3000:]
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _pulled(s3, run: str) -> str:
+    """The run's outputs from the bucket, in a fresh cache."""
+    path = storage.local_path(s3.url(run))
+    storage.pull(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_train, tmp_path_factory) -> str:
+    """The tiny blade run of ``tiny_train`` on the local copy of the data, uninterrupted (what the bucket's runs
+    must equal bit for bit)."""
+    from schemas.train_config import TrainConfig
+    from training.runs.single import train
+
+    out = str(tmp_path_factory.mktemp("local") / "run")
+    train(TrainConfig.model_validate(tiny_train(out)))
+    return out
+
+
+def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, local_run, tmp_path, session_killer,
+                                                   capsys):
+    # prepare into the bucket: the same shards as a local prepare, readable by StreamingDataset from the bucket
+    cfg = _prepare_into(s3, engine_demo)
+    stored = objects.list_objects(s3.url("data"))
+    assert {"config.yaml", "tokenizer/tokenizer.json", "candidates/index.json", "candidates/manifest.json",
+            "validation/index.json"} <= set(stored) and ".lock" not in stored
+    local_index = os.path.join(engine_demo, "data", "candidates", "index.json")
+    assert objects.read_object(s3.url("data/candidates/index.json")).body == open(local_index, "rb").read()
+    from streaming import StreamingDataset
+
+    ds = StreamingDataset(remote=s3.url("data/candidates"), local=str(tmp_path / "sd"), shuffle=False, batch_size=8,
+                          validate_hash="xxh64")
+    local = ShardReader(os.path.join(engine_demo, "data", "candidates"))
+    assert len(ds) == len(local) and np.array_equal(ds[7]["tokens"], local[7]["tokens"])
+
+    # train.py from and into the bucket, killed after its first checkpoint; the cache wiped; the rerun resumes
+    train_cfg = tiny_train(s3.url("run"), data=_s3_data(s3))
+    _kill_after_first_checkpoint(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3), s3, "run", session_killer)
+    shutil.rmtree(s3.cache)
+    out = _finish(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3))
+    assert "took over the lock" in out and "resumed from" in out, out[-3000:]
+    assert ".lock" not in objects.list_objects(s3.url("run"))
+
+    # bit for bit the run of the same config on the local copy of the data, uninterrupted
+    shutil.rmtree(s3.cache)
+    assert_same_run(local_run, _pulled(s3, "run"))
+
+    # a bit flip in a stored shard: a reader names the object; a rerun of prepare (its cache still holding the
+    # intact copy) finds it by its ETag, rewrites the part, and the object is whole again
+    storage.pull(storage.local_path(s3.url("data")))  # a warm cache: intact copies
+    key = "data/candidates/target/part-00000/shard.00000.mds.zstd"
+    c = s3.server.client()
+    good = c.get_object(Bucket=s3.name, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x10
+    c.put_object(Bucket=s3.name, Key=key, Body=bytes(bad))
+    cold = str(tmp_path / "cold")
+    os.environ["BLADE_CACHE_DIR"] = cold  # (restored by the s3 fixture's monkeypatch)
+    rc = load_job("train", "_s3").main(["--config", str(tmp_path / "train.yaml"), "--set",
+                                        f"output_dir={s3.url('run2')}"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"error: {s3.url(key)}: corrupt shard (" in err
+    assert "part target/part-00000 can be regenerated: rerun jobs/prepare.py with the same config and output_dir" in err
+    os.environ["BLADE_CACHE_DIR"] = s3.cache
+    from curation.ingest.prepare import prepare
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = prepare(cfg)
+    assert result.regenerated == [os.path.join(storage.local_path(s3.url("data/candidates")), "target/part-00000")]
+    assert any("target/part-00000 is damaged" in str(w.message) for w in caught)
+    assert hashlib.sha256(c.get_object(Bucket=s3.name, Key=key)["Body"].read()).digest() == \
+        hashlib.sha256(good).digest()
+
+
+@pytest.mark.ray
+def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, tiny_train, local_run, tmp_path,
+                                                              session_killer):
+    _prepare_into(s3, engine_demo)
+    config = {"train": tiny_train(s3.url("run"), data=_s3_data(s3)), "workers": {"count": 2, "range_steps": 2},
+              "engine": {"lookahead": 4}}
+    _kill_after_first_checkpoint(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3), s3, "run", session_killer)
+    assert not Manifest.load(_pulled(s3, "run/scored")).complete
+    shutil.rmtree(s3.cache)
+    out = _finish(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3))
+    assert "took over the lock" in out and "resuming from" in out, out[-3000:]
+    stored = objects.list_objects(s3.url("run"))
+    assert {"engine_config.yaml", "config.yaml", "scored/manifest.json", "selected/manifest.json",
+            "final/model.safetensors", "final/reference.safetensors", "summary.json",
+            "engine/reference-0002.safetensors", "checkpoints/.symlinks.json"} <= set(stored)
+    assert ".lock" not in stored
+
+    # exact mode on Ray equals the single-process trainer, here on the local copy of the data
+    shutil.rmtree(s3.cache)
+    run = _pulled(s3, "run")
+    assert Manifest.load(os.path.join(run, "scored")).complete
+    assert_same_run(local_run, run)
+
+    # jobs/curate.py: the candidates and the run's final weights from the bucket, its selected tokens into it
+    curate_cfg = {"candidates": s3.url("data/candidates"), "model": config["train"]["model"], "gamma": 0.5,
+                  "batch_size": 8, "reference_weights": s3.url("run/final/reference.safetensors"),
+                  "proxy_weights": s3.url("run/final/model.safetensors"), "output_dir": s3.url("curate"),
+                  "progress": False, "workers": {"count": 2, "range_steps": 10}}
+    _finish(_start(CURATE_JOB, curate_cfg, tmp_path / "curate.yaml", s3))
+    shutil.rmtree(s3.cache)
+    selected = os.path.join(_pulled(s3, "curate"), "selected")
+    manifest, rows = Manifest.load(selected), ShardReader(selected)
+    assert manifest.complete and len(rows) == len(ShardReader(os.path.join(engine_demo, "data", "candidates")))
+    assert sum(int(rows[i]["loss_mask"].sum()) for i in range(len(rows))) == manifest.totals().kept_tokens > 0
+
+
+@pytest.mark.ray
+def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run):
+    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
+    from curation.engine.ray_backend import ray_session
+    from schemas.train_config import TrainConfig
+    from training.runs.group import train_parallel
+
+    _prepare_into(s3, engine_demo)
+    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}))
+    with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
+        train_parallel(cfg)
+    stored = objects.list_objects(s3.url("dp"))
+    assert {"config.yaml", "selected/manifest.json", "final/model.safetensors", "summary.json",
+            "checkpoints/.symlinks.json", "logs/metrics.jsonl"} <= set(stored) and ".lock" not in stored
+
+    shutil.rmtree(s3.cache)
+    a, b = ShardReader(os.path.join(local_run, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
+    assert len(a) == len(b) == cfg.max_steps * cfg.batch_size
+    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
+    first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
+    assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)

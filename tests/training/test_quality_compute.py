@@ -1,0 +1,129 @@
+"""The quality benchmark's accounting, against hand-computed values: FLOPs of a tiny setting, the selector's
+compute, amortization over target runs, reading loss-versus-compute curves (equal-compute interpolation and
+the compute to reach a loss), the refresh choice at equal compute, and the Δ-distribution summaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from curation.core.stats import Histogram
+from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops_per_token
+from curation.evaluation.heldout import DocScores
+from training.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
+from training.quality.compute import (
+    RunShape,
+    amortized_total,
+    equal_compute_steps,
+    flops_to_reach,
+    loss_at,
+    run_flops,
+    selection_flops,
+)
+from training.quality.experiment import sweep_choice
+
+# hidden 4, 1 layer, MLP 8, vocabulary 10, context 8: per layer q,k,v,o 4·4² = 64, MLP 3·4·8 = 96; head 4·10 = 40
+# forward per token: 2·(160 + 40) + attention 2·1·8·4 = 464
+TINY_SHAPE = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, heads=1, kv_heads=1, context=8)
+TINY = RunShape(forward_flops=464.0, batch=2, seq_len=8, warmup=2, tau=3, rho1_steps=5)
+
+
+def test_forward_flops_by_hand():
+    assert forward_flops_per_token(TINY_SHAPE) == 464
+    assert train_flops_per_token(TINY_SHAPE) == 3 * 464
+    # grouped-query attention: 2 heads of 2, 1 kv head: k and v project to 2 dims (2·4·2 = 16 instead of 32)
+    gqa = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, heads=2, kv_heads=1, context=8)
+    assert forward_flops_per_token(gqa) == 464 - 2 * 16
+    hf = {"hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10,
+          "num_attention_heads": 1, "max_position_embeddings": 8}
+    assert ModelShape.from_hf_config(hf) == TINY_SHAPE
+    assert ModelShape.from_hf_config(hf, context=4).context == 4
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        ModelShape.from_hf_config({k: v for k, v in hf.items() if k != "intermediate_size"})
+
+
+def test_run_flops_by_hand():
+    tokens = 2 * 8
+    full = run_flops(TINY, "full", 10)
+    assert (full.proxy, full.scoring, full.refresh) == (3 * 464 * tokens * 10, 0, 0)
+    assert run_flops(TINY, "random", 10) == full
+    rho1 = run_flops(TINY, "rho1", 10)  # scoring after W = 2 steps; static reference: 5 steps of b/4 = 1 sequence
+    assert (rho1.scoring, rho1.refresh) == (464 * tokens * 8, 3 * 464 * 1 * 8 * 5)
+    sel = {"refresh_steps": 2, "lam": 1.0, "refresh_batch_size": 2}
+    blade = run_flops(TINY, "blade", 10, sel)  # refreshes before steps 2, 5, 8: 3 × 2 steps × (2 val + 2 cand) × 8
+    assert blade.refresh == 3 * 464 * (2 * 8 * 2) * 2 * 3
+    assert run_flops(TINY, "blade", 10, {**sel, "lam": 0.0}).refresh == blade.refresh / 2  # no candidate batch
+    assert run_flops(TINY, "blade-nosync", 10, sel) == blade
+    assert blade.total == blade.proxy + blade.scoring + blade.refresh == blade.as_dict()["total"]
+    assert equal_compute_steps(TINY, "blade", 10, sel) == round(blade.total / (3 * 464 * tokens))
+    assert equal_compute_steps(TINY, "full", 10) == equal_compute_steps(TINY, "random", 10) == 10
+    with pytest.raises(ValueError, match="unknown policy"):
+        run_flops(TINY, "oracle", 10)
+
+
+def test_selection_compute_and_amortization_by_hand():
+    sel = {"refresh_steps": 2, "lam": 1.0, "refresh_batch_size": 2}
+    assert selection_flops(TINY, "random", 10) == selection_flops(TINY, "full", 10) == 0
+    blade = run_flops(TINY, "blade", 10, sel).total  # the selector's whole run: proxy + scoring + refreshes
+    assert selection_flops(TINY, "blade", 10, sel) == blade
+    # a target run of 1,000 FLOPs reusing a 600-FLOP selection: alone 1,600; shared by 4 runs 1,150
+    assert amortized_total(1000.0, 600.0, 1) == 1600.0
+    assert amortized_total(1000.0, 600.0, 4) == 1150.0
+    with pytest.raises(ValueError, match="runs must be >= 1"):
+        amortized_total(1000.0, 600.0, 0)
+
+
+def test_loss_at_interpolates_within_the_curve_only():
+    curve = [(0.0, 5.0), (10.0, 4.0), (30.0, 3.0)]
+    assert loss_at(curve, 0.0) == 5.0 and loss_at(curve, 30.0) == 3.0
+    assert loss_at(curve, 5.0) == pytest.approx(4.5)
+    assert loss_at(curve, 20.0) == pytest.approx(3.5)
+    assert loss_at(curve, 31.0) is None and loss_at(curve, -1.0) is None
+    with pytest.raises(ValueError, match="strictly increasing"):
+        loss_at([(0.0, 5.0), (0.0, 4.0)], 0.0)
+
+
+def test_flops_to_reach_a_loss():
+    curve = [(2.0, 5.0), (10.0, 4.0), (30.0, 3.0)]
+    assert flops_to_reach(curve, 4.0) == 10.0
+    assert flops_to_reach(curve, 3.5) == pytest.approx(20.0)  # halfway through the last segment
+    assert flops_to_reach(curve, 6.0) == 2.0  # already there at the first point (the selection's cost alone)
+    assert flops_to_reach(curve, 2.9) is None  # never
+    # a curve that goes up before it comes down: the first crossing counts
+    assert flops_to_reach([(0.0, 5.0), (1.0, 5.5), (3.0, 4.5)], 4.9) == pytest.approx(2.2)
+
+
+def test_sweep_choice_at_the_cheapest_budget():
+    cheap = [(1.0, 5.0), (2.0, 4.0)]  # budget = 2.0 (the cheapest whole run)
+    costly_better_per_step = [(1.5, 4.6), (3.0, 3.5)]  # at 2.0: 4.6 − 1.1·(0.5/1.5) = 4.2333
+    costly_best = [(1.0, 4.5), (4.0, 3.0)]  # at 2.0: 4.0
+    chosen, budget, losses = sweep_choice([cheap, costly_better_per_step, costly_best])
+    assert budget == 2.0 and losses == pytest.approx([4.0, 4.6 - 1.1 / 3, 4.0])
+    assert chosen == 0  # ties go to the first (cheapest-listed) candidate
+    chosen, _, _ = sweep_choice([cheap, [(1.0, 4.4), (4.0, 2.9)]])
+    assert chosen == 1  # 3.9 at the budget beats 4.0
+    with pytest.raises(ValueError, match="does not reach back"):
+        sweep_choice([cheap, [(2.5, 4.0), (5.0, 3.0)]])
+
+
+def test_interpolated_scores_keep_documents_paired():
+    a = DocScores(np.array([10.0, 20.0]), np.array([5, 10]))
+    b = DocScores(np.array([6.0, 12.0]), np.array([5, 10]))
+    mid = interpolate_scores([(0.0, a), (4.0, b)], 1.0)  # a quarter of the way: sums 9, 18
+    assert mid.sums.tolist() == [9.0, 18.0] and mid.counts.tolist() == [5, 10]
+    assert mid.mean == pytest.approx(loss_at([(0.0, a.mean), (4.0, b.mean)], 1.0))
+    assert interpolate_scores([(0.0, a), (4.0, b)], 5.0) is None
+
+
+def test_delta_distribution_summaries():
+    h = Histogram((-1.0, 0.0, 1.0), [1, 2, 3, 4])  # <-1: 1, [-1,0): 2, [0,1): 3, >=1: 4
+    assert share_above(h, 0.0) == pytest.approx(0.7)
+    assert share_above(h, 0.5) == pytest.approx((1.5 + 4) / 10)
+    assert share_above(Histogram((0.0,)), 0.0) != share_above(Histogram((0.0,)), 0.0)  # empty: nan
+    seed0 = {"delta_histograms": {"0": h.to_dict(), "1": Histogram((-1.0, 0.0, 1.0), [4, 0, 0, 0]).to_dict()}}
+    seed1 = {"delta_histograms": {"0": Histogram((-1.0, 0.0, 1.0), [0, 0, 0, 10]).to_dict()}}
+    rows = delta_over_time([seed0, seed1])  # pooled over seeds, per episode
+    assert [r["episode"] for r in rows] == [0, 1] and [r["tokens"] for r in rows] == [20, 4]
+    assert rows[0]["positive"] == pytest.approx(17 / 20) and rows[1]["positive"] == 0.0
+    assert passed_at([(0, 5.0), (500, 4.5), (1000, 4.2)], 4.6, 0.1) == 1000
+    assert passed_at([(0, 5.0)], 4.6, 0.1) is None

@@ -1,0 +1,284 @@
+"""The quality benchmark's training, in stages that each reuse what an earlier invocation finished:
+
+1. ``data``: the pool (+ target validation; trains the tokenizer) and the base text (+ base validation);
+2. ``bases``: the proxy's and the target's base models, pretrained from scratch on the general base text;
+3. ``sweep``: blade (seed 0) with each refresh-strength candidate; the one with the lowest validation loss at
+   equal compute (the cheapest candidate's FLOPs) is chosen;
+4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed
+   (``full`` runs on to the FLOPs of the costliest policy, with snapshots at each policy's equal-compute step);
+5. ``reuse``: the target continued from its base on the selected shards of seed 0 of ``reuse_policies``, and
+   ``full`` on the whole pool for as long as the largest selection-inclusive compute.
+
+Every run saves snapshots along the way (curves on the target evaluation set). :func:`train_all` runs the
+stages up to ``until`` and returns the finished runs; ``training.quality.analysis`` evaluates them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from curation.ingest.prepare import prepare
+from curation.io.models import build_causal_lm
+from schemas.manifest import atomic_write_text
+from schemas.train_config import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    ReplayConfig,
+    SelectionConfig,
+    TrainConfig,
+)
+from training.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
+from training.quality.runs import REUSED, final_val, run_replay, run_training
+from training.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
+
+__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice"]
+
+STAGES = ("data", "bases", "sweep", "main", "reuse")
+
+
+class StageClock:
+    """Wall and process-CPU seconds per stage, added up over the invocations that ran it
+    (``out/stage_times.json``, flushed every 30 s so a killed piece keeps most of its time)."""
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "stage_times.json")
+        self.times: dict[str, dict[str, float]] = json.load(open(self.path)) if os.path.exists(self.path) else {}
+        self._lock = threading.Lock()
+        self._open: tuple[str, float, float] | None = None
+
+    def _flush(self, final: bool = False) -> None:
+        with self._lock:
+            if self._open is None:
+                return
+            name, t0, c0 = self._open
+            now, cpu = time.perf_counter(), time.process_time()
+            entry = self.times.setdefault(name, {"wall": 0.0, "cpu": 0.0, "pieces": 0})
+            entry["wall"] += now - t0
+            entry["cpu"] += cpu - c0
+            if final:
+                entry["pieces"] += 1
+                self._open = None
+            else:
+                self._open = (name, now, cpu)
+            atomic_write_text(self.path, json.dumps(self.times, indent=1))
+
+    def stage(self, name: str):
+        clock = self
+
+        class _Stage:
+            def __enter__(self):
+                clock._open = (name, time.perf_counter(), time.process_time())
+                stop = threading.Event()
+                self._stop = stop
+
+                def tick():
+                    while not stop.wait(30):
+                        clock._flush()
+
+                self._thread = threading.Thread(target=tick, daemon=True)
+                self._thread.start()
+
+            def __exit__(self, *exc):
+                self._stop.set()
+                self._thread.join()
+                clock._flush(final=True)
+                return False
+
+        return _Stage()
+
+
+def count_parameters(mcfg: ModelConfig) -> int:
+    """Parameters of a model config (tied weights counted once)."""
+    return sum(p.numel() for p in build_causal_lm(mcfg).parameters())
+
+
+def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, list[float]]:
+    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, validation loss) curve read at
+    the budget of the cheapest candidate's whole run; returns (chosen index, budget, loss of each)."""
+    budget = min(c[-1][0] for c in curves)
+    losses = [loss_at(c, budget) for c in curves]
+    if any(v is None for v in losses):
+        raise ValueError(f"a sweep curve does not reach back to the budget {budget:.3g}")
+    return min(range(len(curves)), key=lambda i: losses[i]), budget, losses
+
+
+@dataclass
+class Runs:
+    """Everything trained, as recorded results (``training.quality.runs``)."""
+
+    s: Setting
+    out: str
+    tokenizer: str = ""
+    data: dict[str, Any] = field(default_factory=dict)  # prepare results by name
+    bases: dict[str, dict[str, Any]] = field(default_factory=dict)  # "proxy" / "target" → result (+ params)
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # per candidate: setting, run, curve, loss at budget
+    best: dict[str, Any] = field(default_factory=dict)  # the chosen refresh setting
+    sweep_budget: float | None = None
+    main: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # policy → result per seed
+    eq_steps: dict[str, int] = field(default_factory=dict)  # full's steps at each policy's FLOPs
+    target_full: dict[str, Any] | None = None
+    replays: dict[str, dict[str, Any]] = field(default_factory=dict)  # reused policy → target replay result
+    target_steps: int = 0  # target full's length
+
+
+def _curve_steps(interval: int, last: int) -> set[int]:
+    return set(range(interval, last + 1, interval)) | {last}
+
+
+class _Trainer:
+    """Builds the configs of the benchmark's runs and runs them (one place for the shared settings)."""
+
+    def __init__(self, runs: Runs):
+        self.r, self.s = runs, runs.s
+
+    def config(self, name: str, *, policy: str, seed: int, mcfg: ModelConfig, data: str = "pool",
+               steps: int | None = None, batch: int | None = None, lr: float | None = None,
+               eval_interval: int | None = None, write_selected: bool = False, **sel: Any) -> TrainConfig:
+        s, dirs = self.s, self.r.data
+        sel = {**dict(policy=policy, gamma=s.gamma, warmup_steps=s.warmup, tau=s.tau, rho1_steps=s.rho1_steps,
+                      seed=seed), **self.r.best, **sel}
+        n = steps or s.steps
+        return TrainConfig(
+            data=DataConfig(candidates=dirs[data].dirs["candidates"], validation=dirs[data].dirs["validation"],
+                            tokenizer=self.r.tokenizer),
+            model=mcfg, selection=SelectionConfig(**sel), optim=OptimConfig(lr=lr or s.lr),
+            eval=EvalConfig(interval=eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
+            checkpoint=CheckpointConfig(interval=min(n, s.checkpoint_interval or n), keep=1),
+            output_dir=os.path.join(self.r.out, "runs", name), batch_size=batch or s.batch, max_steps=n, seed=seed,
+            threads=s.threads, precision=s.precision, progress_bar=False, plots=False, write_selected=write_selected,
+            distance_interval=max(1, s.tau // 10),
+        )
+
+    def run(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        res = run_training(self.config(name, **kw), os.path.join(self.r.out, "runs", name, "result.json"),
+                           snapshots=tuple(sorted(snapshots)))
+        print(f"[run] {name}: val {final_val(res):.3f}, {res['step_seconds'] * 1e3:.0f} ms/step "
+              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        return res
+
+    def replay(self, name: str, selected: str, mcfg: ModelConfig, snapshots: set[int]) -> dict[str, Any]:
+        s = self.s
+        cfg = ReplayConfig(
+            selected=selected, validation=self.r.data["pool"].dirs["validation"], tokenizer=self.r.tokenizer,
+            model=mcfg, optim=OptimConfig(lr=s.target_lr),
+            eval=EvalConfig(interval=s.eval_interval, batch_size=32, max_batches=s.eval_batches),
+            checkpoint=CheckpointConfig(interval=min(s.steps, s.checkpoint_interval or s.steps), keep=1),
+            output_dir=os.path.join(self.r.out, "runs", name), batch_size=s.batch, epochs=1, threads=s.threads,
+            precision=s.precision, progress_bar=False,
+        )
+        t0 = time.perf_counter()
+        res = run_replay(cfg, os.path.join(self.r.out, "runs", name, "result.json"), snapshots=tuple(sorted(snapshots)))
+        print(f"[run] {name}: val {final_val(res):.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        return res
+
+
+def _stage_data(r: Runs) -> None:
+    for name, pcfg in data_configs(r.s, r.out).items():
+        atomic_write_text(os.path.join(r.out, "configs", f"prepare_{name}.yaml"),
+                          yaml.safe_dump(pcfg.model_dump(mode="json"), sort_keys=False))
+        r.data[name] = prepare(pcfg)
+        print(f"[data] {name}: " + ", ".join(f"{k} {m.totals().sequences} seq ({m.totals().tokens} tokens)"
+                                             for k, m in r.data[name].manifests.items()), flush=True)
+    r.tokenizer = r.data["pool"].tokenizer.path
+
+
+def _stage_bases(r: Runs, t: _Trainer) -> None:
+    s = r.s
+    sequences = r.data["base"].manifests["candidates"].totals().sequences
+    for role, epochs in (("proxy", s.base_epochs), ("target", s.target_base_epochs)):
+        mcfg = model_config(s, target=role == "target")
+        steps = math.ceil(epochs * sequences / s.base_batch)
+        res = t.run(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
+                    lr=s.base_lr, eval_interval=s.base_eval_interval)
+        params = count_parameters(mcfg)
+        tokens = steps * s.base_batch * s.seq_len
+        r.bases[role] = {**res, "parameters": params, "tokens": tokens, "tokens_per_parameter": tokens / params,
+                         "epochs": steps * s.base_batch / sequences, "unique_tokens": sequences * s.seq_len}
+
+
+def _start(r: Runs, role: str = "proxy") -> ModelConfig:
+    return model_config(r.s, target=role == "target", weights=r.bases[role]["final_weights"])
+
+
+def _stage_sweep(r: Runs, t: _Trainer) -> None:
+    s, shape = r.s, run_shape(r.s)
+    snaps = _curve_steps(s.curve_interval, s.steps)
+    for i, cand in enumerate(s.sweep):
+        res = t.run(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
+                    **cand)
+        curve = [(run_flops(shape, "blade", p["step"], cand).total, p["loss"]) for p in res["validation"]]
+        r.sweep.append({"setting": dict(cand), "run": res, "curve": curve, "val_loss": final_val(res),
+                        "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
+    chosen, r.sweep_budget, losses = sweep_choice([c["curve"] for c in r.sweep])
+    for c, v in zip(r.sweep, losses, strict=True):
+        c["val_at_budget"] = v
+        c["chosen"] = c is r.sweep[chosen]
+    r.best = dict(r.sweep[chosen]["setting"])
+    print(f"[sweep] chosen at equal compute ({r.sweep_budget:.3g} FLOPs): {r.best}", flush=True)
+
+
+def _stage_main(r: Runs, t: _Trainer) -> None:
+    s, shape = r.s, run_shape(r.s)
+    r.eq_steps = {p: equal_compute_steps(shape, p, s.steps, r.best) for p in POLICIES}
+    snaps = _curve_steps(s.curve_interval, s.steps)
+    r.main = {p: [] for p in POLICIES}
+    chosen = next(c["run"] for c in r.sweep if c["chosen"])
+    for seed in range(s.seeds):
+        full_snaps = snaps | set(r.eq_steps.values())
+        r.main["full"].append(t.run(f"full-seed{seed}", policy="full", seed=seed, mcfg=_start(r),
+                                    steps=max(full_snaps), snapshots=full_snaps))
+        for p in POLICIES[1:]:
+            if p == "blade" and seed == 0:  # the chosen sweep run is exactly this run (same config and seed)
+                r.main[p].append(chosen)
+                continue
+            r.main[p].append(t.run(f"{p}-seed{seed}", policy=p, seed=seed, mcfg=_start(r), snapshots=snaps,
+                                   write_selected=seed == 0 and p in s.reuse_policies))
+
+
+def _stage_reuse(r: Runs, t: _Trainer) -> None:
+    s = r.s
+    shape, tshape = run_shape(s), run_shape(s, target=True)
+    per_step = run_flops(tshape, "full", 1).total
+    most = max(selection_flops(shape, p, s.steps, r.best) for p in s.reuse_policies)
+    extra = s.target_extra_steps if s.target_extra_steps is not None else math.ceil(most / per_step)
+    r.target_steps = s.target_curve_interval * math.ceil((s.steps + extra) / s.target_curve_interval)
+    start = _start(r, "target")
+    r.target_full = t.run("target-full", policy="full", seed=0, mcfg=start, steps=r.target_steps, lr=s.target_lr,
+                          snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps})
+    for p in s.reuse_policies:
+        selected = r.main[p][0]["summary"]["selected_dir"]
+        r.replays[p] = t.replay(f"target-replay-{p}", selected, start, _curve_steps(s.target_curve_interval, s.steps))
+
+
+def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
+    """Run (or reuse) every stage up to and including ``until`` (default: all)."""
+    if until is not None and until not in STAGES:
+        raise ValueError(f"until must be one of {', '.join(STAGES)}, got {until!r}")
+    REUSED.clear()  # counted per invocation
+    import torch
+
+    torch.set_num_threads(s.threads)
+    os.makedirs(os.path.join(out, "configs"), exist_ok=True)
+    runs, clock = Runs(s=s, out=out), StageClock(out)
+    trainer = _Trainer(runs)
+    steps = {"data": lambda: _stage_data(runs), "bases": lambda: _stage_bases(runs, trainer),
+             "sweep": lambda: _stage_sweep(runs, trainer), "main": lambda: _stage_main(runs, trainer),
+             "reuse": lambda: _stage_reuse(runs, trainer)}
+    for name in STAGES:
+        with clock.stage(name):
+            steps[name]()
+        if name == until:
+            break
+    return runs
