@@ -83,7 +83,9 @@ def test_config_diff_names_exactly_the_differing_leaf_keys():
 
 
 def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
-    assert operational_keys(PrepareConfig) == {"progress"}
+    # prepare's output is the same for any number of workers, on any Ray cluster (tests/curation/engine/
+    # test_prepare_pool.py); unit_bytes is not operational (it places the units' cuts)
+    assert operational_keys(PrepareConfig) == {"progress", "workers", "ray"}
     # the worker group's resources, collective backend, restarts and timeout change where and how robustly it
     # runs, not what it computes (parallel.workers and selection.scope do: they are not operational)
     assert operational_keys(TrainConfig) == {
