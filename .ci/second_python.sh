@@ -43,7 +43,7 @@ VENV=build/ci/py$VERSION
 echo "ci: second interpreter $PY ($("$PY" --version 2>&1)) → $VENV"
 t=$SECONDS
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -e ".[dev,eval]"
+"$VENV/bin/python" -m pip install -e ".[dev,eval,tensorboard,mlflow,wandb]"
 install=$((SECONDS - t)); t=$SECONDS
 "$VENV/bin/python" -m pytest
 fast=$((SECONDS - t)); t=$SECONDS

@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     try:
         refs = resolve_models(cfg.models)
-        res = evaluate_models(refs, cfg.sets, max_len=cfg.max_len, batch_size=cfg.batch_size, rounds=cfg.bootstrap,
-                              seed=cfg.seed, eos_token=cfg.eos_token, device=device, progress=cfg.progress)
+        res = evaluate_models(refs, cfg, device=device)
         if cfg.lm_eval is not None:
             dirs = {}
             for ref in refs:  # the harness loads HF directories: export runs (and other weights) as one

@@ -23,9 +23,15 @@ def main(argv: list[str] | None = None) -> int:
         PrepareConfig, description=__doc__.splitlines()[0], default=PrepareConfig.demo_default, argv=argv,
         set_example="seq_len=256 --set sources.0.text_field=body",
     )
+
+    def ray_pool(workers: int | None, units: int):  # noqa: ANN202 - imported only when workers run on Ray
+        from curation.engine.ray_backend.prepare_pool import ray_unit_pool
+
+        return ray_unit_pool(cfg.ray, workers, units)
+
     try:  # SIGTERM / SIGINT: the part in progress is finished, then the job stops (a second signal: at once)
         with GracefulStop(what="the part in progress"):
-            result = report_job_errors(lambda: prepare(cfg), f"preparing into {cfg.output_dir} failed")
+            result = report_job_errors(lambda: prepare(cfg, pool=ray_pool), f"preparing into {cfg.output_dir} failed")
     except StopRequested as e:
         print(f"{e}; rerun the same command to resume from the next part (finished parts are kept)", file=sys.stderr)
         return exit_code(e.signum)
@@ -39,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {c.documents} docs, {c.tokens} tokens, {c.sequences} sequences")
     print(f"tokenizer: {result.tokenizer.path} (vocab {result.tokenizer.vocab_size}, sha256 {result.tokenizer.fingerprint[:12]})")
     print(f"tokenized {result.tokens_processed} tokens in {result.seconds:.1f}s: "
-          f"{result.tokens_per_second:,.0f} tokens/s")
+          f"{result.tokens_per_second:,.0f} tokens/s ({result.workers} worker{'s' if result.workers > 1 else ''})")
     return 0
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "SourceConfig",
     "TOKEN_ENCODING_TYPES",
     "TokenizerConfig",
+    "RayConfig",
     "PrepareConfig",
     "apply_override",
     "load_config",
@@ -144,6 +145,12 @@ TOKEN_ENCODING_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "u
 _LATER_SOURCE_KEYS = ("tokens_field", "token_rows", "token_encoding_type")
 
 
+def _without_later_defaults(model: BaseModel, data: dict[str, Any], later: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` (``model`` dumped) without the keys of ``later`` that are at their defaults."""
+    fields = type(model).model_fields
+    return {k: v for k, v in data.items() if k not in later or v != fields[k].default}
+
+
 class SourceConfig(StrictModel):
     """One named input source: files + how to get a document's text (or its token ids) out of a record."""
 
@@ -197,9 +204,7 @@ class SourceConfig(StrictModel):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        fields = type(self).model_fields
-        return {k: v for k, v in data.items() if k not in _LATER_SOURCE_KEYS or v != fields[k].default}
+        return _without_later_defaults(self, handler(self), _LATER_SOURCE_KEYS)
 
     @property
     def pre_tokenized(self) -> bool:
@@ -222,6 +227,25 @@ class TokenizerConfig(StrictModel):
     train_max_documents: int = Field(200_000, ge=1, description="documents used to train the tokenizer")
 
 
+class RayConfig(StrictModel):
+    """Which Ray cluster the job runs on."""
+
+    address: str | None = Field(
+        None,
+        description="None: the cluster of `ray job submit` (RAY_ADDRESS) when there is one, else a new local "
+        "instance; 'local': always a new local instance; else a cluster address (e.g. 127.0.0.1:6379)",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a new local instance; None = max(os.cpu_count(), what the actors ask for)"
+    )
+    include_dashboard: bool = Field(False, description="start the dashboard with a new local instance")
+
+
+#: Prepare keys added after preparations were recorded, left out of the dump while at their defaults (as
+#: :data:`_LATER_SOURCE_KEYS`).
+_LATER_PREPARE_KEYS = ("unit_bytes",)
+
+
 class PrepareConfig(StrictModel):
     """Config of ``jobs/prepare.py``: corpora → packed candidate shards + validation shards."""
 
@@ -238,6 +262,16 @@ class PrepareConfig(StrictModel):
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
     progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
+    unit_bytes: int = Field(
+        8 << 20, ge=1, description="input bytes per work unit: a source's files, in order, are cut into units of "
+        "about this size (a large plain .jsonl at a line, a .parquet at a row group; other files whole), each "
+        "packed on its own (its last fewer-than-seq_len tokens dropped and counted)")
+    workers: int | None = Field(
+        None, ge=1, description="processes preparing work units at once (Ray tasks of one CPU); None = the CPUs of "
+        "the machine (or of the Ray cluster), at most one per unit_bytes of input left; 1 = in this process, "
+        "without Ray. The output is the same for any number", json_schema_extra=OPERATIONAL)
+    ray: RayConfig = Field(default_factory=RayConfig, description="the Ray cluster of workers > 1",
+                           json_schema_extra=OPERATIONAL)
 
     @field_validator("sources")
     @classmethod
@@ -256,6 +290,10 @@ class PrepareConfig(StrictModel):
                         f"{group}.{i} ({s.name!r}) is pre-tokenized: set tokenizer.path to the tokenizer its ids "
                         "come from (a tokenizer is trained only from text)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        return _without_later_defaults(self, handler(self), _LATER_PREPARE_KEYS)
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> PrepareConfig:

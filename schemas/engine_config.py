@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, StrictModel
+from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, RayConfig, StrictModel
 from schemas.outdir import OPERATIONAL
 from schemas.train_config import ModelConfig, Precision, TrainConfig, demo_model_config
 
@@ -38,20 +38,6 @@ __all__ = [
 #: Policies that need reference scores, i.e. the ones the Ray engine serves.
 ENGINE_POLICIES = ("rho1", "blade", "blade-nosync")
 Device = Literal["auto", "cpu", "cuda"]
-
-
-class RayConfig(StrictModel):
-    """Which Ray cluster the job runs on."""
-
-    address: str | None = Field(
-        None,
-        description="None: the cluster of `ray job submit` (RAY_ADDRESS) when there is one, else a new local "
-        "instance; 'local': always a new local instance; else a cluster address (e.g. 127.0.0.1:6379)",
-    )
-    num_cpus: int | None = Field(
-        None, ge=1, description="CPUs of a new local instance; None = max(os.cpu_count(), what the actors ask for)"
-    )
-    include_dashboard: bool = Field(False, description="start the dashboard with a new local instance")
 
 
 class WorkersConfig(StrictModel):

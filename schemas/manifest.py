@@ -24,6 +24,7 @@ __all__ = [
     "SourceCounts",
     "ShardRecord",
     "Manifest",
+    "UnitRecord",
     "sha256_file",
     "atomic_write_text",
 ]
@@ -141,10 +142,52 @@ class Manifest(_Strict):
         return total
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half."""
+class UnitRecord(_Strict):
+    """Progress of one work unit of ``prepare`` (``<group>/<source>/unit-00000.json``), saved by the unit's task
+    after each part it finished: the driver builds the group's manifest from these, in plan order, and a rerun
+    resumes each unit from its last finished part (a ``done`` unit is never redone)."""
+
+    source: str
+    unit: int
+    spans: list[list[Any]] = Field(description="the unit's input: [file, start, stop] (bytes or row groups)")
+    parts: list[ShardRecord] = Field(default_factory=list, description="finished parts, each with its resume state")
+    counts: SourceCounts = Field(default_factory=SourceCounts, description="documents, tokens... of the finished "
+                                 "parts (dropped_tokens once done)")
+    bad_records: list[BadRecord] = Field(default_factory=list, description=f"the first {MAX_LISTED_BAD_RECORDS}")
+    done: bool = False
+
+    def add_bad_record(self, record: BadRecord) -> None:
+        self.counts.bad_records += 1
+        if len(self.bad_records) < MAX_LISTED_BAD_RECORDS:
+            self.bad_records.append(record)
+
+    @classmethod
+    def load(cls, path: str) -> UnitRecord:
+        """Load a unit record; errors name the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.model_validate(json.load(f))
+        except (OSError, ValueError) as e:  # json and pydantic errors are ValueErrors
+            raise ValueError(f"{path}: cannot read the work unit's record ({e})") from e
+
+    def save(self, path: str) -> None:
+        """Save atomically through ``<path>.tmp`` (only the unit's task writes it: a rerun removes what a kill
+        left of it)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        atomic_write_text(path, self.model_dump_json(indent=1), temp=path + ".tmp")
+
+
+def atomic_write_text(path: str, text: str, *, temp: str | None = None) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half.
+
+    ``temp``: the temporary file's path (default: a new ``.tmp-*`` beside ``path``); a writer that owns a fixed
+    one (a work unit's record) can find and remove what a kill left of it.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    if temp is None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    else:
+        fd, tmp = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), temp
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -9,7 +9,9 @@ Every job (prepare, train, replay, curate, curate_and_train) opens its output di
    for the message a second writer gets;
 2. compares the resolved config with the record the directory was written with (``config.yaml``, or
    ``engine_config.yaml``): a rerun resumes only when they are equal except for the *operational* keys
-   (fields marked with :data:`OPERATIONAL`, e.g. progress bars, which cannot change the outputs); else
+   (fields marked with :data:`OPERATIONAL`, e.g. progress bars, which cannot change the outputs) and for
+   keys the record does not have whose value is their field's default (a setting added to the config
+   after the run was recorded, left at its default, is the behaviour the run was recorded with); else
    it is refused naming exactly the keys that differ, and the record is left as it was;
 3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
    there was none: an equal record is not rewritten.
@@ -47,6 +49,7 @@ __all__ = [
     "ConfigMismatch",
     "OutputDirLock",
     "operational_keys",
+    "field_default",
     "config_diff",
     "check_config_record",
     "write_config_record",
@@ -196,9 +199,36 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 _MISSING = object()
 
 
-def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: set[str] = frozenset()) -> list[str]:
+def _json(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return json.loads(json.dumps(value))
+
+
+def field_default(model: type[BaseModel], key: str) -> Any:
+    """The default of the field at the dotted ``key`` of ``model`` (through nested sections), as its record holds
+    it (JSON); leaves below a default section (``loggers.tensorboard`` of a default ``loggers``) too. ``_MISSING``
+    (a private sentinel) when the key names no field, a required one, or an item of a list or dict."""
+    parts = key.split(".")
+    models: list[type[BaseModel]] = [model]
+    for i, part in enumerate(parts):
+        field = next((m.model_fields[part] for m in models if part in m.model_fields), None)
+        if field is None:
+            return _MISSING
+        if i == len(parts) - 1:
+            return _MISSING if field.is_required() else _json(field.get_default(call_default_factory=True))
+        models = _models_in(field.annotation)
+        if not models:
+            return _MISSING
+    return _MISSING
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: set[str] = frozenset(),
+                model: type[BaseModel] | None = None) -> list[str]:
     """Leaf keys (dotted, list items by index) whose values differ, as ``key: old → new``; keys under an
-    ``ignore`` prefix are left out. Empty when the configs are equal."""
+    ``ignore`` prefix are left out. With the config's ``model``, a key ``old`` does not have is equal when ``new``
+    holds its field's default (:func:`field_default`): a setting added after ``old`` was recorded, at the default
+    that is the recorded behaviour. Empty when the configs are equal."""
     a: dict[str, Any] = {}
     b: dict[str, Any] = {}
     _flatten(json.loads(json.dumps(old)), "", a)
@@ -210,10 +240,27 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: set[str]
     lines = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if va is _MISSING and model is not None and _absent_at_default(model, key, vb):
+            continue
         if va != vb and not ignored(key):
             show = ["(absent)" if v is _MISSING else json.dumps(v) for v in (va, vb)]
             lines.append(f"{key}: {show[0]} → {show[1]}")
     return lines
+
+
+def _absent_at_default(model: type[BaseModel], key: str, value: Any) -> bool:
+    """``key`` (a leaf of a flattened record) holds ``value``, and it or a section above it is a field whose default
+    holds that same leaf value (a new section at its default flattens to leaves below the new field)."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        default = field_default(model, ".".join(parts[:n]))
+        if default is _MISSING:
+            continue
+        leaves: dict[str, Any] = {}
+        _flatten(default, "", leaves)
+        rest = ".".join(parts[n:])
+        return rest in leaves and leaves[rest] == value
+    return False
 
 
 def _as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
@@ -225,7 +272,8 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
 
     ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model; ``name``: how messages name the
-    record (default ``path``).
+    record (default ``path``). A key the record does not have is equal when ``cfg`` (a model) holds its default
+    (:func:`config_diff`).
 
     Raises:
         ConfigMismatch: the record differs; the message names each differing key with both values.
@@ -237,9 +285,10 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
             old = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
         raise OutputDirError(f"{path}: cannot read the config record of this output directory ({e})") from e
+    model = type(cfg) if isinstance(cfg, BaseModel) else None
     if ignore is None:
-        ignore = operational_keys(type(cfg)) if isinstance(cfg, BaseModel) else set()
-    diff = config_diff(old, _as_dict(cfg), ignore)
+        ignore = operational_keys(model) if model is not None else set()
+    diff = config_diff(old, _as_dict(cfg), ignore, model=model)
     if diff:
         keys = [d.split(":", 1)[0] for d in diff]
         name = name or path

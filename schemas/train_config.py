@@ -36,15 +36,17 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
 from schemas.outdir import OPERATIONAL
+from schemas.train_options import LoggersConfig, ThroughputConfig
 
 __all__ = [
     "POLICY_CHOICES",
     "DataConfig",
     "ModelConfig",
+    "TrainModelConfig",
     "SelectionConfig",
     "OptimConfig",
     "EvalConfig",
@@ -80,6 +82,29 @@ class ModelConfig(StrictModel):
         if self.hf_config is not None and "model_type" not in self.hf_config:
             raise ValueError("model.hf_config needs a 'model_type' key (e.g. llama)")
         return self
+
+
+class TrainModelConfig(ModelConfig):
+    """The trained model: what it is (:class:`ModelConfig`) and how it runs. Both off by default (the behaviour
+    runs recorded before these keys existed were trained with)."""
+
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward pass (less activation "
+        "memory for ≈ one more forward of compute); FSDP: through Composer's FSDP config")
+    compile: bool = Field(False, description="torch.compile the model's forward (slower first steps; on a CPU it "
+                          "needs a C compiler)")
+
+    @property
+    def architecture(self) -> ModelConfig:
+        """What the model is, without how it runs (the engine's scoring workers and refresh actor build it)."""
+        return ModelConfig.model_validate(self.model_dump(exclude={"activation_checkpointing", "compile"}))
+
+
+def _train_model(value: Any) -> Any:
+    # a plain ModelConfig (e.g. demo_model_config()) is taken as a TrainModelConfig with both options off
+    if isinstance(value, ModelConfig) and not isinstance(value, TrainModelConfig):
+        return value.model_dump()
+    return value
 
 
 def demo_model_config(vocab_size: int = 2048, *, hidden: int = 64, layers: int = 2, seq_len: int = 128) -> ModelConfig:
@@ -223,7 +248,7 @@ class TrainConfig(StrictModel):
     """Config of ``jobs/train.py``: one policy, candidate shards → trained proxy + selected-token shards."""
 
     data: DataConfig
-    model: ModelConfig
+    model: TrainModelConfig
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -246,6 +271,11 @@ class TrainConfig(StrictModel):
     progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
     plots: bool = Field(True, description="write plots/*.png with the summary", json_schema_extra=OPERATIONAL)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    loggers: LoggersConfig = Field(default_factory=LoggersConfig, json_schema_extra=OPERATIONAL,
+                                   description="TensorBoard, MLflow, W&B next to logs/metrics.jsonl (rank 0)")
+    throughput: ThroughputConfig = Field(default_factory=ThroughputConfig, json_schema_extra=OPERATIONAL)
+
+    _model = field_validator("model", mode="before")(staticmethod(_train_model))
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -264,6 +294,9 @@ class TrainConfig(StrictModel):
                     f"set microbatch_size to null or {per_rank}, or use more workers")
             if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
+        if self.model.compile and self.parallel.strategy == "fsdp":
+            raise ValueError("model.compile is not wired for parallel.strategy=fsdp (each FSDP unit would have to be "
+                             "compiled); use strategy=ddp or model.compile=false")
         return self
 
     # --- settings whose default is another setting, resolved here once -----------------------------
@@ -309,7 +342,7 @@ class ReplayConfig(StrictModel):
     selected: str = Field(description="selected-token shard directory written by jobs/train.py")
     validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation")
     tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest")
-    model: ModelConfig
+    model: TrainModelConfig
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -324,6 +357,11 @@ class ReplayConfig(StrictModel):
     precision: Precision = "fp32"
     threads: int | None = Field(None, ge=1)
     progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
+    loggers: LoggersConfig = Field(default_factory=LoggersConfig, json_schema_extra=OPERATIONAL,
+                                   description="TensorBoard, MLflow, W&B next to logs/metrics.jsonl")
+    throughput: ThroughputConfig = Field(default_factory=ThroughputConfig, json_schema_extra=OPERATIONAL)
+
+    _model = field_validator("model", mode="before")(staticmethod(_train_model))
 
     @property
     def effective_microbatch_size(self) -> int:

@@ -1,14 +1,13 @@
-"""Training options of issue #22 that ``training/`` does not read yet: experiment loggers, activation
-checkpointing and ``torch.compile``.
+"""Training options of issue #22: experiment loggers and throughput reporting (``loggers:`` and ``throughput:`` of
+:class:`~schemas.train_config.TrainConfig` and :class:`~schemas.train_config.ReplayConfig`; the trainer of
+``jobs/curate_and_train.py`` is its ``train:`` section). How the model runs (``model.activation_checkpointing``,
+``model.compile``) is :class:`~schemas.train_config.TrainModelConfig`.
 
-No torch here. These models are validated on their own and are **not** part of :class:`TrainConfig` yet:
-``training/`` is being restructured, and a key that validates but changes nothing would be a trap. They are
-not added to ``model:`` with ``False`` defaults either, because every run directory records its resolved
-config and a resume compares it key by key (``schemas.outdir.check_config_record``): a new key, even at its
-default, would refuse to resume runs written before it (``model.compile: (absent) → false``). They join
-``TrainConfig`` together with the code that reads them (and the record comparison's handling of new keys).
+No torch here. Both sections are operational (:data:`~schemas.outdir.OPERATIONAL`): what is logged where cannot
+change what a run computes, so a rerun may add a logger and still resume. Runs recorded before these keys existed
+resume too: a key absent from a record that holds its default counts as equal (:func:`schemas.outdir.config_diff`).
 
-The loggers are optional extras; each is off unless its section is present:
+The loggers are optional extras; each is off unless its section is present, and written by rank 0 only:
 
 - ``tensorboard``: event files (``tensorboard`` package), default ``output_dir/logs/tensorboard``;
 - ``mlflow``: a local store and no server: ``sqlite:///output_dir/logs/mlflow.db`` by default, or a
@@ -16,11 +15,11 @@ The loggers are optional extras; each is off unless its section is present:
 - ``wandb``: ``mode: offline`` by default (runs are written under ``dir`` and can be synced later with
   ``wandb sync``); ``online`` needs a login and the network.
 
-Checked on Python 3.13 next to our pins (torch 2.7.0, composer 0.32.1), through Composer's own
-``TensorboardLogger``, ``MLFlowLogger`` and ``WandBLogger`` on a 4-batch fit, offline: tensorboard 2.21.0,
-mlflow 3.17.2 (``sqlite:///`` store, no server; it pulls pyarrow below 26) and wandb 0.28.2 in offline
-mode. wandb 0.29 and later removed ``Run.get_url``, which Composer 0.32.1's ``WandBLogger`` calls at init:
-the wandb extra needs ``wandb<0.29``.
+Checked on Python 3.11 and 3.13 next to our pins (torch 2.7.0, composer 0.32.1), through Composer's own
+``TensorboardLogger``, ``MLFlowLogger`` and ``WandBLogger``, offline: tensorboard 2.21.0, mlflow 3.17.2
+(``sqlite:///`` store, no server; it pulls pyarrow below 26) and wandb 0.28.2 in offline mode. wandb 0.29 and
+later removed ``Run.get_url``, which Composer 0.32.1's ``WandBLogger`` calls at init: the wandb extra needs
+``wandb<0.29``.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ __all__ = [
     "MLflowConfig",
     "WandbConfig",
     "LoggersConfig",
-    "ModelExecutionConfig",
+    "ThroughputConfig",
 ]
 
 #: logger section → the package it needs (installed by the optional extra of the same name).
@@ -141,11 +140,10 @@ class LoggersConfig(StrictModel):
         return [name for name in LOGGER_PACKAGES if getattr(self, name) is not None]
 
 
-class ModelExecutionConfig(StrictModel):
-    """How the model runs (not what it is): both off by default, which is today's behaviour."""
+class ThroughputConfig(StrictModel):
+    """Tokens/s, kept tokens/s, MFU and the time left, in the logs, the progress bar and ``summary.json``."""
 
-    activation_checkpointing: bool = Field(
-        False, description="recompute each decoder layer's activations in the backward pass (less memory, "
-        "≈ one more forward of compute)"
-    )
-    compile: bool = Field(False, description="torch.compile the model (first steps slower; CUDA mostly)")
+    peak_flops: float | None = Field(
+        None, gt=0, description="peak FLOP/s of one device at the run's precision, for MFU; None = Composer's table "
+        "of common GPUs (A100, H100, H200, ...; none for a CPU: MFU is then not reported)")
+    window: int = Field(20, ge=1, description="steps of the rolling tokens/s and MFU (Composer's SpeedMonitor)")

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from curation.core.losses import model_logits, model_token_losses, target_valid, token_losses
 from curation.core.policies import RefreshMode, get_policy, train_static_reference
+from curation.core.refresh import RefreshSettings
 from curation.core.schedule import Schedule
 from curation.core.selection import masked_mean
 from curation.core.stream import CandidateStream
@@ -129,8 +130,9 @@ def blade_loop(
     schedule = Schedule(selection.warmup_steps, selection.tau, steps)
     stream = CandidateStream(candidates.shape[0], batch_size, seed)
     rb = refresh_batch_size or selection.refresh_batch_size or max(1, batch_size // 4)
-    ref_settings = {"lr": selection.ref_lr or optim.lr, "weight_decay": selection.ref_weight_decay,
-                    "grad_clip": selection.ref_grad_clip}
+    ref_settings = RefreshSettings(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam,
+                                   lr=selection.ref_lr or optim.lr, weight_decay=selection.ref_weight_decay,
+                                   grad_clip=selection.ref_grad_clip, rho1_steps=selection.rho1_steps, batch_size=rb)
     val = _ValidationBatches(validation, rb, selection.seed)
     recent: deque[tuple[Tensor, Tensor]] = deque(maxlen=selection.refresh_candidate_batches)
 
@@ -144,8 +146,7 @@ def blade_loop(
         if reference is not None:
             ref = _module_with(model, reference)
         else:
-            n = selection.rho1_steps
-            result = train_static_reference(model, val.static(n), steps=n, **ref_settings)
+            result = train_static_reference(model, val.static(selection.rho1_steps), ref_settings)
             ref = result.model
             out.refresh_log.append(result.log_entry(step=0, version=0))
 
@@ -159,9 +160,8 @@ def blade_loop(
             previous = ref if policy.refresh_mode is RefreshMode.CONTINUE else None
             result = policy.refresh(
                 u, val.refresh(e, selection.refresh_steps),
-                _candidate_batches(recent, tokens, rb, selection.refresh_steps),
+                _candidate_batches(recent, tokens, rb, selection.refresh_steps), ref_settings,
                 previous=previous, optimizer_state=ref_opt_state if previous is not None else None,
-                steps=selection.refresh_steps, lam=selection.lam, **ref_settings,
             )
             ref, ref_opt_state = result.model, result.optimizer_state
             out.refresh_log.append(result.log_entry(step=t, version=e))

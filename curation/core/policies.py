@@ -20,6 +20,7 @@ Pure torch: no ray, no composer.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -29,7 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curation.core.refresh import RefreshResult, refresh_reference, train_static_reference
+from curation.core.refresh import (
+    Clone,
+    RefreshResult,
+    RefreshSettings,
+    RefreshWorkspace,
+    refresh_reference,
+    train_static_reference,
+)
 from curation.core.selection import check_gamma, excess_loss, random_scores, select_top_fraction
 
 __all__ = [
@@ -150,32 +158,36 @@ class SelectionPolicy:
         proxy: nn.Module,
         val_batches: Iterable[Any],
         cand_batches: Iterable[Any] | None,
+        settings: RefreshSettings,
         *,
         previous: nn.Module | Mapping[str, Tensor] | None = None,
-        optimizer_state: Mapping[str, Any] | None = None,
-        **settings: Any,
+        optimizer_state: Mapping[str, Any] | str | None = None,
+        workspace: RefreshWorkspace | None = None,
+        clone: Clone = copy.deepcopy,
     ) -> RefreshResult:
         """Refresh the reference as this policy prescribes (``blade`` / ``blade-nosync`` only).
 
         ``blade`` restarts from the proxy (``previous`` and ``optimizer_state`` are ignored: each
         episode's reference gets a fresh optimizer). ``blade-nosync`` continues from ``previous``
         (module or state dict) and its ``optimizer_state``; the first time (``previous=None``) it
-        starts from the proxy. ``settings`` are :func:`~curation.core.refresh.refresh_reference`'s
-        keyword arguments (``steps``, ``lam``, ``lr``, ...).
+        starts from the proxy. ``settings``, ``workspace`` and ``clone`` go to
+        :func:`~curation.core.refresh.refresh_reference` as they are.
 
         Raises:
             ValueError: for policies that are never refreshed.
         """
         if self.refresh_mode is RefreshMode.SYNC:
-            return refresh_reference(proxy, val_batches, cand_batches, **settings)
+            return refresh_reference(proxy, val_batches, cand_batches, settings, workspace=workspace, clone=clone)
         if self.refresh_mode is RefreshMode.CONTINUE:
             return refresh_reference(
                 proxy,
                 val_batches,
                 cand_batches,
+                settings,
                 previous=previous,
                 optimizer_state=optimizer_state if previous is not None else None,
-                **settings,
+                workspace=workspace,
+                clone=clone,
             )
         raise ValueError(
             f"policy {self.name!r} has refresh mode {self.refresh_mode.value!r}: its reference is never refreshed"

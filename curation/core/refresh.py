@@ -7,7 +7,9 @@ the previous reference for the ``blade-nosync`` ablation, and takes ``K`` AdamW 
 
 where ``L_val`` is the mean token loss on a validation batch and ``L_train`` the α-masked mean
 loss on a recent candidate batch with its current selection. ``train_static_reference`` is the same
-loop with ``λ = 0`` started from the base model (RHO-1's reference, trained once a priori).
+loop with ``λ = 0`` started from the base model (RHO-1's reference, trained once a priori). Both take the
+run's :class:`RefreshSettings` (``K``, ``λ``, the reference AdamW's settings, clipping, precision; the paper's
+defaults) as one object, and only the models and batches of the call besides.
 
 The proxy and its optimizer are never touched: the reference is a copy with its own AdamW. A caller
 that refreshes repeatedly passes a :class:`RefreshWorkspace`: the reference module and its AdamW are
@@ -21,9 +23,10 @@ Pure torch: no ray, no composer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -32,17 +35,75 @@ from torch.distributed.tensor import DTensor
 from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
 from curation.core.selection import masked_mean
 
+if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
+    from schemas.train_config import SelectionConfig
+
 #: Builds a module equal to a given one (``copy.deepcopy``; a sharded model: :func:`training.blocks.sharding.sharded_clone`).
 Clone = Callable[[nn.Module], nn.Module]
 
 __all__ = [
     "CONTINUE",
     "RefreshResult",
+    "RefreshSettings",
     "RefreshWorkspace",
     "copy_buffers",
     "refresh_reference",
     "train_static_reference",
 ]
+
+
+@dataclass(frozen=True)
+class RefreshSettings:
+    """The settings of every refresh of a run (the defaults are the paper's; see ``schemas.train_config``).
+
+    Attributes:
+        seed: the selection seed (the validation batches' streams are seeded from it).
+        refresh_steps: ``K``, AdamW steps per refresh.
+        lam: ``λ``, the weight of ``L_train(α, w)``.
+        lr: ``η_w``.
+        weight_decay: the reference AdamW's weight decay.
+        betas: the reference AdamW's betas.
+        eps: the reference AdamW's epsilon.
+        grad_clip: max total gradient norm (``None`` or ``0``: no clipping).
+        rho1_steps: steps of RHO-1's static reference.
+        batch_size: rows per validation and per candidate batch of a refresh step.
+        precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes (bf16 autocast on CUDA; float32 on a CPU).
+
+    Raises:
+        ValueError: a step count that is not an int >= 0, ``lr <= 0``, ``lam < 0`` or ``grad_clip < 0``.
+    """
+
+    seed: int = 0
+    refresh_steps: int = 3
+    lam: float = 1.0
+    lr: float = 8e-5
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    rho1_steps: int = 0
+    batch_size: int = 4
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("refresh_steps", "rho1_steps"):
+            steps = getattr(self, name)
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {steps!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr (η_w) must be > 0, got {self.lr!r}")
+        if not self.lam >= 0:
+            raise ValueError(f"lam (λ) must be >= 0, got {self.lam!r}")
+        if self.grad_clip is not None and not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0 or None, got {self.grad_clip!r}")
+
+    @classmethod
+    def of(cls, selection: SelectionConfig, *, lr: float, batch_size: int, precision: str) -> RefreshSettings:
+        """The refresh settings of a run's selection config, with the values resolved from the rest of its
+        config (``TrainConfig.ref_lr``, ``TrainConfig.refresh_batch_size``, ``precision``)."""
+        return cls(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam, lr=lr,
+                   weight_decay=selection.ref_weight_decay, grad_clip=selection.ref_grad_clip,
+                   rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision)
 
 
 @dataclass
@@ -223,28 +284,22 @@ def refresh_reference(
     proxy: nn.Module,
     val_batches: Iterable[Any],
     cand_batches: Iterable[Any] | None,
+    settings: RefreshSettings,
     *,
-    steps: int,
-    lam: float = 1.0,
-    lr: float = 8e-5,
-    weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    grad_clip: float | None = 1.0,
     previous: nn.Module | Mapping[str, Tensor] | None = None,
     optimizer_state: Mapping[str, Any] | str | None = None,
-    precision: str = "fp32",
     workspace: RefreshWorkspace | None = None,
     clone: Clone = copy.deepcopy,
 ) -> RefreshResult:
-    """Compute a new reference ``w̃`` by ``K = steps`` AdamW steps from ``w_0``.
+    """Compute a new reference ``w̃`` by ``K = settings.refresh_steps`` AdamW steps from ``w_0``.
 
     ``w_0`` is a deep copy of ``proxy`` (BLADE: synchronisation), or, when ``previous`` is given,
     the proxy's architecture loaded with ``previous``'s weights (``blade-nosync``: the reference
     continues from its last weights). Each step draws one validation batch and (when ``λ ≠ 0``)
     one candidate batch and minimises ``L_val(w) + λ · masked_mean(ℓ(w), α)``; gradients are
-    clipped to ``grad_clip`` (total L2 norm) before the step. Defaults are the paper's
-    (η_w = 8e-5, weight decay 0.01, λ = 1, clipping 1.0, constant LR).
+    clipped to ``settings.grad_clip`` (total L2 norm) before the step. The AdamW (``η_w``, weight decay,
+    betas, epsilon; constant LR) and the forward passes' precision are ``settings``'s; its defaults are the
+    paper's (η_w = 8e-5, weight decay 0.01, λ = 1, clipping 1.0).
 
     Batches may be :class:`~curation.core.losses.TokenBatch`, token tensors, ``(tokens, valid, mask)``
     tuples or mappings (see :func:`~curation.core.losses.as_token_batch`); a candidate batch's ``mask``
@@ -257,18 +312,12 @@ def refresh_reference(
 
     Args:
         proxy: the proxy model ``u`` (HF causal LM or a module returning logits).
-        val_batches: iterable of validation batches (at least ``steps`` of them).
-        cand_batches: iterable of candidate batches with selections; may be ``None`` if ``lam == 0``.
-        steps: ``K``; 0 returns a copy of ``w_0`` unchanged.
-        lam: ``λ``, weight of the candidate term.
-        lr: ``η_w``.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
+        val_batches: iterable of validation batches (at least ``K`` of them).
+        cand_batches: iterable of candidate batches with selections; may be ``None`` if ``λ = 0``.
+        settings: ``K`` (``refresh_steps``; 0 returns a copy of ``w_0`` unchanged), ``λ``, the AdamW's settings,
+            clipping and precision (its seed, batch size and ``rho1_steps`` are not used here).
         previous: start from these weights (module or state dict) instead of the proxy's.
         optimizer_state: AdamW state to resume from, or :data:`CONTINUE` (needs ``workspace``).
-        precision: ``fp32`` or ``amp_bf16`` (forward passes under bf16 autocast on CUDA; float32 on a CPU).
         workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
         clone: builds ``w_0``'s module from the proxy (or ``previous``); a sharded proxy needs
             :func:`training.blocks.sharding.sharded_clone`.
@@ -277,16 +326,10 @@ def refresh_reference(
         A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
 
     Raises:
-        ValueError: on bad settings or when an iterator runs out before ``steps`` batches.
+        ValueError: ``cand_batches`` missing while ``λ ≠ 0``, a bad ``optimizer_state``, or an iterator that
+            runs out before ``K`` batches.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps (K) must be an int >= 0, got {steps!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if not lam >= 0:
-        raise ValueError(f"lam (λ) must be >= 0, got {lam!r}")
-    if grad_clip is not None and not grad_clip >= 0:
-        raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip!r}")
+    steps, lam = settings.refresh_steps, settings.lam
     if lam != 0 and cand_batches is None and steps > 0:
         raise ValueError("cand_batches is required when lam != 0")
 
@@ -301,17 +344,17 @@ def refresh_reference(
     ref.zero_grad(set_to_none=True)
     ref.train()
     params = [p for p in ref.parameters() if p.requires_grad]
-    settings = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    adamw = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps, "weight_decay": settings.weight_decay}
     if workspace is not None:
-        opt = workspace.adamw(params, optimizer_state, **settings)
+        opt = workspace.adamw(params, optimizer_state, **adamw)
     elif optimizer_state == CONTINUE:
         raise ValueError(f"optimizer_state={CONTINUE!r} continues a workspace's AdamW: pass the workspace")
     else:
-        opt = torch.optim.AdamW(params, **settings)
+        opt = torch.optim.AdamW(params, **adamw)
         if optimizer_state is not None:
             opt.load_state_dict(optimizer_state)
             for group in opt.param_groups:  # this call's settings win over the carried ones
-                group.update(settings)
+                group.update(adamw)
 
     try:
         device = next(ref.parameters()).device
@@ -324,16 +367,16 @@ def refresh_reference(
         for step in range(steps):
             vb = _next_batch(val_it, "val_batches", step, steps)
             opt.zero_grad(set_to_none=True)
-            l_val = _mean_loss(ref, vb, device, use_mask=False, precision=precision)
+            l_val = _mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
             objective = l_val
             if cand_it is not None:
                 cb = _next_batch(cand_it, "cand_batches", step, steps)
-                l_train = _mean_loss(ref, cb, device, use_mask=True, precision=precision)
+                l_train = _mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
                 objective = l_val + lam * l_train
                 result.train_losses.append(float(l_train.detach()))
             objective.backward()
             # max_norm=inf measures the total norm without clipping
-            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip or float("inf"))
             opt.step()
             result.val_losses.append(float(l_val.detach()))
             result.objectives.append(float(objective.detach()))
@@ -349,47 +392,25 @@ def refresh_reference(
 def train_static_reference(
     base_model: nn.Module,
     val_batches: Iterable[Any],
+    settings: RefreshSettings,
     *,
-    steps: int,
-    lr: float = 8e-5,
-    weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    grad_clip: float | None = 1.0,
-    precision: str = "fp32",
     clone: Clone = copy.deepcopy,
 ) -> RefreshResult:
     """RHO-1's reference: a copy of ``base_model`` trained a priori on validation data.
 
-    The same loop as :func:`refresh_reference` with ``λ = 0`` (validation loss only), run once
-    before training; the ``rho1`` policy never refreshes it. ``base_model`` is not modified.
+    The same loop as :func:`refresh_reference` with ``λ = 0`` (validation loss only) for
+    ``settings.rho1_steps`` steps, run once before training; the ``rho1`` policy never refreshes it.
+    ``base_model`` is not modified.
 
     Args:
         base_model: the model the proxy starts from.
-        val_batches: iterable of at least ``steps`` validation batches.
-        steps: number of AdamW steps ``N``.
-        lr: learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        grad_clip: max total gradient norm; ``None`` or ``0`` disables clipping.
-        precision: ``fp32`` or ``amp_bf16`` (see :func:`refresh_reference`).
+        val_batches: iterable of at least ``settings.rho1_steps`` validation batches.
+        settings: ``rho1_steps`` (``N``), the AdamW's settings, clipping and precision (see
+            :func:`refresh_reference`; its ``refresh_steps`` and ``lam`` are not used here).
         clone: builds the reference's module from ``base_model`` (see :func:`refresh_reference`).
 
     Returns:
         A :class:`RefreshResult` holding the static reference.
     """
-    return refresh_reference(
-        base_model,
-        val_batches,
-        None,
-        steps=steps,
-        lam=0.0,
-        lr=lr,
-        weight_decay=weight_decay,
-        betas=betas,
-        eps=eps,
-        grad_clip=grad_clip,
-        precision=precision,
-        clone=clone,
-    )
+    static = dataclasses.replace(settings, refresh_steps=settings.rho1_steps, lam=0.0)
+    return refresh_reference(base_model, val_batches, None, static, clone=clone)

@@ -27,7 +27,7 @@ import copy
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,14 +35,17 @@ from torch import Tensor, nn
 
 from curation.core.losses import target_valid
 from curation.core.policies import SelectionPolicy
-from curation.core.refresh import Clone, RefreshResult, RefreshWorkspace, train_static_reference
+from curation.core.refresh import (
+    Clone,
+    RefreshResult,
+    RefreshSettings,
+    RefreshWorkspace,
+    train_static_reference,
+)
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 
-if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
-    from schemas.train_config import SelectionConfig
-
-__all__ = ["STATIC_SEED_OFFSET", "VALIDATION_SEED_OFFSET", "RecentMasks", "RefreshData", "RefreshSettings"]
+__all__ = ["STATIC_SEED_OFFSET", "VALIDATION_SEED_OFFSET", "RecentMasks", "RefreshData"]
 
 #: The validation stream of the refreshes is seeded ``selection.seed + VALIDATION_SEED_OFFSET``.
 VALIDATION_SEED_OFFSET = 1
@@ -68,41 +71,6 @@ class RecentMasks:
         if not pairs:
             return cls()
         return cls([int(s) for s, _ in pairs], np.stack([np.asarray(m, dtype=np.uint8) for _, m in pairs]))
-
-
-@dataclass(frozen=True)
-class RefreshSettings:
-    """The settings of every refresh of a run (the defaults are the paper's; see ``schemas.train_config``).
-
-    Attributes:
-        seed: the selection seed (the validation batches' streams are seeded from it).
-        refresh_steps: ``K``, AdamW steps per refresh.
-        lam: ``λ``, the weight of ``L_train(α, w)``.
-        lr: ``η_w``.
-        weight_decay: the reference AdamW's weight decay.
-        grad_clip: max total gradient norm (``None``: no clipping).
-        rho1_steps: steps of RHO-1's static reference.
-        batch_size: rows per validation and per candidate batch of a refresh step.
-        precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes.
-    """
-
-    seed: int = 0
-    refresh_steps: int = 3
-    lam: float = 1.0
-    lr: float = 8e-5
-    weight_decay: float = 0.01
-    grad_clip: float | None = 1.0
-    rho1_steps: int = 0
-    batch_size: int = 4
-    precision: str = "fp32"
-
-    @classmethod
-    def of(cls, selection: SelectionConfig, *, lr: float, batch_size: int, precision: str) -> RefreshSettings:
-        """The refresh settings of a run's selection config, with the values resolved from the rest of its
-        config (``TrainConfig.ref_lr``, ``TrainConfig.refresh_batch_size``, ``precision``)."""
-        return cls(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam, lr=lr,
-                   weight_decay=selection.ref_weight_decay, grad_clip=selection.ref_grad_clip,
-                   rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision)
 
 
 class RefreshData:
@@ -200,21 +168,14 @@ class RefreshData:
             workspace: the reference module and AdamW reused refresh after refresh.
             clone: builds the reference module from the proxy (:func:`~curation.core.refresh.refresh_reference`).
         """
-        cfg = self.cfg
         return policy.refresh(
-            proxy, self.validation_batches(version), self.candidate_batches(version, recent),
-            previous=previous, optimizer_state=optimizer_state, steps=cfg.refresh_steps, lam=cfg.lam, lr=cfg.lr,
-            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, precision=cfg.precision,
-            workspace=workspace, clone=clone,
+            proxy, self.validation_batches(version), self.candidate_batches(version, recent), self.cfg,
+            previous=previous, optimizer_state=optimizer_state, workspace=workspace, clone=clone,
         )
 
     def train_static(self, base: nn.Module, *, clone: Clone = copy.deepcopy) -> RefreshResult:
         """RHO-1's static reference (version 0): ``rho1_steps`` steps on validation data from ``base``."""
-        cfg = self.cfg
-        return train_static_reference(
-            base, self.static_batches(), steps=cfg.rho1_steps, lr=cfg.lr, weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip, precision=cfg.precision, clone=clone,
-        )
+        return train_static_reference(base, self.static_batches(), self.cfg, clone=clone)
 
 
 def recent_state(recent: Iterable[tuple[int, np.ndarray]]) -> dict[str, Tensor | None]:

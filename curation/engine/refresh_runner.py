@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import CONTINUE, RefreshWorkspace
-from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
+from curation.core.refresh import CONTINUE, RefreshSettings, RefreshWorkspace
+from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights

@@ -1,72 +1,92 @@
-"""Analytic FLOPs of a decoder-only transformer (Llama-style), per token.
+"""Analytic FLOPs of a decoder-only transformer: the one formula behind the trainer's MFU
+(:mod:`training.blocks.throughput`) and the quality benchmark's equal-compute comparisons
+(:mod:`training.quality.setting`).
 
-One formula for the whole project: the quality benchmark's compute accounting (``training/quality/compute.py``)
-and the trainer's throughput and MFU figures read it from here.
+Per token, a forward pass costs 2 FLOPs per weight of every matrix multiplication (the LM head included, tied or
+not; embedding look-ups, norms and activations are left out) plus ``2 · layers · context · attention width`` for
+the attention scores and values (the counting of Kaplan et al., 2020: PaLM's MFU counts the attention term twice,
+which is larger for long contexts). A training step is 3 forwards (the backward pass costs 2).
 
-Forward FLOPs per token of a model with ``n`` layers, hidden size ``h``, MLP width ``m`` (gated: three
-matrices), ``H`` query heads and ``G`` key/value heads of size ``d = h / H``, vocabulary ``V`` and context
-``L``::
-
-    2 · ( n · (2·h·h + 2·h·G·d + 3·h·m) + h·V )      # every weight used in a matmul, the LM head included
-  + 2 · n · L · h                                    # attention scores and values, causal (average L/2 keys)
-
-The embedding lookup is free; norms, activations and the softmax are ignored (a few percent at these sizes).
-Backward costs two forwards, so training costs ``3 ×`` forward. A token the loss mask drops still costs its
-forward and backward (it is in the sequence).
-
-Example:
-    >>> s = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, heads=1, kv_heads=1, context=8)
-    >>> forward_flops_per_token(s)
-    464.0
+No torch: a model is described by its :class:`ModelShape`, read from a Hugging Face config
+(:meth:`ModelShape.of_hf_config`) for the Llama family (Llama, Mistral, Qwen2/3, OLMo, Gemma: grouped-query attention
+and a gated MLP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelShape", "forward_flops_per_token", "train_flops_per_token"]
+__all__ = ["TRAIN_PASSES", "GATED_MLP_MODELS", "ModelShape", "forward_flops_per_token", "train_flops",
+           "forward_flops"]
+
+#: A training step in forwards: forward + backward (2 forwards).
+TRAIN_PASSES = 3.0
+
+#: ``model_type`` of the HF configs whose layers are attention (q, k, v, o) + a gated MLP (gate, up, down).
+GATED_MLP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "gemma", "gemma2"})
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the FLOPs of a decoder-only transformer depend on."""
+    """The sizes the FLOPs of a decoder-only transformer depend on.
+
+    Attributes:
+        hidden: model width ``h``.
+        layers: decoder layers.
+        intermediate: width of the gated MLP.
+        vocab: rows of the LM head (the model's vocabulary, padding included).
+        context: tokens per sequence ``L`` (the attention term).
+        q_width: width of the queries (heads × head size); None = ``hidden``.
+        kv_width: width of the keys and of the values (key-value heads × head size); None = ``q_width``.
+    """
 
     hidden: int
     layers: int
     intermediate: int
     vocab: int
-    heads: int
-    kv_heads: int
     context: int
+    q_width: int | None = None
+    kv_width: int | None = None
+
+    @property
+    def matmul_weights(self) -> int:
+        """Weights used in matrix multiplications per token: q, k, v, o and the gated MLP per layer, the LM head."""
+        q = self.q_width or self.hidden
+        kv = self.kv_width or q
+        per_layer = 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate
+        return self.layers * per_layer + self.hidden * self.vocab
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | Any, context: int | None = None) -> ModelShape:
-        """From an HF config (a ``PretrainedConfig`` or its dict); ``context`` defaults to its
-        ``max_position_embeddings`` (pass the training sequence length when it is shorter)."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    def of_hf_config(cls, config: Any, context: int) -> ModelShape | None:
+        """The shape of an HF model config (``transformers.PretrainedConfig`` or a dict) of the Llama family, with
+        sequences of ``context`` tokens; None for another architecture (its FLOPs are not modelled here)."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        if get("model_type") not in GATED_MLP_MODELS:
+            return None
         missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
                                "num_attention_heads") if get(k) is None]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}: cannot count its FLOPs")
-        heads = int(get("num_attention_heads"))
-        ctx = context if context is not None else get("max_position_embeddings")
-        if ctx is None:
-            raise ValueError("model config lacks max_position_embeddings: give the context length")
-        return cls(hidden=int(get("hidden_size")), layers=int(get("num_hidden_layers")),
-                   intermediate=int(get("intermediate_size")), vocab=int(get("vocab_size")), heads=heads,
-                   kv_heads=int(get("num_key_value_heads") or heads), context=int(ctx))
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        head_dim = int(get("head_dim", None) or hidden // heads)
+        kv_heads = int(get("num_key_value_heads", None) or heads)
+        return cls(hidden=hidden, layers=int(get("num_hidden_layers")), intermediate=int(get("intermediate_size")),
+                   vocab=int(get("vocab_size")), context=int(context), q_width=heads * head_dim,
+                   kv_width=kv_heads * head_dim)
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:
-    """Forward FLOPs per token (module docstring)."""
-    h, n = shape.hidden, shape.layers
-    kv = shape.kv_heads * (h // shape.heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * shape.intermediate
-    return 2.0 * (n * per_layer + h * shape.vocab) + 2.0 * n * shape.context * h
+    """``2 · matmul weights + 2 · layers · context · query width`` (module docstring)."""
+    return 2.0 * shape.matmul_weights + 2.0 * shape.layers * shape.context * (shape.q_width or shape.hidden)
 
 
-def train_flops_per_token(shape: ModelShape) -> float:
-    """Forward + backward FLOPs per token (backward = two forwards)."""
-    return 3.0 * forward_flops_per_token(shape)
+def forward_flops(shape: ModelShape, tokens: int | float) -> float:
+    """FLOPs of a forward pass over ``tokens`` tokens (scoring, evaluation)."""
+    return forward_flops_per_token(shape) * tokens
+
+
+def train_flops(shape: ModelShape, tokens: int | float) -> float:
+    """FLOPs of a forward and backward pass over ``tokens`` tokens (every token of a batch: a masked-out token
+    still costs its share of both passes)."""
+    return TRAIN_PASSES * forward_flops_per_token(shape) * tokens

@@ -32,7 +32,7 @@ from curation.ingest.corpus import BadRecordError, iter_documents
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer
 from curation.io.models import build_causal_lm, check_vocab
 from schemas.config import SourceConfig
-from schemas.eval_config import EvalModelSpec
+from schemas.eval_config import EvalModelSpec, EvaluateConfig
 from schemas.manifest import Manifest
 from schemas.train_config import ModelConfig
 
@@ -323,27 +323,33 @@ def paired_difference(a: DocScores, b: DocScores, *, rounds: int = 1000, seed: i
 # ------------------------------------------------------------------------------------------------
 # the whole evaluation
 # ------------------------------------------------------------------------------------------------
-def evaluate_models(refs: Sequence[ModelRef], sets: Sequence[SourceConfig], *, max_len: int, batch_size: int = 16,
-                    rounds: int = 1000, seed: int = 0, eos_token: str = "<|endoftext|>",
-                    device: str | torch.device = "cpu", progress: bool = False) -> dict[str, Any]:
+def evaluate_models(refs: Sequence[ModelRef], cfg: EvaluateConfig, *,
+                    device: str | torch.device = "cpu") -> dict[str, Any]:
     """Score every model on every set; per-set means with intervals and all paired differences.
+
+    Args:
+        refs: the models (``cfg.models`` resolved: :func:`resolve_models`).
+        cfg: the evaluation's config: its ``sets``, ``max_len``, ``batch_size``, ``bootstrap`` resamples and
+            ``seed``, ``eos_token`` and ``progress`` (its ``models`` are ``refs``).
+        device: where the models run (``cfg.device`` resolved).
 
     Returns:
         A JSON-ready dict: ``models`` (facts per model), ``sets`` (documents per set), ``loss``
         (set → model → mean/lo/hi/tokens), ``paired`` (set → list of ``a − b`` rows) and ``scores``
         (set → model → per-document sums and counts).
     """
-    texts = {s.name: read_set(s) for s in sets}  # all sets are read first: a bad set fails before any scoring
+    max_len, rounds, seed = cfg.max_len, cfg.bootstrap, cfg.seed
+    texts = {s.name: read_set(s) for s in cfg.sets}  # all sets are read first: a bad set fails before any scoring
     models: dict[str, Any] = {}
     scores: dict[str, dict[str, DocScores]] = {s: {} for s in texts}
     for ref in refs:
-        model, tok = load_model(ref, eos_token=eos_token, device=device)
+        model, tok = load_model(ref, eos_token=cfg.eos_token, device=device)
         models[ref.name] = {"path": ref.model_dir, "weights": ref.weights, "tokenizer": tok.path,
                             "tokenizer_sha256": tok.fingerprint,
                             "parameters": sum(p.numel() for p in model.parameters())}
         for name, docs in texts.items():
-            scores[name][ref.name] = score_documents(model, tok, docs, max_len=max_len, batch_size=batch_size,
-                                                     progress=progress, desc=f"{ref.name} / {name}")
+            scores[name][ref.name] = score_documents(model, tok, docs, max_len=max_len, batch_size=cfg.batch_size,
+                                                     progress=cfg.progress, desc=f"{ref.name} / {name}")
         del model
     loss = {s: {m: {**_iv(bootstrap_mean(sc, rounds=rounds, seed=seed)), "tokens": int(sc.counts.sum())}
                 for m, sc in per.items()} for s, per in scores.items()}

@@ -3,25 +3,37 @@
 Every document carries its file and 1-based line (or row) number, so bad input is reported as
 ``path:line: reason``. Documents are produced in a deterministic order (sorted, deduplicated paths; file
 order within a file) and each has a resumable position ``(file_index, next_record_index)``.
+
+A reader may be given :class:`FileSpan` s instead of whole files: the records of a plain ``.jsonl`` file that
+start in a byte range (a line belongs to the span its first byte is in), or the rows of a range of a
+``.parquet`` file's row groups. Work units of ``prepare`` are such spans (``curation.ingest.units``); a span's
+line numbers are counted from the file's start only when one is needed (a document's ``line``, a bad record),
+so reading the last span of a large file does not read the file before it.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import io
 import json
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import zstandard
 
 from schemas.config import SourceConfig
 
-__all__ = ["Document", "BadRecordError", "resolve_paths", "detect_format", "iter_inputs", "iter_documents"]
+__all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
+           "iter_documents", "parquet_row_groups", "SPLITTABLE_FORMATS"]
+
+#: Formats whose files a work unit may read in part (:class:`FileSpan`): byte ranges, row-group ranges.
+SPLITTABLE_FORMATS = ("jsonl", "parquet")
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 class BadRecordError(ValueError):
@@ -34,14 +46,58 @@ class BadRecordError(ValueError):
 
 
 @dataclass(frozen=True)
+class FileSpan:
+    """The part of one input file a reader reads: all of it (``start == 0``, ``stop is None``), the records of a
+    ``.jsonl`` file whose first byte is in ``[start, stop)``, or the rows of the row groups ``[start, stop)`` of
+    a ``.parquet`` file (``stop is None``: to the end)."""
+
+    path: str
+    start: int = 0
+    stop: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop is None
+
+
+class _LineBase:
+    """Lines of a file before a span's first byte ``offset``, counted once, when first needed."""
+
+    def __init__(self, path: str, offset: int = 0) -> None:
+        self.path, self.offset = path, offset
+
+    @functools.cached_property
+    def value(self) -> int:
+        count, left = 0, self.offset
+        if left == 0:
+            return 0
+        with open(self.path, "rb") as f:
+            while left > 0:
+                chunk = f.read(min(left, 1 << 22))
+                if not chunk:
+                    break
+                count, left = count + chunk.count(b"\n"), left - len(chunk)
+        return count
+
+
+_NO_LINES_BEFORE = _LineBase("", 0)
+
+
+@dataclass(frozen=True)
 class Document:
     """A document's text, where it came from, and the resume position just after it."""
 
     text: str
     file: str
-    line: int  # 1-based line (jsonl/txt) or row (parquet) of the record
-    file_index: int  # index into resolve_paths(source)
-    next_record: int  # records of this file consumed once this document is taken
+    span_line: int  # 1-based line (jsonl/txt) or row (parquet) of the record, counted from its span's start
+    file_index: int  # index into the files (or spans) read
+    next_record: int  # records of this file (span) consumed once this document is taken
+    lines_before: _LineBase = field(default=_NO_LINES_BEFORE, repr=False, compare=False)
+
+    @property
+    def line(self) -> int:
+        """1-based line (row) of the record in its file."""
+        return self.lines_before.value + self.span_line
 
 
 def resolve_paths(source: SourceConfig) -> list[str]:
@@ -135,8 +191,22 @@ class TruncatedZstdError(Exception):
         super().__init__(f"the data ends inside a zstd frame after {decompressed} decompressed bytes")
 
 
-def _open_lines(path: str, fmt: str) -> Iterator[bytes]:
-    """Raw lines (bytes, with newline) of a plain or zstd-compressed text file."""
+def _span_start(path: str, start: int) -> int:
+    """Offset of the first line that starts at or after byte ``start`` (the file's size when none does)."""
+    if start == 0:
+        return 0
+    try:
+        with open(path, "rb") as f:
+            f.seek(start - 1)
+            f.readline()  # the rest of the line holding byte start - 1 (just its newline when one ends there)
+            return f.tell()
+    except OSError as e:
+        raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
+
+
+def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+    """Raw lines (bytes, with newline) of a plain or zstd-compressed text file; of a plain file, the lines
+    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`)."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
@@ -147,8 +217,13 @@ def _open_lines(path: str, fmt: str) -> Iterator[bytes]:
             stream = io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
         else:
             stream = raw
+            raw.seek(start)
+        pos = start
         try:
             for line in stream:
+                if stop is not None and pos >= stop:
+                    break
+                pos += len(line)
                 lines += 1
                 yield line
         except zstandard.ZstdError as e:
@@ -201,10 +276,18 @@ def _text_of(record: object, source: SourceConfig, path: str, line: int) -> str:
     return text
 
 
-def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
-    """(record index, line, text or BadRecordError) for a jsonl file; record index = 0-based line index."""
+def _rebased(e: BadRecordError, base: _LineBase) -> BadRecordError:
+    """``e`` with its span-relative line made a line of the file."""
+    return e if base.offset == 0 or e.line <= 0 else BadRecordError(
+        e.file, base.value + e.line, e.reason)
+
+
+def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: FileSpan, base: _LineBase,
+                   ) -> Iterator[tuple[int, int, object]]:
+    """(record index, line, text or BadRecordError) for a jsonl file (span); record index = 0-based line index
+    in the span, line = 1-based line in the span (``base`` turns it into a line of the file)."""
     seen_content = False
-    for idx, data in enumerate(_open_lines(path, fmt)):
+    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop)):
         if data.strip():
             seen_content = True
         if idx < start:
@@ -222,8 +305,8 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int) -> Ite
                 raise BadRecordError(path, line, f"malformed JSON ({where})") from None
             yield idx, line, _text_of(record, source, path, line)
         except BadRecordError as e:
-            yield idx, line, e
-    if not seen_content:
+            yield idx, line, _rebased(e, base)
+    if not seen_content and span.whole:
         yield -1, 0, BadRecordError(path, 0, "file is empty")
 
 
@@ -270,13 +353,28 @@ def _bad_line(bad: BadRecordError | None, n: int) -> bool:
     return bad is not None and bad.line == n
 
 
-def _parquet_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
+def _parquet_file(path: str):  # noqa: ANN202 - a pyarrow.parquet.ParquetFile (pyarrow is imported when needed)
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError with its own message
         raise BadRecordError(path, 0, f"cannot read parquet: {e}") from e
+
+
+def parquet_row_groups(path: str) -> list[tuple[int, int]]:
+    """``(rows, compressed bytes)`` of each row group of a parquet file (its footer only): where work units may
+    cut it."""
+    meta = _parquet_file(path).metadata
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return [(g.num_rows, sum(g.column(j).total_compressed_size for j in range(g.num_columns))) for g in groups]
+
+
+def _parquet_records(path: str, source: SourceConfig, start: int, span: FileSpan,
+                     ) -> Iterator[tuple[int, int, object]]:
+    """(record index, row, text or BadRecordError) of the span's row groups; record index = 0-based row in the
+    span, row = 1-based row in the file."""
+    pf = _parquet_file(path)
     if pf.metadata.num_rows == 0:
         yield -1, 0, BadRecordError(path, 0, "file is empty (0 rows)")
         return
@@ -285,27 +383,30 @@ def _parquet_records(path: str, source: SourceConfig, start: int) -> Iterator[tu
         raise BadRecordError(
             path, 0, f"missing text column {source.text_field!r} (columns: {', '.join(names)})"
         )
+    groups = list(range(pf.metadata.num_row_groups))[span.start:span.stop]
+    before = sum(pf.metadata.row_group(i).num_rows for i in range(span.start))
     row = 0
-    for batch in pf.iter_batches(batch_size=4096):
+    for batch in pf.iter_batches(batch_size=4096, row_groups=groups):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
         for rec in batch.to_pylist():
             if row >= start:
+                line = before + row + 1
                 try:
-                    yield row, row + 1, _text_of(rec, source, path, row + 1)
+                    yield row, line, _text_of(rec, source, path, line)
                 except BadRecordError as e:
-                    yield row, row + 1, e
+                    yield row, line, e
             row += 1
 
 
 def iter_inputs(
-    files: list[str], start_file: int, start_record: int,
-    records: Callable[[int, str, int], Iterator[T | BadRecordError]],
+    files: Sequence[P], start_file: int, start_record: int,
+    records: Callable[[int, P, int], Iterator[T | BadRecordError]],
 ) -> Iterator[T | BadRecordError]:
-    """The items of ``files`` from a resume position: ``records(file_index, path, first)`` yields one file's
-    items from its record ``first`` on; a :class:`BadRecordError` it raises (a file that cannot be used at all)
-    is yielded, and reading goes on with the next file."""
+    """The items of ``files`` (paths, or :class:`FileSpan` s) from a resume position: ``records(file_index, file,
+    first)`` yields one file's items from its record ``first`` on; a :class:`BadRecordError` it raises (a file
+    that cannot be used at all) is yielded, and reading goes on with the next file."""
     for fi in range(start_file, len(files)):
         try:
             yield from records(fi, files[fi], start_record if fi == start_file else 0)
@@ -319,26 +420,35 @@ def iter_documents(
     start_file: int = 0,
     start_record: int = 0,
     files: list[str] | None = None,
+    spans: list[FileSpan] | None = None,
 ) -> Iterator[Document | BadRecordError]:
     """Stream a source's documents from a resume position; bad records are yielded, not raised.
 
     Args:
         source: the source config.
-        start_file: index into the resolved file list to start from.
-        start_record: records of that file already consumed.
+        start_file: index into the file (or span) list to start from.
+        start_record: records of that file (span) already consumed.
         files: the resolved file list (default: :func:`resolve_paths`).
+        spans: read these parts of files instead (a work unit's); ``file_index`` then counts spans.
 
     Yields:
         :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
         A file that cannot be opened at all yields a single error with line 0.
     """
+    if spans is None:
+        spans = [FileSpan(p) for p in (resolve_paths(source) if files is None else files)]
 
-    def documents(fi: int, path: str, first: int) -> Iterator[Document | BadRecordError]:
+    def documents(fi: int, span: FileSpan, first: int) -> Iterator[Document | BadRecordError]:
+        path = span.path
         fmt = detect_format(path, source.format)
+        if not span.whole and fmt not in SPLITTABLE_FORMATS:
+            raise ValueError(f"{path}: a {fmt} file is read whole, not in spans ({span})")
+        base = _NO_LINES_BEFORE
         if fmt in ("jsonl", "jsonl.zst"):
-            records = _jsonl_records(path, fmt, source, first)
+            base = _LineBase(path, _span_start(path, span.start))
+            records = _jsonl_records(path, fmt, source, first, span, base)
         elif fmt == "parquet":
-            records = _parquet_records(path, source, first)
+            records = _parquet_records(path, source, first, span)
         elif fmt == "txt":
             records = _txt_records(path, source, first)
         else:  # a pre-tokenized format: curation.ingest.token_sources reads it
@@ -347,6 +457,7 @@ def iter_documents(
             if isinstance(item, BadRecordError):
                 yield item
             else:
-                yield Document(text=item, file=path, line=line, file_index=fi, next_record=idx + 1)
+                yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
+                               lines_before=base)
 
-    yield from iter_inputs(resolve_paths(source) if files is None else files, start_file, start_record, documents)
+    yield from iter_inputs(spans, start_file, start_record, documents)

@@ -1,10 +1,10 @@
 """Packing: documents (token ids) joined with EOS and cut into sequences of exactly L tokens.
 
-Within one source only (the caller keeps one packer per source, so no sequence mixes sources). Every
-document is followed by one EOS token; a document longer than L continues into the next sequence. At the
-end of a source, the remainder (fewer than L tokens) is dropped and counted as ``dropped_tokens`` in the
-manifest: padding would add positions that carry no signal, and a cross-source sequence would break the
-per-source accounting.
+Within one work unit only (``curation.ingest.units``: the caller keeps one packer per unit, so no sequence
+mixes sources or units). Every document is followed by one EOS token; a document longer than L continues into
+the next sequence. At the end of a unit, the remainder (fewer than L tokens) is dropped and counted as
+``dropped_tokens`` in the manifest: padding would add positions that carry no signal, a cross-source sequence
+would break the per-source accounting, and a cross-unit one would make a unit's output depend on others.
 """
 
 from __future__ import annotations

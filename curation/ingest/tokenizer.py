@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from curation.io.storage import tokenizer_json_path
 from schemas.manifest import atomic_write_text, sha256_file
 
-__all__ = ["LoadedTokenizer", "load_tokenizer", "train_bpe_tokenizer", "PIECE_CHARS"]
+__all__ = ["LoadedTokenizer", "load_tokenizer", "shared_tokenizer", "share_tokenizer", "train_bpe_tokenizer",
+           "PIECE_CHARS"]
 
 #: Documents longer than this many characters are tokenized piece by piece (see ``encode_pieces``).
 PIECE_CHARS = 1 << 18
@@ -41,8 +42,9 @@ class LoadedTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def encode_pieces(self, text: str, *, piece_chars: int = PIECE_CHARS) -> Iterator[np.ndarray]:
-        """The ids of ``text`` as a sequence of arrays, encoding at most about ``piece_chars`` characters at once.
+    def encode_pieces(self, text: str, *, piece_chars: int = PIECE_CHARS, at_once: int = 1) -> Iterator[np.ndarray]:
+        """The ids of ``text`` as a sequence of arrays, encoding about ``piece_chars`` characters at once
+        (``at_once`` such pieces together, on the tokenizer's threads).
 
         Encoding one huge document whole costs the tokenizer ~150 bytes per character (a 17 MB document
         takes 2.7 GB); pieces keep that bounded. Pieces are cut at a space between two letters (searched
@@ -50,6 +52,7 @@ class LoadedTokenizer:
         always split, so the concatenated ids equal ``encode_batch([text])[0]`` (tested for the trained
         byte-level BPE and GPT-2's tokenizer).
         """
+        group: list[str] = []
         start = 0
         while start < len(text):
             cut = len(text)
@@ -57,9 +60,12 @@ class LoadedTokenizer:
                 m = _SAFE_CUT.search(text, start + piece_chars)
                 if m is not None:
                     cut = m.start()
-            enc = self.tokenizer.encode(text[start:cut], add_special_tokens=False)
-            yield np.asarray(enc.ids, dtype=np.int64)
+            group.append(text[start:cut])
             start = cut
+            if len(group) == at_once or start == len(text):
+                for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
+                    yield np.asarray(enc.ids, dtype=np.int64)
+                group = []
 
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedTokenizer:
@@ -76,6 +82,33 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedToke
         )
     vocab = tok.get_vocab_size(with_added_tokens=True)
     return LoadedTokenizer(tok, json_path, eos_id, vocab, sha256_file(json_path))
+
+
+#: Tokenizers loaded in this process, by (tokenizer.json, EOS token, sha256): see :func:`shared_tokenizer`.
+_SHARED: dict[tuple[str, str, str], LoadedTokenizer] = {}
+
+
+def share_tokenizer(tok: LoadedTokenizer, *, eos_token: str) -> None:
+    """Let :func:`shared_tokenizer` return ``tok`` (already loaded in this process) instead of loading it again
+    (one tokenizer at a time: the one of the run in progress)."""
+    _SHARED.clear()
+    _SHARED[(os.path.abspath(tok.path), eos_token, tok.fingerprint)] = tok
+
+
+def shared_tokenizer(path: str, *, eos_token: str, fingerprint: str) -> LoadedTokenizer:
+    """The tokenizer at ``path``, loaded once per process (the work units of a run share it).
+
+    Raises:
+        ValueError: the file is no longer the one the run started with (``fingerprint``, its sha256).
+    """
+    key = (os.path.abspath(path), eos_token, fingerprint)
+    if key not in _SHARED:
+        tok = load_tokenizer(path, eos_token=eos_token)
+        if tok.fingerprint != fingerprint:
+            raise ValueError(f"{tok.path}: the tokenizer changed while preparing (sha256 {tok.fingerprint[:12]}…, the "
+                             f"run started with {fingerprint[:12]}…); restore it, or prepare into a new output_dir")
+        share_tokenizer(tok, eos_token=eos_token)
+    return _SHARED[key]
 
 
 def train_bpe_tokenizer(

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from curation.io import storage
+from curation.io.mds import SHARD_HASH, write_mds
 from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
@@ -40,10 +41,6 @@ __all__ = [
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
 ]
-
-#: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
-SHARD_HASH = "xxh64"
-
 
 #: Every part directory's name starts with this (see :func:`part_name`).
 PART_PREFIX = "steps-"
@@ -184,21 +181,17 @@ def write_part(
     vocab_size: int,
     size_limit: int = 1 << 26,
 ) -> int:
-    """Write ``samples`` as one MDS directory (zstd); replaces a leftover directory. Returns the count."""
-    from streaming import MDSWriter
+    """Write ``samples`` as one MDS directory (zstd, xxh64 hashes); replaces a leftover directory. Returns the count.
 
+    Written by :func:`curation.io.mds.write_mds` (the bytes of ``streaming.MDSWriter``, without importing
+    ``streaming`` and the torch it loads) into ``<part_dir>.tmp``, renamed into place once whole.
+    """
     if os.path.exists(part_dir):
         shutil.rmtree(part_dir)
     tmp = part_dir + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    n = 0
-    columns = spec.mds_columns(vocab_size=vocab_size)
-    with MDSWriter(out=tmp, columns=columns, compression="zstd", hashes=[SHARD_HASH], size_limit=size_limit,
-                   progress_bar=False) as w:
-        for sample in samples:
-            w.write(sample)
-            n += 1
+    n = write_mds(tmp, spec.mds_columns(vocab_size=vocab_size), samples, size_limit=size_limit)
     os.replace(tmp, part_dir)  # the part appears whole or not at all
     storage.publish(part_dir)  # an object-store directory: uploaded now (its index.json last)
     return n
@@ -213,7 +206,7 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
     total = 0
     for part in parts:
         index_path = os.path.join(root, part, "index.json")
-        if not os.path.exists(index_path):
+        if not storage.fetch(index_path):  # a part another machine wrote into an object-store directory: fetched
             continue
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)

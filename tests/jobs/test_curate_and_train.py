@@ -3,6 +3,7 @@ P = 1 equals exact, a killed job resumes to the same outputs, and ``ray job subm
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -68,7 +69,8 @@ def assert_same_run(a: str, b: str) -> None:
 def exact_run(tmp_path_factory, tiny_train):
     d = tmp_path_factory.mktemp("exact")
     out = str(d / "run")
-    cfg = _config(d / "cfg.yaml", tiny_train(out, plots=True))
+    loggers = {"tensorboard": {}} if importlib.util.find_spec("tensorboard") is not None else {}  # (its extra)
+    cfg = _config(d / "cfg.yaml", tiny_train(out, plots=True, loggers=loggers))
     proc = _run(cfg)
     return {"out": out, "cfg": cfg, "stdout": proc.stdout, "train": tiny_train(out)}
 
@@ -94,6 +96,16 @@ def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
     assert os.path.exists(os.path.join(out, "final", "reference.safetensors"))
     assert os.path.exists(os.path.join(out, "checkpoints", "latest-rank0.pt"))
     assert not [f for f in os.listdir(os.path.join(out, "engine")) if f.startswith("proxy-")]  # snapshots cleaned up
+    tp = s["throughput"]  # the trainer's; the reference's work is done by the engine's workers
+    assert (tp["steps"], tp["tokens"], tp["kept_tokens"]) == (14, 14 * 8 * 128, s["tokens"]["kept"])
+    assert tp["reference_flops_per_device"] == 0.0 and tp["tokens_per_sec"] > 0
+    if importlib.util.find_spec("tensorboard") is not None:  # train.loggers.tensorboard (the extra)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(os.path.join(out, "logs", "tensorboard", "train"), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("loss/train/total")] == list(range(14))
+        assert len(acc.Scalars("blade/param_distance")) == 12
 
 
 def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):

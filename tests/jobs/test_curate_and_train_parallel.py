@@ -55,5 +55,8 @@ def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path
     assert s["engine"]["trainer_workers"] == 2 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
     assert abs(s["validation"][-1]["loss"] - s1["validation"][-1]["loss"]) < 1e-3
     assert [d["step"] for d in s["param_distance"]] == list(range(2, 14))  # rank 0 measured ‖u − w‖ each step
+    tp = s["throughput"]  # rank 0's, for the whole group; the reference's work is the engine's, not the trainer's
+    assert (tp["world_size"], tp["steps"], tp["tokens"]) == (2, steps, steps * b * 128)
+    assert tp["reference_flops_per_device"] == 0.0 and tp["kept_tokens"] == s["tokens"]["kept"]
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     assert os.path.exists(os.path.join(out, "final", "reference.safetensors"))

@@ -6,6 +6,7 @@ repaired by a rerun of prepare."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -124,7 +125,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     # a bit flip in a stored shard: a reader names the object; a rerun of prepare (its cache still holding the
     # intact copy) finds it by its ETag, rewrites the part, and the object is whole again
     storage.pull(storage.local_path(s3.url("data")))  # a warm cache: intact copies
-    key = "data/candidates/target/part-00000/shard.00000.mds.zstd"
+    key = "data/candidates/target/part-00000-00000/shard.00000.mds.zstd"
     c = s3.server.client()
     good = c.get_object(Bucket=s3.name, Key=key)["Body"].read()
     bad = bytearray(good)
@@ -137,15 +138,17 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     err = capsys.readouterr().err
     assert rc == 1
     assert f"error: {s3.url(key)}: corrupt shard (" in err
-    assert "part target/part-00000 can be regenerated: rerun jobs/prepare.py with the same config and output_dir" in err
+    assert ("part target/part-00000-00000 can be regenerated: rerun jobs/prepare.py with the same config and "
+            "output_dir") in err
     os.environ["BLADE_CACHE_DIR"] = s3.cache
     from curation.ingest.prepare import prepare
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = prepare(cfg)
-    assert result.regenerated == [os.path.join(storage.local_path(s3.url("data/candidates")), "target/part-00000")]
-    assert any("target/part-00000 is damaged" in str(w.message) for w in caught)
+    assert result.regenerated == [os.path.join(storage.local_path(s3.url("data/candidates")),
+                                               "target/part-00000-00000")]
+    assert any("target/part-00000-00000 is damaged" in str(w.message) for w in caught)
     assert hashlib.sha256(c.get_object(Bucket=s3.name, Key=key)["Body"].read()).digest() == \
         hashlib.sha256(good).digest()
 
@@ -207,3 +210,37 @@ def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tin
     assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
     first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
     assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)
+
+
+@pytest.mark.ray
+def test_prepare_on_ray_workers_into_the_bucket_equals_a_local_prepare(s3, engine_demo, tmp_path):
+    """jobs/prepare.py with 2 Ray workers into s3:// (small units: each source cut in several): the workers upload
+    their parts and unit records, the driver the manifests and indexes; the bucket then holds, object for object,
+    what one process writes into a local directory with the same settings."""
+    from curation.ingest.prepare import prepare
+
+    base = PrepareConfig.demo_default(engine_demo)
+    base = base.model_copy(update={"progress": False, "unit_bytes": 20_000, "workers": 1,
+                                   "tokenizer": base.tokenizer.model_copy(update={"vocab_size": ENGINE_VOCAB})})
+    local = str(tmp_path / "local")
+    prepare(base.model_copy(update={"output_dir": local}))
+    config = tmp_path / "prepare.yaml"
+    config.write_text(yaml.safe_dump(base.model_copy(update={"output_dir": s3.url("ray"), "workers": 2})
+                                     .model_dump(mode="json")))
+    env = {k: v for k, v in s3.env(PYTHONUNBUFFERED="1").items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", str(config)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(2 workers)" in done.stdout
+    stored = objects.list_objects(s3.url("ray"))
+    files = {os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/")
+             for d, _, names in os.walk(local) for f in names if f != ".lock"}
+    assert set(stored) == files and any("/unit-00001.json" in k for k in stored)
+    for key in sorted(files - {"config.yaml", "candidates/manifest.json", "validation/manifest.json"}):
+        assert objects.read_object(s3.url(f"ray/{key}")).body == open(os.path.join(local, key), "rb").read(), key
+    for group in ("candidates", "validation"):  # the manifests differ in the config and the tokenizer's place only
+        ours = json.loads(objects.read_object(s3.url(f"ray/{group}/manifest.json")).body)
+        theirs = json.loads(open(os.path.join(local, group, "manifest.json"), "rb").read())
+        assert ours["extra"].pop("tokenizer_path") == s3.url("ray/tokenizer/tokenizer.json")
+        theirs["extra"].pop("tokenizer_path")
+        assert {k: v for k, v in ours.items() if k != "config"} == {k: v for k, v in theirs.items() if k != "config"}

@@ -41,7 +41,7 @@ def test_unknown_key_exits_2(tmp_path):
 def test_embedded_default_runs(tmp_path):
     out = _run(cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "tokens/s" in out.stdout and "candidates: " in out.stdout
+    assert "tokens/s (1 worker)" in out.stdout and "candidates: " in out.stdout  # small: in-process, no Ray
     assert os.path.exists(tmp_path / "runs" / "demo" / "data" / "candidates" / "index.json")
 
 

@@ -27,6 +27,7 @@ from schemas.outdir import (
     check_config_record,
     config_diff,
     describe_os_error,
+    field_default,
     open_output_dir,
     operational_keys,
 )
@@ -82,12 +83,15 @@ def test_config_diff_names_exactly_the_differing_leaf_keys():
 
 
 def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
-    assert operational_keys(PrepareConfig) == {"progress"}
+    # prepare's output is the same for any number of workers, on any Ray cluster (tests/curation/engine/
+    # test_prepare_pool.py); unit_bytes is not operational (it places the units' cuts)
+    assert operational_keys(PrepareConfig) == {"progress", "workers", "ray"}
     # the worker group's resources, collective backend, restarts and timeout change where and how robustly it
     # runs, not what it computes (parallel.workers and selection.scope do: they are not operational)
     assert operational_keys(TrainConfig) == {
         "progress_bar", "plots", "checkpoint.resume", "checkpoint.keep", "parallel.cpus_per_worker",
-        "parallel.gpus_per_worker", "parallel.backend", "parallel.max_failures", "parallel.timeout_s"}
+        "parallel.gpus_per_worker", "parallel.backend", "parallel.max_failures", "parallel.timeout_s", "loggers",
+        "throughput"}
     keys = operational_keys(CurateAndTrainConfig)
     assert {"train.progress_bar", "ray", "workers.count", "engine.wait_timeout_s"} <= keys
     assert not keys & {"train.selection.gamma", "train.optim.lr", "engine.mode", "workers.range_steps"}
@@ -115,6 +119,63 @@ def test_a_rerun_with_another_config_is_refused_and_the_record_is_kept(tmp_path)
         lock.write_records()
     assert (out / "config.yaml").read_text() == record
     assert check_config_record(str(out / "config.yaml"), quiet)
+
+
+def _without(record: dict, *keys: str) -> dict:
+    record = json.loads(json.dumps(record))
+    for key in keys:
+        *path, leaf = key.split(".")
+        node = record
+        for p in path:
+            node = node[p]
+        del node[leaf]
+    return record
+
+
+#: keys added to TrainConfig after runs were recorded (issue 22)
+NEW_KEYS = ("loggers", "throughput", "model.activation_checkpointing", "model.compile")
+
+
+def test_field_defaults_through_nested_sections():
+    assert field_default(TrainConfig, "model.compile") is False
+    assert field_default(TrainConfig, "loggers.tensorboard") is None
+    assert field_default(TrainConfig, "throughput") == {"peak_flops": None, "window": 20}
+    assert field_default(TrainConfig, "selection.gamma") == 0.6
+    assert field_default(CurateAndTrainConfig, "train.model.activation_checkpointing") is False
+    # a required key, a dict item or an unknown key has no default: absent from a record, it differs
+    cfg = TrainConfig.demo_default()
+    new = cfg.model_dump(mode="json")
+    new["model"]["hf_config"]["rope_theta"] = 10000.0
+    old = _without(cfg.model_dump(mode="json"), "output_dir", "data.candidates", *NEW_KEYS)
+    assert config_diff(old, new, model=TrainConfig) == [
+        f'data.candidates: (absent) → "{cfg.data.candidates}"', "model.hf_config.rope_theta: (absent) → 10000.0",
+        f'output_dir: (absent) → "{cfg.output_dir}"']
+
+
+def test_a_run_recorded_before_new_keys_resumes_at_their_defaults(tmp_path):
+    """A record written before a key existed resumes when the key holds its default; any other value is a change
+    of the recorded behaviour and is refused naming the key."""
+    cfg = TrainConfig.demo_default(str(tmp_path))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_without(cfg.model_dump(mode="json"), *NEW_KEYS)))
+    assert check_config_record(str(path), cfg)
+    # the loggers and throughput sections are operational: turning one on still resumes
+    on = TrainConfig.model_validate({**cfg.model_dump(), "loggers": {"tensorboard": {"log_dir": "tb"}}})
+    assert check_config_record(str(path), on)
+    compiled = TrainConfig.model_validate({**cfg.model_dump(), "model": {**cfg.model.model_dump(), "compile": True}})
+    with pytest.raises(ConfigMismatch) as err:
+        check_config_record(str(path), compiled)
+    assert err.value.keys == ["model.compile"] and "model.compile: (absent) → true" in str(err.value)
+    # the main job records the same TrainConfig inside its own: the same rule, one level down
+    job = CurateAndTrainConfig.demo_default(str(tmp_path))
+    old = job.model_dump(mode="json")
+    old["train"] = _without(old["train"], *NEW_KEYS)
+    path.write_text(yaml.safe_dump(old))
+    assert check_config_record(str(path), job)
+    # a plain mapping has no defaults to go by: an absent key differs
+    path.write_text(yaml.safe_dump(_without(cfg.model_dump(mode="json"), "model.compile")))
+    with pytest.raises(ConfigMismatch, match=r"model.compile: \(absent\) → false"):
+        check_config_record(str(path), cfg.model_dump(mode="json"))
 
 
 def test_a_refused_rerun_releases_the_lock(tmp_path):

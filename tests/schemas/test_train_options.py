@@ -1,39 +1,27 @@
-"""schemas.train_options: the logger sections and the model-execution flags validate on their own, and every bad
-value is one line naming its key (they are not part of TrainConfig yet: see the module docstring)."""
+"""schemas.train_options and TrainModelConfig: the logger and throughput sections and the model-execution flags, in
+the training configs; every bad value is one line naming its key."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from pydantic import Field
 
-from schemas.config import ConfigError, StrictModel, load_config
-from schemas.train_config import TrainConfig
-from schemas.train_options import (
-    LoggersConfig,
-    MLflowConfig,
-    ModelExecutionConfig,
-    TensorBoardConfig,
-    WandbConfig,
-)
+from schemas.config import ConfigError, load_config
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig, TrainModelConfig, demo_model_config
+from schemas.train_options import MLflowConfig, TensorBoardConfig, WandbConfig
 
 
-class Job(StrictModel):
-    """A stand-in top level, as TrainConfig will hold them."""
-
-    loggers: LoggersConfig = Field(default_factory=LoggersConfig)
-    model: ModelExecutionConfig = Field(default_factory=ModelExecutionConfig)
-
-
-def load(*overrides: str) -> Job:
-    return load_config(Job, default=Job, overrides=list(overrides))
+def load(*overrides: str) -> TrainConfig:
+    return load_config(TrainConfig, default=TrainConfig.demo_default, overrides=list(overrides))
 
 
 def test_defaults_are_off():
     job = load()
     assert job.loggers.enabled == []
     assert job.model.activation_checkpointing is False and job.model.compile is False
+    assert job.throughput.peak_flops is None and job.throughput.window == 20
 
 
 def test_sections_turn_loggers_on_with_local_defaults(tmp_path):
@@ -68,6 +56,8 @@ def test_mlflow_tracking_uris_accepted(uri):
     ("loggers.tensorboard=true", "loggers.tensorboard", "TensorBoardConfig"),
     ("model.compile=maybe", "model.compile", "valid boolean"),
     ("model.activation_checkpointing=1", "model.activation_checkpointing", "valid boolean"),
+    ("throughput.peak_flops=0", "throughput.peak_flops", "greater than 0"),
+    ("throughput.window=0", "throughput.window", "greater than or equal to 1"),
 ])
 def test_bad_values_are_one_line_naming_the_key(override, key, reason):
     with pytest.raises(ConfigError) as e:
@@ -82,8 +72,20 @@ def test_models_construct_directly():
     assert WandbConfig(mode="online", dir="w").resolved_dir("out") == "w"
 
 
-def test_not_part_of_train_config_yet():
-    """A key the trainer would ignore must not validate; adding keys changes run records (resume compares them)."""
-    fields = TrainConfig.model_fields
-    assert "loggers" not in fields
-    assert not {"compile", "activation_checkpointing"} & set(TrainConfig.model_fields["model"].annotation.model_fields)
+def test_every_training_config_has_the_sections():
+    """train, replay and the main job's trainer (its train: section) take the same keys."""
+    on = {"loggers": {"tensorboard": {}, "mlflow": {"experiment": "x"}}, "throughput": {"peak_flops": 312e12},
+          "model": {**demo_model_config().model_dump(), "compile": True, "activation_checkpointing": True}}
+    for cfg in (TrainConfig.demo_default(), ReplayConfig.demo_default(), CurateAndTrainConfig.demo_default().train):
+        got = type(cfg).model_validate({**cfg.model_dump(), **on})
+        assert got.loggers.enabled == ["tensorboard", "mlflow"] and got.throughput.peak_flops == 312e12
+        assert got.model.compile and got.model.activation_checkpointing
+
+
+def test_a_plain_model_config_is_a_train_model_with_both_options_off():
+    cfg = TrainConfig.demo_default()
+    assert isinstance(cfg.model, TrainModelConfig)  # demo_model_config() is a plain ModelConfig
+    compiled = TrainModelConfig.model_validate({**cfg.model.model_dump(), "compile": True})
+    # what the engine's workers build: the architecture, without how the trainer runs it
+    assert type(compiled.architecture) is ModelConfig
+    assert compiled.architecture.model_dump() == demo_model_config().model_dump()

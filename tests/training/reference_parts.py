@@ -13,7 +13,8 @@ import torch
 
 from curation.core.distributed import current_ranks
 from curation.core.policies import get_policy
-from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
+from curation.core.refresh import RefreshSettings
+from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from schemas.train_config import ModelConfig

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from curation.core.stats import Histogram
-from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops_per_token
+from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops
 from curation.evaluation.heldout import DocScores
 from training.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
 from training.quality.compute import (
@@ -24,22 +24,23 @@ from training.quality.experiment import sweep_choice
 
 # hidden 4, 1 layer, MLP 8, vocabulary 10, context 8: per layer q,k,v,o 4·4² = 64, MLP 3·4·8 = 96; head 4·10 = 40
 # forward per token: 2·(160 + 40) + attention 2·1·8·4 = 464
-TINY_SHAPE = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, heads=1, kv_heads=1, context=8)
+TINY_SHAPE = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, context=8)
 TINY = RunShape(forward_flops=464.0, batch=2, seq_len=8, warmup=2, tau=3, rho1_steps=5)
 
 
 def test_forward_flops_by_hand():
     assert forward_flops_per_token(TINY_SHAPE) == 464
-    assert train_flops_per_token(TINY_SHAPE) == 3 * 464
+    assert train_flops(TINY_SHAPE, 1) == 3 * 464
     # grouped-query attention: 2 heads of 2, 1 kv head: k and v project to 2 dims (2·4·2 = 16 instead of 32)
-    gqa = ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, heads=2, kv_heads=1, context=8)
+    hf = {"model_type": "llama", "hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8,
+          "vocab_size": 10, "num_attention_heads": 1}
+    assert ModelShape.of_hf_config(hf, 8) == ModelShape(hidden=4, layers=1, intermediate=8, vocab=10, context=8,
+                                                        q_width=4, kv_width=4)
+    gqa = ModelShape.of_hf_config({**hf, "num_attention_heads": 2, "num_key_value_heads": 1}, 8)
     assert forward_flops_per_token(gqa) == 464 - 2 * 16
-    hf = {"hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10,
-          "num_attention_heads": 1, "max_position_embeddings": 8}
-    assert ModelShape.from_hf_config(hf) == TINY_SHAPE
-    assert ModelShape.from_hf_config(hf, context=4).context == 4
+    assert ModelShape.of_hf_config(hf, 4).context == 4
     with pytest.raises(ValueError, match="lacks intermediate_size"):
-        ModelShape.from_hf_config({k: v for k, v in hf.items() if k != "intermediate_size"})
+        ModelShape.of_hf_config({k: v for k, v in hf.items() if k != "intermediate_size"}, 8)
 
 
 def test_run_flops_by_hand():

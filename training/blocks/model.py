@@ -15,6 +15,12 @@ is then exactly the full-batch masked mean (test: equal gradients).
 The forward pass returns the logits; :meth:`MaskedCausalLM.token_losses` computes the per-token
 losses once (with the graph) and caches them in the outputs, so the BLADE algorithm's selection and
 the loss share one cross-entropy.
+
+How the model runs (``model.activation_checkpointing``, ``model.compile``): :func:`checkpoint_activations`
+recomputes each decoder layer's activations in the backward pass (the HF model's own gradient checkpointing,
+non-reentrant; a sharded model is checkpointed by Composer's FSDP config instead: :mod:`training.blocks.sharding`);
+:meth:`MaskedCausalLM.compile_forward` runs this module's forward passes through ``torch.compile`` while the HF
+module itself stays as it is, so its weights keep their names and its copies (the in-process reference) run eagerly.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from curation.core.distributed import normalised_loss
 from curation.core.losses import model_logits, token_losses
 from curation.core.selection import masked_mean
 
-__all__ = ["MaskedCausalLM", "LMOutputs", "TokenLoss", "TokenPerplexity", "kept_mask"]
+__all__ = ["MaskedCausalLM", "LMOutputs", "TokenLoss", "TokenPerplexity", "kept_mask", "checkpoint_activations"]
 
 
 class LMOutputs(dict):
@@ -60,10 +66,16 @@ class MaskedCausalLM(ComposerModel):
         self.model = model
         self.train_metrics = {"TokenLoss": TokenLoss()}
         self.val_metrics = {"TokenLoss": TokenLoss(), "TokenPerplexity": TokenPerplexity()}
+        self.compiled: nn.Module | None = None  # not a submodule: the same weights, no second name for them
+
+    def compile_forward(self, **options: Any) -> None:
+        """Run the forward passes (training and evaluation) through ``torch.compile(self.model, **options)``."""
+        object.__setattr__(self, "compiled", torch.compile(self.model, **options))
 
     # --- forward / loss ----------------------------------------------------------------------
     def forward(self, batch: dict[str, Any]) -> LMOutputs:
-        return LMOutputs(logits=model_logits(self.model, batch["tokens"], batch.get("valid")))
+        model = self.compiled if self.compiled is not None else self.model
+        return LMOutputs(logits=model_logits(model, batch["tokens"], batch.get("valid")))
 
     def token_losses(self, outputs: LMOutputs, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """Per-token float32 losses (with graph) and validity; computed once per forward."""
@@ -91,6 +103,19 @@ class MaskedCausalLM(ComposerModel):
         with torch.no_grad():
             losses, valid = self.token_losses(outputs, batch)
             metric.update(losses.detach(), kept_mask(batch, valid))
+
+
+def checkpoint_activations(hf: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (HF gradient checkpointing, non-reentrant:
+    the same gradients, less activation memory, about one more forward of compute).
+
+    Raises:
+        ValueError: the model does not support it (names the class and the setting).
+    """
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        raise ValueError(f"model.activation_checkpointing: {type(hf).__name__} does not support gradient "
+                         "checkpointing; set it to false")
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class TokenLoss(Metric):

@@ -18,7 +18,13 @@ layer at a time. The BLADE reference is sharded **the same way** (same layers wr
 ``copy.deepcopy`` of a sharded module is not supported by PyTorch; :func:`sharded_clone` builds the
 clone's skeleton on the ``meta`` device from the HF config and shards it before any memory is allocated.
 
-Pure torch (``torch.distributed``); Composer is configured in :mod:`training.runs.wiring`.
+Activation checkpointing (``model.activation_checkpointing``) of a sharded model is Composer's: its FSDP config
+(``activation_checkpointing``) wraps the decoder layers :func:`install_checkpoint_policy` names in PyTorch's
+checkpoint wrappers before sharding. A clone is wrapped the same way (its refresh steps save the same memory, and
+its parameters keep the proxy's names, which ``‖u − w̃‖`` pairs them by).
+
+``torch.distributed`` and Composer's activation-checkpointing helper; Composer's FSDP is configured in
+:mod:`training.blocks.trainer`.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from composer.distributed.activation_checkpointing import apply_ac
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from curation.core.refresh import copy_buffers
 
-__all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
+__all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "install_checkpoint_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
            "load_full_state_dict", "reshard", "gather_optimizer_state", "shard_optimizer_state"]
 
 
@@ -63,9 +70,23 @@ def install_wrap_policy(hf: nn.Module) -> None:
     hf.fsdp_wrap_fn = lambda module: isinstance(module, layers)  # type: ignore[attr-defined]
 
 
-def shard_like(module: nn.Module, mesh: object | None = None) -> nn.Module:
-    """Apply ``fully_shard`` as Composer does for the proxy: each decoder layer, then the whole model."""
+def install_checkpoint_policy(hf: nn.Module) -> None:
+    """Tell Composer's FSDP activation checkpointing to wrap every decoder layer (``activation_checkpointing_fn``),
+    and turn the HF model's key/value cache off: a wrapped layer's forward runs again in the backward pass, and with
+    the cache on it would append its keys and values to the ones the first pass stored (HF's own gradient
+    checkpointing turns the cache off while training for the same reason; clones built from the config inherit
+    it). Training never reads the cache: the logits are the same."""
+    layers = decoder_layers(hf)
+    hf.activation_checkpointing_fn = lambda module: isinstance(module, layers)  # type: ignore[attr-defined]
+    hf.config.use_cache = False
+
+
+def shard_like(module: nn.Module, mesh: object | None = None, *, checkpointed: bool = False) -> nn.Module:
+    """Apply ``fully_shard`` as Composer does for the proxy: each decoder layer, then the whole model (with
+    ``checkpointed``, each decoder layer in an activation-checkpoint wrapper first, as Composer does)."""
     layers = decoder_layers(module)
+    if checkpointed:
+        apply_ac(module, True, False, lambda sub: isinstance(sub, layers))
     for sub in module.modules():
         if isinstance(sub, layers):
             fully_shard(sub, mesh=mesh)
@@ -106,7 +127,7 @@ def sharded_clone(source: nn.Module) -> nn.Module:
 
     with torch.device("meta"):
         clone = AutoModelForCausalLM.from_config(source.config)
-    shard_like(clone, _mesh(source))
+    shard_like(clone, _mesh(source), checkpointed=hasattr(source, "activation_checkpointing_fn"))
     device = next(source.parameters()).device
     clone.to_empty(device=device)
     copy_local(clone, source)

@@ -2,7 +2,8 @@
 
 ``summary.json`` holds tokens seen / kept per source, the validation loss curve, Δ quantiles per
 episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,
-the refresh log and the time spent per phase. Plots: ``delta_histograms.png`` (one curve per
+the refresh log, the time spent per phase and (``extra``) the run's ``throughput``
+(:meth:`training.blocks.throughput.Throughput.summary`). Plots: ``delta_histograms.png`` (one curve per
 episode), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
 """
 

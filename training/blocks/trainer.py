@@ -3,13 +3,17 @@
 :func:`make_trainer` builds it from a :class:`~schemas.train_config.TrainConfig` or a
 :class:`~schemas.train_config.ReplayConfig`: AdamW + gradient clipping, the JSON-lines metrics log, validation
 every ``eval.interval`` steps (a data-parallel rank evaluates its share of the rows), checkpoints every
-``checkpoint.interval`` steps and at a step where a stop request ended training (loaded weights-only), and,
-with ``parallel.strategy: fsdp`` on more than one rank, the model sharded by Composer's FSDP2 (one unit per decoder layer; :mod:`training.blocks.sharding`).
+``checkpoint.interval`` steps and at a step where a stop request ended training (loaded weights-only), the
+experiment loggers (:mod:`training.blocks.loggers`), ``model.activation_checkpointing`` and ``model.compile``
+(:mod:`training.blocks.model`), and, with ``parallel.strategy: fsdp`` on more than one rank, the model sharded by
+Composer's FSDP2 (one unit per decoder layer, activation checkpointing through its config;
+:mod:`training.blocks.sharding`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +35,14 @@ from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainCo
 from training.blocks.callbacks import JSONLinesLogger
 from training.blocks.checkpoint import resume_checkpoint, weights_only_loading
 from training.blocks.data import TokenRows, make_data_spec, rows_loader
-from training.blocks.model import MaskedCausalLM
-from training.blocks.sharding import average_on_gloo, install_wrap_policy, is_sharded
+from training.blocks.loggers import experiment_loggers, mlflow_resumption
+from training.blocks.model import MaskedCausalLM, checkpoint_activations
+from training.blocks.sharding import (
+    average_on_gloo,
+    install_checkpoint_policy,
+    install_wrap_policy,
+    is_sharded,
+)
 
 __all__ = ["make_trainer", "build_model", "setup_device", "resume_path", "rank_eval_loader"]
 
@@ -115,15 +125,32 @@ def make_trainer(
     resume: str | None, algorithms: Sequence[Any] = (), callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (),
 ) -> Trainer:
     """The Composer trainer of ``cfg`` (module docstring) training ``model`` on ``loader`` for ``total_steps``,
-    resuming from the checkpoint ``resume``."""
+    resuming from the checkpoint ``resume``. Rank 0 of a data-parallel group writes the logs (``loggers:`` beside
+    the JSON lines: :mod:`training.blocks.loggers`)."""
     train = isinstance(cfg, TrainConfig)
+    fsdp = train and cfg.parallel.strategy == "fsdp" and current_ranks().world_size > 1
+    rank = current_ranks().rank
+    dests = [JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"))] if rank == 0 else []
+    dests += experiment_loggers(cfg.loggers, cfg.output_dir, rank=rank, flush_interval=cfg.checkpoint.interval)
     parallelism = None
-    if train and cfg.parallel.strategy == "fsdp" and current_ranks().world_size > 1:
+    if fsdp:
         install_wrap_policy(model.model)
-        parallelism = {"fsdp": FSDP2Config(state_dict_type="full")}
+        if cfg.model.activation_checkpointing:
+            install_checkpoint_policy(model.model)
+        parallelism = {"fsdp": FSDP2Config(state_dict_type="full",
+                                           activation_checkpointing=cfg.model.activation_checkpointing)}
+    elif cfg.model.activation_checkpointing:
+        checkpoint_activations(model.model)
+    if cfg.model.compile:
+        compiler = os.environ.get("CXX") or "g++"
+        if device.type == "cpu" and shutil.which(compiler) is None:
+            raise ValueError(f"model.compile on a CPU needs a C++ compiler ({compiler} not found; torch.compile's "
+                             "inductor builds C++ kernels): install one or set model.compile=false")
+        model.compile_forward()
     clipping = [GradientClipping(clipping_type="norm", clipping_threshold=cfg.optim.grad_clip)] \
         if cfg.optim.grad_clip else []
-    with weights_only_loading():
+    with weights_only_loading(), mlflow_resumption(cfg.loggers, cfg.output_dir, resuming=resume is not None,
+                                                   rank=rank):
         trainer = Trainer(
             model=model,
             train_dataloader=make_data_spec(loader),
@@ -131,7 +158,7 @@ def make_trainer(
             optimizers=_optimizer(model, cfg.optim),
             algorithms=[*algorithms, *clipping],
             callbacks=list(callbacks),
-            loggers=[JSONLinesLogger(os.path.join(cfg.output_dir, "logs", "metrics.jsonl")), *loggers],
+            loggers=[*dests, *loggers],
             eval_dataloader=_evaluator(cfg.data.validation if train else cfg.validation, cfg,
                                        model_vocab_size(model.model)),
             eval_interval=_every(cfg.eval.interval, total_steps, "batch_end"),

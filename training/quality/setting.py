@@ -224,7 +224,7 @@ def _inter(h: int) -> int:
 
 def forward_flops(s: Setting, *, target: bool = False) -> float:
     """Forward FLOPs per token of the proxy (or the target) at the setting's context."""
-    return forward_flops_per_token(ModelShape.from_hf_config(model_config(s, target=target).hf_config, s.seq_len))
+    return forward_flops_per_token(ModelShape.of_hf_config(model_config(s, target=target).hf_config, s.seq_len))
 
 
 def run_shape(s: Setting, *, target: bool = False) -> RunShape:

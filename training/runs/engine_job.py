@@ -39,6 +39,7 @@ from curation.io.outputs import localize, open_output, urls_in
 from curation.io.shards import check_tokenizer, shard_dir_info
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.stop import GracefulStop
+from training.blocks.loggers import check_installed
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus
 from training.runs.wiring import RunOutputs, build_training, finish_run, run_schedule
@@ -74,7 +75,7 @@ class EngineRun:
         stream = CandidateStream(num, t.batch_size, t.seed)
         out = os.path.join(t.output_dir, "selected" if pipelined else "scored")
         engine_dir = os.path.join(t.output_dir, "engine")
-        model = t.model.model_dump(mode="json")
+        model = t.model.architecture.model_dump(mode="json")  # the workers' model: how the trainer runs it aside
         selection = t.selection.model_dump(mode="json")
         run_key = {
             "stream": stream.to_dict(), "plan": plan.to_dict(), "policy": policy.name, "model": model,
@@ -124,6 +125,7 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
             with a checkpoint there, the workers finished (or dropped) their units and Ray was shut down; the
             message names the step and the checkpoint a rerun resumes from.
     """
+    check_installed(cfg.train.loggers)  # before Ray starts
     cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage)
     with open_output(cfg.train.output_dir, "curate_and_train",
                      {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
@@ -151,7 +153,8 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
                   f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
             res = run_worker_group(t, engine={"engine": engine, "scored_dir": e.out_dir, "stream": e.stream,
                                               "plan": e.plan, "timeout_s": eng.wait_timeout_s})
-            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"]})
+            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"],
+                                                            "throughput": res["throughput"]})
         else:
             if pipelined:
                 run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
@@ -186,6 +189,6 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
     }
     selected = os.path.join(t.output_dir, "selected")
     outputs.extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": outputs.extra.get("resumed_from"),
-                     "stream": e.stream.to_dict(), "selected_dir": selected}
+                     "stream": e.stream.to_dict(), "selected_dir": selected, "throughput": outputs.extra.get("throughput")}
     paths = finish_run(t.output_dir, outputs, plots=t.plots)
     return {**paths, "engine": engine_summary, "selected": selected, "scored": None if pipelined else e.out_dir}

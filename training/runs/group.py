@@ -16,8 +16,8 @@ where the rank shows (DESIGN.md §2, docs/dev/ray-train-composer.md):
 * **Reference**: every rank scores its own rows with the same reference; refreshes run identically on
   every rank (the proxy weights are identical under DDP and the refresh batches are deterministic).
 * **Outputs, once**: rank 0 writes the selected-token shards (full batches, in single-process row order,
-  ``world_size`` in the manifest), the metrics log, the final weights and the summary; Composer writes the
-  checkpoints from rank 0 only.
+  ``world_size`` in the manifest), the metrics log and the experiment loggers' files, the final weights and the
+  summary; Composer writes the checkpoints from rank 0 only.
 * **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`schemas.stop.GracefulStop`) is written to
   ``parallel/stop.json``; every rank reads it at the end of every step and the ranks agree with one ``all_reduce``
   (MAX) of their flags (:class:`GroupStop`), so all stop after the same step, where rank 0's checkpoint is written
@@ -52,7 +52,8 @@ from schemas.manifest import atomic_write_text
 from schemas.shards import ShardSchemaError
 from schemas.stop import GracefulStop, stop_signal
 from schemas.train_config import TrainConfig
-from training.blocks.callbacks import JSONLinesLogger, StepTimes
+from training.blocks.callbacks import StepTimes
+from training.blocks.loggers import check_installed
 from training.blocks.preemption import StopAtStepEnd, stopped_at_step
 from training.blocks.sharding import is_sharded
 from training.runs.engine_feed import EngineSync
@@ -150,12 +151,6 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                           distance_interval=cfg.distance_interval)
         run.trainer.state.callbacks.insert(0, sync)
     _record_attempt(cfg.output_dir, ranks, run.resumed_from)
-    if ranks.rank > 0:  # one metrics log: rank 0's
-        dests = run.trainer.logger.destinations
-        for d in dests:
-            if isinstance(d, JSONLinesLogger):
-                d._file.close()
-        run.trainer.logger.destinations = tuple(d for d in dests if not isinstance(d, JSONLinesLogger))
     run.fit()
     if run.stopped_at is not None:  # every rank stopped after the same step (GroupStop); the driver reports it
         if ranks.rank == 0:
@@ -171,7 +166,8 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
     if engine is not None:  # the driver finishes: the engine's last reference and report go with the summary
         stats, outputs.stats = outputs.stats, None
         out = {**finish_run(cfg.output_dir, outputs, plots=cfg.plots), "stats": stats,
-               "resumed_from": run.resumed_from, "publish_seconds": sync.publish_seconds if sync else 0.0,
+               "resumed_from": run.resumed_from, "throughput": outputs.extra.get("throughput"),
+               "publish_seconds": sync.publish_seconds if sync else 0.0,
                "trainer_wait_seconds": engine["client"].wait_seconds}
     else:
         out = {**finish_run(cfg.output_dir, outputs, plots=cfg.plots), "selected": selected}
@@ -190,6 +186,7 @@ def train_parallel(cfg: TrainConfig, *, address: str | None = None, num_cpus: in
         StopRequested: a SIGTERM / SIGINT stopped the group after a step, with a checkpoint there (the module's
             docstring); Ray is shut down, and the message names the step and the checkpoint.
     """
+    check_installed(cfg.loggers)  # here, not in a worker after Ray started
     cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage), shared by the ranks
     with open_output(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         lock.write_records()

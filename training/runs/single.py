@@ -23,6 +23,8 @@ from schemas.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
+from training.blocks.loggers import check_installed
+from training.blocks.throughput import throughput_callbacks
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.runs.wiring import TrainRun, build_training, finish_run
 
@@ -42,6 +44,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
         StopRequested: a stop signal ended the run early; its message names the step and the checkpoint a rerun
             resumes from.
     """
+    check_installed(cfg.loggers)
     cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage)
     with open_output(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
         run = build_training(cfg, callbacks=callbacks)
@@ -67,9 +70,11 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     rows = TokenRows(cfg.selected, "selected", use_mask=True, model_vocab=model_vocab_size(model.model))
     loader = rows_loader(rows, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
-    trainer = make_trainer(cfg, model=model, loader=loader, total_steps=cfg.max_steps or len(loader) * cfg.epochs,
-                           device=device, resume=resume, callbacks=callbacks)
-    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume)
+    total = cfg.max_steps or len(loader) * cfg.epochs
+    speed, meter = throughput_callbacks(cfg, model, total_steps=total, validation=cfg.validation is not None)
+    trainer = make_trainer(cfg, model=model, loader=loader, total_steps=total, device=device, resume=resume,
+                           callbacks=[*callbacks, speed, meter])
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume, throughput=meter)
 
 
 def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
@@ -77,6 +82,7 @@ def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any
 
     Locks ``output_dir`` and resumes only with the config in its ``config.yaml`` (as :func:`train`)."""
     curve = ValidationCurve()
+    check_installed(cfg.loggers)
     cfg = localize(cfg)
     with open_output(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
         run = build_replay(cfg, callbacks=[curve, *callbacks])

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from curation.core.distributed import Ranks
-from curation.core.refresh_data import RefreshData, RefreshSettings
+from curation.core.policies import RefreshMode
+from curation.core.refresh import RefreshSettings
+from curation.core.refresh_data import RefreshData
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.engine.scorer import ScoredShards
@@ -54,6 +56,7 @@ from training.blocks.model import MaskedCausalLM
 from training.blocks.preemption import StopAtStepEnd
 from training.blocks.sharding import full_state_dict, is_sharded
 from training.blocks.summary import write_summary
+from training.blocks.throughput import ReferenceWork, Throughput, throughput_callbacks
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.selection.algorithm import BladeAlgorithm
 from training.selection.reference import InProcessReference, ReferenceSettings
@@ -113,6 +116,7 @@ class TrainRun:
     resumed_from: str | None = None
     manifest_extra: dict[str, Any] = field(default_factory=dict)
     stopper: StopAtStepEnd | None = None  # ends the fit at a step end on a stop request (SIGTERM, SIGINT)
+    throughput: Throughput | None = None  # tokens/s, MFU, time left (the summary's `throughput`)
 
     @property
     def stopped_at(self) -> int | None:
@@ -144,10 +148,11 @@ class TrainRun:
         ref = None
         if reference and isinstance(self.algorithm, BladeAlgorithm):
             ref = self.algorithm.reference_state_dict()
+        throughput = self.throughput.summary(self.trainer.state) if self.throughput is not None else None
         return RunOutputs(weights=full_state_dict(hf) if is_sharded(hf) else hf, config=hf.config, reference=ref,
                           stats=self.stats.summary_data() if self.stats is not None else None,
                           extra={"resumed_from": self.resumed_from, "stream": self.manifest_extra.get("stream"),
-                                 **dict(extra)})
+                                 "throughput": throughput, **dict(extra)})
 
 
 @dataclass
@@ -187,10 +192,12 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
 
 def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm: Any, *,
          callbacks: Sequence[Any], loggers: Sequence[Any] = (), manifest_extra: dict[str, Any] | None = None,
-         stopper: StopAtStepEnd | None = None) -> TrainRun:
-    """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics logged), resuming from
-    ``output_dir``'s checkpoints. ``stopper`` ends the fit at a step end on a stop request (default: on a signal
-    caught by the active :class:`schemas.stop.GracefulStop`; a data-parallel rank passes its group's).
+         stopper: StopAtStepEnd | None = None, reference: ReferenceWork | None = None,
+         schedule: Schedule | None = None) -> TrainRun:
+    """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics and throughput logged),
+    resuming from ``output_dir``'s checkpoints. ``stopper`` ends the fit at a step end on a stop request (default: on
+    a signal caught by the active :class:`schemas.stop.GracefulStop`; a data-parallel rank passes its group's);
+    ``reference`` is the in-process reference's work and ``schedule`` the run's (the time left counts both).
 
     Raises:
         ValueError: ``output_dir`` holds checkpoints and ``checkpoint.resume`` is off.
@@ -199,11 +206,13 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     os.makedirs(cfg.output_dir, exist_ok=True)
     stats = SelectionStats(algorithm)
     stopper = stopper or StopAtStepEnd()
+    speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
+                                        reference=reference, schedule=schedule or run_schedule(cfg))
     trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data), total_steps=cfg.max_steps,
                            device=inputs.device, resume=resume, algorithms=[algorithm],
-                           callbacks=[stats, *callbacks, stopper], loggers=loggers)
+                           callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper)
+                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper, throughput=meter)
 
 
 def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,
@@ -235,8 +244,11 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
                            keep_behind=cfg.selection.refresh_candidate_batches if in_process else 0)
     schedule = schedule or run_schedule(cfg)
     meters = meters if meters is not None else Meters()
-    reference = None
+    seq_len = inputs.candidates.seq_len or reader.dataset[0]["tokens"].shape[0]
+    reference = work = None
     if in_process:
+        work = ReferenceWork.of(cfg, rows=cfg.batch_size // ranks.world_size, seq_len=seq_len,
+                                static=select.policy.refresh_mode is RefreshMode.STATIC)
         validation = TokenRows(cfg.data.validation, "candidate", model_vocab=inputs.vocab)
         refresh = RefreshData(
             RefreshSettings.of(cfg.selection, lr=cfg.ref_lr, batch_size=cfg.refresh_batch_size,
@@ -246,10 +258,8 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             step_tokens=lambda step: stream.batch(step)["tokens"])
         reference = InProcessReference(ReferenceSettings.of(cfg), refresh, stream, schedule=schedule, ranks=ranks,
                                        meters=meters)
-    algorithm = BladeAlgorithm(
-        select, schedule, stream, reference=reference, scored=ShardScores(scored, ranks) if scored else None,
-        microbatch_size=cfg.effective_microbatch_size, recent_batches=cfg.selection.refresh_candidate_batches,
-        distance_interval=cfg.distance_interval, meters=meters)
+    algorithm = BladeAlgorithm(cfg, select, schedule, stream, reference=reference,
+                               scored=ShardScores(scored, ranks) if scored else None, meters=meters)
     extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
              "gamma": cfg.selection.gamma, "candidates": storage.canonical(cfg.data.candidates),
              "world_size": cfg.parallel.workers}
@@ -258,7 +268,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
         cand = inputs.candidates
         cbs.append(SelectedShardWriter(
             os.path.join(cfg.output_dir, "selected"), algorithm=algorithm, vocab_size=cand.vocab_size,
-            seq_len=cand.seq_len or reader.dataset[0]["tokens"].shape[0], max_steps=cfg.max_steps,
+            seq_len=seq_len, max_steps=cfg.max_steps,
             flush_every=cfg.checkpoint.interval, rank=ranks.rank,
             manifest_fields={
                 "config": urls_in(cfg.model_dump(mode="json")), "tokenizer_fingerprint": inputs.tokenizer_fingerprint,
@@ -266,4 +276,4 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             },
         ))
     return wire(cfg, inputs, RankBatches(stream, ranks), algorithm, callbacks=[*cbs, *callbacks], loggers=loggers,
-                manifest_extra=extra, stopper=stopper)
+                manifest_extra=extra, stopper=stopper, reference=work, schedule=schedule)

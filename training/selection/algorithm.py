@@ -40,6 +40,7 @@ from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
 from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.core.stats import SelectionRecord, param_distance
 from curation.core.step import SelectionStep
+from schemas.train_config import TrainConfig
 from training.blocks.checkpoint import rng_state, set_rng_state
 from training.blocks.data import StreamBatches
 from training.blocks.meters import Meters
@@ -65,20 +66,19 @@ class BladeAlgorithm(Algorithm):
     """Online token selection for one policy; see the module docstring.
 
     Args:
+        cfg: the run's config: ``effective_microbatch_size`` (a single process's selection blocks),
+            ``selection.refresh_candidate_batches`` (the steps whose masks the next refresh's ``L_train`` uses) and
+            ``distance_interval`` (measure ``‖u − w̃‖`` every this many steps).
         select: the run's selection step (policy, γ, seed, ranks, scope).
         schedule: the run's schedule.
         stream: the candidate stream's full batches.
         reference: the in-process reference (None: no reference, or scores from ``scored``).
         scored: ``ℓ(w̃)`` from scored shards or the engine.
-        microbatch_size: sequences per forward/backward of a single process (its selection blocks).
-        recent_batches: steps whose masks the next refresh's ``L_train`` uses.
-        distance_interval: measure ``‖u − w̃‖`` every this many steps.
         meters: the run's timers and counts (shared with the reference; benchmarks pass their own clock).
     """
 
-    def __init__(self, select: SelectionStep, schedule: Schedule, stream: StreamBatches, *,
+    def __init__(self, cfg: TrainConfig, select: SelectionStep, schedule: Schedule, stream: StreamBatches, *,
                  reference: InProcessReference | None = None, scored: ShardScores | None = None,
-                 microbatch_size: int, recent_batches: int, distance_interval: int = 1,
                  meters: Meters | None = None) -> None:
         self.select = select
         self.policy = select.policy
@@ -87,11 +87,11 @@ class BladeAlgorithm(Algorithm):
         self.stream = stream
         self.reference = reference
         self.scored = scored
-        self.microbatch_size = microbatch_size
-        self.distance_interval = distance_interval
+        self.microbatch_size = cfg.effective_microbatch_size
+        self.distance_interval = cfg.distance_interval
         self.meters = meters if meters is not None else Meters()
         self.timers, self.counts = self.meters.timers, self.meters.counts
-        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=recent_batches)
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=cfg.selection.refresh_candidate_batches)
         self.last: SelectionRecord | None = None
         self.next_step = 0
         self.device = torch.device("cpu")

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from curation.core.policies import POLICIES, POLICY_NAMES, RefreshMode, ScoreKind, get_policy
+from curation.core.refresh import RefreshSettings
 from curation.core.selection import num_selected
 from curation.core.stats import param_distance
 
@@ -113,19 +114,19 @@ def _cands():
 def test_refresh_dispatch_sync_vs_continue():
     torch.manual_seed(0)
     proxy, previous = _Bigram(), _Bigram()
-    settings = {"steps": 3, "lr": 0.05}
-    blade = get_policy("blade").refresh(proxy, _vals(), _cands(), previous=previous, **settings)
-    sync = get_policy("blade").refresh(proxy, _vals(), _cands(), **settings)
+    settings = RefreshSettings(refresh_steps=3, lr=0.05)
+    blade = get_policy("blade").refresh(proxy, _vals(), _cands(), settings, previous=previous)
+    sync = get_policy("blade").refresh(proxy, _vals(), _cands(), settings)
     assert param_distance(blade.model, sync.model) == 0.0  # blade ignores `previous`: w0 <- u
-    nosync = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), previous=previous, **settings)
+    nosync = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, previous=previous)
     assert param_distance(nosync.model, sync.model) > 0
-    zero = get_policy("blade-nosync").refresh(proxy, [], [], previous=previous, steps=0)
+    zero = get_policy("blade-nosync").refresh(proxy, [], [], RefreshSettings(refresh_steps=0), previous=previous)
     assert param_distance(zero.model, previous) == 0.0
-    first = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), previous=None, **settings)
+    first = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, previous=None)
     assert param_distance(first.model, sync.model) == 0.0  # first episode: from the proxy
     for name in ("full", "random", "rho1"):
         with pytest.raises(ValueError, match="never refreshed"):
-            get_policy(name).refresh(proxy, _vals(), _cands(), **settings)
+            get_policy(name).refresh(proxy, _vals(), _cands(), settings)
 
 
 def test_train_static_reference_is_exported_for_rho1():
@@ -133,5 +134,5 @@ def test_train_static_reference_is_exported_for_rho1():
 
     torch.manual_seed(0)
     base = _Bigram()
-    result = train_static_reference(base, _vals(), steps=5, lr=0.1)
+    result = train_static_reference(base, _vals(), RefreshSettings(rho1_steps=5, lr=0.1))
     assert result.steps == 5 and result.val_losses[-1] < result.val_losses[0]

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from curation.core.losses import TokenBatch, model_logits, token_losses
-from curation.core.refresh import refresh_reference, train_static_reference
+from curation.core.refresh import RefreshSettings, refresh_reference, train_static_reference
 from curation.core.selection import masked_mean
 from curation.core.stats import param_distance
 
@@ -81,9 +81,14 @@ def trained_proxy(steps: int = 4) -> tuple[LlamaForCausalLM, torch.optim.AdamW]:
 SETTINGS = {"lam": 1.0, "lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
 
 
+def settings(steps: int, **changes) -> RefreshSettings:
+    """``K = steps`` with the tests' ``SETTINGS``, ``changes`` applied."""
+    return RefreshSettings(refresh_steps=steps, **{**SETTINGS, **changes})
+
+
 def test_k_zero_returns_the_proxy_weights_exactly_without_aliasing():
     proxy, _ = trained_proxy(2)
-    result = refresh_reference(proxy, [], [], steps=0)
+    result = refresh_reference(proxy, [], [], settings(0))
     assert result.steps == 0 and result.val_losses == []
     ref_sd, proxy_sd = result.state_dict(), proxy.state_dict()
     assert ref_sd.keys() == proxy_sd.keys()
@@ -105,7 +110,7 @@ def test_proxy_parameters_optimizer_and_mode_unchanged_by_refresh():
     grads_before = {n: p.grad.clone() for n, p in proxy.named_parameters()}
     opt_before = copy.deepcopy(opt.state_dict())
 
-    result = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+    result = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3))
 
     assert result.steps == 3 and param_distance(result.model, proxy) > 0
     for k, v in proxy.state_dict().items():
@@ -130,7 +135,7 @@ def test_refreshed_reference_has_lower_validation_loss_than_the_proxy():
     proxy, _ = trained_proxy(4)
     held_out = val_batch(torch.Generator().manual_seed(999), b=8)
     proxy_val = mean_loss(proxy, held_out)
-    result = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=25, **SETTINGS)
+    result = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(25))
     ref_val = mean_loss(result.model, held_out)
     assert ref_val < proxy_val - 0.5, (proxy_val, ref_val)
     assert result.val_losses[-1] < result.val_losses[0]
@@ -141,9 +146,8 @@ def test_refreshed_reference_has_lower_validation_loss_than_the_proxy():
 
 def test_lambda_weighs_the_candidate_term():
     proxy, _ = trained_proxy(2)
-    with_cand = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
-    settings = dict(SETTINGS, lam=0.0)
-    no_cand = refresh_reference(proxy, val_stream(1), None, steps=3, **settings)
+    with_cand = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3))
+    no_cand = refresh_reference(proxy, val_stream(1), None, settings(3, lam=0.0))
     assert no_cand.train_losses == [] and no_cand.objectives == no_cand.val_losses
     assert param_distance(with_cand.model, no_cand.model) > 0
 
@@ -158,27 +162,27 @@ def test_candidate_mask_restricts_the_candidate_loss():
     tokens_b = cand.tokens.clone()
     tokens_b[:, 8:] = (tokens_b[:, 8:] + 1) % VOCAB  # positions >= 8 are unselected and never context
     vals = [val_batch(torch.Generator().manual_seed(4))]
-    a = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, mask)], steps=1, **SETTINGS)
-    b = refresh_reference(proxy, vals, [TokenBatch(tokens_b, None, mask)], steps=1, **SETTINGS)
+    a = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, mask)], settings(1))
+    b = refresh_reference(proxy, vals, [TokenBatch(tokens_b, None, mask)], settings(1))
     assert a.train_losses == b.train_losses
     assert param_distance(a.model, b.model) == 0.0
-    c = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, ~mask)], steps=1, **SETTINGS)
+    c = refresh_reference(proxy, vals, [TokenBatch(cand.tokens, None, ~mask)], settings(1))
     assert c.train_losses != a.train_losses
 
 
 def test_nosync_starts_from_previous_reference():
     proxy, _ = trained_proxy(2)
-    previous = refresh_reference(proxy, val_stream(7), cand_stream(8), steps=4, **SETTINGS).model
+    previous = refresh_reference(proxy, val_stream(7), cand_stream(8), settings(4)).model
     # K = 0 from `previous` returns previous's weights, not the proxy's
-    same = refresh_reference(proxy, [], [], steps=0, previous=previous)
+    same = refresh_reference(proxy, [], [], settings(0), previous=previous)
     assert param_distance(same.model, previous) == 0.0 and param_distance(same.model, proxy) > 0
     # state dicts work as well as modules
-    same_sd = refresh_reference(proxy, [], [], steps=0, previous=previous.state_dict())
+    same_sd = refresh_reference(proxy, [], [], settings(0), previous=previous.state_dict())
     assert param_distance(same_sd.model, previous) == 0.0
     # K > 0: identical to refreshing `previous` itself as if it were the proxy, different from sync
-    cont = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, previous=previous, **SETTINGS)
-    manual = refresh_reference(previous, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
-    sync = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=3, **SETTINGS)
+    cont = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3), previous=previous)
+    manual = refresh_reference(previous, val_stream(1), cand_stream(2), settings(3))
+    sync = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3))
     assert param_distance(cont.model, manual.model) == 0.0
     assert param_distance(cont.model, sync.model) > 0
     assert param_distance(cont.model, previous) > 0  # previous itself is untouched by continuing
@@ -188,26 +192,25 @@ def test_nosync_starts_from_previous_reference():
 def test_optimizer_state_carry_equals_one_long_run():
     proxy, _ = trained_proxy(2)
     vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
-    long = refresh_reference(proxy, vals, cands, steps=4, **SETTINGS)
-    first = refresh_reference(proxy, vals[:2], cands[:2], steps=2, **SETTINGS)
+    long = refresh_reference(proxy, vals, cands, settings(4))
+    first = refresh_reference(proxy, vals[:2], cands[:2], settings(2))
     second = refresh_reference(
         proxy,
         vals[2:],
         cands[2:],
-        steps=2,
+        settings(2),
         previous=first.model,
         optimizer_state=first.optimizer_state,
-        **SETTINGS,
     )
     assert param_distance(second.model, long.model) == 0.0
-    fresh = refresh_reference(proxy, vals[2:], cands[2:], steps=2, previous=first.model, **SETTINGS)
+    fresh = refresh_reference(proxy, vals[2:], cands[2:], settings(2), previous=first.model)
     assert param_distance(fresh.model, long.model) > 0
 
 
 def test_gradient_clipping_applies():
     proxy, _ = trained_proxy(1)
-    tight = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=1, lam=1.0, lr=1e-2, grad_clip=1e-6)
-    loose = refresh_reference(proxy, val_stream(1), cand_stream(2), steps=1, lam=1.0, lr=1e-2, grad_clip=None)
+    tight = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(1, grad_clip=1e-6))
+    loose = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(1, grad_clip=None))
     assert tight.grad_norms == pytest.approx(loose.grad_norms)  # reported norm is before clipping
     assert tight.grad_norms[0] > 1e-3
     # Adam normalises the step size, so compare the second moment instead: clipped grads are tiny
@@ -219,22 +222,28 @@ def test_gradient_clipping_applies():
 def test_running_out_of_batches_and_bad_settings_raise():
     proxy = tiny_llama(0)
     with pytest.raises(ValueError, match="val_batches ran out after 1 of 2"):
-        refresh_reference(proxy, [val_batch(torch.Generator())], cand_stream(0), steps=2)
+        refresh_reference(proxy, [val_batch(torch.Generator())], cand_stream(0), settings(2))
     with pytest.raises(ValueError, match="cand_batches ran out after 0 of 1"):
-        refresh_reference(proxy, val_stream(0), [], steps=1)
+        refresh_reference(proxy, val_stream(0), [], settings(1))
     with pytest.raises(ValueError, match="cand_batches is required"):
-        refresh_reference(proxy, val_stream(0), None, steps=1)
-    with pytest.raises(ValueError, match="steps"):
-        refresh_reference(proxy, [], [], steps=-1)
-    with pytest.raises(ValueError, match="lr"):
-        refresh_reference(proxy, [], [], steps=0, lr=0.0)
+        refresh_reference(proxy, val_stream(0), None, settings(1))
+    with pytest.raises(ValueError, match=r"^refresh_steps must be an int >= 0, got -1$"):
+        settings(-1)
+    with pytest.raises(ValueError, match=r"^rho1_steps must be an int >= 0, got True$"):
+        RefreshSettings(rho1_steps=True)
+    with pytest.raises(ValueError, match=r"^lr \(η_w\) must be > 0, got 0.0$"):
+        settings(0, lr=0.0)
+    with pytest.raises(ValueError, match=r"^lam \(λ\) must be >= 0, got -0.5$"):
+        settings(0, lam=-0.5)
+    with pytest.raises(ValueError, match=r"^grad_clip must be >= 0 or None, got -1.0$"):
+        settings(0, grad_clip=-1.0)
 
 
 def test_static_reference_trains_a_copy_of_the_base_on_validation_data():
     base = tiny_llama(3)
     before = copy.deepcopy(base.state_dict())
     held_out = val_batch(torch.Generator().manual_seed(999), b=8)
-    result = train_static_reference(base, val_stream(1), steps=20, lr=1e-2)
+    result = train_static_reference(base, val_stream(1), RefreshSettings(rho1_steps=20, lr=1e-2))
     assert mean_loss(result.model, held_out) < mean_loss(base, held_out) - 0.5
     assert result.train_losses == []
     for k, v in base.state_dict().items():
@@ -256,7 +265,7 @@ def test_plain_modules_returning_logits_are_accepted():
     torch.manual_seed(0)
     model = _PlainLM()
     held_out = val_batch(torch.Generator().manual_seed(999))
-    result = refresh_reference(model, val_stream(1), cand_stream(2), steps=10, lam=0.5, lr=0.1)
+    result = refresh_reference(model, val_stream(1), cand_stream(2), settings(10, lam=0.5, lr=0.1))
     assert mean_loss(result.model, held_out) < mean_loss(model, held_out)
 
 
@@ -269,7 +278,7 @@ def test_padded_batches_and_tuple_batches():
     tokens = v.tokens.clone()
     tokens[:, -5:] = 0
     c = candidate_batch(gen)
-    result = refresh_reference(proxy, [(tokens, valid)], [(c.tokens, None, c.mask)], steps=1, **SETTINGS)
+    result = refresh_reference(proxy, [(tokens, valid)], [(c.tokens, None, c.mask)], settings(1))
     assert result.steps == 1 and all(torch.isfinite(torch.tensor(result.objectives)))
 
 
@@ -280,11 +289,10 @@ def _refreshed_both_ways(proxy, episode, steps, fresh, kept, ws):
     with torch.no_grad():
         for p in proxy.parameters():
             p.add_(0.01 * (episode + 1))
-    kw = dict(steps=steps, lam=1.0, lr=1e-2)
-    a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=fresh[0],
-                          optimizer_state=fresh[1], **kw)
-    b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), previous=kept[0],
-                          optimizer_state=kept[1], workspace=ws, **kw)
+    a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), previous=fresh[0],
+                          optimizer_state=fresh[1])
+    b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), previous=kept[0],
+                          optimizer_state=kept[1], workspace=ws)
     assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -349,24 +357,24 @@ def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_cop
 
     proxy, _ = trained_proxy(2)
     vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
-    long = refresh_reference(proxy, vals, cands, steps=4, **SETTINGS)
-    first = refresh_reference(proxy, vals[:2], cands[:2], steps=2, **SETTINGS)
+    long = refresh_reference(proxy, vals, cands, settings(4))
+    first = refresh_reference(proxy, vals[:2], cands[:2], settings(2))
     carried = copy.deepcopy(first.optimizer_state)
     ws = RefreshWorkspace(keep_optimizer_state=True)
-    second = refresh_reference(proxy, vals[2:], cands[2:], steps=2, previous=first.model.state_dict(),
-                               optimizer_state=carried, workspace=ws, **SETTINGS)
+    second = refresh_reference(proxy, vals[2:], cands[2:], settings(2), previous=first.model.state_dict(),
+                               optimizer_state=carried, workspace=ws)
     assert param_distance(second.model, long.model) == 0.0
     assert int(second.optimizer_state["state"][0]["step"]) == 4
     p0 = next(iter(second.model.parameters()))
     moment = ws.optimizer.state[p0]["exp_avg"]
     assert moment is carried["state"][0]["exp_avg"]  # taken over, updated in place
-    third = refresh_reference(proxy, vals[:1], cands[:1], steps=1, previous=second.model, optimizer_state=CONTINUE,
-                              workspace=ws, **SETTINGS)
+    third = refresh_reference(proxy, vals[:1], cands[:1], settings(1), previous=second.model, optimizer_state=CONTINUE,
+                              workspace=ws)
     assert ws.optimizer.state[p0]["exp_avg"] is moment and int(third.optimizer_state["state"][0]["step"]) == 5
     with pytest.raises(ValueError, match="continues a workspace's AdamW: pass the workspace"):
-        refresh_reference(proxy, vals, cands, steps=1, optimizer_state=CONTINUE, **SETTINGS)
+        refresh_reference(proxy, vals, cands, settings(1), optimizer_state=CONTINUE)
     with pytest.raises(ValueError, match="optimizer_state must be a state dict, 'continue' or None"):
-        refresh_reference(proxy, vals, cands, steps=1, optimizer_state="resume", workspace=ws, **SETTINGS)
+        refresh_reference(proxy, vals, cands, settings(1), optimizer_state="resume", workspace=ws)
 
 
 @pytest.mark.gpu
@@ -374,8 +382,7 @@ def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (refresh under bf16 autocast)")
     proxy = tiny_llama(0).cuda()
-    kw = dict(steps=5, lam=1.0, lr=1e-2)
-    a = refresh_reference(proxy, val_stream(0), cand_stream(1), **kw)
-    b = refresh_reference(proxy, val_stream(0), cand_stream(1), precision="amp_bf16", **kw)
+    a = refresh_reference(proxy, val_stream(0), cand_stream(1), settings(5))
+    b = refresh_reference(proxy, val_stream(0), cand_stream(1), settings(5, precision="amp_bf16"))
     assert b.objectives != a.objectives  # bf16 really ran
     assert max(abs(x - y) / max(abs(x), 1.0) for x, y in zip(a.objectives, b.objectives, strict=True)) < 3e-2

@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from curation.core.policies import get_policy
-from curation.core.refresh import refresh_reference, train_static_reference
-from curation.core.refresh_data import RecentMasks, RefreshData, RefreshSettings
+from curation.core.refresh import RefreshSettings, refresh_reference, train_static_reference
+from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from schemas.train_config import SelectionConfig
 
@@ -92,14 +92,16 @@ def tiny_llama() -> LlamaForCausalLM:
 
 def test_refresh_and_static_reference_are_the_core_calls_with_these_batches():
     data = make(lam=0.5, ref_weight_decay=0.02, ref_grad_clip=0.5)
+    settings = RefreshSettings(seed=4, refresh_steps=3, lam=0.5, lr=1e-3, weight_decay=0.02, grad_clip=0.5,
+                               rho1_steps=2, batch_size=3, precision="fp32")
+    assert data.cfg == settings  # RefreshSettings.of: the selection config's fields, the resolved ones as given
     proxy = tiny_llama()
     recent = RecentMasks([0, 1], np.ones((2, B, L), np.uint8))
     got = data.refresh(get_policy("blade"), proxy, 2, recent)
     want = refresh_reference(proxy, list(data.validation_batches(2)), list(data.candidate_batches(2, recent)),
-                             steps=3, lam=0.5, lr=1e-3, weight_decay=0.02, grad_clip=0.5)
+                             settings)
     assert got.objectives == want.objectives and len(got.objectives) == 3
     assert all(torch.equal(a, b) for a, b in zip(got.model.parameters(), want.model.parameters(), strict=True))
     static = data.train_static(proxy)
-    want = train_static_reference(proxy, list(data.static_batches()), steps=2, lr=1e-3, weight_decay=0.02,
-                                  grad_clip=0.5)
+    want = train_static_reference(proxy, list(data.static_batches()), settings)
     assert static.val_losses == want.val_losses and len(static.val_losses) == 2

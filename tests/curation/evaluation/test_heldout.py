@@ -29,7 +29,7 @@ from curation.evaluation.heldout import (
 from curation.ingest.tokenizer import train_bpe_tokenizer
 from curation.io.models import build_causal_lm, save_weights
 from schemas.config import SourceConfig
-from schemas.eval_config import EvalModelSpec
+from schemas.eval_config import EvalModelSpec, EvaluateConfig
 from schemas.train_config import demo_model_config
 from tests.conftest import write_jsonl
 
@@ -136,11 +136,13 @@ def test_run_and_hf_directory_of_the_same_weights_score_the_same(tmp_path, tok):
     hf = _hf_dir(tmp_path, tok, "hf", seed=5)
     run = _run_dir(tmp_path, tok, "run", seed=5)
     other = _hf_dir(tmp_path, tok, "other", seed=6)
-    refs = resolve_models([EvalModelSpec(path=str(hf)), EvalModelSpec(path=str(run / "final")),
-                           EvalModelSpec(path=str(other), name="seed6")])
-    assert [r.name for r in refs] == ["hf", "run", "seed6"]
     src = SourceConfig(name="s", paths=[str(write_jsonl(tmp_path / "s.jsonl", [{"text": t} for t in TEXTS]))])
-    res = evaluate_models(refs, [src], max_len=64, rounds=200)
+    cfg = EvaluateConfig(models=[EvalModelSpec(path=str(hf)), EvalModelSpec(path=str(run / "final")),
+                                 EvalModelSpec(path=str(other), name="seed6")],
+                         sets=[src], max_len=64, bootstrap=200, output_dir=str(tmp_path / "eval"), progress=False)
+    refs = resolve_models(cfg.models)
+    assert [r.name for r in refs] == ["hf", "run", "seed6"]
+    res = evaluate_models(refs, cfg)
     loss = res["loss"]["s"]
     assert loss["hf"]["mean"] == pytest.approx(loss["run"]["mean"], abs=1e-6)
     direct = [_direct_losses(_model(tok.vocab_size, 5), tok, t) for t in TEXTS]

@@ -10,6 +10,7 @@ import pytest
 import zstandard
 
 import curation.ingest.prepare as prep
+import curation.ingest.units as units
 from curation.ingest.corpus import BadRecordError
 from curation.ingest.packing import pack_documents
 from curation.ingest.tokenizer import train_bpe_tokenizer
@@ -130,7 +131,7 @@ def test_resume_after_kill_mid_part(tmp_path, corpus, monkeypatch):
     sources = corpus[0]
     clean = _rows(prep.prepare(_cfg(tmp_path / "clean", sources)).dirs["candidates"])
 
-    real_write = prep.write_part
+    real_write = units.write_part
     calls = {"n": 0}
 
     def dying_write(part_dir, spec, samples, **kw):
@@ -144,7 +145,7 @@ def test_resume_after_kill_mid_part(tmp_path, corpus, monkeypatch):
             return real_write(part_dir, spec, half(), **kw)
         return real_write(part_dir, spec, samples, **kw)
 
-    monkeypatch.setattr(prep, "write_part", dying_write)
+    monkeypatch.setattr(units, "write_part", dying_write)
     cfg = _cfg(tmp_path / "killed", sources)
     with pytest.raises(_Killed):
         prep.prepare(cfg)
@@ -152,7 +153,7 @@ def test_resume_after_kill_mid_part(tmp_path, corpus, monkeypatch):
     m = Manifest.load(out)
     assert not m.complete and len(m.shards) == 4
     assert any(n.endswith(".tmp") for n in os.listdir(os.path.join(out, m.shards[-1].source)))  # partial part
-    monkeypatch.setattr(prep, "write_part", real_write)
+    monkeypatch.setattr(units, "write_part", real_write)
     res = prep.prepare(cfg)  # rerun: resumes
     assert _rows(res.dirs["candidates"]) == clean
     m2 = Manifest.load(out)
@@ -321,7 +322,7 @@ def _big_corpus(tmp_path, big_words, *, bad_line=False):
 def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at):
     """Kills before, while and after the big document is packed (it fills parts 5–11); reruns equal a clean run."""
     path, tok = _big_corpus(tmp_path, 1500, bad_line=True)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 500)  # the big document (~9k characters) is read in pieces
+    monkeypatch.setattr(units, "PIECE_CHARS", 500)  # the big document (~9k characters) is read in pieces
     src = SourceConfig(name="big", paths=[str(path), str(tmp_path / "nope.jsonl")])  # + a missing path
     kw = dict(validation=[], tokenizer=TokenizerConfig(path=tok.path), skip_bad_records=True, seq_len=128,
               sequences_per_part=2)
@@ -335,7 +336,7 @@ def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at)
     assert sorted(clean[0]) == sorted(expect.tolist()) and clean_m.sources["big"].dropped_tokens == len(rest)
     assert clean_m.sources["big"].bad_records == 11 and len(clean_m.shards) > 14  # counted once, also on resume
 
-    real_write = prep.write_part
+    real_write = units.write_part
     calls = {"n": 0}
 
     def dying_write(part_dir, spec, samples, **kw):
@@ -344,7 +345,7 @@ def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at)
             raise _Killed()
         return real_write(part_dir, spec, samples, **kw)
 
-    monkeypatch.setattr(prep, "write_part", dying_write)
+    monkeypatch.setattr(units, "write_part", dying_write)
     cfg = _cfg(tmp_path / "killed", [src], **kw)
     with pytest.raises(_Killed):
         prep.prepare(cfg)
@@ -353,7 +354,7 @@ def test_resume_inside_a_large_document_is_exact(tmp_path, monkeypatch, kill_at)
     assert set(state) == {"file", "record", "skip"}  # no tokens in the manifest
     if kill_at in (7, 11):  # the last finished part ends inside the big document (record 30)
         assert state["record"] == 30 and state["skip"] > 0
-    monkeypatch.setattr(prep, "write_part", real_write)
+    monkeypatch.setattr(units, "write_part", real_write)
     res = prep.prepare(cfg)
     assert _rows(res.dirs["candidates"]) == clean
     m = Manifest.load(out)

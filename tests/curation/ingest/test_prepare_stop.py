@@ -24,12 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 _SLOW_JOB = """
 import runpy, sys, time
 sys.path.insert(0, {repo!r})
-import curation.ingest.prepare as prep
-real = prep.write_part
+import curation.ingest.units as units
+real = units.write_part
 def slow(*a, **k):
     time.sleep({delay})
     return real(*a, **k)
-prep.write_part = slow
+units.write_part = slow
 sys.argv = [{script!r}, *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -79,7 +79,7 @@ def test_sigterm_finishes_the_part_in_progress_and_a_rerun_continues_exactly(tmp
     assert not m.complete and 1 <= len(m.shards)
     assert last.split("after finishing ")[1].split(";")[0] == os.path.join(cand, m.shards[-1].name)
     on_disk = {f"{s}/{p}" for s in os.listdir(cand) if os.path.isdir(os.path.join(cand, s))
-               for p in os.listdir(os.path.join(cand, s))}
+               for p in os.listdir(os.path.join(cand, s)) if not p.startswith("unit-")}  # parts, not unit records
     assert on_disk == {s.name for s in m.shards}  # the part in progress was finished and recorded, no other
     _rerun(cfg)
     for group in ("candidates", "validation"):

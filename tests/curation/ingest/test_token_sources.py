@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import curation.ingest.prepare as prep
+import curation.ingest.units as units
 from curation.ingest.corpus import BadRecordError
 from curation.ingest.packing import pack_documents
 from curation.ingest.tokenizer import train_bpe_tokenizer
@@ -185,7 +186,7 @@ def test_resume_after_a_kill_between_parts_is_identical(tmp_path, tok, c4, monke
     kw = dict(seq_len=48, sequences_per_part=5,
               validation=[SourceConfig(name="v", format="mds", paths=[str(root / "val")])])
     clean = prep.prepare(_cfg(tmp_path / "clean", tok, sources, **kw)).dirs
-    real = prep.write_part
+    real = units.write_part
     calls = {"n": 0}
 
     def dying(*a, **k):
@@ -194,14 +195,14 @@ def test_resume_after_a_kill_between_parts_is_identical(tmp_path, tok, c4, monke
             raise _Killed()
         return real(*a, **k)
 
-    monkeypatch.setattr(prep, "write_part", dying)
+    monkeypatch.setattr(units, "write_part", dying)
     cfg = _cfg(tmp_path / "killed", tok, sources, **kw)
     with pytest.raises(_Killed):
         prep.prepare(cfg)
     m = Manifest.load(os.path.join(cfg.output_dir, "candidates"))
     assert len(m.shards) == kill_at - 1 and not m.complete
     assert m.shards[-1].state["skip"] > 0  # the last finished part ended inside a sample
-    monkeypatch.setattr(prep, "write_part", real)
+    monkeypatch.setattr(units, "write_part", real)
     res = prep.prepare(cfg)
     for group in ("candidates", "validation"):
         assert _rows(res.dirs[group]) == _rows(clean[group]), group

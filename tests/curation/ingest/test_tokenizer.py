@@ -42,9 +42,9 @@ def test_encode_pieces_equals_whole_encoding(tmp_path, shared_data, gpt2_tokeniz
     bpe = train_bpe_tokenizer(iter([text[:20_000]]), vocab_size=500, save_to=str(tmp_path / "t" / "tokenizer.json"))
     for tok in (bpe, load_tokenizer(gpt2_tokenizer)):
         whole = tok.encode_batch([text])[0]
-        for piece_chars in (7, 100, 4096):
-            pieces = list(tok.encode_pieces(text, piece_chars=piece_chars))
+        for piece_chars, at_once in ((7, 1), (100, 1), (4096, 1), (100, 3), (4096, 8)):
+            pieces = list(tok.encode_pieces(text, piece_chars=piece_chars, at_once=at_once))
             assert len(pieces) > len(text) // (piece_chars + 200)  # really cut into pieces
-            assert np.concatenate(pieces).tolist() == whole, piece_chars
+            assert np.concatenate(pieces).tolist() == whole, (piece_chars, at_once)
     no_space = "x" * 5000  # no safe cut: encoded whole, still exact
     assert [len(p) for p in bpe.encode_pieces(no_space, piece_chars=100)] == [len(bpe.encode_batch([no_space])[0])]

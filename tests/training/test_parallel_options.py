@@ -1,0 +1,113 @@
+"""Issue 22 under data-parallel training (2 Ray Train workers, gloo): activation checkpointing (DDP: the HF model's;
+FSDP: Composer's FSDP config) leaves the run equal to the single-process one, and rank 0 alone writes the experiment
+loggers and the throughput (the whole group's tokens)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from curation.engine.ray_backend import ray_session
+from curation.io.shards import read_column
+from schemas.train_config import TrainConfig
+from training.runs.group import train_parallel
+from training.runs.single import train
+
+from .conftest import tiny_config
+from .test_loggers import mlflow_series, tensorboard_series, wandb_series
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+STEPS, B, L, W = 12, 8, 128, 2
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    with ray_session("local", num_cpus=2):
+        yield
+
+
+@pytest.fixture(scope="module")
+def single(demo_root, tmp_path_factory) -> dict:
+    """The single-process run both groups are compared with (no checkpointing)."""
+    return train(tiny_config(demo_root, str(tmp_path_factory.mktemp("parallel-options") / "single"), "blade",
+                             max_steps=STEPS))
+
+
+def _checkpointed(cfg: TrainConfig) -> TrainConfig:
+    return TrainConfig.model_validate({**cfg.model_dump(),
+                                       "model": {**cfg.model.model_dump(), "activation_checkpointing": True}})
+
+
+def _masks(out: dict) -> np.ndarray:
+    return np.stack(read_column(out["selected"], "loss_mask")).astype(bool)
+
+
+def _same_run(single: dict, group: dict) -> None:
+    ma, mb = _masks(single), _masks(group)
+    first = slice(W * B, (W + 1) * B)  # the first selecting step: exactly the single-process masks
+    assert np.array_equal(ma[first], mb[first]) and (ma == mb).mean() >= 0.99
+    wa, wb = load_file(single["final_weights"]), load_file(group["final_weights"])
+    assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
+def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_ray, single):
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    cfg = _checkpointed(make_config(
+        "blade", "ddp", max_steps=STEPS, parallel={"workers": 2}, throughput={"window": 3, "peak_flops": 1e11},
+        loggers={"tensorboard": {}, "mlflow": {"experiment": "ddp"}, "wandb": {}}))
+    group = train_parallel(cfg)
+    _same_run(single, group)
+
+    logs = os.path.join(cfg.output_dir, "logs")
+    assert os.listdir(os.path.join(logs, "tensorboard")) == ["train"]  # rank 0's event files only
+    tb = tensorboard_series(os.path.join(logs, "tensorboard", "train"))
+    runs, ml = mlflow_series("sqlite:///" + os.path.join(logs, "mlflow.db"), "ddp")
+    (run_dir,) = glob.glob(os.path.join(logs, "wandb", "offline-run-*"))  # one W&B run, not one per rank
+    wb = wandb_series(run_dir)
+    assert len(runs) == 1
+    for series in (tb, ml, wb):  # one value per step, the same everywhere
+        assert sorted(series["loss/train/total"]) == list(range(STEPS))
+        assert series["blade/param_distance"].keys() == tb["blade/param_distance"].keys()
+        assert series["blade/param_distance"] == pytest.approx(tb["blade/param_distance"], rel=1e-6)
+
+    # rank 0's values only: as many points as steps (two writers would log each step twice)
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(logs, "tensorboard", "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert len(acc.Scalars("loss/train/total")) == STEPS
+    client = MlflowClient("sqlite:///" + os.path.join(logs, "mlflow.db"))
+    assert len(client.get_metric_history(runs[0].info.run_id, "loss/train/total")) == STEPS
+
+    tp = json.load(open(group["summary"], encoding="utf-8"))["throughput"]
+    assert (tp["world_size"], tp["tokens"]) == (2, STEPS * B * L)  # the group's tokens, counted once
+    one = json.load(open(single["summary"], encoding="utf-8"))["throughput"]
+    # each rank scores its own half of the rows and repeats every refresh
+    f = tp["forward_flops_per_token"]
+    assert one["reference_flops_per_device"] - tp["reference_flops_per_device"] == f * (STEPS - W) * (B // 2) * L
+    assert tp["mfu"] == pytest.approx(tp["proxy_flops"] / 2 / tp["train_seconds"] / 1e11)
+
+
+def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, local_ray, single):
+    cfg = _checkpointed(make_config("blade", "fsdp", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"}))
+    group = train_parallel(cfg)
+    _same_run(single, group)
+    ra, rb = load_file(single["final_reference"]), load_file(group["final_reference"])
+    assert ra.keys() == rb.keys() and max(float((ra[k] - rb[k]).abs().max()) for k in ra) < 1e-4
+
+    def distances(out: str) -> list[float]:
+        with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+            return [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
+
+    # ‖u − w̃‖ pairs the shards by name: the reference is wrapped like the proxy
+    a, b = distances(os.path.dirname(single["selected"])), distances(cfg.output_dir)
+    assert len(a) == len(b) > 0 and np.allclose(a, b, rtol=1e-4)

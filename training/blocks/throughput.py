@@ -1,0 +1,358 @@
+"""Throughput of a run: tokens/s, kept tokens/s, MFU and the time left, with the reference's work counted apart.
+
+Every trainer gets :func:`throughput_callbacks` (``throughput:`` of its config):
+
+* Composer's ``SpeedMonitor`` logs the rolling (``window`` steps) ``throughput/tokens_per_sec``,
+  ``samples_per_sec``, ``flops_per_sec`` and ``throughput/device/mfu``: the proxy's FLOPs (a training step of
+  every candidate token, :func:`curation.evaluation.flops.train_flops`, set on the model as ``flops_per_batch``) per
+  second of training wall time, divided by the device's peak (``throughput.peak_flops``, or Composer's table of
+  common GPUs at the run's precision; on a CPU only when given). The reference's work is part of that wall time:
+  this MFU is the *useful* one.
+* :class:`Throughput`, over the same window and clock (Composer's training wall time, evaluation excluded), adds
+  ``throughput/kept_tokens_per_sec``; the in-process reference's work (``ℓ(w̃)`` scoring: one forward per scored
+  token; refreshes and RHO-1's static training: K training steps on validation and candidate batches)
+  as ``throughput/device/reference_flops_per_sec`` and ``throughput/device/mfu_with_reference``; its time as
+  ``time/score_seconds`` and ``time/refresh_seconds`` (cumulative) and ``blade/refresh_seconds`` (the refresh of this
+  step); and ``time/eta_seconds``: the steps left at the window's proxy-only seconds per step, plus the
+  refreshes, scored steps and evaluations left at their measured mean durations (:func:`eta_seconds`; before the
+  first refresh its cost is estimated from its tokens). The progress bar shows tokens/s, kept tokens/s, MFU and
+  the time left; :meth:`Throughput.summary` is the run's ``throughput`` in ``summary.json`` (the whole run: its
+  counters are checkpointed).
+
+Under data-parallel training every rank runs both callbacks (``SpeedMonitor`` sums the ranks' FLOPs with one
+``all_reduce`` per step); rank 0's loggers write. The engine's scoring workers and refresh actor are other processes:
+their work is in the engine's part of the summary, not here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from composer.callbacks import SpeedMonitor
+from composer.core import Callback, State
+from composer.loggers import Logger, ProgressBarLogger
+from composer.utils import dist
+
+from curation.core.schedule import Schedule
+from curation.evaluation.flops import ModelShape, forward_flops, train_flops
+from schemas.train_config import ReplayConfig, TrainConfig
+from training.blocks.callbacks import StepSelections
+
+__all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
+           "throughput_callbacks", "format_seconds"]
+
+
+class ProxyFlops:
+    """``flops_per_batch`` of the model (read by ``SpeedMonitor``): a training step on every token of the batch."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config  # the HF model config: its shape at the batch's sequence length
+
+    def shape(self, context: int) -> ModelShape | None:
+        return ModelShape.of_hf_config(self.config, context)
+
+    def __call__(self, batch: dict[str, Any]) -> float:
+        rows, length = batch["tokens"].shape
+        shape = self.shape(int(length))
+        return train_flops(shape, rows * length) if shape is not None else 0.0
+
+
+@dataclass(frozen=True)
+class ReferenceWork:
+    """What the in-process reference's work costs on one rank (its counts and refresh log say how much was done).
+
+    Attributes:
+        score_tokens: tokens this rank scores per scored step (its rows × ``L``): one forward each.
+        refresh_tokens: tokens of one refresh step (a validation batch, and a candidate batch when ``λ ≠ 0``;
+            RHO-1's static training: the validation batch): one training step each.
+        refresh_steps: ``K`` (the ETA's estimate of a refresh not measured yet).
+        refreshes: whether the policy refreshes its reference every ``τ`` steps (``blade``, ``blade-nosync``).
+    """
+
+    score_tokens: int
+    refresh_tokens: int
+    refresh_steps: int
+    refreshes: bool
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, *, rows: int, seq_len: int, static: bool) -> ReferenceWork:
+        """The reference of ``cfg`` scoring ``rows`` sequences of ``seq_len`` tokens per step on this rank."""
+        batches = 1 if static or cfg.selection.lam == 0 else 2
+        return cls(score_tokens=rows * seq_len, refresh_tokens=batches * cfg.refresh_batch_size * seq_len,
+                   refresh_steps=cfg.selection.refresh_steps, refreshes=not static)
+
+    def flops(self, shape: ModelShape, counts: dict[str, int], refresh_log: list[dict[str, Any]]) -> float:
+        """FLOPs of the work done: the scored steps (``counts["score_steps"]``) and the logged refreshes' steps."""
+        refresh_steps = sum(int(r.get("steps") or 0) for r in refresh_log)
+        return (forward_flops(shape, counts.get("score_steps", 0) * self.score_tokens)
+                + train_flops(shape, refresh_steps * self.refresh_tokens))
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """Work left in a run."""
+
+    steps: int
+    refreshes: int
+    scored_steps: int
+    evaluations: int
+
+
+def remaining_work(done: int, total: int, *, schedule: Schedule | None = None, refreshes: bool = False,
+                   scores: bool = False, eval_interval: int | None = None) -> Remaining:
+    """The proxy steps, in-process refreshes (before steps ``W, W + τ, …``), steps the in-process reference scores
+    (from ``W`` on) and evaluations (every ``eval_interval`` steps and at the end) left after ``done`` steps."""
+    n_refresh = n_scored = n_eval = 0
+    if schedule is not None and refreshes:
+        n_refresh = sum(schedule.refresh_due(t) for t in range(done, total))
+    if schedule is not None and scores:
+        n_scored = len(range(max(done, schedule.warmup), total))
+    if eval_interval is not None:
+        n_eval = sum(1 for t in range(done + 1, total + 1) if t % eval_interval == 0 or t == total)
+    return Remaining(steps=max(0, total - done), refreshes=n_refresh, scored_steps=n_scored, evaluations=n_eval)
+
+
+def eta_seconds(left: Remaining, *, step_s: float, refresh_s: float = 0.0, score_s: float = 0.0,
+                eval_s: float = 0.0) -> float:
+    """Seconds left: each kind of remaining work at its seconds per unit (a proxy step without the reference's work,
+    a refresh, a scored step, an evaluation)."""
+    return left.steps * step_s + left.refreshes * refresh_s + left.scored_steps * score_s + left.evaluations * eval_s
+
+
+def format_seconds(s: float) -> str:
+    """``3h02m``, ``4m05s``, ``12s``."""
+    s = max(0, int(round(s)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+@dataclass(frozen=True)
+class _Point:
+    """The run's counters at a step end."""
+
+    seconds: float  # training wall time (Composer's, evaluation excluded)
+    steps: int
+    tokens: float  # every rank's
+    kept: float  # every rank's
+    reference_flops: float  # this rank's
+    reference_seconds: float  # this rank's scoring + refreshes
+
+
+class Throughput(Callback):
+    """Kept tokens/s, the reference's FLOPs, MFU with and without it, the time left, the progress bar and the
+    summary (module docstring). Reads the peak FLOPs the run's ``SpeedMonitor`` found at init.
+
+    Args:
+        speed: the run's ``SpeedMonitor``.
+        window: steps of the rolling rates (the monitor's window).
+        total_steps: the run's steps.
+        proxy: the model's FLOPs per batch (its architecture without a FLOPs model: no FLOPs, no MFU).
+        selections: what each step kept (None: a plain trainer, e.g. replay, keeps the batch's ``kept_total``).
+        reference: the in-process reference's work (None: there is none, or the engine does it).
+        schedule: the run's schedule (the refreshes and scored steps left).
+        eval_interval: steps between evaluations (None: no validation).
+    """
+
+    def __init__(self, speed: SpeedMonitor, *, window: int, total_steps: int, proxy: ProxyFlops,
+                 selections: StepSelections | None = None, reference: ReferenceWork | None = None,
+                 schedule: Schedule | None = None, eval_interval: int | None = None) -> None:
+        self.speed = speed
+        self.total_steps = total_steps
+        self.proxy = proxy
+        self.selections = selections
+        self.reference = reference
+        self.schedule = schedule
+        self.eval_interval = eval_interval
+        self.history: deque[_Point] = deque(maxlen=window + 1)
+        # the whole run's (checkpointed)
+        self.kept_tokens = 0.0
+        self.eval_seconds = 0.0
+        self.evaluations = 0
+        self.seq_len: int | None = None
+        self.rank_step_tokens: int | None = None
+        self._refresh_mark = (0, 0.0)  # refreshes and refresh seconds at the last step end
+
+    # --- what the selection tells ------------------------------------------------------------------
+    def _timers(self) -> dict[str, float]:
+        return self.selections.timers if self.selections is not None else {}
+
+    def _counts(self) -> dict[str, int]:
+        return self.selections.counts if self.selections is not None else {}
+
+    def shape(self) -> ModelShape | None:
+        return self.proxy.shape(self.seq_len) if self.seq_len else None
+
+    def reference_flops(self) -> float:
+        shape = self.shape()
+        if self.reference is None or shape is None or self.selections is None:
+            return 0.0
+        return self.reference.flops(shape, self._counts(), self.selections.refresh_log)
+
+    def reference_seconds(self) -> float:
+        t = self._timers()
+        return float(t.get("score", 0.0) + t.get("refresh", 0.0))
+
+    @property
+    def peak(self) -> float | None:
+        """Peak FLOP/s of one device (given, or Composer's table; None: unknown, no MFU)."""
+        return float(self.speed.gpu_flops_available) if self.speed.gpu_flops_available else None
+
+    def mfu(self, *, seconds: float, tokens: float, reference_flops: float = 0.0) -> float | None:
+        """FLOPs utilisation of one device: the proxy's training FLOPs of ``tokens`` (every rank's) and this rank's
+        ``reference_flops`` in ``seconds``, over the peak. None when the peak or the FLOPs model is unknown."""
+        shape, peak = self.shape(), self.peak
+        if shape is None or peak is None or seconds <= 0:
+            return None
+        return (train_flops(shape, tokens) / dist.get_world_size() + reference_flops) / seconds / peak
+
+    # --- events ------------------------------------------------------------------------------------
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self.history.clear()
+        self._refresh_mark = (self._counts().get("refreshes", 0), float(self._timers().get("refresh", 0.0)))
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        self.eval_seconds += state.eval_timestamp.total_wct.total_seconds()
+        self.evaluations += 1
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        tokens = state.batch["tokens"]
+        self.seq_len, self.rank_step_tokens = int(tokens.shape[1]), int(tokens.numel())
+        rec = self.selections.last if self.selections is not None else None
+        self.kept_tokens += float(rec.n_kept if rec is not None else state.batch.get("kept_total", tokens.numel()))
+        self.history.append(_Point(state.timestamp.total_wct.total_seconds(), int(state.timestamp.batch),
+                                   float(state.timestamp.token.value), self.kept_tokens, self.reference_flops(),
+                                   self.reference_seconds()))
+        metrics = {**self.rates(), **self._reference_times()}
+        eta = self.eta()
+        if eta is not None:
+            metrics["time/eta_seconds"] = eta
+        logger.log_metrics(metrics)
+        self._show(logger, metrics)
+
+    # --- numbers -----------------------------------------------------------------------------------
+    def rates(self) -> dict[str, float]:
+        """The window's rates, logged like ``SpeedMonitor``'s: once the window is full (``window + 1`` step ends)."""
+        if len(self.history) < (self.history.maxlen or 2):
+            return {}
+        a, b = self.history[0], self.history[-1]
+        dt = b.seconds - a.seconds
+        if dt <= 0:
+            return {}
+        out = {"throughput/kept_tokens_per_sec": (b.kept - a.kept) / dt}
+        if self.reference is not None and self.shape() is not None:
+            out["throughput/device/reference_flops_per_sec"] = (b.reference_flops - a.reference_flops) / dt
+            mfu = self.mfu(seconds=dt, tokens=b.tokens - a.tokens, reference_flops=b.reference_flops - a.reference_flops)
+            if mfu is not None:
+                out["throughput/device/mfu_with_reference"] = mfu
+        return out
+
+    def _reference_times(self) -> dict[str, float]:
+        if self.reference is None:
+            return {}
+        t, count = self._timers(), self._counts().get("refreshes", 0)
+        refresh = float(t.get("refresh", 0.0))
+        out = {"time/score_seconds": float(t.get("score", 0.0)), "time/refresh_seconds": refresh}
+        if count > self._refresh_mark[0]:  # a refresh ran in this step
+            out["blade/refresh_seconds"] = refresh - self._refresh_mark[1]
+        self._refresh_mark = (count, refresh)
+        return out
+
+    def eta(self) -> float | None:
+        """Seconds left (:func:`eta_seconds`); None until two step ends are in the window."""
+        if len(self.history) < 2 or self.history[-1].steps <= self.history[0].steps:
+            return None
+        a, b = self.history[0], self.history[-1]
+        # a proxy step without the reference's work, over the window
+        step_s = max(0.0, (b.seconds - a.seconds) - (b.reference_seconds - a.reference_seconds)) / (b.steps - a.steps)
+        ref = self.reference
+        left = remaining_work(b.steps, self.total_steps, schedule=self.schedule,
+                              refreshes=ref is not None and ref.refreshes, scores=ref is not None,
+                              eval_interval=self.eval_interval)
+        refresh_s = score_s = 0.0
+        if ref is not None:
+            t, c, per_token = self._timers(), self._counts(), step_s / max(1, self.rank_step_tokens or 1)
+            refresh_s = (t.get("refresh", 0.0) / c["refreshes"] if c.get("refreshes")  # measured, else K training
+                         else ref.refresh_steps * ref.refresh_tokens * per_token)  # steps at the proxy's s/token
+            score_s = (t.get("score", 0.0) / c["score_steps"] if c.get("score_steps")
+                       else ref.score_tokens * per_token / 3.0)  # a forward: a third of a training step
+        eval_s = self.eval_seconds / self.evaluations if self.evaluations else 0.0
+        return eta_seconds(left, step_s=step_s, refresh_s=refresh_s, score_s=score_s, eval_s=eval_s)
+
+    def _show(self, logger: Logger, metrics: dict[str, float]) -> None:
+        bars = [d for d in logger.destinations if isinstance(d, ProgressBarLogger) and d.train_pbar is not None]
+        if not bars or len(self.history) < 2:
+            return
+        a, b = self.history[0], self.history[-1]
+        shown = {"tok/s": _si((b.tokens - a.tokens) / (b.seconds - a.seconds)) if b.seconds > a.seconds else "-"}
+        if "throughput/kept_tokens_per_sec" in metrics:
+            shown["kept/s"] = _si(metrics["throughput/kept_tokens_per_sec"])
+        mfu = self.mfu(seconds=b.seconds - a.seconds, tokens=b.tokens - a.tokens)
+        if mfu is not None:
+            shown["mfu"] = f"{mfu:.1%}"
+        if "time/eta_seconds" in metrics:
+            shown["eta"] = format_seconds(metrics["time/eta_seconds"])
+        for bar in bars:  # the training bar shows only `loss/train` metrics of its own: these go first
+            pbar = bar.train_pbar
+            pbar.metrics = {**shown, **{k: v for k, v in pbar.metrics.items() if k not in shown}}
+            pbar.pbar.set_postfix(pbar.metrics)
+
+    def summary(self, state: State) -> dict[str, Any]:
+        """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU."""
+        seconds = state.timestamp.total_wct.total_seconds()
+        tokens = float(state.timestamp.token.value)
+        shape = self.shape()
+        ref_flops = self.reference_flops()
+        return {
+            "steps": int(state.timestamp.batch), "tokens": tokens, "kept_tokens": self.kept_tokens,
+            "train_seconds": seconds, "eval_seconds": self.eval_seconds,
+            "tokens_per_sec": tokens / seconds if seconds > 0 else None,
+            "kept_tokens_per_sec": self.kept_tokens / seconds if seconds > 0 else None,
+            "world_size": dist.get_world_size(),
+            "forward_flops_per_token": forward_flops(shape, 1) if shape is not None else None,
+            "proxy_flops": train_flops(shape, tokens) if shape is not None else None,
+            "reference_flops_per_device": ref_flops if shape is not None else None,
+            "reference_seconds": {"score": float(self._timers().get("score", 0.0)),
+                                  "refresh": float(self._timers().get("refresh", 0.0))},
+            "peak_flops_per_device": self.peak,
+            "mfu": self.mfu(seconds=seconds, tokens=tokens),
+            "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
+            if self.reference is not None else None,
+        }
+
+    # --- checkpoint ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept_tokens": self.kept_tokens, "eval_seconds": self.eval_seconds, "evaluations": self.evaluations,
+                "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept_tokens = float(state.get("kept_tokens", 0.0))
+        self.eval_seconds = float(state.get("eval_seconds", 0.0))
+        self.evaluations = int(state.get("evaluations", 0))
+        self.seq_len = state.get("seq_len")
+
+
+def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_steps: int,
+                         selections: StepSelections | None = None, reference: ReferenceWork | None = None,
+                         schedule: Schedule | None = None, validation: bool = True) -> tuple[SpeedMonitor, Throughput]:
+    """Composer's ``SpeedMonitor`` and :class:`Throughput` for ``cfg``'s trainer of ``model`` (a
+    :class:`~training.blocks.model.MaskedCausalLM`, given its ``flops_per_batch`` when its architecture has a FLOPs
+    model)."""
+    proxy = ProxyFlops(model.model.config)
+    if proxy.shape(1) is not None:
+        model.flops_per_batch = proxy
+    speed = SpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
+                         time_unit="seconds")
+    meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
+                       selections=selections, reference=reference, schedule=schedule,
+                       eval_interval=cfg.eval.interval if validation else None)
+    return speed, meter
