@@ -208,7 +208,7 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
     holder["alg"] = run.algorithm
     run.trainer.fit()
     run.trainer.close()
-    spec = RefreshSpec(model=cfg.model.model_dump(mode="json"), validation=cfg.data.validation,
+    spec = RefreshSpec(model=cfg.model.architecture.model_dump(mode="json"), validation=cfg.data.validation,
                        candidates=cfg.data.candidates, stream=CandidateStream(len(open_shards(cfg.data.candidates)),
                                                                               cfg.batch_size, cfg.seed).to_dict(),
                        selection=cfg.selection.model_dump(mode="json"), ref_lr=cfg.optim.lr,
