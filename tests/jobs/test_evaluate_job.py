@@ -55,10 +55,10 @@ def test_no_arguments_evaluates_the_demo_runs(tmp_path, monkeypatch, capsys):
 
     for policy in ("full", "blade"):
         t = TrainConfig.demo_default(root, policy=policy)
-        t = t.model_copy(update={"model": demo_model_config(400, hidden=32, layers=1), "max_steps": 4, "batch_size": 4,
-                                 "progress_bar": False, "plots": False, "threads": 1,
-                                 "selection": t.selection.model_copy(update={"warmup_steps": 1, "tau": 2,
-                                                                             "refresh_steps": 1})})
+        t = TrainConfig.model_validate({
+            **t.model_dump(), "model": demo_model_config(400, hidden=32, layers=1).model_dump(), "max_steps": 4,
+            "batch_size": 4, "progress_bar": False, "plots": False, "threads": 1,
+            "selection": {**t.selection.model_dump(), "warmup_steps": 1, "tau": 2, "refresh_steps": 1}})
         train(t)
     assert evaluate_job.main(["--set", "bootstrap=50", "--set", "progress=false"]) == 0
     res = json.loads((tmp_path / root / "eval" / "results.json").read_text())
