@@ -26,6 +26,7 @@ from schemas.outdir import (
     open_output_dir,
     operational_keys,
 )
+from schemas.train_config import TrainConfig
 from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,7 +221,7 @@ def test_readme_examples_run_in_order_each_in_its_own_directory(capsys):
             job.main([*argv, "--print-config"])
         assert done.value.code == 0, (name, argv, capsys.readouterr().err)
         resolved.setdefault(name, []).append((argv, yaml.safe_load(capsys.readouterr().out)))
-    models = {"prepare": PrepareConfig, "curate_and_train": CurateAndTrainConfig}
+    models = {"prepare": PrepareConfig, "curate_and_train": CurateAndTrainConfig, "train": TrainConfig}
     for name, items in resolved.items():
         for i, (argv_a, a) in enumerate(items):
             for argv_b, b in items[i + 1:]:
