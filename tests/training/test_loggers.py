@@ -141,3 +141,32 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch, make_config
     assert not os.path.exists(os.path.join(cfg.output_dir, "config.yaml"))
     with pytest.raises(ConfigError, match="loggers.wandb.mode"):
         load_config(TrainConfig, default=lambda: make_config("blade"), overrides=["loggers.wandb={mode: cloud}"])
+
+
+def test_replay_writes_the_same_loggers(logged_run, tmp_path):
+    """Replay (training on the selected shards) builds its trainer the same way: each logger holds its JSON log's
+    training loss and throughput."""
+    from schemas.train_config import ReplayConfig
+    from training.runs.single import replay
+
+    cfg, out = logged_run
+    rcfg = ReplayConfig.demo_default(os.path.dirname(cfg.output_dir))
+    rcfg = ReplayConfig.model_validate({
+        **rcfg.model_dump(), "selected": out["selected"], "validation": None, "tokenizer": None,
+        "model": cfg.model.model_dump(), "output_dir": str(tmp_path / "replay"), "batch_size": cfg.batch_size,
+        "threads": 1, "device": "cpu", "progress_bar": False, "throughput": {"window": 3},
+        "loggers": {"tensorboard": {}, "mlflow": {"experiment": "replays"}, "wandb": {}}})
+    replay(rcfg)
+    want = jsonl_series(rcfg.output_dir)
+    keys = ["loss/train/total", "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec"]
+    assert len(want["loss/train/total"]) == STEPS  # one epoch of the run's 11 steps
+    (tb_dir,) = glob.glob(os.path.join(rcfg.output_dir, "logs", "tensorboard", "*"))
+    tb = tensorboard_series(tb_dir)
+    runs, ml = mlflow_series("sqlite:///" + os.path.join(rcfg.output_dir, "logs", "mlflow.db"), "replays")
+    (run_dir,) = glob.glob(os.path.join(rcfg.output_dir, "logs", "wandb", "offline-run-*"))
+    wb = wandb_series(run_dir)
+    for key in keys:
+        _same(tb[key], want[key], rel=1e-6)
+        _same(ml[key], want[key], rel=1e-12)
+        _same(wb[key], want[key], rel=1e-12)
+    assert runs[0].info.status == "FINISHED" and runs[0].info.run_name == "replay"
