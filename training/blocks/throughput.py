@@ -105,12 +105,13 @@ def remaining_work(done: int, total: int, *, schedule: Schedule | None = None, r
     """The proxy steps, in-process refreshes (before steps ``W, W + τ, …``), steps the in-process reference scores
     (from ``W`` on) and evaluations (every ``eval_interval`` steps and at the end) left after ``done`` steps."""
     n_refresh = n_scored = n_eval = 0
-    if schedule is not None and refreshes:
-        n_refresh = sum(schedule.refresh_due(t) for t in range(done, total))
+    if schedule is not None and refreshes:  # the episode starts in [done, stop): O(1), this runs every step
+        stop = total if schedule.total_steps is None else min(total, schedule.total_steps)
+        n_refresh = len(schedule.episode_starts(stop)) - len(schedule.episode_starts(min(done, stop)))
     if schedule is not None and scores:
         n_scored = len(range(max(done, schedule.warmup), total))
-    if eval_interval is not None:
-        n_eval = sum(1 for t in range(done + 1, total + 1) if t % eval_interval == 0 or t == total)
+    if eval_interval is not None and total > done:  # multiples of the interval in (done, total], and the end
+        n_eval = total // eval_interval - done // eval_interval + (total % eval_interval != 0)
     return Remaining(steps=max(0, total - done), refreshes=n_refresh, scored_steps=n_scored, evaluations=n_eval)
 
 
