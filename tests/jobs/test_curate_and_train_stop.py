@@ -131,8 +131,10 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
     with open(tmp_path / "stderr.txt", "w+") as err:
         proc = None
-        try:  # every checkpoint write takes ≥ 2 s: the second signal comes while the stop's checkpoint is written
-            proc = _start_until(cfg, os.path.join(out, "checkpoints", "ep0-ba5-rank0.pt"), err, save_delay=2.0)
+        try:  # every checkpoint write takes ≥ 2 s: the second signal comes while the stop's checkpoint is written.
+            # The first signal waits for the link to step 5's checkpoint (its file whole): a job killed while it
+            # wrote its first checkpoint has nothing to resume from and starts over (tests/training/test_resume.py)
+            proc = _start_until(cfg, os.path.join(out, "checkpoints", "latest-rank0.pt"), err, save_delay=2.0)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 60

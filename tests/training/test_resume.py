@@ -176,6 +176,74 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(make_confi
     assert checkpoint_damage(latest) is None  # rewritten whole
 
 
+def _relink_killed(cfg, *, drop: tuple[int, ...] = (), cut: tuple[int, ...] = ()) -> str:
+    """Leave ``cfg``'s finished run as a kill inside Composer's save would: ``latest-rank0.pt`` removed (Composer
+    removes it, then links the new file), the checkpoints of steps ``drop`` gone, those of ``cut`` half written."""
+    folder = os.path.join(cfg.output_dir, "checkpoints")
+    os.remove(os.path.join(folder, "latest-rank0.pt"))
+    for step in drop:
+        os.remove(os.path.join(folder, f"ep0-ba{step}-rank0.pt"))
+    for step in cut:
+        path = os.path.join(folder, f"ep0-ba{step}-rank0.pt")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    return folder
+
+
+def test_a_kill_while_composer_relinks_the_latest_checkpoint_resumes_from_the_newest_file(make_config):
+    cfg = make_config("blade", "relink", max_steps=8)
+    full = train(cfg)
+    weights = open(full["final_weights"], "rb").read()
+    folder = _relink_killed(cfg, drop=(8,))  # killed after step 8's file was created (and removed: as if unwritten)
+    with pytest.warns(UserWarning, match=rf"{folder}/latest-rank0.pt is missing \(the job was stopped while it saved a "
+                                         rf"checkpoint\); resuming from the newest intact checkpoint "
+                                         rf"{folder}/ep0-ba4-rank0.pt$"):
+        again = train(cfg)
+    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")  # not a new run: steps 0..3 kept
+    assert open(again["final_weights"], "rb").read() == weights  # steps 4..8 redone exactly
+    assert read_column(again["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == os.path.join(folder, "ep0-ba8-rank0.pt")
+
+    _relink_killed(cfg)  # killed between the removal of the link and the new one: step 8's file is whole
+    with pytest.warns(UserWarning, match=r"resuming from the newest intact checkpoint .*ep0-ba8-rank0.pt$"):
+        assert train(cfg)["run"].resumed_from == os.path.join(folder, "ep0-ba8-rank0.pt")
+
+
+def test_a_cut_file_without_the_link_falls_back_to_the_previous_one(make_config):
+    cfg = make_config("full", "relink-cut", max_steps=8)
+    weights = open(train(cfg)["final_weights"], "rb").read()
+    folder = _relink_killed(cfg, cut=(8,))
+    with pytest.warns(UserWarning, match=r"latest-rank0.pt is missing .*resuming from the newest intact checkpoint "
+                                         r".*ep0-ba4-rank0.pt \(the steps after it are redone; skipped: "
+                                         r".*ep0-ba8-rank0.pt: unreadable, probably truncated"):
+        again = train(cfg)
+    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert open(again["final_weights"], "rb").read() == weights
+
+
+def test_a_kill_while_the_first_checkpoint_was_written_starts_the_run_over_with_a_warning(make_config):
+    cfg = make_config("blade", "first-cut", max_steps=4)
+    full = train(cfg)
+    weights = open(full["final_weights"], "rb").read()
+    folder = _relink_killed(cfg, cut=(4,))
+    with pytest.warns(UserWarning, match=rf"latest-rank0.pt is missing .* and no checkpoint in it is intact "
+                                         rf"\({folder}/ep0-ba4-rank0.pt: unreadable, probably truncated .*\): the "
+                                         r"job was stopped while it wrote its first checkpoint; starting the run over"):
+        again = train(cfg)
+    assert again["run"].resumed_from is None
+    assert open(again["final_weights"], "rb").read() == weights
+    assert read_column(again["selected"], "step") == [t for t in range(4) for _ in range(cfg.batch_size)]
+    assert checkpoint_damage(os.path.join(folder, "ep0-ba4-rank0.pt")) is None  # written anew
+
+
+def test_checkpoint_files_without_the_link_are_an_earlier_run_when_resume_is_off(make_config):
+    cfg = make_config("full", "relink-off", max_steps=4)
+    train(cfg)
+    folder = _relink_killed(cfg)
+    with pytest.raises(ValueError, match=rf"{folder} holds checkpoints of an earlier run; set checkpoint.resume=true"):
+        train(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": False})}))
+
+
 def test_no_intact_checkpoint_is_an_error_naming_each_file(make_config):
     cfg = make_config("full", "damaged", max_steps=4)
     train(cfg)

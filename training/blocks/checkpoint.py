@@ -12,7 +12,7 @@ Before a rerun resumes, :func:`checkpoint_damage` checks each candidate checkpoi
 file (its zip CRCs), and content that is not plain data (a pickled object whose loading could run code,
 e.g. ``os.system``) or not a Composer checkpoint at all. Such a file is refused with one line naming it,
 never unpickled outside ``weights_only=True``, and :func:`resume_checkpoint` falls back to the previous
-intact checkpoint.
+intact checkpoint (also when a kill while Composer re-linked ``latest-rank0.pt`` left no link).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 __all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
-           "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
+           "checkpoint_files", "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
 def _safe_globals() -> list[Any]:
@@ -152,6 +152,14 @@ def _content_refusal(path: str) -> str | None:
     return None
 
 
+def checkpoint_files(folder: str) -> list[str]:
+    """The checkpoint files in ``folder`` (Composer's ``ep{e}-ba{b}-rank0.pt``), newest (highest step) first."""
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _CHECKPOINT_NAME.match(name))]
+    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+
+
 def resume_checkpoint(folder: str) -> str | None:
     """The checkpoint a rerun resumes from: ``latest-rank0.pt`` when intact, else the newest intact one.
 
@@ -159,31 +167,46 @@ def resume_checkpoint(folder: str) -> str | None:
     refused (a pickled object that would run code, a foreign file: :func:`checkpoint_damage`) falls back to
     the previous intact checkpoint with a warning naming both; the steps after it are redone exactly.
 
+    Composer writes a checkpoint in place, then removes the ``latest-rank0.pt`` link and links it anew: a job
+    killed in between (a second SIGTERM, a SIGKILL) leaves checkpoint files and no link. The newest intact file
+    is then resumed from, with a warning; when none is intact (the job died while it wrote its first
+    checkpoint: Composer removes the old link only after the new file is written) the run starts over
+    (``None``), with a warning naming the cut files, which the new run overwrites.
+
     Raises:
-        ValueError: checkpoints exist but none is intact (names each file and what is wrong with it).
+        ValueError: the link exists but no checkpoint is intact (names each file and what is wrong with it).
     """
     latest = os.path.join(folder, "latest-rank0.pt")
-    if not os.path.lexists(latest):
-        return None
-    damage = checkpoint_damage(latest)
-    if damage is None:
-        return latest
-    newest = os.path.realpath(latest)
-    bad = [f"{newest}: {damage}"]
-    found = []
-    for name in os.listdir(folder):
-        m = _CHECKPOINT_NAME.match(name)
-        path = os.path.join(folder, name)
-        if m and os.path.realpath(path) != newest:
-            found.append((int(m.group(1)), path))
-    for _, path in sorted(found, reverse=True):
+    newest = None
+    if os.path.lexists(latest):
+        damage = checkpoint_damage(latest)
+        if damage is None:
+            return latest
+        newest = os.path.realpath(latest)
+        bad = [f"{newest}: {damage}"]
+        why = f"the latest checkpoint {newest} is {damage}"
+    else:
+        bad = []
+        why = f"{latest} is missing (the job was stopped while it saved a checkpoint)"
+    for path in checkpoint_files(folder):
+        if os.path.realpath(path) == newest:
+            continue
         damage = checkpoint_damage(path)
         if damage is None:
-            skipped = f"; skipped as well: {'; '.join(bad[1:])}" if len(bad) > 1 else ""
-            warnings.warn(f"the latest checkpoint {newest} is {bad[0].split(': ', 1)[1]}; resuming from the "
-                          f"previous intact checkpoint {path} (the steps after it are redone){skipped}", stacklevel=2)
+            if newest is not None:
+                also = f"; skipped as well: {'; '.join(bad[1:])}" if len(bad) > 1 else ""
+                warnings.warn(f"{why}; resuming from the previous intact checkpoint {path} (the steps after it are "
+                              f"redone){also}", stacklevel=2)
+            else:
+                cut = f" (the steps after it are redone; skipped: {'; '.join(bad)})" if bad else ""
+                warnings.warn(f"{why}; resuming from the newest intact checkpoint {path}{cut}", stacklevel=2)
             return path
         bad.append(f"{path}: {damage}")
+    if newest is None:
+        if bad:
+            warnings.warn(f"{why} and no checkpoint in it is intact ({'; '.join(bad)}): the job was stopped while "
+                          "it wrote its first checkpoint; starting the run over", stacklevel=2)
+        return None
     raise ValueError(
         f"{folder}: no intact checkpoint to resume from ({'; '.join(bad)}); delete {folder} to start the run over "
         "(the other outputs of the run are then redone as well), or restore a checkpoint from a backup"

@@ -33,7 +33,7 @@ from curation.io.shards import ShardDirInfo
 from schemas.manifest import Manifest
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
 from training.blocks.callbacks import JSONLinesLogger
-from training.blocks.checkpoint import resume_checkpoint, weights_only_loading
+from training.blocks.checkpoint import checkpoint_files, resume_checkpoint, weights_only_loading
 from training.blocks.data import TokenRows, make_data_spec, rows_loader
 from training.blocks.loggers import experiment_loggers, mlflow_resumption
 from training.blocks.model import MaskedCausalLM, checkpoint_activations
@@ -72,7 +72,8 @@ def resume_path(output_dir: str, resume: bool) -> str | None:
         ValueError: checkpoints exist but ``resume`` is off.
     """
     folder = os.path.join(output_dir, "checkpoints")
-    if not os.path.lexists(os.path.join(folder, "latest-rank0.pt")):  # (a dangling link: damaged, see below)
+    # (a dangling link is a damaged checkpoint; files without the link: a kill while Composer re-linked it)
+    if not os.path.lexists(os.path.join(folder, "latest-rank0.pt")) and not checkpoint_files(folder):
         return None
     if not resume:
         raise ValueError(
