@@ -75,13 +75,14 @@ def test_presets_meet_the_brief(preset):
 
 
 def test_cpu_preset_model_sizes():
-    """The CPU preset's proxy and target, by hand: Llama 64×4 and 192×4, vocabulary 4,096, context 128."""
+    """The CPU preset's proxy and target, by hand: Llama 64×4 and 160×5, vocabulary 2,048, context 128."""
     s = PRESETS["cpu"]
-    # proxy: per layer 4·64² + 3·64·168 = 16384 + 32256; ×4 = 194560; head 64·4096 = 262144; attention 2·4·128·64
-    assert forward_flops(s) == 2 * (194560 + 262144) + 65536
-    # target: per layer 4·192² + 3·192·512 = 147456 + 294912; ×4 = 1769472; head 192·4096 = 786432
-    assert forward_flops(s, target=True) == 2 * (1769472 + 786432) + 2 * 4 * 128 * 192
-    assert forward_flops(s, target=True) / forward_flops(s) == pytest.approx(5.4226, abs=1e-4)
+    # proxy: per layer 4·64² + 3·64·168 = 16384 + 32256; ×4 = 194560; head 64·2048 = 131072; attention 2·4·128·64
+    assert forward_flops(s) == 2 * (194560 + 131072) + 65536 == 716800
+    # target: per layer 4·160² + 3·160·424 = 102400 + 203520; ×5 = 1529600; head 160·2048 = 327680;
+    # attention 2·5·128·160
+    assert forward_flops(s, target=True) == 2 * (1529600 + 327680) + 2 * 5 * 128 * 160 == 3919360
+    assert forward_flops(s, target=True) / forward_flops(s) == pytest.approx(5.4679, abs=1e-4)
     assert QUICK.steps < s.steps  # the CI smoke is smaller
 
 

@@ -76,13 +76,13 @@ class Setting:
     pool_doc_cap: int | None = None  # cap on the documents of every pool source (quick mode)
     skip_sources: tuple[str, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json under ../shared/data; None = train a BPE of `vocab` tokens
-    vocab: int = 4096  # BPE size, or the model's (padded) vocabulary with a given tokenizer
+    vocab: int = 2048  # BPE size, or the model's (padded) vocabulary with a given tokenizer
     seq_len: int = 128
     # models: the proxy (selector) and the target (≥ 5× the proxy's FLOPs per token)
     hidden: int = 64
     layers: int = 4
-    target_hidden: int = 192
-    target_layers: int = 4
+    target_hidden: int = 160
+    target_layers: int = 5
     # bases: pretrained from scratch on the general base slices, `base_epochs` passes (≤ MAX_EPOCHS)
     base_epochs: float = 4.0
     target_base_epochs: float = 4.0
@@ -123,7 +123,7 @@ CPU = Setting()
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a 11× target; the bases are held to the same text, so the proxy stays small enough for ≥ 5 tokens/parameter.
 GPU = Setting(
-    seq_len=512, hidden=128, layers=4, target_hidden=384, target_layers=8, base_batch=32, batch=32, steps=4000,
+    vocab=4096, seq_len=512, hidden=128, layers=4, target_hidden=384, target_layers=8, base_batch=32, batch=32, steps=4000,
     warmup=200, tau=200, rho1_steps=400, eval_interval=200, eval_batches=20, curve_interval=1000,
     sweep=({"refresh_steps": 60, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
            {"refresh_steps": 20, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
