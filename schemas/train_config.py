@@ -198,7 +198,8 @@ class CheckpointConfig(StrictModel):
 
     interval: int = Field(25, ge=1, description="save every this many proxy steps (and at the end)")
     keep: int = Field(2, ge=-1, description="checkpoints to keep (-1 = all)", json_schema_extra=OPERATIONAL)
-    resume: bool = Field(True, description="resume from output_dir/checkpoints/latest-rank0.pt when present",
+    resume: bool = Field(True, description="resume from output_dir/checkpoints/latest-rank0.pt when present (or, "
+                         "without that link, from the newest intact checkpoint file there)",
                          json_schema_extra=OPERATIONAL)
 
 

@@ -21,7 +21,8 @@ and ``summary.json``.
     final/reference.safetensors the last reference w̃ (rho1: its static reference; blade: the last refresh)
 
 A rerun with the same ``output_dir`` resumes from ``checkpoints/latest-rank0.pt`` (loaded with
-``weights_only=True``) and ends with the same outputs as an uninterrupted run.
+``weights_only=True``), or from the newest intact checkpoint file when a stop came while Composer re-linked it,
+and ends with the same outputs as an uninterrupted run.
 """
 
 from __future__ import annotations
