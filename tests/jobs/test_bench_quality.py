@@ -74,6 +74,12 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
                            capture_output=True, text=True, timeout=1700, cwd=tmp_path)
     assert again.returncode == 0 and json.loads((out / "results.json").read_text())["eval"] == res["eval"]
+    # every stage is timed, the evaluation too, added up over the invocations that ran it
+    assert list(res["stage_times"]) == ["data", "bases", "sweep", "main", "reuse", "evaluate"]
+    assert res["stage_times"]["evaluate"]["pieces"] == 1 and "| evaluate |" in md
+    times = json.loads((out / "results.json").read_text())["stage_times"]
+    assert times["evaluate"]["pieces"] == 2 and times["evaluate"]["wall"] > res["stage_times"]["evaluate"]["wall"]
+    assert times["main"]["pieces"] == 2
 
 
 def _bench_module():

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -30,7 +29,7 @@ from curation.evaluation.heldout import DocScores, export_hf, paired_difference
 from curation.io.models import build_causal_lm
 from schemas.manifest import atomic_write_text
 from training.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
-from training.quality.experiment import Runs, train_all
+from training.quality.experiment import Runs, StageClock, train_all
 from training.quality.report import make_figures, results_md, seed_interval
 from training.quality.runs import REUSED, Evaluator, final_val
 from training.quality.setting import (
@@ -111,7 +110,6 @@ def passed_at(curve: list[tuple[int, float]], reference: float, margin: float) -
 
 def analyse(r: Runs) -> dict[str, Any]:
     """Evaluate every run and compare; returns the JSON-ready results (``training.quality.report`` renders them)."""
-    t_start = time.perf_counter()
     s, out = r.s, r.out
     shape, tshape = run_shape(s), run_shape(s, target=True)
     ev = Evaluator(out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
@@ -232,7 +230,6 @@ def analyse(r: Runs) -> dict[str, Any]:
         "delta_over_time": {p: delta_over_time([res["summary"] for res in r.main[p]])
                             for p in ("rho1", "blade", "blade-nosync")},
         "reuse": reuse,
-        "analysis_seconds": time.perf_counter() - t_start,
         "reused_runs": sorted(set(REUSED)),
     }
 
@@ -251,11 +248,12 @@ def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, pres
     runs = train_all(s, out, until=until)
     if until is not None:
         return None
-    results = analyse(runs)
-    stage_path = os.path.join(out, "stage_times.json")
-    results.update(preset=preset, stage_times=json.load(open(stage_path)) if os.path.exists(stage_path) else {})
+    clock = StageClock(out)
+    with clock.stage("evaluate"):  # timed like the training stages (the evaluation cache makes a rerun cheap)
+        results = analyse(runs)
+        figs = make_figures(results, os.path.join(out, "figures"))
+    results.update(preset=preset, stage_times=clock.times)
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
-    figs = make_figures(results, os.path.join(out, "figures"))
     hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                 else f"{platform.processor() or platform.machine()}, {s.threads} CPU threads")
     reading_path = os.path.join(out, "READING.md")
