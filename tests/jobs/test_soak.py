@@ -33,8 +33,11 @@ def test_soak_smoke_kills_and_reruns_to_the_uninterrupted_outputs(tmp_path):
     assert all(e["exit"] == 143 for e in trainer if e["signal"] == "SIGTERM")  # a clean stop at a step end
     assert all(e["exit"] == -9 for e in trainer if e["signal"] == "SIGKILL")
     assert r["kills"] == {"refresh_SIGTERM": 1, "trainer_SIGKILL": 1, "trainer_SIGTERM": 1, "worker_SIGKILL": 1}
-    redone = r["redone"]  # the SIGTERM redid no step; the SIGKILL the ones after the last checkpoint (every 10)
-    assert 0 <= redone["steps"] < 10 and redone["steps_trained"] == 60 + redone["steps"], redone
+    # the SIGTERM redid no step; the SIGKILL the ones after the last checkpoint (every 10): all 10 when it lands
+    # after step 50's metrics line and before its checkpoint is written (seen in CI: steps are short, and the kill,
+    # sent when step 43 was seen, landed at 50)
+    redone = r["redone"]
+    assert 0 <= redone["steps"] <= 10 and redone["steps_trained"] == 60 + redone["steps"], redone
     assert [a["attempt"] for a in r["per_attempt"]] == [1, 2, 3] and r["per_attempt"][-1]["exit"] == 0
     g = r["growth"]  # measured; in an attempt of seconds a killed or late-sampled worker may leave none to compare
     assert g["driver"]["processes"] == 1 and g["driver"]["rss"] is not None and g["driver"]["fds"] is not None, g
