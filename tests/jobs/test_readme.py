@@ -111,6 +111,7 @@ def test_the_set_up_commands_are_the_two_documented_ones():
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(1800)
 def test_the_snippets_run_as_written_after_the_set_up(tmp_path):
     """Set-up command 1 (the main job, shortened to 40 steps: 30 warm-up, 10 selecting), then every Python snippet
     of README and REFERENCE in order, each in its own process in the same directory; the llm-foundry YAML's
