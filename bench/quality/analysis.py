@@ -24,10 +24,6 @@ from typing import Any
 
 import torch
 
-from curation.core.stats import Histogram
-from curation.evaluation.heldout import DocScores, export_hf, paired_difference
-from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 from bench.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
 from bench.quality.experiment import Runs, StageClock, train_all
 from bench.quality.report import make_figures, results_md, seed_interval
@@ -43,6 +39,10 @@ from bench.quality.setting import (
     model_config,
     run_shape,
 )
+from curation.core.stats import Histogram
+from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.models import build_causal_lm
+from schemas.manifest import atomic_write_text
 
 __all__ = ["run_benchmark", "analyse", "compare_seeds", "interpolate_scores", "share_above", "delta_over_time", "passed_at"]
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+from bench.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
+from bench.quality.runs import REUSED, final_val, run_replay, run_training
+from bench.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
 from curation.ingest.prepare import prepare
 from curation.io.models import build_causal_lm
 from schemas.manifest import atomic_write_text
@@ -38,9 +41,6 @@ from schemas.train_config import (
     SelectionConfig,
     TrainConfig,
 )
-from bench.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
-from bench.quality.runs import REUSED, final_val, run_replay, run_training
-from bench.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
 
 __all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice"]
 

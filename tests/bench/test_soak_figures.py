@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from schemas.manifest import Manifest, ShardRecord
 from bench.soak import _growth, _kills, _redone, _StepLog, _unfinished_parts
+from schemas.manifest import Manifest, ShardRecord
 
 
 def _samples(pid: int, role: str, values: list[tuple[int, int]], attempt: int = 2, t0: float = 0.0) -> list[dict]:

@@ -88,8 +88,8 @@ def test_cpu_preset_model_sizes():
 
 def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
     """A package upgrade that adds settings with behaviour-preserving defaults must not retrain (or delete) runs."""
-    from schemas.train_config import TrainConfig
     from bench.quality.runs import _effective
+    from schemas.train_config import TrainConfig
 
     cfg = TrainConfig.demo_default().model_dump(mode="json")
     old = {k: v for k, v in cfg.items() if k != "parallel"}
