@@ -106,7 +106,8 @@ def _foundry_side(work: dict, out: str, train_steps: int) -> dict:
     def loader(name: str, cache: str):
         return build_dataloader({"name": name, "dataset": {"remote": work["selected"], "local": os.path.join(out, cache),
                                                            "shuffle": False, "max_seq_len": tokens.shape[1]},
-                                 "drop_last": True, "num_workers": 0}, tok, ROWS)
+                                 "drop_last": True, "num_workers": 0, "prefetch_factor": None,
+                                 "persistent_workers": False}, tok, ROWS)
 
     spec = loader("blade_selected", "cache-blade")
     rows, bad, loss_generating = 0, 0, 0
@@ -115,13 +116,20 @@ def _foundry_side(work: dict, out: str, train_steps: int) -> dict:
         m[:, 0] = False
         expected = np.where(m, t, -100)
         bad += int((batch["input_ids"].numpy() != t).sum() + (batch["labels"].numpy() != expected).sum())
-        loss_generating += int(spec.get_num_tokens_in_batch(batch)["loss_generating"])
+        loss_generating += int(spec.get_num_tokens_in_batch(batch, token_type="loss_generating"))
         rows += ROWS
     res["loader"] = {"rows": rows, "mismatches": bad, "labelled": int(masks[:rows, 1:].sum()),
                      "loss_generating_tokens": loss_generating, "tokens": rows * int(tokens.shape[1])}
     try:  # llm-foundry's stock text loader on the same shards: labels = input_ids, the selection is lost
-        stock = next(iter(loader("text", "cache-text").dataloader))
-        res["stock_text_loader_ignored_positions"] = int((stock["labels"] == -100).sum())
+        trained, k = 0, 0
+        for stock in loader("text", "cache-text").dataloader:
+            dropped = ~masks[k:k + ROWS]
+            dropped[:, 0] = False  # (position 0 is never a target for anyone)
+            trained += int(((stock["labels"] != -100).numpy() & dropped).sum())
+            k += ROWS
+        unselected = ~masks[:k]
+        unselected[:, 0] = False
+        res["stock_text_loader"] = {"unselected": int(unselected.sum()), "unselected_trained": trained}
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         res["stock_text_loader_error"] = f"{type(e).__name__}: {e}"
 
@@ -199,9 +207,10 @@ def main() -> int:
     checks = _verdict(our, res)
     for name, ok, detail in checks:
         print(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""))
-    if "stock_text_loader_ignored_positions" in res:
-        print(f"     (llm-foundry's stock text loader on the same shards: {res['stock_text_loader_ignored_positions']} "
-              "positions ignored: it trains on every token)")
+    if "stock_text_loader" in res:
+        st = res["stock_text_loader"]
+        print(f"     (llm-foundry's stock text loader on the same shards: trains on {st['unselected_trained']} of the "
+              f"{st['unselected']} positions loss_mask excludes)")
     else:
         print(f"     (llm-foundry's stock text loader: {res.get('stock_text_loader_error')})")
     with open(os.path.join(out, "foundry_check.json"), "w", encoding="utf-8") as f:
