@@ -71,8 +71,6 @@ def build_selected_dataloader(
     Raises:
         ValueError: a ``dataset`` key that neither ``StreamingDataset`` nor this loader takes (named).
     """
-    from llmfoundry.data.utils import get_tokens_per_batch_func
-
     del tokenizer
     cfg = dict(dataset)
     max_seq_len = cfg.pop("max_seq_len", None)
@@ -87,6 +85,9 @@ def build_selected_dataloader(
                     num_workers=num_workers, pin_memory=pin_memory,
                     prefetch_factor=prefetch_factor if num_workers > 0 else None,
                     persistent_workers=persistent_workers and num_workers > 0, timeout=timeout)
+    # llm-foundry's token counting (loss_generating = labelled positions), imported last: a bad key is named without it
+    from llmfoundry.data.utils import get_tokens_per_batch_func
+
     return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
 
 
