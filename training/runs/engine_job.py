@@ -132,8 +132,23 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
         start = time.perf_counter()
         _ensure_data(cfg)
         e = EngineRun.of(cfg)
+        if "train.max_steps" in lock.extended:
+            _check_extension(e, *lock.extended["train.max_steps"], cfg.workers.range_steps)
         lock.write_records()
         return _run(cfg, e, start)
+
+
+def _check_extension(e: EngineRun, old: int, new: int, range_steps: int) -> None:
+    """An extended run (``train.max_steps`` raised from ``old`` to ``new``): refused before anything is written when
+    its continuation needs a proxy snapshot the shorter run never published (:meth:`TrainingPlan.extension_gaps`)."""
+    gaps = e.plan.extension_gaps(old, range_steps)
+    if gaps:
+        raise ValueError(
+            f"train.max_steps: {old} → {new} cannot extend this run exactly: it needs the proxy snapshot "
+            f"{'; '.join(gaps)}, from before step {old}, where the shorter run ended (pipelined: extend from a "
+            "max_steps of W plus a multiple of engine.snapshot_period; overlapped: not within engine.overlap_steps "
+            "before an episode start), or use a new output_dir")
+    print(f"extending the run: train.max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
 
 
 def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any]:
