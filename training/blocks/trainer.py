@@ -43,6 +43,7 @@ from training.blocks.sharding import (
     install_wrap_policy,
     is_sharded,
 )
+from training.blocks.throughput import interactive
 
 __all__ = ["make_trainer", "build_model", "setup_device", "resume_path", "rank_eval_loader"]
 
@@ -173,7 +174,7 @@ def make_trainer(
             precision=cfg.precision,
             device_train_microbatch_size=cfg.effective_microbatch_size,
             accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
+            progress_bar=cfg.progress_bar and interactive(),  # (else progress lines: training.blocks.throughput)
             log_to_console=False,
             seed=cfg.seed,
             parallelism_config=parallelism,
