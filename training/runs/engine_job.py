@@ -110,7 +110,7 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
         return
     if cfg.prepare is None:
         raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
-    print(f"preparing the corpus into {cfg.prepare.output_dir} ...", flush=True)
+    print(f"preparing the corpus into {storage.display(cfg.prepare.output_dir)} ...", flush=True)
     prepare(cfg.prepare)
 
 
@@ -181,7 +181,7 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
             run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
                   f"{eng.mode} mode, {eng.refresh} refresh, "
-                  + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
+                  + (f"resuming from {storage.display(run.resumed_from)}" if run.resumed_from else "starting a new run"), flush=True)
             run.fit()  # a rerun of a finished run only reports
             run.raise_if_stopped(t.max_steps)  # a stop signal: nothing is finished, the engine closes (above)
             outputs = run.outputs(reference=False)

@@ -193,7 +193,9 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
             extra["throughput"] = {k: v for k, v in throughput.items() if k != "memory"}
             extra["memory"] = throughput["memory"]
         paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=extra, plots=plots)
-    storage.push(output_dir)  # an object-store output directory: what is not in the bucket yet
+    uploaded = storage.push_all(output_dir)  # an object-store output directory: what is not in the bucket yet
+    if uploaded is not None:
+        print(uploaded, flush=True)
     return paths
 
 
