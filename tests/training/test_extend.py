@@ -9,8 +9,10 @@ import os
 
 import pytest
 
-from schemas.outdir import ConfigMismatch
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.outdir import ConfigMismatch, extendable_keys
 from schemas.stop import GracefulStop, StopRequested
+from schemas.train_config import ReplayConfig, TrainConfig
 from tests.training.test_preemption import Signal, _trained_steps, _weights
 from training.runs.single import train
 
@@ -98,3 +100,10 @@ def test_a_changed_setting_or_a_lowered_max_steps_is_still_refused(make_config):
         in str(err.value)
     with open(os.path.join(cfg.output_dir, "config.yaml")) as f:
         assert f"max_steps: {SHORT}\n" in f.read()  # refused reruns leave the record as it was
+
+
+def test_max_steps_is_the_only_extendable_key():
+    """What a rerun may raise (docs/FAILURES.md, 'Extending a run'): nothing of the first steps depends on it."""
+    assert extendable_keys(TrainConfig) == {"max_steps"}
+    assert extendable_keys(CurateAndTrainConfig) == {"train.max_steps"}
+    assert extendable_keys(ReplayConfig) == set()  # (replay's max_steps counts passes over given shards)
