@@ -12,11 +12,13 @@ summary.json and plots/ under output_dir (see training/runs/wiring.py for the la
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
 from schemas.config import parse_job_config
 from schemas.outdir import report_job_errors
 from schemas.stop import GracefulStop, StopRequested, exit_code
@@ -93,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(out: dict) -> None:
-    import json
-
-    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
-
     s = json.load(open(out["summary"], encoding="utf-8"))
     t = s["tokens"]
     print(f"{s['policy']}: {s['steps']} steps, kept {t['kept']:,} of {t['valid']:,} candidate tokens"
