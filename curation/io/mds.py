@@ -35,6 +35,7 @@ _SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64
 #: ndarray value dtypes and their one-byte codes (streaming's ``NDArray._value_dtype2int``).
 _NDARRAY_DTYPES = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "float16": 18, "uint32": 32, "int32": 33,
                    "float32": 34, "uint64": 64, "int64": 65, "float64": 66}
+_NP_DTYPES = {d: np.dtype(d) for d in _NDARRAY_DTYPES}
 #: Every encoding this writer supports (``ndarray:<dtype>`` with a fixed dtype and a free shape).
 MDS_ENCODINGS = ("str", *_SCALARS, *(f"ndarray:{d}" for d in _NDARRAY_DTYPES))
 _ZSTD_LEVEL = 3  # streaming's "zstd" = Zstandard(level=3)
@@ -50,7 +51,7 @@ def _check_encodings(columns: dict[str, str]) -> None:
 def _encode_ndarray(dtype: str, value: Any) -> bytes:
     """``ndarray:<dtype>``: ``[ndim << 2 | shape dtype code][shape][values]`` (dtype fixed by the column)."""
     arr = np.asarray(value)
-    if arr.dtype.name != dtype:
+    if arr.dtype != _NP_DTYPES[dtype]:  # (a dtype comparison: `.name` costs more than the rest of a row's encoding)
         raise ValueError(f"wrong dtype: expected {dtype}, got {arr.dtype.name}")
     if arr.size == 0 or arr.ndim == 0 or arr.ndim >= 64:
         raise ValueError(f"an ndarray column needs 1 to 63 axes and at least one element, got shape {arr.shape}")

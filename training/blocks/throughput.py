@@ -162,12 +162,14 @@ class Throughput(Callback):
         reference: the in-process reference's work (None: there is none, or the engine does it).
         schedule: the run's schedule (the refreshes and scored steps left).
         eval_interval: steps between evaluations (None: no validation).
+        peak_given: the monitor's peak was configured (``throughput.peak_flops``): kept on any device.
     """
 
     def __init__(self, speed: SpeedMonitor, *, window: int, total_steps: int, proxy: ProxyFlops,
                  selections: StepSelections | None = None, reference: ReferenceWork | None = None,
-                 schedule: Schedule | None = None, eval_interval: int | None = None) -> None:
+                 schedule: Schedule | None = None, eval_interval: int | None = None, peak_given: bool = False) -> None:
         self.speed = speed
+        self.peak_given = peak_given
         self.total_steps = total_steps
         self.proxy = proxy
         self.selections = selections
@@ -218,6 +220,9 @@ class Throughput(Callback):
 
     # --- events ------------------------------------------------------------------------------------
     def fit_start(self, state: State, logger: Logger) -> None:
+        if not self.peak_given and state.device.name != "gpu":
+            # Composer's table looks the peak up for any visible GPU: a run on the CPU of a GPU machine has none.
+            self.speed.gpu_flops_available = None
         self.history.clear()
         self._refresh_mark = (self._counts().get("refreshes", 0), float(self._timers().get("refresh", 0.0)))
 
@@ -355,5 +360,6 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
                          time_unit="seconds")
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
                        selections=selections, reference=reference, schedule=schedule,
-                       eval_interval=cfg.eval.interval if validation else None)
+                       eval_interval=cfg.eval.interval if validation else None,
+                       peak_given=cfg.throughput.peak_flops is not None)
     return speed, meter

@@ -142,11 +142,11 @@ def test_write_behind_overlaps_and_propagates_errors_from_either_side():
 
     from curation.engine.workers import _write_behind
 
-    def produce(n, fail_at=None):
-        for i in range(n):
-            if i == fail_at:
+    def produce(n, fail_at=None):  # the rows of a step come as a list (here two rows per step)
+        for i in range(0, n, 2):
+            if fail_at is not None and i >= fail_at:
                 raise ValueError("bad row")
-            yield {"i": i}
+            yield [{"i": i}, {"i": i + 1}]
 
     with ThreadPoolExecutor(2) as pool:
         assert _write_behind(pool, lambda rows: [r["i"] for r in rows], produce(1000)) == list(range(1000))
@@ -172,11 +172,11 @@ def test_write_behind_overlaps_and_propagates_errors_from_either_side():
         def counted(n):
             for i in range(n):
                 produced.append(i)
-                yield {"i": i}
+                yield [{"i": i}]
 
         with pytest.raises(OSError, match="disk full"):
             _write_behind(pool, failing_write, counted(100_000))
-        assert len(produced) < 2000  # the producer stopped soon after the writer failed
+        assert len(produced) < 100  # the producer stopped soon after the writer failed (a queue of a few steps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
                                                                               cfg.batch_size, cfg.seed).to_dict(),
                        selection=cfg.selection.model_dump(mode="json"), ref_lr=cfg.optim.lr,
                        refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"),
-                       schedule=run_schedule(cfg).to_dict())
+                       schedule=run_schedule(cfg).to_dict(), device="cpu")  # the trainer's device (tiny_train)
     os.makedirs(spec.engine_dir)
     runner = RefreshRunner(spec)
     if policy == "blade":
