@@ -37,6 +37,7 @@ def test_in_process_part_times_the_loss_directly(capsys):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ray_part_runs_one_then_two_workers():
     """The 1 vs 2 workers part (it once crashed on its second iteration: no test ran it)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_scoring.py"), *TINY, "--steps", "2",
