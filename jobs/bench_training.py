@@ -145,6 +145,16 @@ def worker(args: argparse.Namespace) -> dict:
         run.trainer.fit()
         run.trainer.close()
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    # What of the host RSS is pinned memory (the reference's compact copy, the tokens staged for the GPU): the
+    # caching host allocator rounds each block up to a power of two, so its reserved bytes may exceed the buffers'.
+    pinned, reference = None, getattr(run.algorithm, "reference", None)
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        pinned = {k: stats.get(k, 0) / 2**20 for k in ("reserved_bytes.peak", "allocated_bytes.peak",
+                                                        "reserved_bytes.current", "allocated_bytes.current")}
+        if reference is not None and hasattr(reference, "compact"):
+            pinned["compact_reference_mb"] = reference.compact.nbytes / 2**20
+            pinned["host_optimizer_state_mb"] = reference.optimizer_host.nbytes / 2**20
     episodes = []
     for (t0, tm0), (t1, tm1) in zip(episode_clock.marks[:-1], episode_clock.marks[1:], strict=True):
         episodes.append({"step_seconds": (t1 - t0) / args.tau,
@@ -154,6 +164,7 @@ def worker(args: argparse.Namespace) -> dict:
         "episodes": episodes,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_mb": gpu_peak,
+        "pinned_host_mb": pinned,
         "params": sum(p.numel() for p in run.model.parameters()),
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
@@ -313,6 +324,7 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         "heads": args.heads, "tau": tau,
         "refresh_steps": k, "refresh_batch_size": rb, "batch_size": b, "seq_len": args.seq_len,
         "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
+        "pinned_host_mb": {"plain": plains[0].get("pinned_host_mb"), "blade": blades[0].get("pinned_host_mb")},
         "goal_blade_over_plain": 1.5, "goal_peak_ratio": 1.1,
     }
     if plains[0].get("peak_gpu_mb") is not None:
