@@ -126,6 +126,20 @@ def test_blade_run_throughput_in_log_bar_and_summary(make_config, monkeypatch):
     assert out["run"].throughput.lines_every is None  # no progress lines beside the bar
 
 
+def test_a_cpu_run_on_a_gpu_machine_has_no_peak_but_a_configured_one_is_kept(make_config, monkeypatch):
+    """Composer's table looks a peak up for any visible GPU (as on a GPU machine, simulated here): a run on its CPU
+    has none (no MFU against the GPU's peak); ``throughput.peak_flops`` is kept on any device."""
+    import composer.callbacks.speed_monitor as speed_monitor
+
+    monkeypatch.setattr(speed_monitor, "get_gpu_flops_available", lambda state: 989e12)  # an H100's bf16 peak
+    out = train(make_config("full", "cpu-on-gpu-machine", max_steps=3, throughput={"window": 2}))
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    assert tp["peak_flops_per_device"] is None and tp["mfu"] is None
+    out = train(make_config("full", "given-peak", max_steps=3, throughput={"window": 2, "peak_flops": 1e12}))
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    assert tp["peak_flops_per_device"] == 1e12 and tp["mfu"] > 0
+
+
 def test_plain_run_and_replay_without_a_known_peak(make_config, tmp_path):
     """``full`` (plain steps): no reference work; on a CPU without ``throughput.peak_flops`` no MFU. Replay (plain
     masked steps) logs its throughput too, its kept tokens being the shards' masks."""

@@ -193,14 +193,16 @@ class Throughput(Callback):
         schedule: the run's schedule (the refreshes and scored steps left).
         eval_interval: steps between evaluations (None: no validation).
         lines_every: print a progress line every this many steps (and at the last one) on stdout; None: none.
+        peak_given: the monitor's peak was configured (``throughput.peak_flops``): kept on any device.
     """
 
     def __init__(self, speed: SpeedMonitor, *, window: int, total_steps: int, proxy: ProxyFlops,
                  selections: StepSelections | None = None, reference: ReferenceWork | None = None,
                  schedule: Schedule | None = None, eval_interval: int | None = None,
-                 lines_every: int | None = None) -> None:
+                 lines_every: int | None = None, peak_given: bool = False) -> None:
         self.speed = speed
         self.lines_every = lines_every
+        self.peak_given = peak_given
         self.total_steps = total_steps
         self.proxy = proxy
         self.selections = selections
@@ -271,6 +273,9 @@ class Throughput(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self.device = next(state.model.parameters()).device
+        if not self.peak_given and state.device.name != "gpu":
+            # Composer's table looks the peak up for any visible GPU: a run on the CPU of a GPU machine has none.
+            self.speed.gpu_flops_available = None
         self.history.clear()
         self._refresh_mark = (self._counts().get("refreshes", 0), float(self._timers().get("refresh", 0.0)))
 
@@ -430,5 +435,6 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
                        selections=selections, reference=reference, schedule=schedule,
                        eval_interval=cfg.eval.interval if validation else None,
-                       lines_every=cfg.throughput.log_interval if cfg.progress_bar and not interactive() else None)
+                       lines_every=cfg.throughput.log_interval if cfg.progress_bar and not interactive() else None,
+                       peak_given=cfg.throughput.peak_flops is not None)
     return speed, meter
