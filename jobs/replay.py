@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from schemas.config import parse_job_config
-from schemas.outdir import report_job_errors
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
 from schemas.train_config import ReplayConfig
 
 

@@ -3,7 +3,8 @@ import re
 import pytest
 import yaml
 
-from schemas.config import ConfigError, PrepareConfig, apply_override, load_config, parse_job_config
+from curation.io.cli import parse_job_config
+from schemas.config import ConfigError, PrepareConfig, apply_override, load_config
 
 
 def test_demo_default_validates_and_round_trips(tmp_path):

@@ -26,8 +26,8 @@ import torch
 
 from curation.core.stats import Histogram
 from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 from training.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
 from training.quality.experiment import Runs, StageClock, train_all
 from training.quality.report import make_figures, results_md, seed_interval

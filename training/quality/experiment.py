@@ -26,8 +26,8 @@ from typing import Any
 import yaml
 
 from curation.ingest.prepare import prepare
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 from schemas.train_config import (
     CheckpointConfig,
     DataConfig,

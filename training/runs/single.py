@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.models import model_vocab_size
 from curation.io.outputs import localize, open_output
 from curation.io.shards import check_tokenizer, shard_dir_info
-from schemas.manifest import atomic_write_text
-from schemas.stop import check_stop, stop_requested
+from curation.io.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
@@ -35,7 +35,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run (or resume) a training run; returns the output paths (``final_weights``, ``final_reference``,
     ``summary``, ``plots``, ``selected``) and the wired ``run``.
 
-    Within a :class:`schemas.stop.GracefulStop` (``jobs/train.py``), a SIGTERM / SIGINT ends the fit after the step
+    Within a :class:`curation.io.stop.GracefulStop` (``jobs/train.py``), a SIGTERM / SIGINT ends the fit after the step
     in progress with a checkpoint at that step (:mod:`training.blocks.preemption`); ``final/`` and the summary are
     then not written.
 

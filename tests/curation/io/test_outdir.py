@@ -15,22 +15,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.config import PrepareConfig
-from schemas.engine_config import CurateAndTrainConfig
-from schemas.manifest import atomic_write_text
-from schemas.outdir import (
+from curation.io.atomic import atomic_write_text
+from curation.io.outdir import (
     LOCK_NAME,
     ConfigMismatch,
     OutputDirBusy,
     OutputDirError,
     OutputDirLock,
     check_config_record,
-    config_diff,
     describe_os_error,
-    field_default,
     open_output_dir,
-    operational_keys,
 )
+from schemas.config import PrepareConfig
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.records import config_diff, field_default, operational_keys
 from schemas.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +51,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from schemas.outdir import OutputDirLock
+        from curation.io.outdir import OutputDirLock
         lock = OutputDirLock({str(out)!r}, "train")
         print("locked", flush=True)
         time.sleep(600)
@@ -196,7 +194,7 @@ def test_an_unwritable_output_dir_is_named(tmp_path, monkeypatch):
         def refuse(path, *a, **k):
             raise PermissionError(errno.EACCES, "Permission denied", path)
 
-        monkeypatch.setattr("schemas.outdir.os.open", refuse)
+        monkeypatch.setattr("curation.io.outdir.os.open", refuse)
     with pytest.raises(OutputDirError) as err:
         OutputDirLock(out, "train")
     msg = str(err.value)
@@ -218,7 +216,7 @@ def test_a_full_disk_names_the_file_being_written(tmp_path, full_disk):
 def test_report_job_errors_prints_one_line_and_lets_bugs_through(capsys):
     import errno
 
-    from schemas.outdir import report_job_errors
+    from curation.io.outdir import report_job_errors
 
     assert report_job_errors(lambda: {"ok": 1}, "x failed") == {"ok": 1}
 
