@@ -81,7 +81,7 @@ class BoundedSafeLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"the alias *{shown(event.anchor, 40)} is not accepted in a config (write the value out: "
+                None, None, f"the alias *{cut(str(event.anchor), 40)} is not accepted in a config (write the value out: "
                 "aliases can expand a small file into gigabytes)", event.start_mark)
         return super().compose_node(parent, index)
 
@@ -382,6 +382,8 @@ def edit_distance(a: str, b: str) -> int:
 def nearest_key(name: str, valid: Sequence[str]) -> str | None:
     """The valid key nearest ``name`` by edit distance when it is a likely typo (at most 2 edits, or a third of the
     name), else None; ties go to the first in ``valid``."""
+    if len(name) > 100:  # no key is this long (and the distance costs len(name) × len(key))
+        return None
     best = min(valid, key=lambda v: edit_distance(name, v), default=None)
     if best is None:
         return None
@@ -485,7 +487,7 @@ def load_config(
     for o in overrides:
         apply_override(data, o)
     if overrides:
-        origin += " + --set " + " ".join(overrides)
+        origin += " + --set " + " ".join(cut(o, 100) for o in overrides)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
+from schemas.config import load_record_yaml
 from schemas.records import as_dict, config_diff, operational_keys
 
 T = TypeVar("T")
@@ -170,7 +171,7 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            old = yaml.safe_load(f) or {}
+            old = load_record_yaml(f) or {}
     except (OSError, yaml.YAMLError) as e:
         raise OutputDirError(f"{path}: cannot read the config record of this output directory ({e})") from e
     model = type(cfg) if isinstance(cfg, BaseModel) else None
