@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from curation.io.cli import parse_job_config
 from curation.io.outdir import report_job_errors
+from curation.io.stop import GracefulStop, StopRequested, exit_code
 from schemas.train_config import ReplayConfig
 
 
@@ -26,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(cfg.selected, "index.json")):
         print(f"error: no selected-token shards in {cfg.selected}; run `python jobs/train.py` first", file=sys.stderr)
         return 1
-    # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once.
+    # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once; and
+    # before the stop handler is installed (importing Composer installs its own, which would replace it).
     from training.runs.single import replay
 
-    out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")
+    try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
+        with GracefulStop(what="the training step in progress and its checkpoint"):
+            out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")
+    except StopRequested as e:
+        print(e, file=sys.stderr)
+        return exit_code(e.signum)
     if out is None:
         return 1
     params = sum(p.numel() for p in out["run"].model.parameters())

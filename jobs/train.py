@@ -68,17 +68,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     # Imported after the config is parsed (Composer and Ray take seconds): --help and bad settings answer at once,
-    # and a single-process run does not import Ray.
+    # and a single-process run does not import Ray. Imported before the stop handler is installed: Composer installs
+    # its own SIGTERM/SIGINT handler (exit at once) when first imported, which would replace the project's.
     from curation.core.distributed import WorkerGroupFailed
 
+    if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
+        from training.runs.group import train_parallel as run_training
+    else:
+        from training.runs.single import train as run_training
+
     def run() -> dict:
-        if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
-            from training.runs.group import train_parallel
-
-            return train_parallel(cfg)
-        from training.runs.single import train
-
-        return train(cfg)
+        return run_training(cfg)
 
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
