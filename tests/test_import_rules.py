@@ -229,7 +229,7 @@ def test_the_io_modules_the_jobs_use_before_their_config_is_parsed_import_nothin
     torch, Composer or Ray (``--help`` and a bad setting answer at once): these modules, and what they import of the
     project, import none of those."""
     heavy = {"torch", "composer", "ray", "streaming", "transformers", "numpy", "safetensors", "boto3", "tokenizers"}
-    todo = ["curation.io.cli", "curation.io.outdir", "curation.io.stop", "curation.io.atomic"]
+    todo = ["curation.io.cli", "curation.io.outdir", "curation.io.stop", "curation.io.atomic", "curation.io.objects"]
     seen: set[str] = set()
     found = []
     while todo:
