@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["OPERATIONAL", "operational_keys", "field_default", "config_diff", "as_dict"]
+__all__ = ["OPERATIONAL", "operational_keys", "field_default", "config_diff", "as_dict", "leaves"]
 
 #: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
 #: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
@@ -125,3 +125,10 @@ def _absent_at_default(model: type[BaseModel], key: str, value: Any) -> bool:
 def as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     """A config (a model or a mapping) as the JSON dict its record holds."""
     return cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else json.loads(json.dumps(dict(cfg)))
+
+
+def leaves(value: Any) -> dict[str, Any]:
+    """The leaves of a record (JSON), by dotted key (list items by index), as :func:`config_diff` compares them."""
+    out: dict[str, Any] = {}
+    _flatten(json.loads(json.dumps(value)), "", out)
+    return out

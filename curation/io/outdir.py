@@ -37,7 +37,7 @@ from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
 from schemas.config import load_record_yaml
-from schemas.records import as_dict, config_diff, operational_keys
+from schemas.records import as_dict, config_diff, leaves, operational_keys
 
 T = TypeVar("T")
 
@@ -51,6 +51,7 @@ __all__ = [
     "check_config_record",
     "write_config_record",
     "open_output_dir",
+    "location_keys",
     "describe_os_error",
 ]
 
@@ -221,13 +222,48 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
         if after_lock is not None:
             after_lock(lock)
         for record, cfg in (records or {}).items():
-            shown = f"{name}/{record}" if name else None
-            if not check_config_record(os.path.join(directory, record), cfg, name=shown):
+            path, shown = os.path.join(directory, record), f"{name}/{record}" if name else None
+            here = location_keys(cfg, directory, name)
+            ignore = (operational_keys(type(cfg)) if isinstance(cfg, BaseModel) else set()) | set(here)
+            try:
+                if not check_config_record(path, cfg, ignore=ignore, name=shown):
+                    lock.pending[record] = cfg
+                    continue
+            except ConfigMismatch as e:  # the suggested rerun must write here, not where the record was written
+                moved = _moved(path, here)
+                if not moved:
+                    raise
+                sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
+                raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
+            if _moved(path, here):  # a copied or moved directory resumes; its record then names where it is now
                 lock.pending[record] = cfg
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def location_keys(cfg: BaseModel | Mapping[str, Any], directory: str, name: str | None = None) -> dict[str, str]:
+    """The keys of ``cfg`` that name ``directory`` itself (its ``output_dir``), spelled any way (a trailing ``/``, a
+    relative path, a link; ``name``: its object-store URL), with their values. A directory is where its record is:
+    these keys are not compared with the record, so a copied or moved run directory resumes from its new place."""
+    where = os.path.realpath(directory)
+    url = name.rstrip("/") if name and "://" in name else None
+    return {k: v for k, v in leaves(as_dict(cfg)).items() if isinstance(v, str) and v
+            and (v.rstrip("/") == url if "://" in v else os.path.realpath(v) == where)}
+
+
+def _moved(path: str, here: Mapping[str, str]) -> dict[str, str]:
+    """The keys of ``here`` whose value in the record at ``path`` is spelled otherwise (the run was recorded
+    elsewhere, or the same place another way)."""
+    if not here or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = leaves(load_record_yaml(f) or {})
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {k: v for k, v in here.items() if old.get(k) != v}
 
 
 # ------------------------------------------------------------------------------------------------

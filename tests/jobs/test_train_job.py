@@ -192,3 +192,33 @@ def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_
     part = os.path.relpath(shard.parent, cand)
     assert rc == 1 and f"error: {shard}: corrupt shard" in err
     assert f"part {part} can be regenerated: rerun jobs/prepare.py" in err and "Traceback" not in err
+
+
+def test_a_copied_run_directory_resumes_from_its_new_place(small_demo, tmp_path, capsys):  # noqa: F811
+    """issue 32: a run directory copied (or moved) elsewhere was refused (``differs in: output_dir``); now the copy
+    resumes from its own checkpoint, and an output_dir spelled with a trailing '/' is the same directory."""
+    import shutil
+    import signal
+
+    from composer.core import Callback
+
+    from curation.io.stop import GracefulStop, StopRequested
+    from training.runs.single import train
+
+    class SigtermAtStep4(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    out, copy = str(tmp_path / "run"), str(tmp_path / "copy")
+    config = _config_file(small_demo, out, tmp_path / "train.yaml")
+    with pytest.raises(StopRequested, match="after step 4 of 9"), GracefulStop():
+        train(load_config(TrainConfig, path=config), callbacks=[SigtermAtStep4()])
+    shutil.copytree(out, copy, symlinks=True)
+    capsys.readouterr()
+    assert train_job.main(["--config", config, "--set", f"output_dir={copy}/"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "blade: 9 steps" in printed and f"(resumed from {copy}/checkpoints/latest-rank0.pt)" in printed, printed
+    assert json.load(open(os.path.join(copy, "summary.json")))["steps"] == 9
+    assert yaml.safe_load(open(os.path.join(copy, "config.yaml")))["output_dir"] == f"{copy}/"
+    assert not os.path.exists(os.path.join(out, "final"))  # the original is left as it was
