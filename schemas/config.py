@@ -132,10 +132,11 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, defaults are validated too, and values are
-    not coerced between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float)."""
+    """Base for config sections: unknown keys are errors, defaults are validated too, values are not coerced
+    between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float), and a number is finite
+    (``optim.lr=.inf`` is refused here, not after it was recorded and training diverged)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 def check_unique_names(names: Sequence[str], what: str) -> None:

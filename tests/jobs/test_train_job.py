@@ -222,3 +222,45 @@ def test_a_copied_run_directory_resumes_from_its_new_place(small_demo, tmp_path,
     assert json.load(open(os.path.join(copy, "summary.json")))["steps"] == 9
     assert yaml.safe_load(open(os.path.join(copy, "config.yaml")))["output_dir"] == f"{copy}/"
     assert not os.path.exists(os.path.join(out, "final"))  # the original is left as it was
+
+
+@pytest.mark.parametrize(("model", "line"), [
+    ({"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 512},
+     "error: model: the model embeds positions for 64 tokens (n_positions) but the sequences of {m} hold 128: set "
+     "model.hf_config.n_positions >= 128, or prepare the data with seq_len <= 64"),
+    ({"max_position_embeddings": 64},
+     "error: model: the model embeds positions for 64 tokens (max_position_embeddings) but the sequences of {m} hold "
+     "128: set model.hf_config.max_position_embeddings >= 128, or prepare the data with seq_len <= 64"),
+    ({"batch_size": 10**9}, "error: batch_size 1000000000 is more than the {n} candidate sequences of {c}: a step "
+     "takes batch_size of them; lower batch_size"),
+])
+def test_settings_the_data_cannot_run_end_in_one_line_before_the_config_is_recorded(small_demo, tmp_path, capsys,
+                                                                                      model, line):  # noqa: F811
+    """issue 32: a GPT-2 with fewer positions than seq_len ended in an 85-line IndexError, a Llama trained past them
+    silently, batch_size=1e9 in a memory-error traceback; each left a config.yaml that refused the corrected rerun."""
+    out = str(tmp_path / "run")
+    base = TrainConfig.model_validate(yaml.safe_load(open(_config_file(small_demo, out, tmp_path / "t.yaml"))))
+    if "batch_size" in model:
+        updates = model
+    elif "model_type" in model:
+        updates = {"model": {**base.model.model_dump(mode="json"), "hf_config": model}}
+    else:
+        updates = {"model": {**base.model.model_dump(mode="json"),
+                             "hf_config": {**base.model.hf_config, **model}}}
+    config = _config_file(small_demo, out, tmp_path / "bad.yaml", **updates)
+    capsys.readouterr()
+    assert train_job.main(["--config", config]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    cand = os.path.join(small_demo, "data", "candidates")
+    n = json.load(open(os.path.join(cand, "manifest.json")))
+    n = sum(c["sequences"] for c in n["sources"].values())
+    want = line.format(m=os.path.join(cand, "manifest.json"), n=n, c=cand)
+    assert err == [want], err
+    assert not os.path.exists(os.path.join(out, "config.yaml"))  # the corrected rerun is not refused by a record
+
+
+def test_an_infinite_learning_rate_is_refused_with_the_other_bad_settings(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_job.main(["--set", "optim.lr=.inf", "--print-config"])
+    assert e.value.code == 2
+    assert "  optim.lr: Input should be a finite number (got inf)" in capsys.readouterr().err.splitlines()

@@ -101,6 +101,10 @@ def training_inputs(cfg: TrainConfig) -> TrainingInputs:
     fingerprint = check_tokenizer(infos, cfg.data.tokenizer)
     if cand.seq_len is not None and val.seq_len is not None and cand.seq_len != val.seq_len:
         raise ValueError(f"seq_len differs: {cand.path} has {cand.seq_len}, {val.path} has {val.seq_len}")
+    sequences = cand.manifest.totals().sequences
+    if sequences and cfg.batch_size > sequences:  # (checked before the run's config is recorded)
+        raise ValueError(f"batch_size {cfg.batch_size} is more than the {sequences} candidate sequences of "
+                         f"{cand.path}: a step takes batch_size of them; lower batch_size")
     model = build_model(cfg.model, infos)
     return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
 
