@@ -264,3 +264,13 @@ def test_an_infinite_learning_rate_is_refused_with_the_other_bad_settings(capsys
         train_job.main(["--set", "optim.lr=.inf", "--print-config"])
     assert e.value.code == 2
     assert "  optim.lr: Input should be a finite number (got inf)" in capsys.readouterr().err.splitlines()
+
+
+def test_a_diverging_reference_stops_the_run_naming_the_setting(small_demo, tmp_path, capsys):  # noqa: F811
+    """issue 32: ``--set selection.ref_lr=1e3`` ran to the end (rc 0) with a reference at the uniform loss."""
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    capsys.readouterr()
+    assert train_job.main(["--config", config, "--set", "selection.ref_lr=1e3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the reference diverged in a refresh: its validation loss "), err
+    assert err[0].endswith("; lower selection.ref_lr (now 1000)"), err
