@@ -79,12 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from training.runs.single import train as run_training
 
-    def run() -> dict:
-        return run_training(cfg)
-
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
-            out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+            out = report_job_errors(lambda: run_training(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     except StopRequested as e:
         print(e, file=sys.stderr)
         return exit_code(e.signum)
