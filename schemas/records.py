@@ -15,11 +15,17 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["OPERATIONAL", "operational_keys", "field_default", "config_diff", "as_dict", "leaves"]
+__all__ = ["OPERATIONAL", "EXTENDABLE", "operational_keys", "extendable_keys", "field_default", "config_diff",
+           "as_dict", "leaves"]
 
 #: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
 #: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
 OPERATIONAL: dict[str, Any] = {"operational": True}
+
+#: ``json_schema_extra`` of an integer config field a rerun may *raise* and still resume: the run is extended from
+#: its checkpoint, and must end as a run that had the larger value from the start (``max_steps``: nothing the
+#: first steps computed depends on it; docs/FAILURES.md, "Extending a run"). Lowering it is refused.
+EXTENDABLE: dict[str, Any] = {"extendable": True}
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -30,18 +36,24 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
-def operational_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL`."""
+def operational_keys(model: type[BaseModel], prefix: str = "", *, mark: str = "operational") -> set[str]:
+    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL` (``mark``:
+    another marker, e.g. ``extendable``)."""
     keys: set[str] = set()
     for name, field in model.model_fields.items():
         key = prefix + name
         extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get("operational"):
+        if isinstance(extra, dict) and extra.get(mark):
             keys.add(key)
             continue
         for sub in _models_in(field.annotation):
-            keys |= operational_keys(sub, key + ".")
+            keys |= operational_keys(sub, key + ".", mark=mark)
     return keys
+
+
+def extendable_keys(model: type[BaseModel]) -> set[str]:
+    """Dotted keys of the fields of ``model`` marked :data:`EXTENDABLE`."""
+    return operational_keys(model, mark="extendable")
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:

@@ -11,10 +11,14 @@ Every job (prepare, train, replay, curate, curate_and_train) opens its output di
    ``engine_config.yaml``): a rerun resumes only when they are equal except for the *operational* keys
    (fields marked with :data:`schemas.records.OPERATIONAL`, e.g. progress bars, which cannot change the outputs) and for
    keys the record does not have whose value is their field's default (a setting added to the config
-   after the run was recorded, left at its default, is the behaviour the run was recorded with); else
-   it is refused naming exactly the keys that differ, and the record is left as it was;
+   after the run was recorded, left at its default, is the behaviour the run was recorded with), and
+   for *extendable* keys (fields marked with :data:`schemas.records.EXTENDABLE`: ``max_steps``) raised above the
+   recorded value: the run is then extended (:attr:`OutputDirLock.extended`) and its record rewritten; else it is
+   refused naming exactly the keys that differ (a lowered extendable key too), and the record is left as
+   it was; the keys that name the directory itself (its ``output_dir``, spelled any way) are not compared
+   (:func:`location_keys`: a copied or moved run directory resumes);
 3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
-   there was none: an equal record is not rewritten.
+   there was none, the run is extended or moved: an equal record is not rewritten.
 
 No torch, no ray: stdlib + pydantic only (the jobs open their output directory before they import Composer). The
 comparison of two configs is pure and lives with the configs (:mod:`schemas.records`).
@@ -37,7 +41,7 @@ from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
 from schemas.config import load_record_yaml
-from schemas.records import as_dict, config_diff, leaves, operational_keys
+from schemas.records import as_dict, config_diff, extendable_keys, leaves, operational_keys
 
 T = TypeVar("T")
 
@@ -107,6 +111,7 @@ class OutputDirLock:
             ) from None
         self._fd: int | None = fd
         self.pending: dict[str, BaseModel | Mapping[str, Any]] = {}  # records to write (none on disk yet)
+        self.extended: dict[str, tuple[int, int]] = {}  # extendable key → (recorded, raised) value of this rerun
         self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "job": job,
                        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)}
@@ -158,15 +163,17 @@ def _read_holder(fd: int) -> str:
 # config records
 # ------------------------------------------------------------------------------------------------
 def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None,
-                        name: str | None = None) -> bool:
+                        name: str | None = None, extended: dict[str, tuple[int, int]] | None = None) -> bool:
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
 
     ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model; ``name``: how messages name the
     record (default ``path``). A key the record does not have is equal when ``cfg`` (a model) holds its default
-    (:func:`config_diff`).
+    (:func:`config_diff`). With ``extended`` (a dict), an :func:`extendable_keys` key of ``cfg``'s model raised
+    above its recorded value is not a difference: it is added to ``extended`` as ``key → (recorded, raised)``.
 
     Raises:
-        ConfigMismatch: the record differs; the message names each differing key with both values.
+        ConfigMismatch: the record differs; the message names each differing key with both values (a lowered
+            extendable key says it can only be raised).
     """
     if not os.path.exists(path):
         return False
@@ -179,6 +186,8 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     if ignore is None:
         ignore = operational_keys(model) if model is not None else set()
     diff = config_diff(old, as_dict(cfg), ignore, model=model)
+    if extended is not None and model is not None:
+        diff = _extensions(diff, extendable_keys(model), old, as_dict(cfg), extended)
     if diff:
         keys = [d.split(":", 1)[0] for d in diff]
         name = name or path
@@ -190,6 +199,29 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
             keys,
         )
     return True
+
+
+def _leaf(config: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
+
+
+def _extensions(diff: list[str], keys: set[str], old: Mapping[str, Any], new: Mapping[str, Any],
+                extended: dict[str, tuple[int, int]]) -> list[str]:
+    """``diff`` without the extendable ``keys`` raised from ``old`` to ``new`` (added to ``extended``); a lowered
+    one says it can only be raised."""
+    rest = []
+    for line in diff:
+        key = line.split(":", 1)[0]
+        a, b = _leaf(old, key), _leaf(new, key)
+        if key in keys and all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b)):
+            if b > a:
+                extended[key] = (a, b)
+                continue
+            line += " (it can only be raised: a run is extended, never shortened)"
+        rest.append(line)
+    return rest
 
 
 def write_config_record(path: str, cfg: BaseModel | Mapping[str, Any]) -> None:
@@ -225,9 +257,12 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
             path, shown = os.path.join(directory, record), f"{name}/{record}" if name else None
             here = location_keys(cfg, directory, name)
             ignore = (operational_keys(type(cfg)) if isinstance(cfg, BaseModel) else set()) | set(here)
+            extended: dict[str, tuple[int, int]] = {}
             try:
-                if not check_config_record(path, cfg, ignore=ignore, name=shown):
+                if not check_config_record(path, cfg, ignore=ignore, name=shown, extended=extended) \
+                        or extended:  # (an extended run's record is rewritten with the raised values)
                     lock.pending[record] = cfg
+                    lock.extended.update(extended)
                     continue
             except ConfigMismatch as e:  # the suggested rerun must write here, not where the record was written
                 moved = _moved(path, here)

@@ -25,7 +25,8 @@ SOURCES = ("general", "noise", "target")
 #: the metrics every logger must hold, as the trainer names them
 KEYS = ["loss/train/total", "metrics/eval/TokenLoss", *(f"blade/kept_fraction/{s}" for s in SOURCES),
         "blade/param_distance", "blade/refresh_seconds", "time/refresh_seconds", "time/score_seconds",
-        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds"]
+        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds",
+        "memory/host_peak_rss_gib"]
 
 
 def series(rows: list[tuple[int, str, float]]) -> dict[str, dict[int, float]]:
