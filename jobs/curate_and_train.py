@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from curation.core.distributed import WorkerGroupFailed
 from curation.engine.plan import EngineError
-from schemas.config import parse_job_config
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
+from curation.io.stop import StopRequested, exit_code
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import report_job_errors
-from schemas.stop import StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from curation.io import storage
 from curation.io.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
-from schemas.outdir import config_diff
+from schemas.records import config_diff
 from schemas.shards import SPECS
 
 

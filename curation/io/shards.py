@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from curation.io import storage
+from curation.io.atomic import atomic_write_text, write_manifest
 from curation.io.mds import SHARD_HASH, sample_decoder, write_mds
-from schemas.manifest import Manifest, atomic_write_text, sha256_file
+from schemas.manifest import Manifest, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
@@ -230,7 +231,7 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
 
 def save_manifest(out_dir: str, manifest: Manifest) -> None:
     """Save the manifest (atomically) and, for an object-store directory, upload it."""
-    storage.publish(manifest.save(out_dir))
+    storage.publish(write_manifest(out_dir, manifest))
 
 
 def publish_parts(out_dir: str, manifest: Any) -> None:
