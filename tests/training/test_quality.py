@@ -8,7 +8,15 @@ import pytest
 from safetensors.torch import load_file
 
 from training.quality.report import seed_interval
-from training.quality.setting import MAX_EPOCHS, PRESETS, QUICK, Setting, eval_sources, forward_flops
+from training.quality.setting import (
+    MAX_EPOCHS,
+    PRESETS,
+    QUICK,
+    Setting,
+    data_configs,
+    eval_sources,
+    forward_flops,
+)
 
 
 def test_seed_interval():
@@ -20,7 +28,7 @@ def test_seed_interval():
 
 
 def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
-    from training.quality.setting import SOURCES, data_configs
+    from training.quality.setting import SOURCES
 
     s = Setting()
     cfgs = data_configs(s, "/tmp/unused")

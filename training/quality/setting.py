@@ -161,11 +161,12 @@ CPU = Setting()
 #: the old number of scored snapshots. Total ≈ 345 min (5.75 h) on an idle machine.
 CPU_ESTIMATE_MIN = {"data": 4, "bases": 65, "sweep": 38, "main": 88, "reuse": 120, "evaluate": 30}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
-# a larger target; the target is sized so that 10 tokens per parameter stay within 2 passes over the base text.
+# a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
+# over the base text.
 GPU = Setting(
-    vocab=4096, seq_len=512, hidden=128, layers=4, target_hidden=256, target_layers=8, base_batch=32, batch=32,
+    vocab=4096, seq_len=512, hidden=128, layers=2, target_hidden=256, target_layers=5, base_batch=32, batch=32,
     steps=4000, warmup=200, tau=200, rho1_steps=400, eval_interval=200, eval_batches=20, curve_interval=1000,
-    base_tokens_per_parameter=20.0,
+    base_tokens_per_parameter=20.0, target_base_tokens_per_parameter=10.0,
     sweep=tuple({**c, "refresh_steps": c["refresh_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
                 for c in CPU.sweep),
     rho1_sweep=(200, 400, 800), target_curve_interval=500, threads=16, precision="amp_bf16", checkpoint_interval=1000,
