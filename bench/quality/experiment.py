@@ -14,7 +14,7 @@
    equal-total-compute points need (``target_extra_steps``).
 
 Every run saves snapshots along the way (curves on the target evaluation set). :func:`train_all` runs the
-stages up to ``until`` and returns the finished runs; ``training.quality.analysis`` evaluates them.
+stages up to ``until`` and returns the finished runs; ``bench.quality.analysis`` evaluates them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,20 @@ from typing import Any
 
 import yaml
 
+from bench.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
+from bench.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training
+from bench.quality.setting import (
+    MAX_EPOCHS,
+    POLICIES,
+    SETTINGS,
+    Setting,
+    data_configs,
+    dev_source,
+    eval_sources,
+    forward_flops,
+    model_config,
+    run_shape,
+)
 from curation.ingest.prepare import prepare
 from curation.io.models import build_causal_lm
 from schemas.manifest import atomic_write_text
@@ -41,20 +55,6 @@ from schemas.train_config import (
     ReplayConfig,
     SelectionConfig,
     TrainConfig,
-)
-from training.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
-from training.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training
-from training.quality.setting import (
-    MAX_EPOCHS,
-    POLICIES,
-    SETTINGS,
-    Setting,
-    data_configs,
-    dev_source,
-    eval_sources,
-    forward_flops,
-    model_config,
-    run_shape,
 )
 
 __all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice", "target_extra_steps"]
@@ -130,7 +130,7 @@ def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, l
 
 @dataclass
 class Runs:
-    """Everything trained, as recorded results (``training.quality.runs``)."""
+    """Everything trained, as recorded results (``bench.quality.runs``)."""
 
     s: Setting
     out: str

@@ -30,10 +30,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.quality.compute import RunShape
 from curation.evaluation.flops import ModelShape, forward_flops_per_token
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
-from training.quality.compute import RunShape
 
 __all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "DEV_DOCS", "MAX_EPOCHS", "SETTINGS", "Setting",
            "PRESETS", "QUICK", "CPU_ESTIMATE_MIN", "data_configs", "dev_source", "document_hashes", "eval_sources", "model_config",

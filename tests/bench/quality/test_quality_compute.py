@@ -7,11 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.core.stats import Histogram
-from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops
-from curation.evaluation.heldout import DocScores
-from training.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
-from training.quality.compute import (
+from bench.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
+from bench.quality.compute import (
     RunShape,
     amortized_total,
     equal_compute_steps,
@@ -20,7 +17,10 @@ from training.quality.compute import (
     run_flops,
     selection_flops,
 )
-from training.quality.experiment import sweep_choice
+from bench.quality.experiment import sweep_choice
+from curation.core.stats import Histogram
+from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops
+from curation.evaluation.heldout import DocScores
 
 # hidden 4, 1 layer, MLP 8, vocabulary 10, context 8: per layer q,k,v,o 4·4² = 64, MLP 3·4·8 = 96; head 4·10 = 40
 # forward per token: 2·(160 + 40) + attention 2·1·8·4 = 464
@@ -131,7 +131,7 @@ def test_delta_distribution_summaries():
 
 
 def test_base_charged_versus_free_accounting():
-    from training.quality.compute import base_flops, charged_selection
+    from bench.quality.compute import base_flops, charged_selection
 
     # a proxy of forward 464 FLOPs/token pretrained on 1,000 tokens: 3 · 464 · 1000
     base = base_flops(464.0, 1000)
@@ -147,7 +147,7 @@ def test_base_charged_versus_free_accounting():
 
 
 def test_smoothing_decides_reaches_not_one_noisy_point():
-    from training.quality.compute import mean_curve, smooth
+    from bench.quality.compute import mean_curve, smooth
 
     # one snapshot dips to 3.0 by noise, its neighbours are at 3.6 and 3.5
     noisy = [(0.0, 5.0), (1.0, 4.0), (2.0, 3.6), (3.0, 3.0), (4.0, 3.5), (5.0, 3.4)]
@@ -166,7 +166,7 @@ def test_smoothing_decides_reaches_not_one_noisy_point():
 
 
 def test_break_even_runs_on_a_hand_made_curve():
-    from training.quality.compute import break_even_runs
+    from bench.quality.compute import break_even_runs
 
     # full's curve (window 1: no smoothing): loss falls 0.1 per 100 FLOPs from 4.0 at 1,000 to 3.5 at 1,500
     full = [(0.0, 6.0), (1000.0, 4.0), (1100.0, 3.9), (1200.0, 3.8), (1300.0, 3.7), (1400.0, 3.6), (1500.0, 3.5)]

@@ -1,9 +1,9 @@
 """The quality benchmark's report: statistics over seeds, figures and the generated RESULTS.md.
 
-Pure functions of the results dict written by :func:`training.quality.analysis.analyse` (no training). The
+Pure functions of the results dict written by :func:`bench.quality.analysis.analyse` (no training). The
 first lines of RESULTS.md answer the three questions for both settings side by side, whichever way they go:
 BLADE vs RHO-1 at the long horizon; native selection at equal compute; reused selection at equal total compute
-(base charged, every R). The verdict rules (``training.quality.verdicts``) come right after, before any table;
+(base charged, every R). The verdict rules (``bench.quality.verdicts``) come right after, before any table;
 a hand-written reading, when ``--out`` holds a ``READING.md``, after them.
 """
 
@@ -13,8 +13,8 @@ import os
 import statistics
 from typing import Any
 
+from bench.quality.verdicts import rules_md
 from curation.evaluation.heldout import Interval
-from training.quality.verdicts import rules_md
 
 __all__ = ["seed_interval", "make_figures", "results_md", "answers"]
 
@@ -206,7 +206,7 @@ def results_md(r: dict[str, Any], figs: dict[str, str], command: str, *, hardwar
     lines = ["# BLADE quality benchmark (real public text)", "",
              f"Produced by `{command}` ({hardware}). Stage times below (added up over the resumed pieces).", "",
              "## Three answers, both settings (generated from the numbers)", "", *answers(r), "",
-             "## Verdict rules (fixed in `training/quality/verdicts.py` before the runs)", "", *rules_md(), ""]
+             "## Verdict rules (fixed in `bench/quality/verdicts.py` before the runs)", "", *rules_md(), ""]
     if reading:
         lines += [reading.strip(), ""]
     lines += [

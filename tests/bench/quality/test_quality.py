@@ -1,4 +1,4 @@
-"""training.quality: the compute model (hand-computed FLOPs), seed intervals, equal-compute snapshots."""
+"""bench.quality: the compute model (hand-computed FLOPs), seed intervals, equal-compute snapshots."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from training.quality.report import seed_interval
-from training.quality.setting import (
+from bench.quality.report import seed_interval
+from bench.quality.setting import (
     MAX_EPOCHS,
     PRESETS,
     QUICK,
@@ -28,7 +28,7 @@ def test_seed_interval():
 
 
 def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
-    from training.quality.setting import SOURCES
+    from bench.quality.setting import SOURCES
 
     s = Setting()
     cfgs = data_configs(s, "/tmp/unused")
@@ -59,7 +59,7 @@ def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
 def test_dev_split_is_disjoint_by_document_hashes(preset):
     """The dev split (every choice is made on it) shares no document with the pool's GSM8K, the validation slice
     the references train on, or any evaluation set, compared by the hashes of the texts actually read."""
-    from training.quality.setting import DEV_DOCS, dev_source, document_hashes
+    from bench.quality.setting import DEV_DOCS, dev_source, document_hashes
 
     s = QUICK if preset == "quick" else PRESETS[preset]
     dev = dev_source(s)
@@ -75,7 +75,7 @@ def test_dev_split_is_disjoint_by_document_hashes(preset):
 @pytest.mark.slow
 def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
     """The equal-compute `full` models are snapshots of one long run: the same weights as a shorter run."""
-    from training.quality.runs import run_training
+    from bench.quality.runs import run_training
 
     short = run_training(make_config("full", name="short", max_steps=4), str(tmp_path / "short" / "result.json"))
     long = run_training(make_config("full", name="long", max_steps=7), str(tmp_path / "long" / "result.json"),
@@ -112,8 +112,8 @@ def test_presets_meet_the_brief(preset):
 def test_gpu_target_base_fits_two_epochs_of_the_cpu_preset_text():
     """10 tokens per target parameter within MAX_EPOCHS passes: the GPU target is sized to the base text (the
     CPU run's base text, ≈ 30M tokens at vocabulary 2,048, is checked at run time; here: a lower bound of 25M)."""
-    from training.quality.experiment import count_parameters
-    from training.quality.setting import model_config
+    from bench.quality.experiment import count_parameters
+    from bench.quality.setting import model_config
 
     gpu = PRESETS["gpu"]
     assert gpu.target_base_tokens_per_parameter * count_parameters(model_config(gpu, target=True)) <= 2 * 25e6
@@ -134,8 +134,8 @@ def test_cpu_preset_model_sizes():
 
 def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
     """A package upgrade that adds settings with behaviour-preserving defaults must not retrain (or delete) runs."""
+    from bench.quality.runs import _effective
     from schemas.train_config import TrainConfig
-    from training.quality.runs import _effective
 
     cfg = TrainConfig.demo_default().model_dump(mode="json")
     old = {k: v for k, v in cfg.items() if k != "parallel"}

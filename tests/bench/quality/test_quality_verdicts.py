@@ -1,8 +1,8 @@
-"""training.quality.verdicts: the rules applied to hand-made intervals (the report may only say what they say)."""
+"""bench.quality.verdicts: the rules applied to hand-made intervals (the report may only say what they say)."""
 
 from __future__ import annotations
 
-from training.quality.verdicts import (
+from bench.quality.verdicts import (
     VERDICT_RULES,
     blade_vs_rho1_verdict,
     direction,
