@@ -234,7 +234,7 @@ def _reuse(r: Runs, setting: str, ev: Evaluator, tbase: dict[str, DocScores]) ->
             finals.append(pts[-1][1])
             curves.append([(n, sc[TARGET_SET].mean) for n, sc in pts])
         rep_mean = mean_curve(curves)
-        rep_level = smooth([(float(n), v) for n, v in rep_mean], s.smooth_window)[-1][1]
+        rep_level = rep_mean[-1][1]  # the replay's final loss, mean over seeds (an end: smoothing keeps it)
         e: dict[str, Any] = {
             "selection_flops": sel, "selection_vs_target_run": sel / T, "final": [_means(f) for f in finals],
             "curve_steps": rep_mean, "equal_steps": compare_seeds(finals, full_final), "accountings": {}}

@@ -149,15 +149,17 @@ def charged_selection(policy: str, selection: float, base: float, *, charged: bo
 
 
 def smooth(curve: Sequence[tuple[float, float]], window: int = 3) -> list[tuple[float, float]]:
-    """A centred moving average of a curve's losses over ``window`` neighbouring points (fewer at the ends), so
-    that one noisy snapshot cannot decide whether (or where) a curve reaches a loss; compute values unchanged."""
+    """A centred moving average of a curve's losses over ``window`` neighbouring points, so that one noisy
+    snapshot cannot decide whether (or where) a curve reaches a loss; compute values unchanged. Points closer to
+    an end than ``window // 2`` average the widest centred window they have, and the two ends keep their values
+    (a one-sided average would pull a run's final loss toward its earlier, higher losses)."""
     pts = _checked(curve)
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be odd and >= 1, got {window}")
-    h = window // 2
     out = []
     for i, (x, _) in enumerate(pts):
-        near = pts[max(0, i - h):i + h + 1]
+        h = min(window // 2, i, len(pts) - 1 - i)
+        near = pts[i - h:i + h + 1]
         out.append((x, sum(y for _, y in near) / len(near)))
     return out
 

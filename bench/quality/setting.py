@@ -158,8 +158,9 @@ CPU = Setting()
 #: sweep 9 blade + 3 rho1 runs of 2,000 steps (≈ 190 s and 140 s) + their dev scores; main 2 settings × 15 runs
 #: (≈ 14 min per seed uncontended; blade seed 0 of the first is the chosen sweep run); reuse 3 seeds × (full ≈
 #: 2,750 + 4 replays × 2,000 target steps) + 3 seeds × (full + 2 replays), ≈ 0.15 s per target step; evaluate ≈ 2×
-#: the old number of scored snapshots. Total ≈ 345 min (5.75 h) on an idle machine.
-CPU_ESTIMATE_MIN = {"data": 4, "bases": 65, "sweep": 38, "main": 88, "reuse": 120, "evaluate": 30}
+#: the old number of scored snapshots; data: ≈ 35M tokens to tokenize (the --quick run: 32 s of CPU for 1.9M).
+#: Total ≈ 351 min (5.85 h) on an idle machine.
+CPU_ESTIMATE_MIN = {"data": 10, "bases": 65, "sweep": 38, "main": 88, "reuse": 120, "evaluate": 30}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
 # over the base text.
@@ -173,8 +174,9 @@ GPU = Setting(
 )
 QUICK = Setting(
     doc_scale=0.02, pool_doc_cap=30, base_doc_cap=60, skip_sources=("openintro", "hott", "novels", "folktales"),
-    vocab=1024, seq_len=64, hidden=32, layers=1, target_hidden=96, target_layers=1, base_tokens_per_parameter=1.0, target_base_tokens_per_parameter=0.3,
-    base_batch=8, base_eval_interval=4, batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4,
+    vocab=1024, seq_len=64, hidden=32, layers=1, target_hidden=96, target_layers=1, base_tokens_per_parameter=0.5,
+    target_base_tokens_per_parameter=0.2,
+    base_batch=8, base_eval_interval=10, batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4,
     eval_batches=2, curve_interval=6,
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
            {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),

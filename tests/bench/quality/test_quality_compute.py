@@ -153,7 +153,7 @@ def test_smoothing_decides_reaches_not_one_noisy_point():
     noisy = [(0.0, 5.0), (1.0, 4.0), (2.0, 3.6), (3.0, 3.0), (4.0, 3.5), (5.0, 3.4)]
     assert flops_to_reach(noisy, 3.1) == pytest.approx(2.0 + 0.5 / 0.6)  # the raw curve "reaches" at the dip
     sm = smooth(noisy, 3)
-    assert [y for _, y in sm] == pytest.approx([4.5, 4.2, 3.5333333, 3.3666667, 3.3, 3.45])
+    assert [y for _, y in sm] == pytest.approx([5.0, 4.2, 3.5333333, 3.3666667, 3.3, 3.4])  # ends kept
     assert [x for x, _ in sm] == [x for x, _ in noisy]
     assert flops_to_reach(sm, 3.1) is None  # smoothed: never
     assert smooth(noisy, 1) == noisy
@@ -184,10 +184,12 @@ def test_break_even_runs_on_a_hand_made_curve():
     # better than full's whole run: R* is at most selection / (end − T) = 600 / 500
     be = break_even_runs(600.0, 1000.0, full, 3.2, window=1)
     assert be["upper_bound"] and be["runs"] == pytest.approx(1.2) and be["label"] == "≤ 1.2"
-    # smoothing (window 3) moves the crossing: the smoothed curve at 1,100 is 3.9, at 1,200 3.8 (a straight
-    # line is unchanged inside), so R* stays 4 here; a noisy dip at 1,100 no longer decides it
+    # a noisy dip to 3.5 at 1,100 decides R* on the raw curve; smoothed (window 3), its neighbours outvote it
     dip = [*full[:2], (1100.0, 3.5), *full[3:]]
-    assert break_even_runs(600.0, 1000.0, dip, 3.85, window=1)["runs"] == pytest.approx(600 / 70)
+    # raw: full passes 3.85 at 1,000 + 100 · 0.15/0.5 = 1,030, so R* = 600 / 30 = 20 on one snapshot's say-so
+    assert break_even_runs(600.0, 1000.0, dip, 3.85, window=1)["runs"] == pytest.approx(20.0)
     smoothed = break_even_runs(600.0, 1000.0, dip, 3.85, window=3)
-    # smoothed: 1,000 → (6 + 4 + 3.5)/3 = 4.5, 1,100 → (4 + 3.5 + 3.8)/3 = 3.7667: crossing at 1,000 + 100 · 0.65/0.7333
+    # smoothed: 0 stays 6 (an end), 1,000 → (6 + 4 + 3.5)/3 = 4.5, 1,100 → (4 + 3.5 + 3.8)/3 = 3.7667: crossing at
+    # 1,000 + 100 · 0.65/0.7333
     assert smoothed["full_flops_to_match"] == pytest.approx(1000 + 100 * 0.65 / (4.5 - 11.3 / 3))
+    assert smoothed["runs"] == pytest.approx(600 / (100 * 0.65 / (4.5 - 11.3 / 3)))  # ≈ 6.77
