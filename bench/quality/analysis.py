@@ -35,7 +35,7 @@ from bench.quality.compute import (
     selection_flops,
     smooth,
 )
-from bench.quality.experiment import Runs, StageClock, _prefix, train_all
+from bench.quality.experiment import Runs, StageClock, run_prefix, train_all
 from bench.quality.report import make_figures, results_md, seed_interval
 from bench.quality.runs import REUSED, Evaluator, final_val
 from bench.quality.setting import (
@@ -133,7 +133,7 @@ def passed_at(curve: list[tuple[int, float]], reference: float, margin: float) -
 def _native(r: Runs, setting: str, ev: Evaluator, base_ev: dict[str, DocScores]) -> dict[str, Any]:
     """One setting's proxy runs scored and compared (the first two questions)."""
     s, out, shape = r.s, r.out, run_shape(r.s)
-    small, target_only, pre, main = model_config(s), (TARGET_SET,), _prefix(setting), r.main[setting]
+    small, target_only, pre, main = model_config(s), (TARGET_SET,), run_prefix(setting), r.main[setting]
 
     def snap(res: dict[str, Any], step: int) -> str:
         return res["snapshots"][str(step)]
@@ -202,7 +202,7 @@ def _reuse(r: Runs, setting: str, ev: Evaluator, tbase: dict[str, DocScores]) ->
     """One setting's target runs, every reuse seed: replay − the same seed's `full`, at equal target steps and at
     equal total compute for every R in both accountings; "reaches" and break-even R on smoothed mean curves."""
     s, shape, tshape = r.s, run_shape(r.s), run_shape(r.s, target=True)
-    big, target_only, pre, entry = model_config(s, target=True), (TARGET_SET,), _prefix(setting), r.reuse[setting]
+    big, target_only, pre, entry = model_config(s, target=True), (TARGET_SET,), run_prefix(setting), r.reuse[setting]
     per_step = run_flops(tshape, "full", 1).total
     T, base = s.steps * per_step, r.bases["proxy"]["flops"]
     seeds = len(entry["full"])

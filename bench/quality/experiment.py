@@ -57,7 +57,8 @@ from schemas.train_config import (
     TrainConfig,
 )
 
-__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice", "target_extra_steps"]
+__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice", "target_extra_steps",
+           "run_prefix"]
 
 STAGES = ("data", "bases", "sweep", "main", "reuse")
 
@@ -279,7 +280,8 @@ def _reuse_policies(s: Setting, setting: str) -> tuple[str, ...]:
     return s.reuse_policies if setting == SETTINGS[0] else s.paper_reuse_policies
 
 
-def _prefix(setting: str) -> str:
+def run_prefix(setting: str) -> str:
+    """The run names' prefix of a setting: none for the first (its runs keep the single-setting names)."""
     return "" if setting == SETTINGS[0] else f"{setting}-"
 
 
@@ -289,7 +291,7 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
     snaps = _curve_steps(s.curve_interval, s.steps)
     chosen = next(c["run"] for c in r.sweep if c["chosen"])
     for setting in SETTINGS:
-        data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), _prefix(setting), _reuse_policies(s, setting)
+        data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting), _reuse_policies(s, setting)
         main = r.main[setting] = {p: [] for p in POLICIES}
         for seed in range(s.seeds):
             full_snaps = snaps | set(r.eq_steps.values())
@@ -323,7 +325,7 @@ def _stage_reuse(r: Runs, t: _Trainer) -> None:
     r.target_steps = s.target_curve_interval * math.ceil((s.steps + extra) / s.target_curve_interval)
     start = _start(r, "target")
     for setting in SETTINGS:
-        data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), _prefix(setting)
+        data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting)
         entry = r.reuse[setting] = {"full": [], "replays": {p: [] for p in _reuse_policies(s, setting)}}
         for seed in range(s.reuse_seeds):
             entry["full"].append(t.run(

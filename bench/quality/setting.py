@@ -26,12 +26,14 @@ model whose training FLOPs per token are ≥ 5× the proxy's, which replays the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.quality.compute import RunShape
 from curation.evaluation.flops import ModelShape, forward_flops_per_token
+from curation.evaluation.heldout import read_set
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
 
@@ -267,10 +269,6 @@ def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
 def document_hashes(source: SourceConfig) -> set[str]:
     """SHA-256 of every document's text of a source (with its skip/max), as read for training or evaluation:
     what the dev split's disjointness from the pool, the validation slice and the evaluation sets is checked on."""
-    import hashlib
-
-    from curation.evaluation.heldout import read_set
-
     return {hashlib.sha256(t.encode()).hexdigest() for t in read_set(source)}
 
 
