@@ -322,7 +322,7 @@ def _stage_reuse(r: Runs, t: _Trainer) -> None:
     per_step = run_flops(tshape, "full", 1).total
     sels = [selection_flops(shape, p, s.steps, r.best) for p in {*s.reuse_policies, *s.paper_reuse_policies}]
     extra = target_extra_steps(s, sels, r.bases["proxy"]["flops"], per_step)
-    r.target_steps = s.target_curve_interval * math.ceil((s.steps + extra) / s.target_curve_interval)
+    r.target_steps = s.steps + extra  # snapshots every target_curve_interval steps and at the end
     start = _start(r, "target")
     for setting in SETTINGS:
         data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting)

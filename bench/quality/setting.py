@@ -103,7 +103,7 @@ class Setting:
     target_layers: int = 5
     # bases: pretrained from scratch on the general base slices for this many tokens per parameter (the run
     # stops with an error if that would take more than MAX_EPOCHS passes over the base text)
-    base_tokens_per_parameter: float = 36.0
+    base_tokens_per_parameter: float = 30.0
     target_base_tokens_per_parameter: float = 10.5
     base_batch: int = 16
     base_lr: float = 2e-3
@@ -143,7 +143,7 @@ class Setting:
     reuse_runs: tuple[int, ...] = (1, 4, 16)  # target runs one selection is amortized over
     smooth_window: int = 3  # snapshots averaged (centred) before reading "reaches" and break-even R
     target_lr: float = 1e-3
-    target_curve_interval: int = 250
+    target_curve_interval: int = 500
     # target `full` beyond `steps` (None: to the equal total compute of the costliest selection, base charged, at
     # the second-smallest R; the smallest R's point beyond that compares with full's last snapshot, a bound)
     target_extra_steps: int | None = None
@@ -155,14 +155,15 @@ class Setting:
 
 CPU = Setting()
 #: The CPU preset's planned wall minutes per stage on the shared 2-core machine, from the previous preset's
-#: stage table (bases 44, sweep 10, main 82, reuse 22, evaluate 14 min) scaled by the work: bases 1.8M-parameter
-#: target at 10.5 tokens/parameter (9.5k steps of 16 × 128, ≈ 0.38 s each) + the proxy (5.8k steps, ≈ 0.07 s);
-#: sweep 9 blade + 3 rho1 runs of 2,000 steps (≈ 190 s and 140 s) + their dev scores; main 2 settings × 15 runs
-#: (≈ 14 min per seed uncontended; blade seed 0 of the first is the chosen sweep run); reuse 3 seeds × (full ≈
-#: 2,750 + 4 replays × 2,000 target steps) + 3 seeds × (full + 2 replays), ≈ 0.15 s per target step; evaluate ≈ 2×
-#: the old number of scored snapshots; data: ≈ 35M tokens to tokenize (the --quick run: 32 s of CPU for 1.9M).
-#: Total ≈ 351 min (5.85 h) on an idle machine.
-CPU_ESTIMATE_MIN = {"data": 10, "bases": 65, "sweep": 38, "main": 88, "reuse": 120, "evaluate": 30}
+#: stage table (bases 44, sweep 10, main 82, reuse 22, evaluate 14 min) scaled by the work: data ≈ 35M tokens to
+#: tokenize (the --quick run: 32 s of CPU for 1.9M); bases: the 1.86M-parameter target at 10.5 tokens/parameter
+#: (9.5k steps of 16 × 128, ≈ 0.34 s each) + the proxy at 30 (4.8k steps, ≈ 0.07 s); sweep: 9 blade + 3 rho1
+#: runs of 2,000 steps (≈ 190 s and 140 s) + their dev scores; main: 2 settings × 15 runs (≈ 14 min per seed
+#: uncontended; blade seed 0 of the first is the chosen sweep run); reuse: 3 seeds × (full ≈ 2,670 + 4 replays ×
+#: 2,000 target steps) + 3 seeds × (full + 2 replays), ≈ 0.15 s per target step; evaluate: ≈ 2.4× the previous
+#: preset's scored snapshots. Total 360 min (6.0 h) on an idle machine: at the budget's edge; the lever if it runs
+#: over is the sweep's horizon (1,000-step candidates: ≈ −14 min).
+CPU_ESTIMATE_MIN = {"data": 10, "bases": 63, "sweep": 38, "main": 88, "reuse": 127, "evaluate": 34}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
 # over the base text.
