@@ -120,7 +120,7 @@ def count_parameters(mcfg: ModelConfig) -> int:
 
 
 def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, list[float]]:
-    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, validation loss) curve read at
+    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, dev loss) curve read at
     the budget of the cheapest candidate's whole run; returns (chosen index, budget, loss of each)."""
     budget = min(c[-1][0] for c in curves)
     losses = [loss_at(c, budget) for c in curves]
@@ -262,7 +262,8 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
                         "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
     for n in s.rho1_sweep:
         cand = {"rho1_steps": n}
-        res = t.run(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), snapshots=snaps, rho1_steps=n)
+        res = t.run(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
+                    rho1_steps=n)
         r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", cand),
                              "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, cand).as_dict()})
     for rows, attr in ((r.sweep, "sweep_budget"), (r.rho1_sweep, "rho1_budget")):
@@ -289,7 +290,9 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
     s, shape = r.s, run_shape(r.s)
     r.eq_steps = {p: equal_compute_steps(shape, p, s.steps, r.best) for p in POLICIES}
     snaps = _curve_steps(s.curve_interval, s.steps)
-    chosen = next(c["run"] for c in r.sweep if c["chosen"])
+    # the chosen sweep runs are the first setting's seed-0 runs of blade and rho1 (same config and seed)
+    chosen = {"blade": next(c["run"] for c in r.sweep if c["chosen"]),
+              "rho1": next(c["run"] for c in r.rho1_sweep if c["chosen"])}
     for setting in SETTINGS:
         data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting), _reuse_policies(s, setting)
         main = r.main[setting] = {p: [] for p in POLICIES}
@@ -298,8 +301,8 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
             main["full"].append(t.run(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
                                       steps=max(full_snaps), snapshots=full_snaps))
             for p in POLICIES[1:]:
-                if p == "blade" and seed == 0 and setting == SETTINGS[0]:  # the chosen sweep run is this run
-                    main[p].append(chosen)
+                if p in chosen and seed == 0 and setting == SETTINGS[0]:
+                    main[p].append(chosen[p])
                     continue
                 main[p].append(t.run(f"{pre}{p}-seed{seed}", policy=p, seed=seed, mcfg=_start(r), data=data,
                                      snapshots=snaps, write_selected=seed < s.reuse_seeds and p in reused))
