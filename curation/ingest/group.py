@@ -24,9 +24,19 @@ import warnings
 from dataclasses import dataclass, field
 
 from curation.ingest.corpus import BadRecordError, FileSpan
-from curation.ingest.units import PackSettings, PartRewritten, WorkUnit, plan_units, run_unit
+from curation.ingest.units import (
+    RECORD_NAME,
+    PackSettings,
+    PartRewritten,
+    WorkUnit,
+    check_record,
+    load_record,
+    plan_units,
+    run_unit,
+)
 from curation.io import storage
 from curation.io.outputs import urls_in
+from curation.io.paths import safe_join
 from curation.io.shards import merge_part_indexes, save_manifest, verify_part
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import MAX_LISTED_BAD_RECORDS, BadRecord, Manifest, SourceCounts, UnitRecord
@@ -116,33 +126,41 @@ class ShardGroup:
             paths, self.missing[source.name] = files[source.name]
             units = plan_units(self.out, si, source, paths, self.cfg.unit_bytes)
             self.units.extend(units)
-            planned = {u.record_path: u for u in units}
-            folder = os.path.join(self.out, source.name)
-            for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-                path = os.path.join(folder, entry)
-                if not (entry.startswith("unit-") and entry.endswith(".json")):
-                    continue
-                record = UnitRecord.load(path)
-                unit = planned.get(path)
+            planned = {u.index: u for u in units}
+            folder = self._folder(source)
+            for entry, index in self._record_files(folder):
+                path = safe_join(folder, entry, what="unit record", source_file=folder)
+                record = check_record(UnitRecord.load(path), path, source.name, index)  # untrusted: checked first
+                unit = planned.get(index)
                 if unit is not None and record.spans == unit.span_list:
                     self.records[(source.name, unit.index)] = record
                     continue
                 now = unit.span_list if unit is not None else "no such unit"
                 warnings.warn(f"{path}: its input changed since it was written ({record.spans} now {now}); "
                               "preparing it again", stacklevel=2)
-                for part in record.parts:
-                    storage.remove(os.path.join(self.out, part.name))
+                # Only what this code names for the unit is removed (the record's names were checked to be those).
+                for k in range(len(record.parts)):
+                    storage.remove(os.path.join(folder, f"part-{index:05d}-{k:05d}"))
                 storage.remove(path)
+
+    def _folder(self, source: SourceConfig) -> str:
+        """The source's folder of this group (refused when it leads outside, e.g. a symbolic link)."""
+        return safe_join(self.out, source.name, what="source folder", source_file=self.out)
+
+    @staticmethod
+    def _record_files(folder: str) -> list[tuple[str, int]]:
+        """``(file name, unit number)`` of the unit records in ``folder``, in order."""
+        entries = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [(e, int(m.group(1))) for e in entries if (m := RECORD_NAME.fullmatch(e))]
 
     def recorded_units(self) -> list[WorkUnit]:
         """The units of a finished group, rebuilt from their records (no input is read)."""
         units = []
         for si, source in enumerate(self.sources):
-            folder = os.path.join(self.out, source.name)
-            names = sorted(e for e in (os.listdir(folder) if os.path.isdir(folder) else [])
-                           if e.startswith("unit-") and e.endswith(".json"))
-            for entry in names:
-                record = UnitRecord.load(os.path.join(folder, entry))
+            folder = self._folder(source)
+            for entry, index in self._record_files(folder):
+                path = safe_join(folder, entry, what="unit record", source_file=folder)
+                record = check_record(UnitRecord.load(path), path, source.name, index)
                 spans = tuple(FileSpan(p, start, stop) for p, start, stop in record.spans)
                 units.append(WorkUnit(self.out, si, source, record.unit, spans, 0))
                 self.records[(source.name, record.unit)] = record
@@ -161,7 +179,7 @@ class ShardGroup:
         """Read the records of ``units`` again (the truth, after tasks in other processes saved them)."""
         for unit in units:
             if unit.out == self.out and storage.refresh(unit.record_path):  # written on another node: the bucket's
-                self.update(UnitRecord.load(unit.record_path))
+                self.update(load_record(unit))
 
     # --- damaged parts ----------------------------------------------------------------------------
     def repair(self, settings: PackSettings) -> list[str]:
