@@ -122,14 +122,14 @@ def check_link(link: str) -> None:
         return
     target = os.readlink(link)
     folder = os.path.dirname(link)
-    if not _CHECKPOINT_NAME.match(os.path.basename(target)) or os.path.dirname(os.path.normpath(target)) \
+    if not _CHECKPOINT_NAME.fullmatch(os.path.basename(target)) or os.path.dirname(os.path.normpath(target)) \
             or not inside(folder, link):
         raise ValueError(f"{link}: its target {target!r:.120} is not a checkpoint file beside it "
                          "(ep<e>-ba<b>-rank0.pt); refused: delete the link to resume from the newest intact checkpoint")
 
 
 #: Composer's checkpoint file names (``save_filename`` default): ``ep{epoch}-ba{batch}-rank0.pt``.
-_CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")
+_CHECKPOINT_NAME = re.compile(r"ep\d+-ba(\d+)-rank0\.pt")
 
 
 def checkpoint_damage(path: str) -> str | None:
@@ -180,7 +180,7 @@ def checkpoint_files(folder: str) -> list[str]:
     """The checkpoint files in ``folder`` (Composer's ``ep{e}-ba{b}-rank0.pt``), newest (highest step) first."""
     if not os.path.isdir(folder):
         return []
-    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _CHECKPOINT_NAME.match(name))]
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _CHECKPOINT_NAME.fullmatch(name))]
     return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
 
 
