@@ -202,6 +202,9 @@ class UnitRecord(_Strict):
     source: str
     unit: int
     spans: list[list[Any]] = Field(description="the unit's input: [file, start, stop] (bytes or row groups)")
+    inputs: list[list[Any]] = Field(default_factory=list, description="per span, its file's [size, mtime_ns, "
+                                    "xxh3-128 of the bytes the unit reads] when the unit started (a changed input "
+                                    "is detected on a rerun)")
     parts: list[ShardRecord] = Field(default_factory=list, description="finished parts, each with its resume state")
     counts: SourceCounts = Field(default_factory=SourceCounts, description="documents, tokens... of the finished "
                                  "parts (dropped_tokens once done)")

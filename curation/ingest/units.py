@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from curation.ingest.corpus import (
     BadRecordError,
@@ -91,6 +92,92 @@ class WorkUnit:
 
     def fresh_record(self) -> UnitRecord:
         return UnitRecord(source=self.source.name, unit=self.index, spans=self.span_list)
+
+    def fingerprints(self) -> list[list]:
+        """``[size, mtime_ns, content hash]`` of each span's file, as a unit record keeps them (see
+        :func:`span_fingerprint`)."""
+        return [span_fingerprint(s, self._format(s)) for s in self.spans]
+
+    def changed_input(self, recorded: list[list], *, missing_ok: bool = False) -> str | None:
+        """The first file of this unit whose content changed since ``recorded`` (its record's fingerprints) were
+        taken, else ``None``: a file of the same size and mtime is taken as unchanged, another one is hashed (a
+        copy, or a touch, keeps its hash). A record without fingerprints (an older version's) is not checked;
+        ``missing_ok``: a file that is gone is not either."""
+        if not recorded:
+            return None
+        for span, old in zip(self.spans, recorded, strict=False):
+            try:
+                size, mtime = _stat(span.path)
+            except OSError:
+                if missing_ok and not os.path.lexists(span.path):  # gone (``missing_ok``): nothing to compare
+                    continue
+                return span.path
+            if [size, mtime] == list(old[:2]):
+                continue
+            if span_fingerprint(span, self._format(span))[2] != old[2]:
+                return span.path
+        return None
+
+    def _format(self, span: FileSpan) -> str | None:
+        return None if self.source.pre_tokenized or span.whole else _format(span.path, self.source)
+
+
+def _stat(path: str) -> tuple[int, int]:
+    """Size and newest mtime (ns) of an input file or input directory (an MDS dataset)."""
+    if os.path.isdir(path):
+        stats = [os.stat(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names]
+        return sum(st.st_size for st in stats), max((st.st_mtime_ns for st in stats), default=0)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+_whole_hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → hash: a file shared by units, once
+
+
+def span_fingerprint(span: FileSpan, fmt: str | None) -> list:
+    """``[size, mtime_ns, hash]`` of a span's input: the xxh3-128 of the bytes the unit reads for a ``.jsonl`` byte
+    span (from the byte before ``start``, which decides where its first line starts, to the end of the line that
+    holds byte ``stop - 1``), else of the whole file (an MDS directory: its files' names, sizes and index)."""
+    size, mtime = _stat(span.path)
+    if fmt == "jsonl" and not span.whole:
+        with open(span.path, "rb") as f:
+            lo = max(span.start - 1, 0)
+            if span.stop is None:
+                hi = size
+            else:
+                f.seek(span.stop - 1)
+                f.readline()
+                hi = f.tell()
+            return [size, mtime, _hash_range(f, lo, hi)]
+    key = (os.path.abspath(span.path), size, mtime)
+    if key not in _whole_hashes:
+        if os.path.isdir(span.path):
+            h = xxhash.xxh3_128()
+            for d, _, names in sorted(os.walk(span.path)):
+                for name in sorted(names):
+                    path = os.path.join(d, name)
+                    h.update(f"{os.path.relpath(path, span.path)}\0{os.path.getsize(path)}\n".encode())
+                    if name == "index.json":
+                        with open(path, "rb") as f:
+                            h.update(f.read())
+            _whole_hashes[key] = h.hexdigest()
+        else:
+            with open(span.path, "rb") as f:
+                _whole_hashes[key] = _hash_range(f, 0, size)
+    return [size, mtime, _whole_hashes[key]]
+
+
+def _hash_range(f, lo: int, hi: int) -> str:
+    h = xxhash.xxh3_128()
+    f.seek(lo)
+    left = hi - lo
+    while left > 0:
+        chunk = f.read(min(left, 1 << 22))
+        if not chunk:
+            break
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
 
 
 def check_record(record: UnitRecord, path: str, source: str, index: int) -> UnitRecord:
@@ -320,7 +407,11 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     else:
         target = None
         started = storage.refresh(unit.record_path)  # a worker on another node: the bucket's copy
-        record = load_record(unit) if started else unit.fresh_record()
+        if started:
+            record = load_record(unit)
+        else:  # the inputs as this run reads them: a rerun redoes the unit when they change (never mixes)
+            record = unit.fresh_record()
+            record.inputs = unit.fingerprints()
         if record.done:
             return UnitResult(unit, record)
         _remove_leftovers(unit, record)

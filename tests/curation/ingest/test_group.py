@@ -144,3 +144,62 @@ def test_a_unit_record_edited_in_the_bucket_does_not_delete_a_local_directory(tm
     assert f"unit-00000.json: invalid work unit record: parts.0.name: {hostile!r}" in str(e.value)
     assert "\n" not in str(e.value)
     assert (victim / "precious.txt").read_text() == "keep me"
+
+
+# ------------------------------------------------------------------------------------------------
+# changed inputs: refused after a finished prepare, their units redone after a killed one; never mixed
+# ------------------------------------------------------------------------------------------------
+def test_an_input_cut_after_a_finished_prepare_is_refused_naming_it(tmp_path, corpus):  # noqa: F811
+    cfg = _cfg(tmp_path, corpus[0][:1], validation=[])
+    prep.prepare(cfg)
+    src = tmp_path / "raw" / "a.jsonl"
+    lines = src.read_text().splitlines(keepends=True)
+    src.write_text("".join(lines[:len(lines) // 2]))  # the old version: rc 0 and the old counts
+    with pytest.raises(ValueError) as e:
+        prep.prepare(cfg)
+    assert str(e.value).startswith(f"{src}: changed since {cfg.output_dir}/candidates was prepared from it (its size, "
+                                   "mtime and content hash differ from ")
+
+
+def test_a_same_length_edit_after_a_finished_prepare_is_refused_and_a_touch_is_not(tmp_path, corpus):  # noqa: F811
+    cfg = _cfg(tmp_path, corpus[0][:1], validation=[], unit_bytes=4000)
+    prep.prepare(cfg)
+    src = tmp_path / "raw" / "a.jsonl"
+    text = src.read_text()
+    os.utime(src, ns=(1, 1))  # same bytes, another mtime (a copy): hashed, equal, accepted
+    assert prep.prepare(cfg).tokens_processed == 0
+    src.write_text(text.replace("alpha", "omega", 1))
+    with pytest.raises(ValueError, match=f"^{src}: changed since"):
+        prep.prepare(cfg)
+
+
+def test_a_same_length_edit_inside_a_finished_unit_of_a_killed_prepare_redoes_that_unit(tmp_path, corpus,  # noqa: F811
+                                                                                        monkeypatch):
+    """A unit finished before the kill, then a same-length edit inside its bytes: the rerun redoes that unit from
+    the new text, so the result equals a clean prepare of the edited input (on 4702e04 it mixed old and new)."""
+    from tests.curation.ingest.test_prepare import _rows
+
+    src = tmp_path / "raw" / "a.jsonl"
+    cfg = _cfg(tmp_path / "killed", corpus[0][:1], validation=[], sequences_per_part=2, unit_bytes=4000)
+    real = units._save_record
+    done = {"units": 0}
+
+    def dying(unit, record):
+        real(unit, record)
+        done["units"] += record.done
+        if done["units"] == 1 and not record.done:  # unit 0 done, unit 1 has a part: kill
+            raise _Killed()
+
+    monkeypatch.setattr(units, "_save_record", dying)
+    with pytest.raises(_Killed):
+        prep.prepare(cfg)
+    monkeypatch.setattr(units, "_save_record", real)
+    text = src.read_text()
+    first = text.index("alpha")
+    assert first < 3000  # inside unit 0's bytes
+    src.write_text(text[:first] + "omega" + text[first + 5:])
+    with pytest.warns(UserWarning, match=rf"unit-00000\.json: its input {src} changed since it was written"):
+        res = prep.prepare(cfg)
+    clean = prep.prepare(_cfg(tmp_path / "clean", corpus[0][:1], validation=[], sequences_per_part=2,
+                              unit_bytes=4000))
+    assert _rows(res.dirs["candidates"]) == _rows(clean.dirs["candidates"])
