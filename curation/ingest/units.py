@@ -62,9 +62,12 @@ RECORD_NAME = re.compile(r"unit-(\d{5,9})\.json")
 
 _ENCODE_BATCH = 256
 _BATCH_CHARS = 1 << 20
-#: Pieces of a huge document encoded together: one per tokenizer thread (at most 8: ~40 MB of the tokenizer's
-#: memory each), so a huge document is tokenized on every core too, in this process.
-_PIECES_AT_ONCE = min(8, int(os.environ.get("RAYON_NUM_THREADS") or os.cpu_count() or 1))
+#: Pieces of a huge document encoded together: one per tokenizer thread, so a huge document is tokenized on every
+#: core too, in this process; at most 4 (each costs ~40 MB of the tokenizer's memory, and a core of a container
+#: with a CPU quota is not one of os.cpu_count(): the cores this process may run on are counted).
+_PIECES_AT_ONCE = min(4, int(os.environ.get("RAYON_NUM_THREADS")
+                             or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+                             or 1))
 
 
 @dataclass(frozen=True)
