@@ -203,3 +203,20 @@ def test_a_same_length_edit_inside_a_finished_unit_of_a_killed_prepare_redoes_th
     clean = prep.prepare(_cfg(tmp_path / "clean", corpus[0][:1], validation=[], sequences_per_part=2,
                               unit_bytes=4000))
     assert _rows(res.dirs["candidates"]) == _rows(clean.dirs["candidates"])
+
+
+def test_a_too_small_validation_source_is_prepared_once_data_is_added(tmp_path, corpus):  # noqa: F811
+    """Issue 32: the refusal stayed after data was added to the same file (its unit was recorded as done, with no
+    part, and never read again); the file's fingerprint now says it changed, so the unit is redone."""
+    small = tmp_path / "raw" / "v.jsonl"
+    small.write_text(json.dumps({"text": "tiny"}) + "\n")
+    from schemas.config import SourceConfig
+
+    cfg = _cfg(tmp_path, corpus[0][:1], validation=[SourceConfig(name="val", paths=[str(small)])])
+    with pytest.raises(ValueError, match="validation: no sequence of 32 tokens was produced"):
+        prep.prepare(cfg)
+    with open(small, "a") as f:
+        f.write("".join(json.dumps({"text": " ".join(["alpha beta gamma"] * 20)}) + "\n" for _ in range(5)))
+    with pytest.warns(UserWarning, match=rf"unit-00000\.json: its input {small} changed since it was written"):
+        res = prep.prepare(cfg)
+    assert res.manifests["validation"].complete and res.manifests["validation"].sources["val"].sequences > 0
