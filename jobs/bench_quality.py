@@ -5,8 +5,8 @@ at equal tokens and at equal compute, on held-out sets for the target, other mat
     python jobs/bench_quality.py --preset gpu --out runs/quality-gpu # one H100-class GPU, ≈ 30 min (estimate)
     python jobs/bench_quality.py --quick --out /tmp/q                # CI smoke version (a few minutes)
 
-The setting (data, models, presets, compute model) is in training/quality/setting.py, the runs in
-training/quality/runs.py and the report in training/quality/report.py. Everything that is chosen (the BLADE
+The setting (data, models, presets, compute model) is in bench/quality/setting.py, the runs in
+bench/quality/runs.py and the report in bench/quality/report.py. Everything that is chosen (the BLADE
 refresh strength) is chosen by validation loss only, never by an evaluation set. Outputs under ``--out``:
 RESULTS.md, results.json, figures/*.png, models/<policy>-seed<k>/ (HF save_pretrained + tokenizer),
 runs/<run>/ (each training run). A rerun with the same ``--out`` reuses every finished run whose settings
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.quality.setting import PRESETS, QUICK, SHARED
+    from bench.quality.setting import PRESETS, QUICK, SHARED
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("runs", "quality"), help="output directory")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, seeds=args.seeds)
     if args.steps:
         s = replace(s, steps=args.steps)
-    from training.quality.analysis import run_benchmark
+    from bench.quality.analysis import run_benchmark
 
     command = "python jobs/bench_quality.py" + (" --quick" if args.quick else f" --preset {args.preset}") + \
         (f" --seeds {args.seeds}" if args.seeds else "") + (f" --steps {args.steps}" if args.steps else "") + \

@@ -6,7 +6,7 @@
 Runs jobs/curate_and_train.py once uninterrupted and once under the schedule (rerun after every trainer death),
 then checks that the final weights, masks and scores are equal, that every work unit was done exactly once (from
 the ledger) and that the driver's and the workers' RSS and open file descriptors grew by at most --max-growth
-between the first and the last quarter of the last attempt (training/runs/soak.py). Exit 0 when every check passed.
+between the first and the last quarter of the last attempt (bench/soak.py). Exit 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 20:
         p.error("--steps must be at least 20")
-    from training.runs.soak import SoakSettings, soak  # after the arguments: --help answers at once
+    from bench.soak import SoakSettings, soak  # after the arguments: --help answers at once
 
     r = soak(SoakSettings(out=args.out, steps=args.steps, seed=args.seed, trainer_kills=args.trainer_kills,
                           actor_kills=args.actor_kills, max_growth=args.max_growth, timeout_s=args.timeout_s))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ (the experiments) is not installed: the tests import it from the checkout
+    sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 

@@ -1,6 +1,6 @@
 """Import rules of the packages (DESIGN.md §4): no import circle, imports at module level, the core pure, the
-rooms of ``training/`` one way, the jobs thin; no private names across modules; the curation job needs no
-trainer."""
+rooms of ``training/`` one way, the jobs thin, the experiments on the top floor (``bench/``); no private names across
+modules; the curation job needs no trainer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("curation", "training", "jobs", "schemas")
+PACKAGES = ("curation", "training", "bench", "jobs", "schemas")
 
 
 def _type_checking_lines(tree: ast.AST) -> set[int]:
@@ -116,12 +116,13 @@ def test_the_project_modules_import_one_another_without_a_circle():
 
 
 #: The packages in the order of their dependencies (DESIGN.md §4): each imports only the ones after it.
-LAYERS = ("jobs", "training", "curation", "schemas")
+LAYERS = ("jobs", "bench", "training", "curation", "schemas")
 
 
 def test_the_packages_import_one_way():
-    """``jobs → training → curation → schemas``: a module never imports one of a package before its own (imports for
-    annotations included), even where no circle results."""
+    """``jobs → bench → training → curation → schemas``: a module never imports one of a package before its own
+    (imports for annotations included), even where no circle results; so nothing of the product imports the
+    experiments of ``bench/``."""
     found = [f"{p.relative_to(REPO)}: {t}" for p in _sources() for t in _project_targets(p, runtime_only=False)
              if LAYERS.index(t.split(".")[0]) < LAYERS.index(_module(p).split(".")[0])]
     assert not found, f"imports against jobs → training → curation → schemas: {found}"
@@ -166,7 +167,7 @@ def test_the_core_imports_nothing_of_the_project_but_the_core():
 
 
 #: The rooms of training/, each importing only the rooms before it (and curation, schemas).
-TRAINING_ROOMS = ("training.blocks", "training.selection", "training.runs", "training.quality")
+TRAINING_ROOMS = ("training.blocks", "training.selection", "training.runs")
 
 
 @pytest.mark.parametrize("room", TRAINING_ROOMS)
@@ -188,3 +189,12 @@ def test_no_source_file_is_longer_than_500_lines_and_the_jobs_stay_thin():
             if not p.name.startswith("bench_")}
     fat = {name: n for name, n in jobs.items() if n > 120}
     assert jobs and not fat and jobs["curate_and_train.py"] < 90, jobs
+
+
+@pytest.mark.parametrize(("job", "module"), [("bench_quality.py", "bench.quality"), ("soak.py", "bench.soak")])
+def test_the_experiments_live_in_bench_not_in_training(job, module):
+    """``training/`` holds product code only: the quality benchmark and the soak are ``bench/``'s, and their jobs
+    import them from there."""
+    assert not (REPO / "training" / "quality").exists() and not (REPO / "training" / "runs" / "soak.py").exists()
+    imported = {m for _, m, _ in _imports(REPO / "jobs" / job) if m}
+    assert any(m.startswith(module) for m in imported), f"jobs/{job} does not import {module}: {sorted(imported)}"

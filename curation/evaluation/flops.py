@@ -1,6 +1,6 @@
 """Analytic FLOPs of a decoder-only transformer: the one formula behind the trainer's MFU
 (:mod:`training.blocks.throughput`) and the quality benchmark's equal-compute comparisons
-(:mod:`training.quality.setting`).
+(:mod:`bench.quality.setting`).
 
 Per token, a forward pass costs 2 FLOPs per weight of every matrix multiplication (the LM head included, tied or
 not; embedding look-ups, norms and activations are left out) plus ``2 · layers · context · attention width`` for

@@ -83,7 +83,7 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
 
 
 def _bench_module():
-    from training.quality import runs
+    from bench.quality import runs
 
     return runs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.runs.soak import SoakSettings, soak
+from bench.soak import SoakSettings, soak
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

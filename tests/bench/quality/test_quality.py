@@ -1,4 +1,4 @@
-"""training.quality: the compute model (hand-computed FLOPs), seed intervals, equal-compute snapshots."""
+"""bench.quality: the compute model (hand-computed FLOPs), seed intervals, equal-compute snapshots."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from training.quality.report import seed_interval
-from training.quality.setting import MAX_EPOCHS, PRESETS, QUICK, Setting, eval_sources, forward_flops
+from bench.quality.report import seed_interval
+from bench.quality.setting import MAX_EPOCHS, PRESETS, QUICK, Setting, eval_sources, forward_flops
 
 
 def test_seed_interval():
@@ -20,7 +20,7 @@ def test_seed_interval():
 
 
 def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
-    from training.quality.setting import SOURCES, data_configs
+    from bench.quality.setting import SOURCES, data_configs
 
     s = Setting()
     cfgs = data_configs(s, "/tmp/unused")
@@ -46,7 +46,7 @@ def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
 @pytest.mark.slow
 def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
     """The equal-compute `full` models are snapshots of one long run: the same weights as a shorter run."""
-    from training.quality.runs import run_training
+    from bench.quality.runs import run_training
 
     short = run_training(make_config("full", name="short", max_steps=4), str(tmp_path / "short" / "result.json"))
     long = run_training(make_config("full", name="long", max_steps=7), str(tmp_path / "long" / "result.json"),
@@ -88,8 +88,8 @@ def test_cpu_preset_model_sizes():
 
 def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
     """A package upgrade that adds settings with behaviour-preserving defaults must not retrain (or delete) runs."""
+    from bench.quality.runs import _effective
     from schemas.train_config import TrainConfig
-    from training.quality.runs import _effective
 
     cfg = TrainConfig.demo_default().model_dump(mode="json")
     old = {k: v for k, v in cfg.items() if k != "parallel"}

@@ -24,10 +24,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.quality.compute import RunShape
 from curation.evaluation.flops import ModelShape, forward_flops_per_token
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
-from training.quality.compute import RunShape
 
 __all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "MAX_EPOCHS", "Setting", "PRESETS", "QUICK",
            "data_configs", "eval_sources", "model_config", "run_shape", "forward_flops"]

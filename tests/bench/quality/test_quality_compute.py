@@ -7,11 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.core.stats import Histogram
-from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops
-from curation.evaluation.heldout import DocScores
-from training.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
-from training.quality.compute import (
+from bench.quality.analysis import delta_over_time, interpolate_scores, passed_at, share_above
+from bench.quality.compute import (
     RunShape,
     amortized_total,
     equal_compute_steps,
@@ -20,7 +17,10 @@ from training.quality.compute import (
     run_flops,
     selection_flops,
 )
-from training.quality.experiment import sweep_choice
+from bench.quality.experiment import sweep_choice
+from curation.core.stats import Histogram
+from curation.evaluation.flops import ModelShape, forward_flops_per_token, train_flops
+from curation.evaluation.heldout import DocScores
 
 # hidden 4, 1 layer, MLP 8, vocabulary 10, context 8: per layer q,k,v,o 4·4² = 64, MLP 3·4·8 = 96; head 4·10 = 40
 # forward per token: 2·(160 + 40) + attention 2·1·8·4 = 464

@@ -10,7 +10,7 @@
    ``full`` on the whole pool for as long as the largest selection-inclusive compute.
 
 Every run saves snapshots along the way (curves on the target evaluation set). :func:`train_all` runs the
-stages up to ``until`` and returns the finished runs; ``training.quality.analysis`` evaluates them.
+stages up to ``until`` and returns the finished runs; ``bench.quality.analysis`` evaluates them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+from bench.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
+from bench.quality.runs import REUSED, final_val, run_replay, run_training
+from bench.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
 from curation.ingest.prepare import prepare
 from curation.io.models import build_causal_lm
 from schemas.manifest import atomic_write_text
@@ -38,9 +41,6 @@ from schemas.train_config import (
     SelectionConfig,
     TrainConfig,
 )
-from training.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
-from training.quality.runs import REUSED, final_val, run_replay, run_training
-from training.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
 
 __all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice"]
 
@@ -115,7 +115,7 @@ def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, l
 
 @dataclass
 class Runs:
-    """Everything trained, as recorded results (``training.quality.runs``)."""
+    """Everything trained, as recorded results (``bench.quality.runs``)."""
 
     s: Setting
     out: str

@@ -1,4 +1,4 @@
-"""The soak's figures (training/runs/soak.py): growth, each process against itself over the last attempt; the work
+"""The soak's figures (bench/soak.py): growth, each process against itself over the last attempt; the work
 the kills made it redo; the kills sent."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from bench.soak import _growth, _kills, _redone, _StepLog, _unfinished_parts
 from schemas.manifest import Manifest, ShardRecord
-from training.runs.soak import _growth, _kills, _redone, _StepLog, _unfinished_parts
 
 
 def _samples(pid: int, role: str, values: list[tuple[int, int]], attempt: int = 2, t0: float = 0.0) -> list[dict]:

@@ -1,6 +1,6 @@
 """The quality benchmark's report: statistics over seeds, figures and the generated RESULTS.md.
 
-Pure functions of the results dict written by :func:`training.quality.analysis.analyse` (no training). The
+Pure functions of the results dict written by :func:`bench.quality.analysis.analyse` (no training). The
 first lines of RESULTS.md answer the three questions, whichever way they go: BLADE vs RHO-1 at the long
 horizon; native selection at equal compute; reused selection at equal total compute. A hand-written reading,
 when ``--out`` holds a ``READING.md``, is placed right after them.

@@ -10,7 +10,7 @@
   the total FLOPs each needs to reach ``full``'s final target-set loss.
 
 Nothing here chooses anything: the only choice (the refresh strength) was made on validation loss in
-``training.quality.experiment``.
+``bench.quality.experiment``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ from typing import Any
 
 import torch
 
-from curation.core.stats import Histogram
-from curation.evaluation.heldout import DocScores, export_hf, paired_difference
-from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
-from training.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
-from training.quality.experiment import Runs, StageClock, train_all
-from training.quality.report import make_figures, results_md, seed_interval
-from training.quality.runs import REUSED, Evaluator, final_val
-from training.quality.setting import (
+from bench.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
+from bench.quality.experiment import Runs, StageClock, train_all
+from bench.quality.report import make_figures, results_md, seed_interval
+from bench.quality.runs import REUSED, Evaluator, final_val
+from bench.quality.setting import (
     EVAL_SETS,
     POLICIES,
     SOURCES,
@@ -43,6 +39,10 @@ from training.quality.setting import (
     model_config,
     run_shape,
 )
+from curation.core.stats import Histogram
+from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.models import build_causal_lm
+from schemas.manifest import atomic_write_text
 
 __all__ = ["run_benchmark", "analyse", "compare_seeds", "interpolate_scores", "share_above", "delta_over_time", "passed_at"]
 
@@ -109,7 +109,7 @@ def passed_at(curve: list[tuple[int, float]], reference: float, margin: float) -
 
 
 def analyse(r: Runs) -> dict[str, Any]:
-    """Evaluate every run and compare; returns the JSON-ready results (``training.quality.report`` renders them)."""
+    """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them)."""
     s, out = r.s, r.out
     shape, tshape = run_shape(s), run_shape(s, target=True)
     ev = Evaluator(out, r.tokenizer, eval_sources(s), max_len=s.seq_len)

@@ -1,0 +1,6 @@
+"""Experiments on the product, not part of it: the quality benchmark (``bench.quality``, ``jobs/bench_quality.py``)
+and the chaos soak of the main job (``bench.soak``, ``jobs/soak.py``).
+
+A top floor beside ``jobs/``: it imports ``training``, ``curation`` and ``schemas``; nothing of theirs imports it
+(``tests/test_import_rules.py``). It is not installed with the package: the jobs put their checkout on ``sys.path``.
+"""
