@@ -19,10 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from schemas.config import parse_job_config
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
+from curation.io.stop import StopRequested, exit_code
 from schemas.engine_config import CurateConfig
-from schemas.outdir import report_job_errors
-from schemas.stop import StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e.signum)
     if s is None:
         return 1
-    print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
+    print(f"selected-token shards: {display(s['selected_dir'])} ({s['parts']} parts, {s['sequences']} sequences)")
     for name, c in s["per_source"].items():
         print(f"  {name}: kept {c['kept_tokens']} of {c['tokens']} tokens ({c['kept_fraction']:.1%} of predicted)")
     print(f"{s['workers']} workers, {s['redone_units']} units redone after a restart, "

@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from curation.core.distributed import WorkerGroupFailed
 from curation.engine.plan import EngineError
-from schemas.config import parse_job_config
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
+from curation.io.stop import StopRequested, exit_code
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import report_job_errors
-from schemas.stop import StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation loss {s['validation'][0]['loss']:.3f} → {s['validation'][-1]['loss']:.3f}")
     print(f"engine: {e['mode']}, {e['workers']} workers, trainer waited {e['trainer_wait_seconds']:.1f}s, "
           f"{e['units_redone_after_restart']} units redone, {e['job_seconds_this_run']:.0f}s in all")
-    print(f"summary: {out['summary']}; selected-token shards: {out['selected']}; final weights: {out['final']}")
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
+    print(f"summary: {display(out['summary'])}; selected-token shards: {display(out['selected'])}; "
+          f"final weights: {display(out['final'])}")
     return 0
 
 

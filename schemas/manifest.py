@@ -2,8 +2,8 @@
 
 A manifest records what produced the directory (schema version, resolved config, tokenizer and model
 fingerprints), what it holds (per-source counts) and which shards are finished, so that a rerun skips
-finished work and never writes a shard twice. Saved atomically (write to a temporary file, then
-``os.replace``), so a kill never leaves a half-written manifest.
+finished work and never writes a shard twice. Saved atomically by :mod:`curation.io.atomic` (write to a temporary
+file, then ``os.replace``), so a kill never leaves a half-written manifest.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -26,7 +25,6 @@ __all__ = [
     "Manifest",
     "UnitRecord",
     "sha256_file",
-    "atomic_write_text",
     "check_path_name",
     "check_relative_name",
     "one_line",
@@ -169,12 +167,6 @@ class Manifest(_Strict):
     def load_if_exists(cls, directory: str) -> Manifest | None:
         return cls.load(directory) if os.path.exists(cls.path_in(directory)) else None
 
-    def save(self, directory: str) -> str:
-        os.makedirs(directory, exist_ok=True)
-        path = self.path_in(directory)
-        atomic_write_text(path, self.model_dump_json(indent=2))
-        return path
-
     # --- bookkeeping -------------------------------------------------------------------------
     def counts(self, source: str) -> SourceCounts:
         return self.sources.setdefault(source, SourceCounts())
@@ -226,37 +218,6 @@ class UnitRecord(_Strict):
             raise ValueError(f"{path}: invalid work unit record: {one_line(e)}") from None
         except (OSError, ValueError) as e:  # json errors are ValueErrors
             raise ValueError(f"{path}: cannot read the work unit's record ({e})") from e
-
-    def save(self, path: str) -> None:
-        """Save atomically through ``<path>.tmp`` (only the unit's task writes it: a rerun removes what a kill
-        left of it)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        atomic_write_text(path, self.model_dump_json(indent=1), temp=path + ".tmp")
-
-
-def atomic_write_text(path: str, text: str, *, temp: str | None = None) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half.
-
-    ``temp``: the temporary file's path (default: a new ``.tmp-*`` beside ``path``); a writer that owns a fixed
-    one (a work unit's record) can find and remove what a kill left of it.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if temp is None:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    else:
-        fd, tmp = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), temp
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:  # a failed write (full disk): name the file
-            raise type(e)(e.errno, e.strerror or str(e), path) from e
-        raise
 
 
 def sha256_file(path: str) -> str:

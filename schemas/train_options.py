@@ -3,9 +3,9 @@
 ``jobs/curate_and_train.py`` is its ``train:`` section). How the model runs (``model.activation_checkpointing``,
 ``model.compile``) is :class:`~schemas.train_config.TrainModelConfig`.
 
-No torch here. Both sections are operational (:data:`~schemas.outdir.OPERATIONAL`): what is logged where cannot
+No torch here. Both sections are operational (:data:`~schemas.records.OPERATIONAL`): what is logged where cannot
 change what a run computes, so a rerun may add a logger and still resume. Runs recorded before these keys existed
-resume too: a key absent from a record that holds its default counts as equal (:func:`schemas.outdir.config_diff`).
+resume too: a key absent from a record that holds its default counts as equal (:func:`schemas.records.config_diff`).
 
 The loggers are optional extras; each is off unless its section is present, and written by rank 0 only:
 
@@ -147,3 +147,7 @@ class ThroughputConfig(StrictModel):
         None, gt=0, description="peak FLOP/s of one device at the run's precision, for MFU; None = Composer's table "
         "of common GPUs (A100, H100, H200, ...; none for a CPU: MFU is then not reported)")
     window: int = Field(20, ge=1, description="steps of the rolling tokens/s and MFU (Composer's SpeedMonitor)")
+    log_interval: int = Field(
+        10, ge=1, description="with progress_bar, when stdout or stderr is not a terminal (`> log`, ray job submit): "
+        "a line every this many steps with step, loss, tokens/s, kept/s, MFU and ETA, instead of the bar (which a "
+        "log cuts at 120 columns)")

@@ -41,8 +41,8 @@ from bench.quality.setting import (
 )
 from curation.core.stats import Histogram
 from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 
 __all__ = ["run_benchmark", "analyse", "compare_seeds", "interpolate_scores", "share_above", "delta_over_time", "passed_at"]
 

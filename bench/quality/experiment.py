@@ -29,8 +29,8 @@ from bench.quality.compute import equal_compute_steps, loss_at, run_flops, selec
 from bench.quality.runs import REUSED, final_val, run_replay, run_training
 from bench.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
 from curation.ingest.prepare import prepare
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 from schemas.train_config import (
     CheckpointConfig,
     DataConfig,

@@ -20,13 +20,14 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.outdir import OutputDirLock
 from curation.io.outputs import localize, open_output, urls_in
 from curation.io.shards import check_tokenizer, shard_dir_info
+from curation.io.stop import GracefulStop, StopRequested
 from schemas.engine_config import CurateConfig
-from schemas.manifest import Manifest, atomic_write_text
-from schemas.outdir import OutputDirLock
-from schemas.stop import GracefulStop, StopRequested
+from schemas.manifest import Manifest
 
 __all__ = ["curate"]
 
@@ -104,5 +105,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
-    storage.push(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
+    uploaded = storage.push_all(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
+    if uploaded is not None:
+        print(uploaded, flush=True)
     return summary

@@ -41,7 +41,7 @@ from curation.io.paths import safe_join
 from curation.io.shards import merge_part_indexes, save_manifest, verify_part
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import MAX_LISTED_BAD_RECORDS, BadRecord, Manifest, SourceCounts, UnitRecord
-from schemas.outdir import config_diff
+from schemas.records import config_diff
 from schemas.shards import CANDIDATE
 
 __all__ = ["ShardGroup", "group_key"]

@@ -47,12 +47,13 @@ from curation.ingest.packing import Packer
 from curation.ingest.token_sources import TokenRecord, iter_token_records
 from curation.ingest.tokenizer import PIECE_CHARS, shared_tokenizer
 from curation.io import storage
+from curation.io.atomic import write_unit_record
 from curation.io.paths import UnsafeNameError, check_relative, safe_join
 from curation.io.shards import write_part
+from curation.io.stop import check_stop
 from schemas.config import SourceConfig
 from schemas.manifest import BadRecord, ShardRecord, UnitRecord
 from schemas.shards import CANDIDATE, token_dtype
-from schemas.stop import check_stop
 
 __all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "PartRewritten", "read_documents",
            "check_record", "load_record", "RECORD_NAME"]
@@ -319,7 +320,7 @@ def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
 
 def _save_record(unit: WorkUnit, record: UnitRecord) -> None:
     """Save the unit's record after a finished part (uploaded, for an object-store directory, after the part)."""
-    record.save(unit.record_path)
+    write_unit_record(unit.record_path, record)
     storage.publish(unit.record_path)
 
 
@@ -330,7 +331,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     Resumes from the unit's saved record (``unit.record_path``): a ``done`` unit returns at once, an unfinished
     one continues after its last finished part. After each part the record is saved (the part is on disk
     before the record says so), ``on_part`` is called with it, and a stop signal is polled
-    (:func:`~schemas.stop.check_stop`: in-process, a SIGTERM stops here, between parts).
+    (:func:`~curation.io.stop.check_stop`: in-process, a SIGTERM stops here, between parts).
 
     Memory is bounded by one part plus the document being read: a document longer than ``PIECE_CHARS`` is
     tokenized and packed piece by piece. A part is written as soon as its sequences are full, i.e. while a
@@ -399,7 +400,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
         k += 1
         if on_part is not None:
             on_part(record)
-        check_stop(f"after finishing {unit.out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (schemas.stop)
+        check_stop(f"after finishing {unit.out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (curation.io.stop)
 
     def feed(ids: np.ndarray) -> None:
         nonlocal pending, fed, to_skip

@@ -21,6 +21,7 @@ from schemas.train_config import ModelConfig
 __all__ = [
     "resolve_device",
     "build_causal_lm",
+    "check_positions",
     "model_vocab_size",
     "weights_fingerprint",
     "save_weights",
@@ -84,6 +85,30 @@ def build_causal_lm(cfg: ModelConfig) -> nn.Module:
 def model_vocab_size(model: nn.Module) -> int:
     """Rows of the model's input embedding (ids it can embed)."""
     return int(model.get_input_embeddings().weight.shape[0])
+
+
+#: The config attributes in which an architecture states the longest sequence it embeds positions for: Llama,
+#: Mistral, Qwen, GPT-NeoX, OPT... (``max_position_embeddings``), GPT-2 (``n_positions``, ``n_ctx``), MPT
+#: (``max_seq_len``), Falcon/others (``max_sequence_length``, ``seq_length``).
+POSITION_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
+                  "seq_length")
+
+
+def check_positions(model: nn.Module, seq_len: int, *, what: str, setting: str = "model") -> None:
+    """Fail clearly when the model embeds positions for fewer tokens than a sequence of the data holds (a GPT-2
+    then ends in an ``IndexError`` deep in its embedding, a Llama trains silently past what it was built for).
+
+    Raises:
+        ValueError: naming the setting, both numbers and ``what`` (the file the sequence length comes from).
+    """
+    config = getattr(model, "config", None)
+    for attr in POSITION_ATTRS:
+        n = getattr(config, attr, None)
+        if isinstance(n, int) and not isinstance(n, bool) and 0 < n < seq_len:
+            attr = getattr(config, "attribute_map", {}).get(attr, attr)  # (GPT-2's alias: n_positions)
+            raise ValueError(
+                f"{setting}: the model embeds positions for {n} tokens ({attr}) but the sequences of {what} hold "
+                f"{seq_len}: set {setting}.hf_config.{attr} >= {seq_len}, or prepare the data with seq_len <= {n}")
 
 
 def check_vocab(model: nn.Module, vocab_size: int, *, what: str, setting: str = "model",

@@ -42,7 +42,7 @@ from curation.io.paths import UnsafeNameError, check_relative, inside, safe_key
 
 __all__ = [
     "cache_root", "local_path", "url_of", "canonical", "display", "fetch", "refresh", "publish", "unpublish",
-    "remove", "pull", "push", "SYMLINKS", "tokenizer_json_path",
+    "remove", "pull", "push", "push_all", "SYMLINKS", "tokenizer_json_path",
 ]
 
 #: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
@@ -237,6 +237,20 @@ def _link_table(url: str, body: bytes) -> dict[str, str]:
     if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
         raise UnsafeNameError(f"{url}: not a table of link names and targets; refused (no link was made)")
     return table
+
+
+def push_all(root: str) -> str | None:
+    """:func:`push` a finished output directory and say so: ``uploaded N files to s3://…; it holds M objects (X MiB)``
+    read back from the bucket (``None``, and nothing done, for a local directory). Jobs print it, so an object-store
+    run ends with its URL and the bucket's own count, not a cache path."""
+    url = url_of(root)
+    if url is None:
+        return None
+    pushed = push(root)
+    held = {k: o for k, o in list_objects(url).items() if k not in _LOCAL_ONLY}  # (the run's lock object: not an output)
+    size = sum(o.size for o in held.values())
+    return (f"uploaded {len(pushed)} file{'s' if len(pushed) != 1 else ''} to {url}; it holds {len(held)} objects "
+            f"({size / 2**20:.1f} MiB)")
 
 
 def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:

@@ -9,8 +9,8 @@ import shlex
 import pytest
 import torch
 
+from curation.io.outdir import report_job_errors
 from curation.io.shards import read_column
-from schemas.outdir import report_job_errors
 from training.blocks.checkpoint import (
     CheckpointRefused,
     checkpoint_damage,

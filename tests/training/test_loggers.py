@@ -1,6 +1,7 @@
 """Experiment loggers (``loggers:``): what TensorBoard, MLflow and W&B (offline) wrote, read back with each tool's own
 reader, holds the same series as the JSON-lines log: loss, validation loss, kept fraction per source, ‖u − w̃‖,
-refresh timings and throughput. A missing package is one line naming the extra."""
+refresh timings and throughput (skipped, with the reason, unless the three extras are installed: CI's second step).
+A missing package is one line naming the extra."""
 
 from __future__ import annotations
 
@@ -14,74 +15,18 @@ import pytest
 from schemas.config import ConfigError, load_config
 from schemas.train_config import TrainConfig
 from training.blocks.loggers import OUTPUT_DIR_TAG, check_installed
+from training.blocks.throughput import host_peak_rss
 from training.runs.single import train
 
 from .conftest import tiny_config
-
-pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
-pytest.importorskip("wandb", reason="the wandb extra is not installed")
+from .logger_series import KEYS, jsonl_series, mlflow_series, require_extras, tensorboard_series, wandb_series
 
 STEPS = 11
-SOURCES = ("general", "noise", "target")
-#: the metrics every logger must hold, as the trainer names them
-KEYS = ["loss/train/total", "metrics/eval/TokenLoss", *(f"blade/kept_fraction/{s}" for s in SOURCES),
-        "blade/param_distance", "blade/refresh_seconds", "time/refresh_seconds", "time/score_seconds",
-        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds"]
-
-
-def series(rows: list[tuple[int, str, float]]) -> dict[str, dict[int, float]]:
-    """``(step, key, value)`` rows → key → step → value (the last value of a key logged twice at a step)."""
-    out: dict[str, dict[int, float]] = {}
-    for step, key, value in rows:
-        out.setdefault(key, {})[int(step)] = float(value)
-    return out
-
-
-def jsonl_series(out: str) -> dict[str, dict[int, float]]:
-    with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f]
-    return series([(r["step"], k, v) for r in lines if "step" in r for k, v in r.items()
-                   if k != "step" and isinstance(v, int | float)])
-
-
-def tensorboard_series(log_dir: str) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return series([(e.step, tag, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)])
-
-
-def mlflow_series(uri: str, experiment: str) -> tuple[list, dict[str, dict[int, float]]]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    history = [(m.step, key, m.value) for key in KEYS for m in client.get_metric_history(runs[0].info.run_id, key)]
-    return runs, series(history)
-
-
-def wandb_series(run_dir: str) -> dict[str, dict[int, float]]:
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
-    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    store = datastore.DataStore()
-    store.open_for_scan(path)
-    rows = []
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            step = record.history.step.num
-            rows += [(step, i.key or "/".join(i.nested_key), json.loads(i.value_json)) for i in record.history.item
-                     if not (i.key or "/".join(i.nested_key)).startswith("_")]
-    return series([r for r in rows if isinstance(r[2], int | float)])
 
 
 @pytest.fixture(scope="module")
 def logged_run(demo_root, tmp_path_factory):
+    require_extras()
     out = str(tmp_path_factory.mktemp("loggers") / "blade")
     cfg = tiny_config(demo_root, out, "blade", max_steps=STEPS, throughput={"window": 3},
                       loggers={"tensorboard": {}, "mlflow": {"experiment": "tests"}, "wandb": {}})
@@ -115,6 +60,23 @@ def test_every_logger_holds_the_series_of_the_json_log(logged_run):
     assert run.data.tags[OUTPUT_DIR_TAG] == os.path.abspath(cfg.output_dir)
 
 
+def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):
+    """Issue 34: the trainer's peak host memory every step (a running maximum) in TensorBoard's event file, and in
+    summary.json in bytes; on this CPU run no device allocator peak."""
+    cfg, out = logged_run
+    tb = tensorboard_series(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"))["memory/host_peak_rss_gib"]
+    assert sorted(tb) == list(range(1, STEPS + 1))
+    peaks = [tb[s] for s in sorted(tb)]
+    assert peaks == sorted(peaks)  # a peak never falls
+    with open(out["summary"]) as f:
+        memory = json.load(f)["memory"]
+    assert memory["device"] == "cpu" and memory["device_peak_allocated_bytes"] is None
+    rss = memory["host_peak_rss_bytes"]
+    # this process ran the training: its own peak bounds the run's; torch alone holds more than 100 MiB
+    assert 100 * 2**20 < rss <= host_peak_rss()
+    assert 0 < peaks[0] and peaks[-1] <= rss / 2**30 * (1 + 1e-6)  # (the summary is taken last; float32 in TB)
+
+
 def test_a_rerun_continues_the_mlflow_run_of_its_output_directory(logged_run):
     """Resuming (here: a rerun of the finished run, which only reports) logs into the same MLflow run."""
     cfg, _ = logged_run
@@ -134,8 +96,9 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch, make_config
     cfg = load_config(TrainConfig, default=lambda: make_config("blade"), overrides=["loggers.wandb={}"])
     with pytest.raises(ValueError) as e:
         check_installed(cfg.loggers)
-    assert str(e.value) == ("loggers.wandb needs the wandb package: pip install 'blade-curation[wandb]' "
-                            "(or remove loggers.wandb)")
+    # README's form of an extra: the project is installed from its checkout, blade-curation is on no index
+    assert str(e.value) == ('loggers.wandb needs the wandb package: pip install -e ".[wandb]" in the project\'s '
+                            "checkout (or remove loggers.wandb)")
     with pytest.raises(ValueError, match=r"^loggers.wandb needs the wandb package"):
         train(cfg)  # before anything is written
     assert not os.path.exists(os.path.join(cfg.output_dir, "config.yaml"))

@@ -28,10 +28,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from curation.core.distributed import current_ranks
 from curation.io import storage
-from curation.io.models import build_causal_lm, check_vocab, model_vocab_size, resolve_device
+from curation.io.models import build_causal_lm, check_positions, check_vocab, model_vocab_size, resolve_device
 from curation.io.shards import ShardDirInfo
 from schemas.manifest import Manifest
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
+from training.blocks import throughput
 from training.blocks.callbacks import JSONLinesLogger
 from training.blocks.checkpoint import checkpoint_files, resume_checkpoint, weights_only_loading
 from training.blocks.data import TokenRows, make_data_spec, rows_loader
@@ -62,6 +63,9 @@ def build_model(model_cfg: ModelConfig, infos: Sequence[ShardDirInfo]) -> Masked
     ``model`` and the manifest of ``infos[0]``)."""
     hf = build_causal_lm(model_cfg)
     check_vocab(hf, max(i.vocab_size for i in infos), what=Manifest.path_in(infos[0].path), setting="model")
+    for info in infos:  # (checked before the run's config is recorded)
+        if info.seq_len:
+            check_positions(hf, info.seq_len, what=Manifest.path_in(info.path))
     return MaskedCausalLM(hf)
 
 
@@ -173,7 +177,7 @@ def make_trainer(
             precision=cfg.precision,
             device_train_microbatch_size=cfg.effective_microbatch_size,
             accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
+            progress_bar=cfg.progress_bar and throughput.interactive(),  # (else progress lines: training.blocks.throughput)
             log_to_console=False,
             seed=cfg.seed,
             parallelism_config=parallelism,

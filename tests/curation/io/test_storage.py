@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from curation.io import objects, storage
+from curation.io.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
 from curation.io.outputs import RemoteLock, localize, open_output, urls_in
 from curation.io.shards import ShardIntegrityError, ShardReader, write_part
 from schemas.config import PrepareConfig
-from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
 from schemas.shards import CANDIDATE
 from schemas.train_config import TrainConfig
 
