@@ -14,6 +14,7 @@ import pytest
 from curation.engine.ledger import PartCache, PartLedger
 from curation.engine.state import weights_on_disk
 from curation.io import objects, storage
+from curation.io.atomic import write_manifest
 from curation.io.paths import UnsafeNameError, safe_join
 from curation.io.shards import ShardReader, merge_part_indexes, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord
@@ -63,7 +64,7 @@ def test_safe_join_follows_symbolic_links_and_keeps_plain_names(tmp_path):
 def test_a_manifest_naming_a_part_outside_is_refused_in_one_line(tmp_path, name):
     out = str(tmp_path / "out")
     m = Manifest(kind="scored", job="t", shards=[ShardRecord(name="steps-000000000-000000002", samples=1, tokens=1)])
-    m.save(out)
+    write_manifest(out, m)
     data = json.loads(open(Manifest.path_in(out)).read())
     data["shards"][0]["name"] = name
     open(Manifest.path_in(out), "w").write(json.dumps(data))
@@ -166,7 +167,7 @@ def test_the_ledger_and_the_part_reader_refuse_a_part_linked_outside(tmp_path):
     out = tmp_path / "scored"
     ledger = PartLedger(str(out), kind="scored", job="t", run_key={"t": 1}, vocab_size=100)
     ledger.manifest.shards.append(ShardRecord(name="elsewhere", samples=1, tokens=4, state={"unit": "u"}))
-    ledger.manifest.save(str(out))
+    write_manifest(str(out), ledger.manifest)
     os.symlink(tmp_path / "victim", out / "elsewhere")
     with pytest.raises(UnsafeNameError, match=r"manifest\.json: part 'elsewhere' leads outside"):
         PartLedger(str(out), kind="scored", job="t", run_key={"t": 1}, vocab_size=100)
