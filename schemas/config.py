@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.manifest import PATH_NAME_RULE, RESERVED_NAMES, check_path_name  # noqa: F401 (their home: a leaf)
 from schemas.records import OPERATIONAL
 
 __all__ = [
@@ -144,24 +145,6 @@ def check_unique_names(names: Sequence[str], what: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{what} {dup}")
-
-
-#: Files a job writes beside the folders named after sources (``candidates/index.json`` ...).
-RESERVED_NAMES = ("index.json", "manifest.json", "config.yaml")
-
-#: The rule for a config value used as one path component (a folder named after a source or a model).
-PATH_NAME_RULE = ("1 to 100 characters, only letters, digits, '-', '_', '.', not starting with '.' or '-' (so "
-                  "never '.', '..' or a hidden name like '.lock'), no path separator, and none of "
-                  + ", ".join(RESERVED_NAMES))
-
-
-def check_path_name(v: str, what: str = "name") -> str:
-    """Return ``v`` when it is safe as one path component (:data:`PATH_NAME_RULE`), else raise ``ValueError``
-    naming ``what`` and stating the rule."""
-    if not (0 < len(v) <= 100 and v[0] not in ".-" and all(c.isalnum() or c in "-_." for c in v)
-            and v not in RESERVED_NAMES):
-        raise ValueError(f"{what} {v!r} is used as a folder name and must be {PATH_NAME_RULE}")
-    return v
 
 
 #: A name used as one path component (a source's folder, a model's export folder).

@@ -157,6 +157,8 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
         group = ShardGroup.open(cfg, name, sources, tok.fingerprint, tok.vocab_size, tok.path)
         if not group.manifest.complete:
             group.plan({s.name: _files(s, cfg.skip_bad_records) for s in sources})
+        else:
+            group.check_inputs()  # a changed input is refused, never reported as prepared
         result.regenerated.extend(group.repair(settings))
         groups.append(group)
         result.dirs[name] = group.out
