@@ -6,6 +6,7 @@ step in progress with a checkpoint at that step, exit status 143 and one line na
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -71,3 +72,38 @@ def test_sigterm_to_replay_py_as_run_by_a_user_stops_at_the_step_with_its_checkp
     rcfg["checkpoint"].update(interval=4)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(rcfg))
     _stop_as_a_user("replay", str(tmp_path / "r.yaml"), rcfg["output_dir"])
+
+
+def test_sigterm_to_prepare_py_as_run_by_a_user_finishes_the_part_in_progress(tmp_path):
+    """``python jobs/prepare.py`` in a fresh process (``tests/curation/ingest/test_prepare_stop`` slows the parts down
+    through a wrapper that imports the package first): exit 143, the notice, and one line naming the last finished
+    part, which is the manifest's last; no other part on disk (the rerun's exactness: ``test_prepare_stop``)."""
+    from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
+    from schemas.manifest import Manifest
+    from tests.curation.ingest.test_prepare import _texts
+
+    raw = tmp_path / "a.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(1, 3000)))
+    src = SourceConfig(name="a", paths=[str(raw)])
+    cfg = PrepareConfig(sources=[src], validation=[], tokenizer=TokenizerConfig(vocab_size=300), seq_len=16,
+                        output_dir=str(tmp_path / "out"), sequences_per_part=1, progress=False, workers=1)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    job = [sys.executable, os.path.join("jobs", "prepare.py"), "--config", str(tmp_path / "p.yaml")]
+    proc = subprocess.Popen(job, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    cand = os.path.join(cfg.output_dir, "candidates")
+    deadline = time.time() + 240
+    while not os.path.exists(os.path.join(cand, "manifest.json")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM received: finishing the part in progress, then stopping" in err and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped on SIGTERM after finishing {cand}/") and last.endswith(
+        "; rerun the same command to resume from the next part (finished parts are kept)"), err
+    m = Manifest.load(cand)
+    assert not m.complete and last.split("after finishing ")[1].split(";")[0] == os.path.join(cand, m.shards[-1].name)
+    parts = {f"a/{p}" for p in os.listdir(os.path.join(cand, "a")) if not p.startswith("unit-")}
+    assert parts == {s.name for s in m.shards}  # the part in progress was finished and recorded, no other
