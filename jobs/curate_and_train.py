@@ -18,8 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from curation.core.distributed import WorkerGroupFailed
-from curation.engine.plan import EngineError
+from curation.engine.plan import EngineError, WorkerGroupFailed
 from schemas.config import parse_job_config
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.outdir import report_job_errors

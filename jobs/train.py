@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Imported after the config is parsed (Composer and Ray take seconds): --help and bad settings answer at once,
     # and a single-process run does not import Ray.
-    from curation.core.distributed import WorkerGroupFailed
+    from curation.engine.plan import WorkerGroupFailed
 
     def run() -> dict:
         if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
