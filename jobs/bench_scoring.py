@@ -3,6 +3,7 @@
     python jobs/bench_scoring.py                    # CPU, one torch thread per worker (and for the baseline)
     python jobs/bench_scoring.py --device cuda      # on a GPU (bf16 autocast, as the workers run there)
     python jobs/bench_scoring.py --json
+    python jobs/bench_scoring.py --pipeline-only --seq-len 1024 --steps 90 --json   # the host side alone
 
 In one process, on a synthetic candidate corpus (random tokens, zstd MDS shards) and a Llama of about
 GPT-2-small size built from a config (no download; 86M parameters, vocabulary 32k: the per-token
@@ -17,8 +18,10 @@ of the forward that shrinks as models grow):
    per-token loss ``ℓ(w̃)`` from the final hidden states in chunks (no full logits), float16, writing
    the scored MDS part (a writer thread). Headline: worker tokens/s ÷ bare forward tokens/s (goal ≥ 0.90).
    For information, what the per-token loss adds to the bare forward (which ends with the full logits), both
-   ways: ``token_losses`` on those logits; and decoder pass + ``hidden_token_losses`` (head GEMM, log-sum-exp
-   and gather in chunks) minus the bare forward; with the logits each holds at once.
+   ways, each timed on its own between two synchronisations: ``token_losses`` on those logits; and
+   ``hidden_token_losses`` (head GEMM, log-sum-exp and gather in chunks of ``--loss-chunk-elements``) on the
+   decoder's hidden states (the worker's way; it includes the head GEMM the bare forward also runs, so it is
+   an upper bound of what the loss adds); with the logits each holds at once.
    The in-process worker is also timed in wall-clock time, for the comparison with Ray.
 3. **Ray**: the same kind of units through :class:`curation.engine.ray_backend.RayEngine`, 1 then 2 workers
    (``--threads`` each). The clock starts when the weights are published (actors already up); the first
@@ -28,6 +31,10 @@ of the forward that shrinks as models grow):
    wall-clock throughput (goal: Ray 1 worker ≥ 0.9 of it) and with the start-up time, which is where a
    short run loses its throughput (measured on an H100: 88k tokens/s over 12 steps including start-up
    vs 378k in-process). Scaling efficiency = steady throughput(2) ÷ (2 × steady throughput(1)).
+
+``--pipeline-only`` measures instead the worker's *host* cost per token, its forward replaced by a stub of
+negligible cost (everything else, threads included, is the worker's code), in CPU time of the process: the
+figure that shows on a CPU whether the host can keep up with a GPU (goal ≥ 5M tokens/s on one core).
 """
 
 from __future__ import annotations
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-steps", type=int, default=36,
                    help="steps scored in each Ray run after the first unit (start-up, not counted)")
     p.add_argument("--no-ray", action="store_true", help="skip the 1 vs 2 workers part")
+    p.add_argument("--loss-chunk-elements", type=int, default=None,
+                   help="logits per chunk of the timed per-token loss (default: curation.core.losses' for the device)")
+    p.add_argument("--pipeline-only", action="store_true",
+                   help="the worker's own host cost: the forward replaced by a stub of negligible cost, one core")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -97,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device visible")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.pipeline_only:
+        return _report(pipeline_only(args), args.json)
     model_cfg = ModelConfig(hf_config={
         "model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
         "intermediate_size": args.intermediate, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
@@ -143,19 +156,23 @@ def main(argv: list[str] | None = None) -> int:
                 logits = model(input_ids=tok).logits
                 _sync(device)
                 t1 = clock()
-                token_losses(logits, tok)
+                token_losses(logits, tok, chunk_elements=args.loss_chunk_elements)
                 _sync(device)
                 t2 = clock()
                 del logits
                 hidden = model.model(input_ids=tok).last_hidden_state  # the worker's way: decoder, then
-                hidden_token_losses(hidden, model.lm_head.weight, tok)  # the head in chunks
+                _sync(device)
+                t3 = clock()
+                hidden_token_losses(hidden, model.lm_head.weight, tok,  # the head in chunks, timed alone
+                                    chunk_elements=args.loss_chunk_elements)
                 _sync(device)
                 fwd.append(t1 - t0)
                 loss.append(t2 - t1)
-                hloss.append(clock() - t2)
-    t_forward, t_loss, t_hloss = sum(fwd), sum(loss), sum(hloss) - sum(fwd)
+                hloss.append(clock() - t3)
+    # Direct timings (each its own interval between synchronisations), never a difference of two totals.
+    t_forward, t_loss, t_hloss = sum(fwd), sum(loss), sum(hloss)
     ratio = t_forward / t_worker
-    chunk = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    chunk = args.loss_chunk_elements or (CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS)
     rows_total = args.batch * args.seq_len
     rows_chunk = min(rows_total, max(256, chunk // args.vocab // 64 * 64))  # curation.core.losses' GEMM rows
     upcast_rows = max(1, chunk // args.vocab)  # float32 upcast of bf16 logits, per cross-entropy piece
@@ -208,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         with ray_session("local", num_cpus=max(os.cpu_count() or 1, 2 * args.threads), need_cpus=2 * args.threads):
             for n in (1, 2):
                 out = os.path.join(work, f"ray-{n}")
-                work = EngineWork(units=ray_units, worker_spec=spec(out, args.threads),
+                engine_work = EngineWork(units=ray_units, worker_spec=spec(out, args.threads),
                                   ledger=LedgerSpec(out, kind="scored", job="bench", run_key={"n": n},
                                                     vocab_size=args.vocab),
                                   engine_dir=os.path.join(out, "engine"))
                 pool = WorkersConfig(count=n, threads=args.threads, device=args.device,
                                      gpus=None if args.device == "cuda" else 0)
-                with RayEngine(work, pool) as engine:
+                with RayEngine(engine_work, pool) as engine:
                     engine.pids  # noqa: B018 - waits until every worker has loaded its model
                     runs[n] = _timed_ray_run(engine, ref)
         steady = {n: r["steady_tokens_per_s"] for n, r in runs.items()}
@@ -253,6 +270,67 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens/s")
         print(f"  2 workers {r['tokens_per_s_2_workers']:,.0f} tokens/s → speed-up {r['speedup']:.2f}×, "
               f"scaling efficiency {r['scaling_efficiency']:.0%}")
+    return 0
+
+
+PIPELINE_GOAL = 5e6  # tokens/s of host work per worker process (0.2 µs per token)
+
+
+def _stub_forward(tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The losses' shape, dtype and device from one elementwise pass over the tokens: a forward of negligible cost."""
+    return tokens.to(torch.float32).mul_(1e-4)
+
+
+def pipeline_only(args: argparse.Namespace) -> dict:
+    """The scoring worker's host cost per token, its forward replaced by :func:`_stub_forward`.
+
+    Everything else is the worker's own code: reading and decoding the candidate shards, staging the tokens,
+    the results' way back to the host, the rows, compressing and writing the part (its reader and writer
+    threads included). Timed in CPU time of the whole process (every thread), so the figure is the host work
+    per token on one core, whatever else loads a shared machine: tokens/s ≥ :data:`PIPELINE_GOAL` means the
+    host cannot bound a GPU that scores 1.4 µs per token."""
+    device = torch.device(args.device)
+    model_cfg = ModelConfig(hf_config={  # built but never run (the stub replaces its forward): small
+        "model_type": "llama", "vocab_size": args.vocab, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "max_position_embeddings": args.seq_len, "tie_word_embeddings": False}, init_seed=args.seed)
+    ref = Weights.from_state_dict(build_causal_lm(model_cfg))
+    n_steps = args.range_steps + args.steps
+    work = tempfile.mkdtemp(prefix="bench_scoring-pipeline-")
+    cand = _corpus(work, n_steps * args.batch, args.seq_len, args.vocab, args.seed)
+    spec = WorkerSpec(candidates=cand, out_dir=os.path.join(work, "scored"), model=model_cfg,
+                      order=BatchOrder("blocks", n_steps * args.batch, args.batch), vocab_size=args.vocab,
+                      device=args.device, threads=1, score_batch_size=args.batch, needs_proxy=False)
+    worker = ScoringWorker(spec, 0)
+    worker.set_weights(REFERENCE, 0, ref)
+    worker.scorers[REFERENCE].forward = _stub_forward
+    worker.run(WorkUnit(0, args.range_steps, "scored", 0), lambda k, v: ref)  # warm-up: first shard reads, threads
+    units = [WorkUnit(a, min(a + args.range_steps, n_steps), "scored", 0)
+             for a in range(args.range_steps, n_steps, args.range_steps)]
+    waits = worker.stats.get("host_waits", 0)
+    _sync(device)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for u in units:
+        worker.run(u, lambda k, v: ref)
+    _sync(device)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    tokens = args.steps * args.batch * args.seq_len
+    return {"mode": "pipeline-only", "device": str(device), "batch": args.batch, "seq_len": args.seq_len,
+            "steps": args.steps, "range_steps": args.range_steps, "tokens": tokens,
+            "host_us_per_token": cpu / tokens * 1e6, "tokens_per_s_one_core": tokens / cpu,
+            "wall_tokens_per_s": tokens / wall, "cpu_over_wall": cpu / wall,
+            "host_waits_per_step": (worker.stats.get("host_waits", 0) - waits) / args.steps,
+            "goal_tokens_per_s": PIPELINE_GOAL, "ok": tokens / cpu >= PIPELINE_GOAL}
+
+
+def _report(result: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(result))
+        return 0
+    print(f"scoring worker, forward stubbed ({result['steps']} steps of {result['batch']} × {result['seq_len']} tokens "
+          f"on {result['device']}): host {result['host_us_per_token']:.3f} µs per token = "
+          f"{result['tokens_per_s_one_core']:,.0f} tokens/s on one core (goal >= {PIPELINE_GOAL:,.0f}: "
+          f"{'ok' if result['ok'] else 'MISSED'}); wall-clock {result['wall_tokens_per_s']:,.0f} tokens/s")
     return 0
 
 

@@ -54,14 +54,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--refresh-batch-size", type=int, default=None, help="rb (default b/4)")
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads (default: the demo's hidden/16, head_dim 16; GPU-shaped models: head_dim 64)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is then a stable measure)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="cpu: process CPU time (robust to other load on a shared machine); wall: elapsed time")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--worker", choices=["full", "blade"], help=argparse.SUPPRESS)
+    p.add_argument("--no-bare", action="store_true", help="skip the bare PyTorch loop of the same model")
+    p.add_argument("--worker", choices=["full", "blade", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.heads is not None and (args.heads < 1 or args.hidden % args.heads):
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
     if args.data is None:
         name = "data" if args.seq_len == 128 else f"data-L{args.seq_len}"
         args.data = os.path.join("runs", "demo", name)
@@ -69,7 +74,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace, policy: str, out_dir: str):
-    from schemas.train_config import TrainConfig, demo_model_config
+    from schemas.train_config import TrainConfig
 
     steps = args.warmup + (args.episodes + 1) * args.tau
     cfg = TrainConfig.demo_default(os.path.dirname(os.path.abspath(args.data)), policy=policy)
@@ -77,8 +82,7 @@ def _config(args: argparse.Namespace, policy: str, out_dir: str):
     data.update(
         data={"candidates": os.path.join(args.data, "candidates"), "validation": os.path.join(args.data, "validation"),
               "tokenizer": None, "scored": None},
-        model=demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers,
-                                seq_len=args.seq_len).model_dump(mode="json"),
+        model=_model(args),
         output_dir=out_dir, batch_size=args.batch_size, max_steps=steps, progress_bar=False, plots=False,
         write_selected=False, threads=args.threads, device=args.device, distance_interval=args.tau,
         precision=args.precision,
@@ -88,6 +92,17 @@ def _config(args: argparse.Namespace, policy: str, out_dir: str):
     data["selection"].update(warmup_steps=args.warmup, tau=args.tau, refresh_steps=args.refresh_steps,
                              refresh_batch_size=args.refresh_batch_size)
     return TrainConfig.model_validate(data)
+
+
+def _model(args: argparse.Namespace) -> dict:
+    """The demo Llama at the bench's size (``--heads``: its head count, for GPU-shaped head dimensions)."""
+    from schemas.train_config import demo_model_config
+
+    model = demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers,
+                              seq_len=args.seq_len).model_dump(mode="json")
+    if args.heads is not None:
+        model["hf_config"].update(num_attention_heads=args.heads, num_key_value_heads=args.heads)
+    return model
 
 
 def _vocab(data_dir: str) -> int:
@@ -130,6 +145,16 @@ def worker(args: argparse.Namespace) -> dict:
         run.trainer.fit()
         run.trainer.close()
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    # What of the host RSS is pinned memory (the reference's compact copy, the tokens staged for the GPU): the
+    # caching host allocator rounds each block up to a power of two, so its reserved bytes may exceed the buffers'.
+    pinned, reference = None, getattr(run.algorithm, "reference", None)
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        pinned = {k: stats.get(k, 0) / 2**20 for k in ("reserved_bytes.peak", "allocated_bytes.peak",
+                                                        "reserved_bytes.current", "allocated_bytes.current")}
+        if reference is not None and hasattr(reference, "compact"):
+            pinned["compact_reference_mb"] = reference.compact.nbytes / 2**20
+            pinned["host_optimizer_state_mb"] = reference.optimizer_host.nbytes / 2**20
     episodes = []
     for (t0, tm0), (t1, tm1) in zip(episode_clock.marks[:-1], episode_clock.marks[1:], strict=True):
         episodes.append({"step_seconds": (t1 - t0) / args.tau,
@@ -139,9 +164,61 @@ def worker(args: argparse.Namespace) -> dict:
         "episodes": episodes,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_mb": gpu_peak,
+        "pinned_host_mb": pinned,
         "params": sum(p.numel() for p in run.model.parameters()),
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
+    }
+
+
+def bare(args: argparse.Namespace) -> dict:
+    """The plain step's floor: the same Llama (built by the trainer's code), ``torch.optim.AdamW`` with the run's
+    settings and gradient clipping, the same precision (bf16 autocast for ``amp_bf16``), HF's own mean loss, on
+    random tokens already in memory; timed over the same episodes as the runs."""
+    import torch
+
+    from curation.io.models import build_causal_lm, resolve_device
+    from schemas.train_config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(args, "full", tmp)
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    model = build_causal_lm(ModelConfig.model_validate(_model(args))).to(device).train()
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    first = args.warmup + args.tau
+    steps = args.warmup + (args.episodes + 1) * args.tau
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=gen).to(device) for _ in range(4)]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    marks = []
+    for step in range(1, steps + 1):
+        tokens = batches[step % len(batches)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and args.precision == "amp_bf16"):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if o.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= first and (step - first) % args.tau == 0:
+            marks.append(clock())
+    return {
+        "policy": "bare",
+        "episodes": [{"step_seconds": (t1 - t0) / args.tau, "timers": {}}
+                     for t0, t1 in zip(marks[:-1], marks[1:], strict=True)],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "params": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
+        "refresh_batch_size": None,
     }
 
 
@@ -177,17 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _args(argv)
     if args.worker:
-        result = worker(args)
+        result = bare(args) if args.worker == "bare" else worker(args)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f)
         return 0
     _ensure_data(args.data, args.seq_len)
     t0 = time.perf_counter()
-    runs: dict[str, list[dict]] = {"full": [], "blade": []}
-    for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit both policies
-        for policy in ("full", "blade"):
+    runs: dict[str, list[dict]] = {"full": [], "blade": [], "bare": []}
+    for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit every run alike
+        for policy in ("full", "blade") if args.no_bare else ("full", "blade", "bare"):
             runs[policy].append(_run_worker(args, policy, argv))
-    report(args, runs["full"], runs["blade"], time.perf_counter() - t0)
+    report(args, runs["full"], runs["blade"], time.perf_counter() - t0, bares=runs["bare"])
     return 0
 
 
@@ -196,7 +273,8 @@ def _fastest(results: list[dict]) -> dict:
     return min((e for r in results for e in r["episodes"]), key=lambda e: e["step_seconds"])
 
 
-def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], seconds: float) -> None:
+def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], seconds: float, *,
+           bares: list[dict] | None = None) -> None:
     b, tau, k, rb = args.batch_size, args.tau, args.refresh_steps, blades[0]["refresh_batch_size"]
     plain, blade = _fastest(plains), _fastest(blades)
     t_plain, t_blade = plain["step_seconds"], blade["step_seconds"]
@@ -242,9 +320,11 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         "blade_over_plain": measured, "blade_over_plain_median": median_ratio, "predicted": predicted,
         "plain_step_ms": t_plain * 1e3, "blade_step_ms": t_blade * 1e3,
         "breakdown": {name: m for name, m, _ in rows}, "peak_rss_ratio": b_rss / p_rss,
-        "peak_rss_mb": {"plain": p_rss, "blade": b_rss}, "params": plains[0]["params"], "tau": tau,
+        "peak_rss_mb": {"plain": p_rss, "blade": b_rss}, "params": plains[0]["params"],
+        "heads": args.heads, "tau": tau,
         "refresh_steps": k, "refresh_batch_size": rb, "batch_size": b, "seq_len": args.seq_len,
         "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
+        "pinned_host_mb": {"plain": plains[0].get("pinned_host_mb"), "blade": blades[0].get("pinned_host_mb")},
         "goal_blade_over_plain": 1.5, "goal_peak_ratio": 1.1,
     }
     if plains[0].get("peak_gpu_mb") is not None:
@@ -254,7 +334,17 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         result["peak_gpu_mb"] = {"plain": p_gpu, "blade": b_gpu}
         print(f"  peak GPU memory (torch allocator): plain {p_gpu:.0f} MB, BLADE {b_gpu:.0f} MB, "
               f"ratio {b_gpu / p_gpu:.3f} (goal ≤ 1.10)")
-    print(f"  {seconds:.0f} s for {2 * args.repeats} runs; command: python jobs/bench_training.py "
+    if bares:
+        t_bare = _fastest(bares)["step_seconds"]
+        bare_rss = max(r["peak_rss_mb"] for r in bares)
+        result.update(bare_step_ms=t_bare * 1e3, plain_over_bare=t_plain / t_bare, goal_plain_over_bare=1.05)
+        result["peak_rss_mb"]["bare"] = bare_rss
+        print(f"  bare PyTorch loop of the same model (AdamW, clipping, same precision, random tokens): "
+              f"{t_bare * 1e3:.1f} ms per step; plain / bare = {t_plain / t_bare:.3f} (goal ≤ 1.05); "
+              f"its peak RSS {bare_rss:.0f} MB")
+        if bares[0].get("peak_gpu_mb") is not None and "peak_gpu_mb" in result:
+            result["peak_gpu_mb"]["bare"] = max(r["peak_gpu_mb"] for r in bares)
+    print(f"  {seconds:.0f} s for {len(plains) + len(blades) + len(bares or [])} runs; command: python jobs/bench_training.py "
           + " ".join(sys.argv[1:]))
     if args.json:
         print(json.dumps(result))

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e.signum)
     if s is None:
         return 1
-    print(f"selected-token shards: {s['selected_dir']} ({s['parts']} parts, {s['sequences']} sequences)")
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
+    print(f"selected-token shards: {display(s['selected_dir'])} ({s['parts']} parts, {s['sequences']} sequences)")
     for name, c in s["per_source"].items():
         print(f"  {name}: kept {c['kept_tokens']} of {c['tokens']} tokens ({c['kept_fraction']:.1%} of predicted)")
     print(f"{s['workers']} workers, {s['redone_units']} units redone after a restart, "

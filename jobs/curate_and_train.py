@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation loss {s['validation'][0]['loss']:.3f} → {s['validation'][-1]['loss']:.3f}")
     print(f"engine: {e['mode']}, {e['workers']} workers, trainer waited {e['trainer_wait_seconds']:.1f}s, "
           f"{e['units_redone_after_restart']} units redone, {e['job_seconds_this_run']:.0f}s in all")
-    print(f"summary: {out['summary']}; selected-token shards: {out['selected']}; final weights: {out['final']}")
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
+    print(f"summary: {display(out['summary'])}; selected-token shards: {display(out['selected'])}; "
+          f"final weights: {display(out['final'])}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Evaluate trained models on local evaluation sets: whole-document token loss with 95% bootstrap intervals.
 
     python jobs/prepare.py && python jobs/train.py && python jobs/evaluate.py   # demo runs on the target set
+    python jobs/evaluate.py --set 'models=[{path: runs/demo/curate_and_train/blade}]'   # the main job's run
     python jobs/evaluate.py --set 'models=[{path: runs/quality/models/blade-seed0}, {path: runs/q/runs/full-seed0}]' \\
         --set 'sets=[{name: gsm8k_test, paths: [../shared/data/gsm8k/test.jsonl], template: "{question}\\n{answer}"}]'
     python jobs/evaluate.py --config my_eval.yaml --set lm_eval.gsm8k_file=../shared/data/gsm8k/test.jsonl

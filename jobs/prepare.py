@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e.signum)
     if result is None:
         return 1
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
     for group, m in result.manifests.items():
         t = m.totals()
         print(f"{group}: {t.sequences} sequences × {m.seq_len} tokens from {t.documents} documents "
-              f"({t.bad_records} bad records skipped, {t.dropped_tokens} remainder tokens dropped) → {result.dirs[group]}")
+              f"({t.bad_records} bad records skipped, {t.dropped_tokens} remainder tokens dropped) → {display(result.dirs[group])}")
         for name, c in m.sources.items():
             print(f"  {name}: {c.documents} docs, {c.tokens} tokens, {c.sequences} sequences")
-    print(f"tokenizer: {result.tokenizer.path} (vocab {result.tokenizer.vocab_size}, sha256 {result.tokenizer.fingerprint[:12]})")
+    print(f"tokenizer: {display(result.tokenizer.path)} (vocab {result.tokenizer.vocab_size}, sha256 {result.tokenizer.fingerprint[:12]})")
     print(f"tokenized {result.tokens_processed} tokens in {result.seconds:.1f}s: "
           f"{result.tokens_per_second:,.0f} tokens/s ({result.workers} worker{'s' if result.workers > 1 else ''})")
     return 0

@@ -33,11 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         return 1
     params = sum(p.numel() for p in out["run"].model.parameters())
-    print(f"replayed {cfg.selected} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")
+    from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
+
+    print(f"replayed {display(cfg.selected)} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")
     if out["validation"]:
         first, last = out["validation"][0], out["validation"][-1]
         print(f"validation loss: {first['loss']:.3f} (step {first['step']}) → {last['loss']:.3f} (step {last['step']})")
-    print(f"final weights: {out['final_weights']}")
+    print(f"final weights: {display(out['final_weights'])}")
     return 0
 
 

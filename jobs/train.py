@@ -12,11 +12,13 @@ summary.json and plots/ under output_dir (see training/runs/wiring.py for the la
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
 from schemas.config import parse_job_config
 from schemas.outdir import report_job_errors
 from schemas.stop import GracefulStop, StopRequested, exit_code
@@ -93,12 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(out: dict) -> None:
-    import json
-
     s = json.load(open(out["summary"], encoding="utf-8"))
     t = s["tokens"]
     print(f"{s['policy']}: {s['steps']} steps, kept {t['kept']:,} of {t['valid']:,} candidate tokens"
-          + (f" (resumed from {s['resumed_from']})" if s.get("resumed_from") else ""))
+          + (f" (resumed from {display(s['resumed_from'])})" if s.get("resumed_from") else ""))
     for src, c in t["per_source"].items():
         frac = c["kept_fraction"]
         print(f"  {src:>12}: kept {c['kept_tokens']:>9,} / {c['valid_tokens']:>9,}"
@@ -110,10 +110,10 @@ def _report(out: dict) -> None:
     if s["refreshes"]:
         print(f"reference refreshes at steps {[r['step'] for r in s['refreshes']]}")
     print(f"time (s): {', '.join(f'{k} {v:.1f}' for k, v in s['seconds'].items())}")
-    print(f"summary: {out['summary']}  plots: {os.path.dirname(out['plots'][0]) if out['plots'] else '-'}")
+    print(f"summary: {display(out['summary'])}  plots: {display(os.path.dirname(out['plots'][0])) if out['plots'] else '-'}")
     if out.get("selected"):
-        print(f"selected-token shards: {out['selected']}")
-    print(f"final weights: {out['final_weights']}")
+        print(f"selected-token shards: {display(out['selected'])}")
+    print(f"final weights: {display(out['final_weights'])}")
 
 
 if __name__ == "__main__":

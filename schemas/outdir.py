@@ -11,10 +11,13 @@ Every job (prepare, train, replay, curate, curate_and_train) opens its output di
    ``engine_config.yaml``): a rerun resumes only when they are equal except for the *operational* keys
    (fields marked with :data:`OPERATIONAL`, e.g. progress bars, which cannot change the outputs) and for
    keys the record does not have whose value is their field's default (a setting added to the config
-   after the run was recorded, left at its default, is the behaviour the run was recorded with); else
-   it is refused naming exactly the keys that differ, and the record is left as it was;
+   after the run was recorded, left at its default, is the behaviour the run was recorded with), and
+   for *extendable* keys (fields marked with :data:`EXTENDABLE`: ``max_steps``) raised above the recorded
+   value: the run is then extended (:attr:`OutputDirLock.extended`) and its record rewritten; else it is
+   refused naming exactly the keys that differ (a lowered extendable key too), and the record is left as
+   it was;
 3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
-   there was none: an equal record is not rewritten.
+   there was none or the run is extended: an equal record is not rewritten.
 
 No torch, no ray: stdlib + pydantic only.
 """
@@ -44,11 +47,13 @@ __all__ = [
     "report_job_errors",
     "LOCK_NAME",
     "OPERATIONAL",
+    "EXTENDABLE",
     "OutputDirError",
     "OutputDirBusy",
     "ConfigMismatch",
     "OutputDirLock",
     "operational_keys",
+    "extendable_keys",
     "field_default",
     "config_diff",
     "check_config_record",
@@ -62,6 +67,11 @@ LOCK_NAME = ".lock"
 #: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
 #: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
 OPERATIONAL: dict[str, Any] = {"operational": True}
+
+#: ``json_schema_extra`` of an integer config field a rerun may *raise* and still resume: the run is extended from
+#: its checkpoint, and must end as a run that had the larger value from the start (``max_steps``: nothing the
+#: first steps computed depends on it; docs/FAILURES.md, "Extending a run"). Lowering it is refused.
+EXTENDABLE: dict[str, Any] = {"extendable": True}
 
 
 class OutputDirError(ValueError):
@@ -113,6 +123,7 @@ class OutputDirLock:
             ) from None
         self._fd: int | None = fd
         self.pending: dict[str, BaseModel | Mapping[str, Any]] = {}  # records to write (none on disk yet)
+        self.extended: dict[str, tuple[int, int]] = {}  # extendable key → (recorded, raised) value of this rerun
         self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "job": job,
                        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)}
@@ -171,18 +182,24 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
-def operational_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL`."""
+def operational_keys(model: type[BaseModel], prefix: str = "", *, mark: str = "operational") -> set[str]:
+    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL` (``mark``:
+    another marker, e.g. ``extendable``)."""
     keys: set[str] = set()
     for name, field in model.model_fields.items():
         key = prefix + name
         extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get("operational"):
+        if isinstance(extra, dict) and extra.get(mark):
             keys.add(key)
             continue
         for sub in _models_in(field.annotation):
-            keys |= operational_keys(sub, key + ".")
+            keys |= operational_keys(sub, key + ".", mark=mark)
     return keys
+
+
+def extendable_keys(model: type[BaseModel]) -> set[str]:
+    """Dotted keys of the fields of ``model`` marked :data:`EXTENDABLE`."""
+    return operational_keys(model, mark="extendable")
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -268,15 +285,17 @@ def _as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None,
-                        name: str | None = None) -> bool:
+                        name: str | None = None, extended: dict[str, tuple[int, int]] | None = None) -> bool:
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
 
     ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model; ``name``: how messages name the
     record (default ``path``). A key the record does not have is equal when ``cfg`` (a model) holds its default
-    (:func:`config_diff`).
+    (:func:`config_diff`). With ``extended`` (a dict), an :func:`extendable_keys` key of ``cfg``'s model raised
+    above its recorded value is not a difference: it is added to ``extended`` as ``key → (recorded, raised)``.
 
     Raises:
-        ConfigMismatch: the record differs; the message names each differing key with both values.
+        ConfigMismatch: the record differs; the message names each differing key with both values (a lowered
+            extendable key says it can only be raised).
     """
     if not os.path.exists(path):
         return False
@@ -289,6 +308,8 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     if ignore is None:
         ignore = operational_keys(model) if model is not None else set()
     diff = config_diff(old, _as_dict(cfg), ignore, model=model)
+    if extended is not None and model is not None:
+        diff = _extensions(diff, extendable_keys(model), old, _as_dict(cfg), extended)
     if diff:
         keys = [d.split(":", 1)[0] for d in diff]
         name = name or path
@@ -300,6 +321,29 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
             keys,
         )
     return True
+
+
+def _leaf(config: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
+
+
+def _extensions(diff: list[str], keys: set[str], old: Mapping[str, Any], new: Mapping[str, Any],
+                extended: dict[str, tuple[int, int]]) -> list[str]:
+    """``diff`` without the extendable ``keys`` raised from ``old`` to ``new`` (added to ``extended``); a lowered
+    one says it can only be raised."""
+    rest = []
+    for line in diff:
+        key = line.split(":", 1)[0]
+        a, b = _leaf(old, key), _leaf(new, key)
+        if key in keys and all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b)):
+            if b > a:
+                extended[key] = (a, b)
+                continue
+            line += " (it can only be raised: a run is extended, never shortened)"
+        rest.append(line)
+    return rest
 
 
 def write_config_record(path: str, cfg: BaseModel | Mapping[str, Any]) -> None:
@@ -333,8 +377,11 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
             after_lock(lock)
         for record, cfg in (records or {}).items():
             shown = f"{name}/{record}" if name else None
-            if not check_config_record(os.path.join(directory, record), cfg, name=shown):
+            extended: dict[str, tuple[int, int]] = {}
+            if not check_config_record(os.path.join(directory, record), cfg, name=shown, extended=extended) \
+                    or extended:  # (an extended run's record is rewritten with the raised values)
                 lock.pending[record] = cfg
+            lock.extended.update(extended)
     except BaseException:
         lock.release()
         raise

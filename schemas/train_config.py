@@ -39,7 +39,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
-from schemas.outdir import OPERATIONAL
+from schemas.outdir import EXTENDABLE, OPERATIONAL
 from schemas.train_options import LoggersConfig, ThroughputConfig
 
 __all__ = [
@@ -259,7 +259,8 @@ class TrainConfig(StrictModel):
     microbatch_size: int | None = Field(
         None, ge=1, description="sequences per forward/backward; None = b (selection is then per microbatch)"
     )
-    max_steps: int = Field(150, ge=1, description="proxy steps")
+    max_steps: int = Field(150, ge=1, description="proxy steps; a rerun may raise it to extend a finished or "
+                           "stopped run (docs/FAILURES.md, 'Extending a run')", json_schema_extra=EXTENDABLE)
     seed: int = Field(0, ge=0, description="candidate-stream seed")
     device: Device = "auto"
     precision: Precision = Field(

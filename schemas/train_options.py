@@ -147,3 +147,7 @@ class ThroughputConfig(StrictModel):
         None, gt=0, description="peak FLOP/s of one device at the run's precision, for MFU; None = Composer's table "
         "of common GPUs (A100, H100, H200, ...; none for a CPU: MFU is then not reported)")
     window: int = Field(20, ge=1, description="steps of the rolling tokens/s and MFU (Composer's SpeedMonitor)")
+    log_interval: int = Field(
+        10, ge=1, description="with progress_bar, when stdout or stderr is not a terminal (`> log`, ray job submit): "
+        "a line every this many steps with step, loss, tokens/s, kept/s, MFU and ETA, instead of the bar (which a "
+        "log cuts at 120 columns)")

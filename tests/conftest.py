@@ -153,7 +153,7 @@ def tiny_train(engine_demo):
         tiny = {
             "model": demo_model_config(ENGINE_VOCAB, hidden=32, layers=1).model_dump(mode="json"),
             "output_dir": output_dir, "batch_size": 8, "max_steps": 14, "progress_bar": False, "plots": False,
-            "threads": 1,
+            "threads": 1, "device": "cpu",  # the tests compare with CPU float32 values, also on a GPU machine
             "selection": {"warmup_steps": 2, "tau": 4, "refresh_steps": 2, "refresh_batch_size": 2,
                           "rho1_steps": 3, "refresh_candidate_batches": 2},
             "eval": {"interval": 7, "batch_size": 16, "max_batches": 1},

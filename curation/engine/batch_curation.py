@@ -105,5 +105,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
-    storage.push(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
+    uploaded = storage.push_all(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
+    if uploaded is not None:
+        print(uploaded, flush=True)
     return summary

@@ -94,7 +94,9 @@ class PartLedger:
         kind: ``scored`` or ``selected``.
         job: producing job (new manifest).
         run_key: what must be equal for a rerun to resume here (stream, plan, models, settings); a
-            directory written with another run key is refused.
+            directory written with another run key is refused, except for the plan's ``total_steps`` raised
+            (an extended run: the key and ``config`` are updated; :meth:`keep_units` then unrecords a part cut
+            short by the old ``total_steps``).
         fields: other manifest fields (``config``, ``vocab_size``, ``seq_len``, fingerprints, ``extra``).
     """
 
@@ -107,6 +109,11 @@ class PartLedger:
         existing = Manifest.load_if_exists(out_dir)
         if existing is not None:
             old = existing.extra.get("run_key")
+            if existing.kind == kind and old != key and _extends(old, key):
+                existing.extra["run_key"] = key
+                existing.config = fields.get("config", existing.config)
+                existing.complete = False
+                old = key
             if existing.kind != kind or old != key:
                 diff = [d.split(":", 1)[0] for d in config_diff(old or {}, key)]  # the leaf keys that differ
                 raise ValueError(
@@ -154,6 +161,21 @@ class PartLedger:
                 if part.endswith(".tmp") or f"{entry}/{part}" not in recorded:
                     storage.remove(os.path.join(path, part))
 
+    def keep_units(self, names: set[str]) -> list[str]:
+        """Unrecord (and remove) the recorded parts whose unit is not one of ``names`` (the plan's): an extended
+        run's part cut short at the old ``total_steps``, whose unit the longer plan holds whole. Returns them."""
+        gone = [r for r in self.manifest.shards if r.complete and r.state.get("unit") not in names]
+        for rec in gone:
+            self.manifest.shards.remove(rec)
+            for src, c in rec.state.get("sources", {}).items():
+                left = self.manifest.counts(src).model_dump()
+                self.manifest.sources[src] = SourceCounts(**{k: v - c.get(k, 0) for k, v in left.items()})
+            storage.remove(os.path.join(self.out_dir, rec.name))
+        if gone:
+            self.manifest.complete = False
+            self._publish()
+        return [r.name for r in gone]
+
     def done_units(self) -> dict[str, ShardRecord]:
         """unit name → its record."""
         return {r.state["unit"]: r for r in self.manifest.shards if r.complete}
@@ -189,6 +211,23 @@ class PartLedger:
 
     def _publish(self) -> None:
         publish_parts(self.out_dir, self.manifest)
+
+
+def _extends(old: Any, new: Mapping[str, Any]) -> bool:
+    """Whether run key ``new`` is ``old`` with the plan's ``total_steps`` raised (an extended run)."""
+    if not isinstance(old, Mapping):
+        return False
+    try:
+        a, b = old["plan"]["schedule"]["total_steps"], new["plan"]["schedule"]["total_steps"]
+    except (KeyError, TypeError):
+        return False
+
+    def without(key: Mapping[str, Any]) -> dict[str, Any]:
+        out = json.loads(json.dumps(dict(key)))
+        out["plan"]["schedule"].pop("total_steps")
+        return out
+
+    return isinstance(a, int) and isinstance(b, int) and b > a and without(old) == without(new)
 
 
 # ------------------------------------------------------------------------------------------------

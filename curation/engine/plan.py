@@ -209,6 +209,20 @@ class TrainingPlan:
             snapshot_period=self.snapshot_period, refreshed=self.refreshes,
         )
 
+    def extension_gaps(self, old_stop: int, range_steps: int) -> list[str]:
+        """What a run of ``old_stop`` steps extended to this plan would need and cannot have: a proxy snapshot
+        ``u^(s)``, ``s < old_stop``, for a step the shorter run did not plan (a pipelined unit past ``old_stop``
+        whose snapshot period began before it; an overlapped refresh due at or after ``old_stop`` whose source is
+        before it). The trainer resumes at ``old_stop`` at the latest and never publishes an earlier step again.
+        Empty when the extension continues exactly (always in exact mode with synchronous refreshes)."""
+        gaps = {u.proxy_version: f"the pipelined unit {u.name}" for u in reversed(self.units(range_steps))
+                if u.stop > old_stop and u.proxy_version is not None and u.proxy_version < old_stop}
+        for version in self.refresh_versions():
+            source = self.refresh_source(version)
+            if self.schedule.refresh_step(version) >= old_stop > source:
+                gaps.setdefault(source, f"the overlapped refresh {version}")
+        return [f"u^({s}) for {what}" for s, what in sorted(gaps.items())]
+
     def to_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.to_dict(), "mode": self.mode, "refreshes": self.refreshes,
                 "snapshot_period": self.snapshot_period, "overlap_steps": self.overlap_steps}

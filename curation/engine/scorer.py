@@ -93,8 +93,20 @@ class TokenLossScorer:
         self.model.to(self.device)
         return self
 
-    def losses(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
-        """float32 ``(b, L)`` losses on the scorer's device (0 at invalid positions)."""
+    def forward(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
+        """The model's part of :meth:`losses`: float32 ``(b, L)`` losses of a batch already on the device.
+
+        From the final hidden states, chunk by chunk: no ``(b, L, V)`` logits (:mod:`curation.core.losses`). An
+        instance attribute may replace it (``jobs/bench_scoring.py --pipeline-only`` puts a stub of negligible
+        cost there to time everything else)."""
+        with autocast(self.config.precision, self.device):
+            losses, _ = model_token_losses(self.model, tokens, valid)
+        return losses
+
+    def queue_losses(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
+        """float32 ``(b, L)`` losses on the scorer's device (0 at invalid positions), *unchecked*: on a GPU the
+        work is only queued (no host synchronisation; ``tokens`` in pinned memory are copied asynchronously).
+        The caller checks them (:func:`check_finite_losses`, or a flag copied back with the results)."""
         out = []
         bs = self.config.batch_size
         # A sharded (FSDP) reference is trained again later (blade-nosync): the buffers its forward gathers the
@@ -103,11 +115,15 @@ class TokenLossScorer:
             for i in range(0, tokens.shape[0], bs):
                 chunk = tokens[i : i + bs].to(self.device, non_blocking=True)
                 vchunk = None if valid is None else valid[i : i + bs].to(self.device, non_blocking=True)
-                with autocast(self.config.precision, self.device):
-                    # From the final hidden states, chunk by chunk: no (b, L, V) logits (curation.core.losses).
-                    losses, _ = model_token_losses(self.model, chunk, vchunk)
-                out.append(losses)
-        losses = torch.cat(out) if out else torch.zeros(tokens.shape, dtype=torch.float32)
+                out.append(self.forward(chunk, vchunk))
+        if len(out) == 1:
+            return out[0]
+        return torch.cat(out) if out else torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+
+    def losses(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
+        """float32 ``(b, L)`` losses on the scorer's device (0 at invalid positions); raises ``ValueError`` naming
+        the first non-finite one (one host synchronisation)."""
+        losses = self.queue_losses(tokens, valid)
         check_finite_losses(losses, "reference")
         return losses
 

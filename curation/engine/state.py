@@ -168,6 +168,8 @@ class EngineState:
                  plan: TrainingPlan | None = None, refresh_mode: RefreshMode = RefreshMode.NONE,
                  load: Callable[[str], Any], launch: Callable[[RefreshTask], Any] | None = None) -> None:
         self.ledger = ledger
+        units = list(units)
+        ledger.keep_units({u.name for u in units})  # (an extended run: a part cut short by the old max_steps)
         self.core = Coordinator(units, done=set(ledger.done_units()), lookahead=lookahead)
         self.engine_dir = engine_dir
         os.makedirs(engine_dir, exist_ok=True)

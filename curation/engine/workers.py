@@ -31,7 +31,7 @@ from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
-from curation.engine.scorer import TokenLossScorer
+from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
 from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
@@ -150,7 +150,8 @@ class ScoringWorker:
             self.scorers[PROXY] = TokenLossScorer(scorer_cfg)
         self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
         self.versions: dict[str, int | None] = {k: None for k in self.scorers}
-        self.stats = {"units": 0, "tokens": 0, "seconds": 0.0, "weight_loads": 0}
+        self.cuda = self.scorers[REFERENCE].device.type == "cuda"
+        self.stats = {"units": 0, "tokens": 0, "seconds": 0.0, "weight_loads": 0, "host_waits": 0}
 
     # --- weights -----------------------------------------------------------------------------
     def set_weights(self, kind: str, version: int, weights: Weights) -> None:
@@ -183,13 +184,17 @@ class ScoringWorker:
                 raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
                                        f"({length},)")
             length = tokens.shape[0]
-            check_token_range(tokens, self.model_vocab, self.where(int(i), step), error=ScoringDataError)
             rows.append((tokens, str(row["source"])))
-        return np.stack([t for t, _ in rows]), [s for _, s in rows], ids
+        batch = np.stack([t for t, _ in rows])
+        if batch.size and int(batch.max()) >= self.model_vocab:  # one reduction per step; the bad row named
+            bad = int(np.argmax((batch >= self.model_vocab).any(axis=1)))
+            check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+        return batch, [s for _, s in rows], ids
 
-    def _losses(self, kind: str, tokens: Tensor, ids: np.ndarray, step: int) -> Tensor:
+    def _check(self, kind: str, losses: Tensor, ids: np.ndarray, step: int) -> None:
+        """Raise :class:`ScoringDataError` naming the record whose ``kind`` loss is not finite (a synchronisation)."""
         try:
-            return self.scorers[kind].losses(tokens)
+            check_finite_losses(losses, "reference")
         except ValueError as e:  # non-finite loss: name the record
             msg = str(e)
             row = None
@@ -206,7 +211,7 @@ class ScoringWorker:
         scorer's copy to the device is asynchronous)."""
         tokens_np, sources, ids = self.read_step(step)
         tokens = torch.from_numpy(tokens_np.astype(np.int64))
-        if self.scorers[REFERENCE].device.type == "cuda":
+        if self.cuda:
             tokens = tokens.pin_memory()
         return tokens_np, sources, ids, tokens
 
@@ -229,45 +234,101 @@ class ScoringWorker:
             step, pending = nxt, following
 
     # --- one unit ----------------------------------------------------------------------------
-    def rows(
-        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """The rows of a unit's part, step by step (counts per source are accumulated into ``counts``).
-
-        With ``pool``, the next step is read and decoded there while the current one is scored."""
-        dtype = self.candidates[0]["tokens"].dtype
-        loaded_steps = (self._prefetched(unit.steps, pool) if pool is not None
-                        else ((t, self._load_step(t)) for t in unit.steps))
-        for step, (tokens_np, sources, ids, tokens) in loaded_steps:
-            ref16 = None
-            if unit.ref_version >= 0:
-                ref16 = self._losses(REFERENCE, tokens, ids, step).to("cpu", torch.float16)
-            if unit.output == "scored":
-                assert ref16 is not None, "scored units always have a reference"
-                ref_np = ref16.numpy()
-                for i, src in enumerate(sources):
-                    c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
-                    c["sequences"] += 1
-                    c["tokens"] += tokens_np.shape[1]
-                    yield {"tokens": tokens_np[i].astype(dtype), "source": src, "ref_loss": ref_np[i],
-                           "episode": int(unit.ref_version)}
-                continue
+    # A step is *launched* (its device work queued, its results' copy to the host queued behind it) before the
+    # previous one is *finished* (the host waits for that step's results alone, checks them, makes its rows):
+    # on a GPU the forward of step t+1 runs while the host turns step t into rows, so neither waits for the
+    # other per step. On a CPU the same code runs synchronously (no pinned buffers, no events): the same values.
+    def _launch(self, unit: WorkUnit, step: int, loaded: tuple[np.ndarray, list[str], np.ndarray, Tensor]
+                ) -> _Launched:
+        tokens_np, sources, ids, tokens = loaded
+        device, out = {}, {}
+        if unit.ref_version >= 0:
+            device[REFERENCE] = self.scorers[REFERENCE].queue_losses(tokens)
+        if unit.output == "scored":
+            assert REFERENCE in device, "scored units always have a reference"
+            out["ref_loss"] = device[REFERENCE].to(torch.float16)
+            # The finite-loss check rides on the results' copy: a flag computed on the device, not a wait of its own.
+            # The sum is non-finite if any loss is (a cheaper reduction than isfinite().all(); a sum that overflows
+            # only sends the step to the exact check, which then passes).
+            out["finite"] = device[REFERENCE].sum().isfinite()
+        else:
             valid = target_valid(tokens)
-            selecting = ref16 is not None  # else warm-up: every valid token, no score
-            proxy = self._losses(PROXY, tokens, ids, step) if selecting else None
+            selecting = REFERENCE in device  # else warm-up: every valid token, no score
+            ref16, proxy = None, None
+            if selecting:  # a non-finite loss is named before the selection sees it (one wait per model)
+                self._check(REFERENCE, device[REFERENCE], ids, step)
+                ref16 = device[REFERENCE].to(torch.float16)  # as stored in a scored shard
+                proxy = self.scorers[PROXY].queue_losses(tokens)
+                self._check(PROXY, proxy, ids, step)
             # Exactly the trainer's exact-mode step: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
             sel = self.select(step, proxy, valid.to(proxy.device) if selecting else valid, ref16, selecting=selecting)
-            mask, scores = sel.mask, sel.scores
-            mask_np = mask.cpu().numpy().astype(np.uint8)
-            score_np = f16_scores(scores.float().cpu().numpy())
-            episode = self.schedule.episode(step) if self.schedule is not None else 0
+            out["loss_mask"] = sel.mask.to(torch.uint8)
+            out["score"] = sel.scores.float()
+        host, ready = out, None
+        if self.cuda:  # into pinned buffers, asynchronously; the event marks this step's results on the host
+            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                    for k, v in out.items()}
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launched(step, tokens_np, sources, ids, host, device, ready)
+
+    def _finish(self, unit: WorkUnit, launched: _Launched, counts: dict[str, dict[str, int]],
+                dtype: np.dtype) -> list[dict[str, Any]]:
+        if launched.ready is not None:
+            launched.ready.synchronize()  # this step's results alone; the next step's work stays queued
+            self.stats["host_waits"] += 1
+        host, step, sources, tokens_np = launched.host, launched.step, launched.sources, launched.tokens_np
+        if "finite" in host and not bool(host["finite"]):
+            self._check(REFERENCE, launched.device[REFERENCE], launched.ids, step)
+        rows = []
+        length = tokens_np.shape[1]
+        if unit.output == "scored":
+            ref_np = host["ref_loss"].numpy()
+            episode = int(unit.ref_version)
             for i, src in enumerate(sources):
                 c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
                 c["sequences"] += 1
-                c["tokens"] += tokens_np.shape[1]
-                c["kept_tokens"] += int(mask_np[i].sum())
-                yield {"tokens": tokens_np[i].astype(dtype), "loss_mask": mask_np[i], "score": score_np[i],
-                       "source": src, "step": int(step), "episode": int(episode)}
+                c["tokens"] += length
+                rows.append({"tokens": tokens_np[i].astype(dtype, copy=False), "source": src, "ref_loss": ref_np[i],
+                             "episode": episode})
+            return rows
+        mask_np = host["loss_mask"].numpy()
+        score_np = f16_scores(host["score"].numpy())
+        episode = self.schedule.episode(step) if self.schedule is not None else 0
+        for i, src in enumerate(sources):
+            c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
+            c["sequences"] += 1
+            c["tokens"] += length
+            c["kept_tokens"] += int(mask_np[i].sum())
+            rows.append({"tokens": tokens_np[i].astype(dtype, copy=False), "loss_mask": mask_np[i], "score": score_np[i],
+                         "source": src, "step": int(step), "episode": int(episode)})
+        return rows
+
+    def rows(
+        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The rows of a unit's part, one list per step (counts per source are accumulated into ``counts``).
+
+        With ``pool``, the next step is read and decoded there while the current one is scored. Step t+1 is
+        launched before step t is finished (see :meth:`_launch`); an error of step t (a non-finite loss) is
+        raised before one of step t+1 (a bad record), as in step order."""
+        dtype = self.candidates[0]["tokens"].dtype
+        loaded_steps = iter(self._prefetched(unit.steps, pool) if pool is not None
+                            else ((t, self._load_step(t)) for t in unit.steps))
+        pending: _Launched | None = None
+        while True:
+            try:
+                item = next(loaded_steps, None)
+                launched = self._launch(unit, *item) if item is not None else None
+            except BaseException:
+                if pending is not None:
+                    self._finish(unit, pending, counts, dtype)  # the earlier step's error first
+                raise
+            if pending is not None:
+                yield self._finish(unit, pending, counts, dtype)
+            if launched is None:
+                return
+            pending = launched
 
     def run(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> PartResult:
         """Score ``unit`` and write its part (replacing any leftover of an earlier attempt).
@@ -303,6 +364,19 @@ class ScoringWorker:
         )
 
 
+@dataclass
+class _Launched:
+    """One step whose device work is queued: what the host needs to finish it once its results are back."""
+
+    step: int
+    tokens_np: np.ndarray
+    sources: list[str]
+    ids: np.ndarray
+    host: dict[str, Tensor]  # results on the host (on a GPU: pinned buffers, filled once ``ready`` has passed)
+    device: dict[str, Tensor]  # the losses on the device, to name a non-finite one
+    ready: Any  # torch.cuda.Event on a GPU, else None
+
+
 _DONE = object()
 
 
@@ -311,14 +385,15 @@ class _Aborted(Exception):
 
 
 def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, Any]]], int],
-                  rows: Iterator[dict[str, Any]]) -> int:
-    """``write(rows)`` in a ``pool`` thread while this thread produces ``rows``; returns what ``write`` returns.
+                  steps: Iterator[list[dict[str, Any]]]) -> int:
+    """``write(rows)`` in a ``pool`` thread while this thread produces the rows, a list per step; returns what
+    ``write`` returns.
 
-    Rows go through a small queue (a few steps' worth), so the producer runs at most that far ahead. An
+    The steps' lists go through a small queue (a few steps), so the producer runs at most that far ahead. An
     error while producing is raised here after the writer has stopped *without* completing (its row
     iterator raises); an error while writing stops the producer and is raised here.
     """
-    q: queue.Queue[Any] = queue.Queue(maxsize=256)
+    q: queue.Queue[Any] = queue.Queue(maxsize=4)
 
     def consume() -> Iterator[dict[str, Any]]:
         while True:
@@ -327,7 +402,7 @@ def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, 
                 return
             if isinstance(item, _Aborted):
                 raise item
-            yield item
+            yield from item
 
     writer = pool.submit(write, consume())
 
@@ -342,8 +417,8 @@ def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, 
                     raise RuntimeError("the part writer stopped early") from None
 
     try:
-        for row in rows:
-            put(row)
+        for rows in steps:
+            put(rows)
     except BaseException:
         if not writer.done():
             try:

@@ -6,7 +6,9 @@ writes the same files as ``MDSWriter(out=..., columns=..., compression="zstd", h
 size_limit=...)`` for the column encodings our shard specs use (``schemas.shards``: ``ndarray:<dtype>``,
 ``str``, the integer scalars), byte for byte: the same sample encoding, shard cuts at the same size limit, the
 same zstd level (3, the ``zstd`` package streaming uses) and hashes, and the same ``index.json``
-(``tests/curation/io/test_mds.py`` compares every file with ``MDSWriter``'s). Reading stays with ``streaming``.
+(``tests/curation/io/test_mds.py`` compares every file with ``MDSWriter``'s). Reading stays with ``streaming``'s
+shard readers, except that :func:`sample_decoder` decodes a sample of these encodings (the same values as the
+reader's ``decode_sample``, without its per-column look-ups: a scoring worker decodes every sample it scores).
 
 A shard file is ``[samples: uint32][offsets: uint32 × (samples + 1)][config JSON][samples]``; a sample is
 ``[sizes of its variable-size columns: uint32 each][each column's bytes]``, columns in sorted name order.
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+import struct
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 import zstd
 
-__all__ = ["MDS_ENCODINGS", "SHARD_HASH", "write_mds"]
+__all__ = ["MDS_ENCODINGS", "SHARD_HASH", "sample_decoder", "write_mds"]
 
 #: Hash recorded for every shard file (MDS ``hashes``); fast enough to check on every load.
 SHARD_HASH = "xxh64"
@@ -35,6 +39,7 @@ _SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64
 #: ndarray value dtypes and their one-byte codes (streaming's ``NDArray._value_dtype2int``).
 _NDARRAY_DTYPES = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "float16": 18, "uint32": 32, "int32": 33,
                    "float32": 34, "uint64": 64, "int64": 65, "float64": 66}
+_NP_DTYPES = {d: np.dtype(d) for d in _NDARRAY_DTYPES}
 #: Every encoding this writer supports (``ndarray:<dtype>`` with a fixed dtype and a free shape).
 MDS_ENCODINGS = ("str", *_SCALARS, *(f"ndarray:{d}" for d in _NDARRAY_DTYPES))
 _ZSTD_LEVEL = 3  # streaming's "zstd" = Zstandard(level=3)
@@ -50,10 +55,14 @@ def _check_encodings(columns: dict[str, str]) -> None:
 def _encode_ndarray(dtype: str, value: Any) -> bytes:
     """``ndarray:<dtype>``: ``[ndim << 2 | shape dtype code][shape][values]`` (dtype fixed by the column)."""
     arr = np.asarray(value)
-    if arr.dtype.name != dtype:
+    if arr.dtype != _NP_DTYPES[dtype]:  # (a dtype comparison: `.name` costs more than the rest of a row's encoding)
         raise ValueError(f"wrong dtype: expected {dtype}, got {arr.dtype.name}")
     if arr.size == 0 or arr.ndim == 0 or arr.ndim >= 64:
         raise ValueError(f"an ndarray column needs 1 to 63 axes and at least one element, got shape {arr.shape}")
+    if arr.ndim == 1 and arr.shape[0] < 1 << 16:  # a sequence: the same bytes as below, built directly
+        n = arr.shape[0]
+        head = bytes((4, n)) if n < 1 << 8 else b"\x05" + n.to_bytes(2, sys.byteorder)
+        return head + arr.tobytes()
     largest = max(arr.shape)
     shape_dtype, code = next(((t, c) for bound, t, c in _SHAPE_DTYPES if largest < bound), (np.uint64, 3))
     return bytes([(arr.ndim << 2) | code]) + np.asarray(arr.shape, shape_dtype).tobytes() + arr.tobytes()
@@ -75,7 +84,48 @@ def _encode_sample(columns: list[tuple[str, str]], sample: dict[str, Any]) -> by
         else:
             datum = _SCALARS[encoding](value).tobytes()
         data.append(datum)
-    return np.asarray(sizes, np.uint32).tobytes() + b"".join(data)
+    return struct.pack(f"={len(sizes)}I", *sizes) + b"".join(data)
+
+
+_SHAPE_CODES = {c: t for _, t, c in _SHAPE_DTYPES} | {3: np.uint64}
+
+
+def sample_decoder(names: Sequence[str], encodings: Sequence[str], sizes: Sequence[int | None]
+                   ) -> Callable[[bytes], dict[str, Any]] | None:
+    """A decoder of one sample's bytes for a shard with these columns (an MDS reader's ``column_names``,
+    ``column_encodings``, ``column_sizes``), or ``None`` when a column has an encoding this module does not
+    write (read those with ``streaming``'s reader).
+
+    It gives what ``streaming``'s ``MDSReader.decode_sample`` gives: ``str`` as ``str``, scalars as numpy scalars,
+    ``ndarray:<dtype>`` as read-only arrays over the sample's bytes. Bytes that do not decode raise (``ValueError``,
+    ``struct.error``, ``UnicodeDecodeError``), as they do there.
+    """
+    if any(e not in MDS_ENCODINGS for e in encodings):
+        return None
+    columns = [(name, e, np.dtype(e.split(":", 1)[1]) if e.startswith("ndarray:") else _SCALARS.get(e), size)
+               for name, e, size in zip(names, encodings, sizes, strict=True)]
+    head = struct.Struct(f"={sum(1 for *_, size in columns if not size)}I")
+
+    def decode(data: bytes) -> dict[str, Any]:
+        var = iter(head.unpack_from(data, 0))
+        idx = head.size
+        sample: dict[str, Any] = {}
+        for name, encoding, dtype, fixed in columns:
+            size = fixed or next(var)
+            value = data[idx : idx + size]
+            idx += size
+            if encoding == "str":
+                sample[name] = value.decode("utf-8")
+            elif fixed:
+                sample[name] = np.frombuffer(value, dtype)[0]
+            else:
+                byte = value[0]
+                ndim, width = byte >> 2, 1 << (byte & 3)
+                shape = np.frombuffer(value[1 : 1 + ndim * width], _SHAPE_CODES[byte & 3])
+                sample[name] = np.frombuffer(value[1 + ndim * width :], dtype).reshape(shape)
+        return sample
+
+    return decode
 
 
 def _file_info(data: bytes, basename: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import bisect
 import json
 import os
 import shutil
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from curation.io import storage
-from curation.io.mds import SHARD_HASH, write_mds
+from curation.io.mds import SHARD_HASH, sample_decoder, write_mds
 from schemas.manifest import Manifest, atomic_write_text, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
@@ -123,11 +124,16 @@ def _read_shard(directory: str, shard: Any) -> bytes:
     return data
 
 
-def decode_sample(shard: Any, data: bytes, local: int) -> dict[str, Any]:
-    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by the
-    shard's reader. Garbage bytes raise numpy, struct or unicode errors (callers name the shard)."""
-    begin, end = np.frombuffer(data, np.uint32, count=2, offset=(1 + local) * 4)
-    return shard.decode_sample(data[begin:end])
+def decode_sample(shard: Any, data: bytes, local: int,
+                  decode: Callable[[bytes], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by
+    ``decode`` (:func:`curation.io.mds.sample_decoder`) or the shard's reader. Garbage bytes raise numpy, struct or
+    unicode errors (callers name the shard)."""
+    begin, end = _OFFSETS.unpack_from(data, (1 + local) * 4)
+    return (decode or shard.decode_sample)(data[begin:end])
+
+
+_OFFSETS = struct.Struct("=2I")
 
 
 def recovery_hint(directory: str, shard_file: str) -> str:
@@ -270,6 +276,8 @@ class ShardReader:
         self.path = path
         self._hint = hint or (lambda name: recovery_hint(path, name))
         self.shards = [reader_from_json(path, None, s) for s in index["shards"]]
+        self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
+                          if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cache_shards = cache_shards
@@ -312,7 +320,7 @@ class ShardReader:
         local = idx - (self._ends[i - 1] if i else 0)
         data = self._shard_bytes(i)
         try:  # a shard without recorded hashes (older directories) may still be damaged
-            return decode_sample(self.shards[i], data, local)
+            return decode_sample(self.shards[i], data, local, self._decoders[i])
         except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
             name = storage.display(os.path.join(self.path, self._name(i)))
             raise ShardIntegrityError(

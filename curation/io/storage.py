@@ -41,7 +41,7 @@ from curation.io.objects import (
 
 __all__ = [
     "cache_root", "local_path", "url_of", "canonical", "display", "fetch", "refresh", "publish", "unpublish",
-    "remove", "pull", "push", "SYMLINKS", "tokenizer_json_path",
+    "remove", "pull", "push", "push_all", "SYMLINKS", "tokenizer_json_path",
 ]
 
 #: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
@@ -218,6 +218,20 @@ def pull(root: str) -> list[str]:
             os.makedirs(os.path.dirname(link), exist_ok=True)
             os.symlink(target, link)
     return got
+
+
+def push_all(root: str) -> str | None:
+    """:func:`push` a finished output directory and say so: ``uploaded N files to s3://…; it holds M objects (X MiB)``
+    read back from the bucket (``None``, and nothing done, for a local directory). Jobs print it, so an object-store
+    run ends with its URL and the bucket's own count, not a cache path."""
+    url = url_of(root)
+    if url is None:
+        return None
+    pushed = push(root)
+    held = {k: o for k, o in list_objects(url).items() if k not in _LOCAL_ONLY}  # (the run's lock object: not an output)
+    size = sum(o.size for o in held.values())
+    return (f"uploaded {len(pushed)} file{'s' if len(pushed) != 1 else ''} to {url}; it holds {len(held)} objects "
+            f"({size / 2**20:.1f} MiB)")
 
 
 def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:

@@ -186,6 +186,23 @@ def test_a_damaged_scored_part_is_redone_by_the_rerun(exact_run, tmp_path, tiny_
     assert Manifest.load(scored).complete and len(_rows(scored)) == len(_rows(os.path.join(exact_run["out"], "scored")))
 
 
+def test_a_finished_run_extended_equals_the_longer_run(exact_run, tmp_path, tiny_train):
+    """Issue 34: the main job run to 9 steps, then rerun with train.max_steps 14, ends as the 14-step run: the
+    scored part [8, 9) cut short by the old end is redone as [8, 10), the trainer continues from its checkpoint."""
+    out = str(tmp_path / "extended")
+    _run(_config(tmp_path / "short.yaml", tiny_train(out, max_steps=9)))
+
+    def parts(run: str) -> list[str]:
+        return sorted(os.path.basename(r.name) for r in Manifest.load(os.path.join(run, "scored")).shards)
+
+    assert parts(out)[-1] == "steps-000000008-000000009"
+    longer = _run(_config(tmp_path / "long.yaml", tiny_train(out)))
+    assert "extending the run: train.max_steps 9 → 14 (continuing from its checkpoint)" in longer.stdout
+    assert "resuming from" in longer.stdout
+    assert_same_run(exact_run["out"], out)
+    assert parts(out) == parts(exact_run["out"]) and Manifest.load(os.path.join(out, "scored")).complete
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

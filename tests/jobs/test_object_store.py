@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,13 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     out = _finish(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3))
     assert "took over the lock" in out and "resumed from" in out, out[-3000:]
     assert ".lock" not in objects.list_objects(s3.url("run"))
+    # issue 34: the run's outputs named by their URLs, never by cache paths, and the upload confirmed by the bucket
+    assert f"final weights: {s3.url('run/final/model.safetensors')}" in out and s3.cache not in out, out[-3000:]
+    assert f"selected-token shards: {s3.url('run/selected')}" in out
+    uploaded = re.search(r"^uploaded (\d+) files? to (\S+); it holds (\d+) objects \(", out, re.MULTILINE)
+    stored = objects.list_objects(s3.url("run"))
+    assert uploaded and uploaded.group(2) == s3.url("run") and int(uploaded.group(3)) == len(stored)
+    assert 0 < int(uploaded.group(1)) and "final/model.safetensors" in stored and "summary.json" in stored
 
     # bit for bit the run of the same config on the local copy of the data, uninterrupted
     shutil.rmtree(s3.cache)

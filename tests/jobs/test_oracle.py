@@ -83,8 +83,8 @@ def test_the_single_process_trainer_equals_the_loop(tiny_train, tmp_path, policy
 
 
 def _curate_and_train(tmp_path: Path, train: dict, **engine) -> None:
-    config = {"train": train, "workers": {"count": 1, "range_steps": 4},
-              "engine": {"lookahead": 4, **engine}, "ray": {"address": "local", "num_cpus": 3}}
+    config = {"train": train, "workers": {"count": 1, "range_steps": 4, "device": "cpu"},  # the loop's device
+              "engine": {"lookahead": 4, "refresh_device": "cpu", **engine}, "ray": {"address": "local", "num_cpus": 3}}
     path = tmp_path / "curate_and_train.yaml"
     path.write_text(yaml.safe_dump(config))
     assert load_job("curate_and_train", "_oracle").main(["--config", str(path)]) == 0

@@ -1,5 +1,6 @@
 """Every job: locked output directories, config records (refusal naming the differing keys, records never
-rewritten), clear OS errors; and the job scripts themselves (checkout-first imports, --help, README)."""
+rewritten), clear OS errors; and the job scripts themselves (checkout-first imports, --help; README's
+commands: tests/jobs/test_readme.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import errno
 import json
 import os
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -22,9 +22,7 @@ from schemas.outdir import (
     ConfigMismatch,
     OutputDirBusy,
     OutputDirLock,
-    config_diff,
     open_output_dir,
-    operational_keys,
 )
 from schemas.train_config import TrainConfig
 from tests.conftest import load_job
@@ -143,7 +141,6 @@ def test_prepare_job_on_a_full_disk_names_the_file_and_a_rerun_completes(tmp_pat
 
 
 def test_train_into_a_read_only_directory_names_it(tmp_path, monkeypatch):
-    from schemas.train_config import TrainConfig
     from training.runs.single import train
 
     out = tmp_path / "ro"
@@ -192,52 +189,6 @@ def test_each_jobs_help_shows_an_example_of_its_own_config(name, capsys):
     node = resolved
     for part in key.split("."):  # the example's key exists in this job's config
         node = node[int(part)] if isinstance(node, list) else node[part]
-
-
-def _readme_runs() -> list[tuple[str, list[str]]]:
-    """(job, argv) of every README command that runs a config job (no --print-config, no user files)."""
-    text = (REPO / "README.md").read_text()
-    runs = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():  # continuation lines joined
-            line = line.split("  #", 1)[0].strip()
-            for cmd in line.split("&&"):
-                words = shlex.split(cmd)
-                if len(words) < 2 or words[0] != "python" or not words[1].startswith("jobs/"):
-                    continue
-                name = Path(words[1]).stem
-                if name in CONFIG_JOBS and "--print-config" not in words and "my.yaml" not in words:
-                    runs.append((name, words[2:]))
-    return runs
-
-
-def test_readme_examples_run_in_order_each_in_its_own_directory(capsys):
-    runs = _readme_runs()
-    assert {name for name, _ in runs} == set(CONFIG_JOBS)
-    resolved: dict[str, list[tuple[list[str], dict]]] = {}
-    for name, argv in runs:
-        job = load_job(name, "_outdirs")
-        with pytest.raises(SystemExit) as done:
-            job.main([*argv, "--print-config"])
-        assert done.value.code == 0, (name, argv, capsys.readouterr().err)
-        resolved.setdefault(name, []).append((argv, yaml.safe_load(capsys.readouterr().out)))
-    models = {"prepare": PrepareConfig, "curate_and_train": CurateAndTrainConfig, "train": TrainConfig}
-    for name, items in resolved.items():
-        for i, (argv_a, a) in enumerate(items):
-            for argv_b, b in items[i + 1:]:
-                out_a = a["train"]["output_dir"] if name == "curate_and_train" else a["output_dir"]
-                out_b = b["train"]["output_dir"] if name == "curate_and_train" else b["output_dir"]
-                ignore = operational_keys(models[name]) if name in models else set()
-                if config_diff(a, b, ignore):  # another config must not reuse a directory (it would be refused)
-                    assert out_a != out_b, f"{name} {argv_a} and {argv_b} both write {out_a}"
-
-
-def test_readme_links_point_into_the_project():
-    text = (REPO / "README.md").read_text()
-    assert "issue notes" not in text
-    for target in re.findall(r"\]\(([^)#]+)\)", text):
-        if not target.startswith(("http", "../")):
-            assert (REPO / target).exists(), target
 
 
 def test_demo_files_are_the_ones_the_demo_default_reads():

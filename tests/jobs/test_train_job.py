@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,26 @@ def test_train_job_runs_as_a_script(small_demo, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "random: 3 steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_output_to_a_pipe_gets_progress_lines_with_every_field(small_demo, tmp_path):
+    """Issue 34: with stdout and stderr not terminals (a pipe, `> log`, ray job submit) the progress bar, cut at 120
+    columns there (`… kept/s=5.5k, e`), gives way to a line every throughput.log_interval steps with every field."""
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml", max_steps=7, progress_bar=True,
+                          throughput={"window": 2, "log_interval": 3, "peak_flops": 1e12})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(JOBS / "train.py"), "--config", config], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pattern = re.compile(r"^step (\d+)/7 \| loss \d+\.\d{4} \| tok/s (\S+) \| kept/s (\S+) \| mfu (\S+) \| eta (\S+)$")
+    lines = [m for line in proc.stdout.splitlines() if (m := pattern.match(line))]
+    assert [int(m.group(1)) for m in lines] == [3, 6, 7]  # every 3 steps and the last one
+    for m in lines:  # measured rates in SI form, MFU from the given peak, the time left (0s at the end)
+        assert all(re.fullmatch(r"\d+(\.\d)?[kMG]?", m.group(i)) for i in (2, 3)), m.group(0)
+        assert re.fullmatch(r"\d+\.\d%", m.group(4)) and re.fullmatch(r"(\d+h)?(\d+m)?\d+s|\d+h\d+m", m.group(5))
+    assert lines[-1].group(5) == "0s"
+    assert "\r" not in proc.stdout + proc.stderr and "it/s" not in proc.stderr  # no tqdm bar
 
 
 def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_path, capsys, flip_bit):

@@ -139,7 +139,7 @@ NEW_KEYS = ("loggers", "throughput", "model.activation_checkpointing", "model.co
 def test_field_defaults_through_nested_sections():
     assert field_default(TrainConfig, "model.compile") is False
     assert field_default(TrainConfig, "loggers.tensorboard") is None
-    assert field_default(TrainConfig, "throughput") == {"peak_flops": None, "window": 20}
+    assert field_default(TrainConfig, "throughput") == {"peak_flops": None, "window": 20, "log_interval": 10}
     assert field_default(TrainConfig, "selection.gamma") == 0.6
     assert field_default(CurateAndTrainConfig, "train.model.activation_checkpointing") is False
     # a required key, a dict item or an unknown key has no default: absent from a record, it differs

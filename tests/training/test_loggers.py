@@ -14,6 +14,7 @@ import pytest
 from schemas.config import ConfigError, load_config
 from schemas.train_config import TrainConfig
 from training.blocks.loggers import OUTPUT_DIR_TAG, check_installed
+from training.blocks.throughput import host_peak_rss
 from training.runs.single import train
 
 from .conftest import tiny_config
@@ -27,7 +28,7 @@ SOURCES = ("general", "noise", "target")
 #: the metrics every logger must hold, as the trainer names them
 KEYS = ["loss/train/total", "metrics/eval/TokenLoss", *(f"blade/kept_fraction/{s}" for s in SOURCES),
         "blade/param_distance", "blade/refresh_seconds", "time/refresh_seconds", "time/score_seconds",
-        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds"]
+        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds", "memory/host_peak_rss_gib"]
 
 
 def series(rows: list[tuple[int, str, float]]) -> dict[str, dict[int, float]]:
@@ -115,6 +116,23 @@ def test_every_logger_holds_the_series_of_the_json_log(logged_run):
     assert run.data.tags[OUTPUT_DIR_TAG] == os.path.abspath(cfg.output_dir)
 
 
+def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):
+    """Issue 34: the trainer's peak host memory every step (a running maximum) in TensorBoard's event file, and in
+    summary.json in bytes; on this CPU run no device allocator peak."""
+    cfg, out = logged_run
+    tb = tensorboard_series(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"))["memory/host_peak_rss_gib"]
+    assert sorted(tb) == list(range(1, STEPS + 1))
+    peaks = [tb[s] for s in sorted(tb)]
+    assert peaks == sorted(peaks)  # a peak never falls
+    with open(out["summary"]) as f:
+        memory = json.load(f)["memory"]
+    assert memory["device"] == "cpu" and memory["device_peak_allocated_bytes"] is None
+    rss = memory["host_peak_rss_bytes"]
+    # this process ran the training: its own peak bounds the run's; torch alone holds more than 100 MiB
+    assert 100 * 2**20 < rss <= host_peak_rss()
+    assert 0 < peaks[0] and peaks[-1] <= rss / 2**30 * (1 + 1e-6)  # (the summary is taken last; float32 in TB)
+
+
 def test_a_rerun_continues_the_mlflow_run_of_its_output_directory(logged_run):
     """Resuming (here: a rerun of the finished run, which only reports) logs into the same MLflow run."""
     cfg, _ = logged_run
@@ -134,8 +152,9 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch, make_config
     cfg = load_config(TrainConfig, default=lambda: make_config("blade"), overrides=["loggers.wandb={}"])
     with pytest.raises(ValueError) as e:
         check_installed(cfg.loggers)
-    assert str(e.value) == ("loggers.wandb needs the wandb package: pip install 'blade-curation[wandb]' "
-                            "(or remove loggers.wandb)")
+    # README's form of an extra: the project is installed from its checkout, blade-curation is on no index
+    assert str(e.value) == ('loggers.wandb needs the wandb package: pip install -e ".[wandb]" in the project\'s '
+                            "checkout (or remove loggers.wandb)")
     with pytest.raises(ValueError, match=r"^loggers.wandb needs the wandb package"):
         train(cfg)  # before anything is written
     assert not os.path.exists(os.path.join(cfg.output_dir, "config.yaml"))

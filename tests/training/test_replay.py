@@ -95,13 +95,13 @@ def test_a_reader_that_only_knows_tokens_reads_selected_shards(selected, tmp_pat
 
 
 def test_plain_pytorch_and_hf_labels_reproduce_the_masked_loss(selected, tmp_path):
-    """README's trainer-independent example: labels = tokens where loss_mask else -100; HF's own loss
-    (it shifts labels internally) is then exactly our masked mean."""
+    """A hand-written collate (what curation.io.selected_dataset does): labels = tokens where loss_mask else -100;
+    HF's own loss (it shifts labels internally) is then exactly our masked mean."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     local = str(tmp_path / "copy")
     shutil.copytree(selected, local)
-    ds = StreamingDataset(local=local, shuffle=False, batch_size=8, validate_hash="xxh64")  # as README
+    ds = StreamingDataset(local=local, shuffle=False, batch_size=8, validate_hash="xxh64")
 
     def collate(rows):
         tokens = torch.from_numpy(np.stack([r["tokens"] for r in rows]).astype(np.int64))

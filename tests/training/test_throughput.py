@@ -12,6 +12,7 @@ from composer.loggers import ProgressBarLogger
 
 from curation.core.schedule import Schedule
 from curation.evaluation.flops import ModelShape
+from training.blocks import throughput
 from training.blocks.throughput import (
     ReferenceWork,
     Remaining,
@@ -77,8 +78,9 @@ def _log(out: str) -> list[dict]:
         return [json.loads(line) for line in f if '"hyperparameters"' not in line]
 
 
-def test_blade_run_throughput_in_log_bar_and_summary(make_config):
+def test_blade_run_throughput_in_log_bar_and_summary(make_config, monkeypatch):
     """The reference's work (9 scored steps, 3 refreshes of K = 2 steps) counted apart; MFU against a given peak."""
+    monkeypatch.setattr(throughput, "interactive", lambda: True)  # (a terminal: the bar, not progress lines)
     cfg = make_config("blade", progress_bar=True, throughput={"peak_flops": PEAK, "window": 3})
     bar = _Bar()
     out = train(cfg, callbacks=[bar])
@@ -121,6 +123,21 @@ def test_blade_run_throughput_in_log_bar_and_summary(make_config):
     assert len(bar.shown) == STEPS
     assert {"tok/s", "kept/s", "mfu", "eta"} <= set(bar.shown[-1]) and bar.shown[-1]["eta"] == "0s"
     assert list(bar.shown[-1])[:4] == ["tok/s", "kept/s", "mfu", "eta"]  # first: a narrow console shows them
+    assert out["run"].throughput.lines_every is None  # no progress lines beside the bar
+
+
+def test_a_cpu_run_on_a_gpu_machine_has_no_peak_but_a_configured_one_is_kept(make_config, monkeypatch):
+    """Composer's table looks a peak up for any visible GPU (as on a GPU machine, simulated here): a run on its CPU
+    has none (no MFU against the GPU's peak); ``throughput.peak_flops`` is kept on any device."""
+    import composer.callbacks.speed_monitor as speed_monitor
+
+    monkeypatch.setattr(speed_monitor, "get_gpu_flops_available", lambda state: 989e12)  # an H100's bf16 peak
+    out = train(make_config("full", "cpu-on-gpu-machine", max_steps=3, throughput={"window": 2}))
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    assert tp["peak_flops_per_device"] is None and tp["mfu"] is None
+    out = train(make_config("full", "given-peak", max_steps=3, throughput={"window": 2, "peak_flops": 1e12}))
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    assert tp["peak_flops_per_device"] == 1e12 and tp["mfu"] > 0
 
 
 def test_plain_run_and_replay_without_a_known_peak(make_config, tmp_path):

@@ -4,7 +4,9 @@
   ``loss_mask``, ``score`` = Δ as float16, ``source``, ``step``, ``episode``) as selected-token
   shards, one part per ``flush_every`` steps, with a manifest (per-source counts incl. kept tokens,
   completion records). Its state (finished parts + rows not yet flushed) is in the checkpoint; on
-  resume, parts written after that checkpoint are removed first, so no step is written twice.
+  resume, parts written after that checkpoint are removed first, so no step is written twice. A run
+  extended past the ``max_steps`` it finished with reopens the short part flushed there, so its parts are
+  those of a run that had the larger ``max_steps`` from the start.
 * :class:`SelectionStats` logs kept fraction per source, Δ quantiles, ‖u − w‖ and the validation
   loss, and accumulates what the run summary needs (also checkpointed).
 * :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
@@ -33,7 +35,7 @@ from curation.core.policies import ScoreKind, SelectionPolicy
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.core.stats import SourceCounts as BatchCounts
 from curation.io import storage
-from curation.io.shards import PART_PREFIX, part_name, publish_parts, verify_part, write_part
+from curation.io.shards import PART_PREFIX, ShardReader, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts, atomic_write_text
 from schemas.shards import SELECTED, token_dtype
 
@@ -87,8 +89,9 @@ class SelectedShardWriter(Callback):
         self.max_steps = max_steps
         self.flush_every = flush_every
         self.dtype = np.dtype(token_dtype(vocab_size))
-        fields = manifest_fields or {}
-        self.manifest = Manifest(kind=SELECTED.name, job="train", vocab_size=vocab_size, seq_len=seq_len, **fields)
+        self.fields = dict(manifest_fields or {})
+        self.manifest = Manifest(kind=SELECTED.name, job="train", vocab_size=vocab_size, seq_len=seq_len,
+                                 **self.fields)
         self.pending: list[dict[str, Any]] = []
         self.pending_counts: dict[str, SourceCounts] = {}
         self.resumed = False
@@ -112,6 +115,7 @@ class SelectedShardWriter(Callback):
                 f"({'; '.join(damaged[:3])}); they hold masks of steps already trained and cannot be rewritten "
                 "without retraining: restore them from a copy, or train into a new output_dir"
             )
+        self._reopen_short_part()
         keep = {r.name for r in self.manifest.shards}
         for entry in sorted(os.listdir(self.out_dir)):
             # Parts written after the checkpoint this run resumes from (or half-written ones) go first.
@@ -135,24 +139,43 @@ class SelectedShardWriter(Callback):
         self.manifest.complete = int(state.timestamp.batch) >= self.max_steps
         self._publish()
 
+    def _reopen_short_part(self) -> None:
+        """An extended run (``max_steps`` raised past the step its checkpoint's last part stops at, flushed short
+        there by the shorter run): that part's rows become pending again and its record goes, so the part is
+        written whole, as by a run that had this ``max_steps`` from the start (the part itself is removed with
+        the parts the checkpoint does not record)."""
+        if self.pending or not self.manifest.shards:
+            return
+        last = self.manifest.shards[-1]
+        stop = int(last.state["stop_step"])
+        if stop % self.flush_every == 0 or stop >= self.max_steps:
+            return
+        reader = ShardReader(os.path.join(self.out_dir, last.name))
+        for i in range(len(reader)):
+            row = reader[i]
+            self._append(row["tokens"].astype(self.dtype), row["loss_mask"].astype(np.uint8),
+                         row["score"].astype(np.float16), str(row["source"]), int(row["step"]), int(row["episode"]))
+        self.manifest.shards.pop()
+        for src, c in self.pending_counts.items():
+            left = self.manifest.counts(src).model_dump()
+            self.manifest.sources[src] = SourceCounts(**{k: v - getattr(c, k) for k, v in left.items()})
+        self.manifest.complete = False
+
     # --- rows --------------------------------------------------------------------------------
+    def _append(self, tokens: np.ndarray, mask: np.ndarray, score: np.ndarray, source: str, step: int,
+                episode: int) -> None:
+        self.pending.append({"tokens": tokens, "loss_mask": mask, "score": score, "source": source, "step": step,
+                             "episode": episode})
+        c = self.pending_counts.setdefault(source, SourceCounts())
+        c.sequences += 1
+        c.tokens += int(tokens.shape[0])
+        c.kept_tokens += int(mask.sum())
+
     def _add(self, rec: SelectionRecord) -> None:
-        kept_rows = rec.mask.sum(axis=1)
         scores = _f16(rec.scores)
         for i in range(rec.tokens.shape[0]):
-            src = rec.sources[i]
-            self.pending.append({
-                "tokens": rec.tokens[i].astype(self.dtype),
-                "loss_mask": rec.mask[i].astype(np.uint8),
-                "score": scores[i],
-                "source": src,
-                "step": int(rec.step),
-                "episode": int(rec.episode),
-            })
-            c = self.pending_counts.setdefault(src, SourceCounts())
-            c.sequences += 1
-            c.tokens += int(rec.tokens.shape[1])
-            c.kept_tokens += int(kept_rows[i])
+            self._append(rec.tokens[i].astype(self.dtype), rec.mask[i].astype(np.uint8), scores[i], rec.sources[i],
+                         int(rec.step), int(rec.episode))
 
     def flush(self) -> None:
         """Write the pending rows as one part and record it (no-op when nothing is pending)."""
@@ -191,7 +214,8 @@ class SelectedShardWriter(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.manifest = Manifest.model_validate(state["manifest"])
+        # (the run's own config, fingerprints and schedule: an extended run's max_steps is the raised one)
+        self.manifest = Manifest.model_validate({**state["manifest"], **self.fields})
         self.pending_counts = {k: SourceCounts(**v) for k, v in state["pending_counts"].items()}
         self.pending = []
         p = state.get("pending")

@@ -34,12 +34,13 @@ OUTPUT_DIR_TAG = "blade.output_dir"
 
 
 def check_installed(cfg: LoggersConfig) -> None:
-    """Raise ``ValueError`` naming the extra to install for the first logger whose package is missing."""
+    """Raise ``ValueError`` naming the extra to install for the first logger whose package is missing, in README's
+    form (the project is installed from its checkout, not from a package index)."""
     for name in cfg.enabled:
         package = LOGGER_PACKAGES[name]
         if importlib.util.find_spec(package) is None:
-            raise ValueError(f"loggers.{name} needs the {package} package: pip install 'blade-curation[{name}]' "
-                             f"(or remove loggers.{name})")
+            raise ValueError(f'loggers.{name} needs the {package} package: pip install -e ".[{name}]" in the '
+                             f"project's checkout (or remove loggers.{name})")
 
 
 def experiment_loggers(cfg: LoggersConfig, output_dir: str, *, rank: int, flush_interval: int) -> list[Any]:

@@ -16,8 +16,14 @@ Every trainer gets :func:`throughput_callbacks` (``throughput:`` of its config):
   step); and ``time/eta_seconds``: the steps left at the window's proxy-only seconds per step, plus the
   refreshes, scored steps and evaluations left at their measured mean durations (:func:`eta_seconds`; before the
   first refresh its cost is estimated from its tokens). The progress bar shows tokens/s, kept tokens/s, MFU and
-  the time left; :meth:`Throughput.summary` is the run's ``throughput`` in ``summary.json`` (the whole run: its
+  the time left (when stdout and stderr are terminals; else, e.g. under ``> log`` or ``ray job submit``, a line every
+  ``throughput.log_interval`` steps with step, loss, tokens/s, kept/s, MFU and ETA: :func:`interactive`);
+  :meth:`Throughput.summary` is the run's ``throughput`` in ``summary.json`` (the whole run: its
   counters are checkpointed).
+* Memory, logged every step beside them: ``memory/host_peak_rss_gib``, the trainer process's peak resident set
+  (``getrusage``), and on a GPU ``memory/device_peak_allocated_gib``, the allocator's peak
+  (``torch.cuda.max_memory_allocated``); the summary's ``memory`` holds both in bytes (the maximum over every
+  process of a resumed run: checkpointed).
 
 Under data-parallel training every rank runs both callbacks (``SpeedMonitor`` sums the ranks' FLOPs with one
 ``all_reduce`` per step); rank 0's loggers write. The engine's scoring workers and refresh actor are other processes:
@@ -26,10 +32,13 @@ their work is in the engine's part of the summary, not here.
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from composer.callbacks import SpeedMonitor
 from composer.core import Callback, State
 from composer.loggers import Logger, ProgressBarLogger
@@ -41,7 +50,28 @@ from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
 
 __all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
-           "throughput_callbacks", "format_seconds"]
+           "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
+
+_GIB = float(1 << 30)
+
+
+def interactive() -> bool:
+    """Whether stdout and stderr are both terminals: the progress bar is shown (else progress lines are printed)."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
+def host_peak_rss() -> int:
+    """This process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def device_peak_allocated(device: torch.device) -> int | None:
+    """The CUDA allocator's peak on ``device`` in bytes (``torch.cuda.max_memory_allocated``); None off a GPU."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 class ProxyFlops:
@@ -162,12 +192,17 @@ class Throughput(Callback):
         reference: the in-process reference's work (None: there is none, or the engine does it).
         schedule: the run's schedule (the refreshes and scored steps left).
         eval_interval: steps between evaluations (None: no validation).
+        lines_every: print a progress line every this many steps (and at the last one) on stdout; None: none.
+        peak_given: the monitor's peak was configured (``throughput.peak_flops``): kept on any device.
     """
 
     def __init__(self, speed: SpeedMonitor, *, window: int, total_steps: int, proxy: ProxyFlops,
                  selections: StepSelections | None = None, reference: ReferenceWork | None = None,
-                 schedule: Schedule | None = None, eval_interval: int | None = None) -> None:
+                 schedule: Schedule | None = None, eval_interval: int | None = None,
+                 lines_every: int | None = None, peak_given: bool = False) -> None:
         self.speed = speed
+        self.lines_every = lines_every
+        self.peak_given = peak_given
         self.total_steps = total_steps
         self.proxy = proxy
         self.selections = selections
@@ -182,6 +217,9 @@ class Throughput(Callback):
         self.seq_len: int | None = None
         self.rank_step_tokens: int | None = None
         self._refresh_mark = (0, 0.0)  # refreshes and refresh seconds at the last step end
+        self.device = torch.device("cpu")
+        self.host_peak = 0  # bytes, the maximum over the processes of the run (checkpointed)
+        self.device_peak: int | None = None
 
     # --- what the selection tells ------------------------------------------------------------------
     def _timers(self) -> dict[str, float]:
@@ -217,7 +255,27 @@ class Throughput(Callback):
         return (train_flops(shape, tokens) / dist.get_world_size() + reference_flops) / seconds / peak
 
     # --- events ------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, Any]:
+        """Peak host and device memory so far (bytes): the summary's ``memory``."""
+        self.host_peak = max(self.host_peak, host_peak_rss())
+        device = device_peak_allocated(self.device)
+        if device is not None:
+            self.device_peak = max(self.device_peak or 0, device)
+        return {"host_peak_rss_bytes": self.host_peak, "device_peak_allocated_bytes": self.device_peak,
+                "device": str(self.device)}
+
+    def _memory_metrics(self) -> dict[str, float]:
+        m = self.memory()
+        out = {"memory/host_peak_rss_gib": m["host_peak_rss_bytes"] / _GIB}
+        if m["device_peak_allocated_bytes"] is not None:
+            out["memory/device_peak_allocated_gib"] = m["device_peak_allocated_bytes"] / _GIB
+        return out
+
     def fit_start(self, state: State, logger: Logger) -> None:
+        self.device = next(state.model.parameters()).device
+        if not self.peak_given and state.device.name != "gpu":
+            # Composer's table looks the peak up for any visible GPU: a run on the CPU of a GPU machine has none.
+            self.speed.gpu_flops_available = None
         self.history.clear()
         self._refresh_mark = (self._counts().get("refreshes", 0), float(self._timers().get("refresh", 0.0)))
 
@@ -233,12 +291,16 @@ class Throughput(Callback):
         self.history.append(_Point(state.timestamp.total_wct.total_seconds(), int(state.timestamp.batch),
                                    float(state.timestamp.token.value), self.kept_tokens, self.reference_flops(),
                                    self.reference_seconds()))
-        metrics = {**self.rates(), **self._reference_times()}
+        metrics = {**self.rates(), **self._reference_times(), **self._memory_metrics()}
         eta = self.eta()
         if eta is not None:
             metrics["time/eta_seconds"] = eta
         logger.log_metrics(metrics)
         self._show(logger, metrics)
+        step = int(state.timestamp.batch)
+        if self.lines_every is not None and (step % self.lines_every == 0 or step >= self.total_steps):
+            loss = (state.total_loss_dict or {}).get("loss/train/total")
+            print(self.line(None if loss is None else float(loss), metrics.get("time/eta_seconds")), flush=True)
 
     # --- numbers -----------------------------------------------------------------------------------
     def rates(self) -> dict[str, float]:
@@ -289,6 +351,20 @@ class Throughput(Callback):
         eval_s = self.eval_seconds / self.evaluations if self.evaluations else 0.0
         return eta_seconds(left, step_s=step_s, refresh_s=refresh_s, score_s=score_s, eval_s=eval_s)
 
+    def line(self, loss: float | None, eta: float | None) -> str:
+        """``step 40/150 | loss 5.1234 | tok/s 12.3k | kept/s 7.4k | mfu 12.3% | eta 3m05s``: every field, ``-`` while
+        unknown (rates over the steps in the window so far; MFU needs the peak FLOP/s)."""
+        b = self.history[-1]
+        a = self.history[0] if len(self.history) > 1 else None
+        dt = b.seconds - a.seconds if a is not None else 0.0
+        tok = kept = mfu = "-"
+        if a is not None and dt > 0:
+            tok, kept = _si((b.tokens - a.tokens) / dt), _si((b.kept - a.kept) / dt)
+            value = self.mfu(seconds=dt, tokens=b.tokens - a.tokens)
+            mfu = f"{value:.1%}" if value is not None else "-"
+        return (f"step {b.steps}/{self.total_steps} | loss {'-' if loss is None else f'{loss:.4f}'} | tok/s {tok} | "
+                f"kept/s {kept} | mfu {mfu} | eta {'-' if eta is None else format_seconds(eta)}")
+
     def _show(self, logger: Logger, metrics: dict[str, float]) -> None:
         bars = [d for d in logger.destinations if isinstance(d, ProgressBarLogger) and d.train_pbar is not None]
         if not bars or len(self.history) < 2:
@@ -328,18 +404,21 @@ class Throughput(Callback):
             "mfu": self.mfu(seconds=seconds, tokens=tokens),
             "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
             if self.reference is not None else None,
+            "memory": self.memory(),  # (finish_run writes it as the summary's own `memory`)
         }
 
     # --- checkpoint ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"kept_tokens": self.kept_tokens, "eval_seconds": self.eval_seconds, "evaluations": self.evaluations,
-                "seq_len": self.seq_len}
+                "seq_len": self.seq_len, "host_peak": self.host_peak, "device_peak": self.device_peak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kept_tokens = float(state.get("kept_tokens", 0.0))
         self.eval_seconds = float(state.get("eval_seconds", 0.0))
         self.evaluations = int(state.get("evaluations", 0))
         self.seq_len = state.get("seq_len")
+        self.host_peak = int(state.get("host_peak") or 0)
+        self.device_peak = state.get("device_peak")
 
 
 def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_steps: int,
@@ -355,5 +434,7 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
                          time_unit="seconds")
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
                        selections=selections, reference=reference, schedule=schedule,
-                       eval_interval=cfg.eval.interval if validation else None)
+                       eval_interval=cfg.eval.interval if validation else None,
+                       lines_every=cfg.throughput.log_interval if cfg.progress_bar and not interactive() else None,
+                       peak_given=cfg.throughput.peak_flops is not None)
     return speed, meter

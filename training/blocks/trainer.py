@@ -32,6 +32,7 @@ from curation.io.models import build_causal_lm, check_vocab, model_vocab_size, r
 from curation.io.shards import ShardDirInfo
 from schemas.manifest import Manifest
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
+from training.blocks import throughput
 from training.blocks.callbacks import JSONLinesLogger
 from training.blocks.checkpoint import checkpoint_files, resume_checkpoint, weights_only_loading
 from training.blocks.data import TokenRows, make_data_spec, rows_loader
@@ -173,7 +174,7 @@ def make_trainer(
             precision=cfg.precision,
             device_train_microbatch_size=cfg.effective_microbatch_size,
             accumulate_train_batch_on_tokens=False,
-            progress_bar=cfg.progress_bar,
+            progress_bar=cfg.progress_bar and throughput.interactive(),  # (else progress lines: training.blocks.throughput)
             log_to_console=False,
             seed=cfg.seed,
             parallelism_config=parallelism,

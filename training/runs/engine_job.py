@@ -48,7 +48,7 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
         return
     if cfg.prepare is None:
         raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
-    print(f"preparing the corpus into {cfg.prepare.output_dir} ...", flush=True)
+    print(f"preparing the corpus into {storage.display(cfg.prepare.output_dir)} ...", flush=True)
     prepare(cfg.prepare)
 
 
@@ -70,8 +70,23 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
         start = time.perf_counter()
         _ensure_data(cfg)
         e = TrainingCuration.of(cfg)
+        if "train.max_steps" in lock.extended:
+            _check_extension(e, *lock.extended["train.max_steps"], cfg.workers.range_steps)
         lock.write_records()
         return _run(cfg, e, start)
+
+
+def _check_extension(e: TrainingCuration, old: int, new: int, range_steps: int) -> None:
+    """An extended run (``train.max_steps`` raised from ``old`` to ``new``): refused before anything is written when
+    its continuation needs a proxy snapshot the shorter run never published (:meth:`TrainingPlan.extension_gaps`)."""
+    gaps = e.plan.extension_gaps(old, range_steps)
+    if gaps:
+        raise ValueError(
+            f"train.max_steps: {old} → {new} cannot extend this run exactly: it needs the proxy snapshot "
+            f"{'; '.join(gaps)}, from before step {old}, where the shorter run ended (pipelined: extend from a "
+            "max_steps of W plus a multiple of engine.snapshot_period; overlapped: not within engine.overlap_steps "
+            "before an episode start), or use a new output_dir")
+    print(f"extending the run: train.max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
 
 
 def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[str, Any]:
@@ -103,7 +118,7 @@ def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[s
             run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
                   f"{eng.mode} mode, {eng.refresh} refresh, "
-                  + (f"resuming from {run.resumed_from}" if run.resumed_from else "starting a new run"), flush=True)
+                  + (f"resuming from {storage.display(run.resumed_from)}" if run.resumed_from else "starting a new run"), flush=True)
             run.fit()  # a rerun of a finished run only reports
             run.raise_if_stopped(t.max_steps)  # a stop signal: nothing is finished, the engine closes (above)
             outputs = run.outputs(reference=False)

@@ -47,6 +47,9 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     check_installed(cfg.loggers)
     cfg = localize(cfg)  # s3:// directories: their local caches (curation.io.storage)
     with open_output(cfg.output_dir, "train", {"config.yaml": cfg}) as lock:
+        if "max_steps" in lock.extended:
+            old, new = lock.extended["max_steps"]
+            print(f"extending the run: max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
         run = build_training(cfg, callbacks=callbacks)
         if stop_requested():  # a signal while the model and data were loading
             run.trainer.close()

@@ -162,7 +162,8 @@ class RunOutputs:
 
 def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, Any]:
     """Write ``final/`` (the trained model as ``model.safetensors`` + the HF ``config.json``, the last reference
-    ``w̃`` as ``reference.safetensors``; each file atomically) and ``summary.json`` (+ ``plots/``). Returns the
+    ``w̃`` as ``reference.safetensors``; each file atomically) and ``summary.json`` (+ ``plots/``; the trainer's
+    peak memory, measured with its throughput, as the summary's ``memory``). Returns the
     paths written. Every path that finishes a run comes here: single process, a data-parallel group's rank 0 and
     the engine's job (whose reference is the engine's last ``reference-NNNN.safetensors``)."""
     final = os.path.join(output_dir, "final")
@@ -179,8 +180,15 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
         else:
             save_weights(out.reference, target)
     if out.stats is not None:
-        paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=out.extra, plots=plots)
-    storage.push(output_dir)  # an object-store output directory: what is not in the bucket yet
+        extra = dict(out.extra)
+        throughput = extra.get("throughput")
+        if isinstance(throughput, dict) and "memory" in throughput:  # the trainer's peak memory: a section of its own
+            extra["throughput"] = {k: v for k, v in throughput.items() if k != "memory"}
+            extra["memory"] = throughput["memory"]
+        paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=extra, plots=plots)
+    uploaded = storage.push_all(output_dir)  # an object-store output directory: what is not in the bucket yet
+    if uploaded is not None:
+        print(uploaded, flush=True)
     return paths
 
 

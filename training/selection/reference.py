@@ -230,10 +230,13 @@ class InProcessReference:
 
     def _scored_episode(self, step: int) -> bool:
         """A ``blade`` reference (single process) whose scores of the rest of its episode are all here: it will not
-        score again, so off the training device it is kept compact."""
+        score again, so off the training device it is kept compact. An episode cut short by ``max_steps`` counts
+        whole: its reference stays float32, so a run extended from its checkpoint scores the episode's remaining
+        steps with the weights a longer run scored them with."""
         if self.policy.refresh_mode is not RefreshMode.SYNC or self.ranks.world_size > 1:
             return False
-        return all(t in self.scores for t in range(step, max(self.schedule.episode_end(step), step + 1)))
+        whole = self.schedule.refresh_step(self.schedule.episode(step)) + self.schedule.tau
+        return all(t in self.scores for t in range(step, max(whole, step + 1)))
 
     # --- where the weights and the AdamW state live ------------------------------------------
     def build(self, proxy: nn.Module, weights: Mapping[str, Tensor], *, what: str = "reference weights") -> nn.Module:

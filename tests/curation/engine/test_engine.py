@@ -215,3 +215,45 @@ def test_ledger_unrecords_damaged_or_missing_parts_on_reopen_so_they_are_redone(
     shutil.rmtree(os.path.join(root, parts[0]))
     with pytest.warns(UserWarning, match="missing or unreadable index"):
         assert PartLedger(root, kind="scored", job="curate_and_train", run_key={}, vocab_size=100).dropped == [parts[0]]
+
+
+def test_an_extended_plan_keeps_the_finished_parts_and_redoes_the_one_cut_short(tmp_path):
+    """Issue 34: raising max_steps from 9 to 14 (W = 2, τ = 4, 2 steps per unit): the run key differs only in the
+    plan's total_steps, so the ledger reopens; the part [8, 9) cut short by the old end is unrecorded and removed
+    (its unit is [8, 10) now), the others stay done. A lowered total_steps is still another run."""
+    root = str(tmp_path / "scored")
+
+    def key(total: int) -> dict:
+        return {"stream": {"num_samples": 10}, "plan": TrainingPlan(Schedule(2, 4, total), "exact", True).to_dict()}
+
+    short = plan_training_units(Schedule(2, 4, 9), stop_step=9, mode="exact", range_steps=2)
+    assert [u.name for u in short][-1] == "steps-000000008-000000009"
+    ledger = PartLedger(root, kind="scored", job="test", run_key=key(9), vocab_size=100, config={"max_steps": 9})
+    for i, u in enumerate(short):
+        ledger.record(_write_scored(root, i % 2, u))
+    ledger.finish()
+    longer = PartLedger(root, kind="scored", job="test", run_key=key(14), vocab_size=100, config={"max_steps": 14})
+    assert longer.manifest.extra["run_key"] == key(14) and longer.manifest.config == {"max_steps": 14}
+    assert not longer.manifest.complete
+    assert longer.keep_units({u.name for u in _units()}) == ["worker-01/steps-000000008-000000009"]
+    assert set(longer.done_units()) == {u.name for u in short[:-1]}
+    assert not os.path.exists(os.path.join(root, "worker-01", short[-1].name))
+    m = Manifest.load(root)
+    assert m.sources["s"].sequences == 2 * 6 and len(m.shards) == 3  # steps 2..7, two rows each
+    with pytest.raises(ValueError, match=r"different run \(differs in: plan.schedule.total_steps\)"):
+        PartLedger(root, kind="scored", job="test", run_key=key(12), vocab_size=100)
+
+
+def test_extension_gaps_name_the_snapshots_a_shorter_run_never_published():
+    sched = Schedule(2, 4, 14)
+    assert TrainingPlan(sched, "exact", True).extension_gaps(9, 2) == []  # exact, sync: always exact
+    # pipelined, P = 3 (snapshots 2, 5, 8, 11): from 9, the unit [9, 10) needs u^(8); from 8 nothing is missing
+    piped = TrainingPlan(sched, "pipelined", True, snapshot_period=3)
+    assert piped.extension_gaps(9, 2) == ["u^(8) for the pipelined unit steps-000000008-000000010"]
+    assert piped.extension_gaps(8, 2) == []
+    # overlapped, δ = 3: the refresh due before step 10 starts from u^(7), which a run ending at 8, 9 or 10 never
+    # published (it had no refresh 2); a run ending at 7 resumes there and publishes it, one ending at 11 had it
+    over = TrainingPlan(sched, "exact", True, overlap_steps=3)
+    for old in (8, 9, 10):
+        assert over.extension_gaps(old, 2) == ["u^(7) for the overlapped refresh 2"]
+    assert over.extension_gaps(7, 2) == [] and over.extension_gaps(11, 2) == []

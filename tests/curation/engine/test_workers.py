@@ -142,11 +142,11 @@ def test_write_behind_overlaps_and_propagates_errors_from_either_side():
 
     from curation.engine.workers import _write_behind
 
-    def produce(n, fail_at=None):
-        for i in range(n):
-            if i == fail_at:
+    def produce(n, fail_at=None):  # the rows of a step come as a list (here two rows per step)
+        for i in range(0, n, 2):
+            if fail_at is not None and i >= fail_at:
                 raise ValueError("bad row")
-            yield {"i": i}
+            yield [{"i": i}, {"i": i + 1}]
 
     with ThreadPoolExecutor(2) as pool:
         assert _write_behind(pool, lambda rows: [r["i"] for r in rows], produce(1000)) == list(range(1000))
@@ -172,11 +172,11 @@ def test_write_behind_overlaps_and_propagates_errors_from_either_side():
         def counted(n):
             for i in range(n):
                 produced.append(i)
-                yield {"i": i}
+                yield [{"i": i}]
 
         with pytest.raises(OSError, match="disk full"):
             _write_behind(pool, failing_write, counted(100_000))
-        assert len(produced) < 2000  # the producer stopped soon after the writer failed
+        assert len(produced) < 100  # the producer stopped soon after the writer failed (a queue of a few steps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
                                                                               cfg.batch_size, cfg.seed),
                        selection=cfg.selection, ref_lr=cfg.optim.lr,
                        refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"),
-                       schedule=Schedule.of(cfg))
+                       schedule=Schedule.of(cfg), device="cpu")  # the trainer's device (tiny_train)
     os.makedirs(spec.engine_dir)
     runner = RefreshRunner(spec)
     if policy == "blade":
@@ -226,3 +226,69 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
     assert all(torch.equal(got[k], v) for k, v in holder["reference"].items())
     assert os.path.exists(os.path.join(spec.engine_dir, "reference-0000.safetensors"))
     assert os.path.exists(os.path.join(spec.engine_dir, "reference-0000.json"))
+
+
+def test_a_non_finite_reference_loss_names_the_record_and_leaves_no_part(engine_demo, tmp_path, weights):
+    """The finite-loss flag travels with the results of each step; a failing step is named (its first row) after
+    the next step was already launched, and the part is not completed."""
+    out = str(tmp_path / "scored")
+    worker = ScoringWorker(_spec(engine_demo, out, needs_proxy=False), 0)
+    bad = weights[(REFERENCE, 0)].state_dict()
+    bad = {k: (torch.full_like(v, float("nan")) if k == "model.norm.weight" else v) for k, v in bad.items()}
+    unit = WorkUnit(2, 5, "scored", 0)
+    sample = int(worker.order.ids(2)[0])
+    with pytest.raises(ScoringDataError, match=rf"record \d+ \(sample {sample}, step 2\): reference reference loss is "
+                                               r"not finite at \(row, position\) \(0, 1\)"):
+        worker.run(unit, lambda k, v: Weights.from_state_dict(bad))
+    assert unit.name not in os.listdir(os.path.join(out, "worker-00"))
+
+
+def _cuda_worker(engine_demo, out, **kw):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the pipelined scoring path: pinned buffers, events)")
+    return ScoringWorker(_spec(engine_demo, out, device="cuda", **kw), 0)
+
+
+@pytest.mark.gpu
+def test_pipelined_scoring_on_cuda_waits_once_per_step_and_equals_the_synchronous_path(engine_demo, tmp_path, weights):
+    """Designed bound: one host wait per step (an event: that step's results alone) and no synchronising call."""
+    import warnings
+
+    out = str(tmp_path / "scored")
+    worker = _cuda_worker(engine_demo, out, needs_proxy=False)
+    fetch = lambda k, v: weights[(k, v)]  # noqa: E731
+    worker.run(WorkUnit(0, 2, "scored", 0), fetch)  # warm-up: weights on the device, kernels, pinned blocks
+    waits = worker.stats["host_waits"]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # every synchronising CUDA call warns
+        try:
+            res = worker.run(WorkUnit(2, 6, "scored", 0), fetch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert worker.stats["host_waits"] - waits == 4 and not syncs, syncs
+    scorer = worker.scorers[REFERENCE]  # the synchronous path: the checked losses, copied back at once
+    rows = _rows(os.path.join(out, res.name))
+    for j, t in enumerate(range(2, 6)):
+        tokens, _, _ = worker.read_step(t)
+        want = scorer.losses(torch.from_numpy(tokens.astype(np.int64))).to("cpu", torch.float16).numpy()
+        assert np.array_equal(np.stack([r["ref_loss"] for r in rows[j * B:(j + 1) * B]]), want)
+
+
+@pytest.mark.gpu
+def test_pipelined_selection_on_cuda_equals_the_synchronous_path(engine_demo, tmp_path, weights):
+    out = str(tmp_path / "selected")
+    worker = _cuda_worker(engine_demo, out, gamma=0.5, needs_proxy=True)
+    res = worker.run(WorkUnit(2, 5, "selected", 0, 2), lambda k, v: weights[(k, v)])
+    rows = _rows(os.path.join(out, res.name))
+    for j, t in enumerate(range(2, 5)):
+        tokens, _, _ = worker.read_step(t)
+        tt = torch.from_numpy(tokens.astype(np.int64))
+        ref = worker.scorers[REFERENCE].losses(tt).half()  # on the device, as the worker selects
+        delta = excess_loss(worker.scorers[PROXY].losses(tt), ref)
+        want = select_top_fraction(delta, target_valid(tt).cuda(), 0.5).cpu().numpy()
+        got = rows[j * B:(j + 1) * B]
+        assert np.array_equal(np.stack([r["loss_mask"] for r in got]).astype(bool), want)
+        assert np.array_equal(np.stack([r["score"] for r in got]), delta.cpu().numpy().astype(np.float16))

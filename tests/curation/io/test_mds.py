@@ -66,3 +66,32 @@ def test_writing_a_part_does_not_import_streaming_or_torch(tmp_path):
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("spec", [CANDIDATE, SCORED, SELECTED], ids=lambda s: s.name)
+def test_the_sample_decoder_gives_what_streamings_reader_gives(tmp_path, spec):
+    from curation.io.mds import sample_decoder
+    from curation.io.shards import ShardReader
+
+    rows = list(_samples(spec, 2048, 40, np.random.default_rng(5)))
+    long = {**rows[0], "tokens": np.arange(70_000, dtype=np.uint16) % 2048}  # a shape stored as uint32
+    if spec is not CANDIDATE:
+        long.update({k: np.resize(v, 70_000) for k, v in long.items() if isinstance(v, np.ndarray) and k != "tokens"})
+    rows.append(long)
+    columns = spec.mds_columns(vocab_size=2048)
+    write_mds(str(tmp_path), columns, iter(rows), size_limit=1 << 26)
+    ours = ShardReader(str(tmp_path))
+    assert all(d is not None for d in ours._decoders)  # the fast path is the one tested
+    theirs = ShardReader(str(tmp_path))
+    theirs._decoders = [None] * len(theirs._decoders)  # streaming's reader
+    for i in range(len(rows)):
+        a, b = ours[i], theirs[i]
+        assert a.keys() == b.keys() == rows[i].keys()
+        for k in a:
+            assert type(a[k]) is type(b[k]), k
+            if isinstance(a[k], np.ndarray):
+                assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(a[k], b[k])
+                assert not a[k].flags.writeable  # a view of the shard's bytes, as streaming gives
+            else:
+                assert a[k] == b[k]
+    assert sample_decoder(["x", "y"], ["ndarray:uint16", "jpeg"], [None, None]) is None  # not ours: streaming's

@@ -1,0 +1,214 @@
+"""One GPU check: the ``gpu`` tests, the benchmarks and the demo main job, then one JSON object of headline ratios.
+
+    bash .gpu-kit/setup.sh && export PYTHONPATH=$PWD && python3 jobs/bench_gpu.py --json   # one H100/H200, < 6 min
+    python jobs/bench_gpu.py --tiny --json       # every step at tiny sizes on a CPU (tests/jobs/test_bench_gpu.py)
+    python jobs/bench_gpu.py --skip main_job,gpu_tests --json
+
+Every step is a subprocess of this checkout's benchmark or job with ``--json`` (so a step that crashes or runs out
+of its time is reported, and the others still run); the report holds each step's seconds, exit status, its JSON
+(or the end of its output when it failed) and, under ``headline``, the figures issue 31 asks for:
+
+* ``scoring``: in-process scoring worker ÷ bare forward at b = 8 and b = 32 (L = 1024, hidden 768, 12 layers,
+  90 steps; goal ≥ 0.90); the per-token loss ÷ forward at b = 32 (timed directly; goal ≤ 0.05); the worker's
+  host cost (``--pipeline-only``: µs per token, goal ≥ 5M tokens/s); under Ray, 1 worker ÷ in-process (goal
+  ≥ 0.90) and the 1 → 2 workers scaling;
+* ``training``: BLADE ÷ plain step over the pass-count prediction at b = 8 and b = 32 (goal ≤ 1.05), plain step
+  ÷ the bare PyTorch loop of the same model (goal ≤ 1.05), host peak RSS and GPU peak BLADE ÷ plain (goal
+  ≤ 1.10), with GPU-shaped models (``--heads 12``: head_dim 64);
+* ``selection``: Δ + top-γ ÷ forward (goal < 0.02);
+* ``gpu_tests``: passed / failed / skipped; ``main_job``: exit status and seconds.
+
+Needs only what the offline kit of ``../shared/gpu/`` installs (torch, numpy, composer, ray, transformers, pydantic,
+pytest): this file imports nothing outside the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("gpu_tests", "scoring_b8", "scoring_b32", "pipeline_only", "scoring_ray", "training_b8", "training_b32",
+         "selection", "main_job")
+
+# The GPU shapes of issue 31 (bench_scoring's Llama of 134M parameters; bench_training's of 86.7M with head_dim 64).
+_MODEL = ["--seq-len", "1024", "--hidden", "768", "--layers", "12", "--heads", "12"]
+_TINY_SCORING = ["--device", "cpu", "--vocab", "512", "--hidden", "32", "--intermediate", "64", "--layers", "1",
+                 "--heads", "2", "--seq-len", "32", "--range-steps", "2"]
+_TINY_TRAINING = ["--device", "cpu", "--seq-len", "32", "--hidden", "32", "--layers", "1", "--heads", "2", "--tau", "4",
+                  "--refresh-steps", "2", "--episodes", "1", "--repeats", "1", "--warmup", "2"]
+
+
+def commands(tiny: bool, data: str) -> dict[str, list[str]]:
+    """Each step's command line (after ``python``), at the GPU sizes or, with ``tiny``, at CPU test sizes."""
+    py = [sys.executable]
+    job = lambda name: [*py, os.path.join(REPO, "jobs", f"{name}.py")]  # noqa: E731
+    gpu_tests = [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *_gpu_test_files()]
+    if tiny:
+        scoring = [*job("bench_scoring"), *_TINY_SCORING, "--json"]
+        training = [*job("bench_training"), *_TINY_TRAINING, "--data", data, "--json"]
+        return {
+            "gpu_tests": gpu_tests,
+            "scoring_b8": [*scoring, "--no-ray", "--batch", "2", "--steps", "2"],
+            "scoring_b32": [*scoring, "--no-ray", "--batch", "4", "--steps", "2"],
+            "pipeline_only": [*scoring, "--pipeline-only", "--batch", "2", "--steps", "4"],
+            "scoring_ray": [*scoring, "--batch", "2", "--steps", "2", "--ray-steps", "4"],
+            "training_b8": [*training, "--batch-size", "4"],
+            "training_b32": [*training, "--batch-size", "8"],
+            "selection": [*job("bench_selection"), "--device", "cpu", "--batch", "2", "--seq-len", "32", "--vocab", "512",
+                          "--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2", "--repeats", "2",
+                          "--select-repeats", "3", "--json"],
+            "main_job": [*job("curate_and_train"), "--set", f"train.output_dir={data}/main-job",
+                         "--set", "train.max_steps=6"],
+        }
+    scoring = [*job("bench_scoring"), "--device", "cuda", *_MODEL, "--range-steps", "9", "--json"]
+    training = [*job("bench_training"), "--device", "cuda", "--clock", "wall", "--precision", "amp_bf16", *_MODEL,
+                "--repeats", "1", "--json"]
+    return {
+        "gpu_tests": gpu_tests,
+        "scoring_b8": [*scoring, "--no-ray", "--batch", "8", "--steps", "90"],
+        "scoring_b32": [*scoring, "--no-ray", "--batch", "32", "--steps", "90"],
+        "pipeline_only": [*scoring, "--pipeline-only", "--batch", "8", "--steps", "90"],
+        "scoring_ray": [*scoring, "--batch", "8", "--steps", "18", "--ray-steps", "90"],
+        "training_b8": [*training, "--batch-size", "8"],
+        "training_b32": [*training, "--batch-size", "32"],
+        "selection": [*job("bench_selection"), "--device", "cuda", "--dtype", "bfloat16", "--seq-len", "1024",
+                      "--hidden", "768", "--intermediate", "2048", "--layers", "12", "--heads", "12", "--json"],
+        "main_job": [*job("curate_and_train"), "--set", f"train.output_dir={data}/main-job"],
+    }
+
+
+def _gpu_test_files() -> list[str]:
+    """The test files holding ``gpu``-marked tests (collecting only them keeps the start short)."""
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "tests")):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    if "pytest.mark.gpu" in f.read():
+                        found.append(os.path.relpath(path, REPO))
+    return sorted(found)
+
+
+def _last_json(text: str) -> dict | None:
+    """The last line of ``text`` that is a JSON object (the benches print their report before it)."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def run_step(name: str, cmd: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = "timeout", _text(e.stdout), _text(e.stderr)
+    step = {"seconds": round(time.perf_counter() - start, 1), "rc": rc, "command": " ".join(cmd[1:])}
+    if name == "gpu_tests":
+        step["result"] = _pytest_counts(out)
+    elif name != "main_job":
+        step["result"] = _last_json(out)
+    if rc != 0:
+        step["tail"] = (out + err)[-1500:]
+    return step
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _pytest_counts(out: str) -> dict[str, int]:
+    """``{"passed": n, "failed": n, ...}`` from pytest's summary line."""
+    lines = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|skipped|deselected|error)", ln)]
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", lines[-1])} \
+        if lines else {}
+
+
+def headline(steps: dict[str, dict]) -> dict:
+    """The ratios issue 31 asks for, from the steps' JSON (``None`` where a step did not run or failed)."""
+    r = {k: (v.get("result") or {}) for k, v in steps.items()}
+
+    def get(step: str, *path: str):
+        x = r.get(step, {})
+        for p in path:
+            x = x.get(p) if isinstance(x, dict) else None
+        return x
+
+    def over_predicted(step: str):
+        m, p = get(step, "blade_over_plain"), get(step, "predicted")
+        return m / p if m is not None and p else None
+
+    return {
+        "scoring": {
+            "worker_over_forward_b8": get("scoring_b8", "worker_over_forward"),
+            "worker_over_forward_b32": get("scoring_b32", "worker_over_forward"),
+            "loss_over_forward_b32": get("scoring_b32", "loss_over_forward", "hidden_chunks"),
+            "pipeline_host_us_per_token": get("pipeline_only", "host_us_per_token"),
+            "pipeline_tokens_per_s_one_core": get("pipeline_only", "tokens_per_s_one_core"),
+            "ray_over_in_process": get("scoring_ray", "ray", "ray_over_in_process"),
+            "ray_scaling_efficiency": get("scoring_ray", "ray", "scaling_efficiency"),
+            "goals": {"worker_over_forward": 0.90, "loss_over_forward": 0.05, "pipeline_tokens_per_s": 5e6,
+                      "ray_over_in_process": 0.90},
+        },
+        "training": {
+            "blade_over_predicted_b8": over_predicted("training_b8"),
+            "blade_over_predicted_b32": over_predicted("training_b32"),
+            "blade_over_plain_b8": get("training_b8", "blade_over_plain"),
+            "blade_over_plain_b32": get("training_b32", "blade_over_plain"),
+            "plain_over_bare_b8": get("training_b8", "plain_over_bare"),
+            "plain_over_bare_b32": get("training_b32", "plain_over_bare"),
+            "peak_rss_ratio_b32": get("training_b32", "peak_rss_ratio"),
+            "peak_gpu_mem_ratio_b32": get("training_b32", "peak_gpu_mem_ratio"),
+            "goals": {"blade_over_predicted": 1.05, "plain_over_bare": 1.05, "peak_rss_ratio": 1.10,
+                      "peak_gpu_mem_ratio": 1.10},
+        },
+        "selection_over_forward": get("selection", "delta_select_over_forward"),
+        "gpu_tests": r.get("gpu_tests") or None,
+        "main_job_ok": steps["main_job"]["rc"] == 0 if "main_job" in steps else None,
+        "main_job_seconds": steps["main_job"]["seconds"] if "main_job" in steps else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (tries every step without a GPU)")
+    p.add_argument("--skip", default="", help=f"comma-separated steps to leave out, of: {', '.join(STEPS)}")
+    p.add_argument("--step-timeout", type=float, default=150.0, help="seconds one step may run")
+    p.add_argument("--data", default=None, help="where the benches' demo corpora and outputs go (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = p.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    if skip - set(STEPS):
+        p.error(f"--skip: unknown steps {sorted(skip - set(STEPS))}; steps: {', '.join(STEPS)}")
+    data = os.path.abspath(args.data or tempfile.mkdtemp(prefix="bench_gpu-"))
+    os.makedirs(data, exist_ok=True)
+    cmds = commands(args.tiny, os.path.join(data, "training-data"))
+    start = time.perf_counter()
+    steps = {}
+    for name in STEPS:
+        if name in skip:
+            continue
+        steps[name] = run_step(name, cmds[name], args.step_timeout)
+        if not args.json:
+            print(f"{name}: rc {steps[name]['rc']}, {steps[name]['seconds']} s", file=sys.stderr, flush=True)
+    report = {"tiny": args.tiny, "seconds": round(time.perf_counter() - start, 1), "headline": headline(steps),
+              "steps": steps}
+    print(json.dumps(report, indent=None if args.json else 1))
+    return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

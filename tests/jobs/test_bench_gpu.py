@@ -1,0 +1,54 @@
+"""jobs/bench_gpu.py: the GPU check's commands and, at tiny sizes on a CPU, a run of some of its steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, load_job
+
+
+def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
+    bench = load_job("bench_gpu")
+    cmds = bench.commands(False, str(tmp_path))
+    assert set(cmds) == set(bench.STEPS)
+
+    def opt(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    for name in ("scoring_b8", "scoring_b32", "pipeline_only", "scoring_ray", "training_b8", "training_b32"):
+        cmd = cmds[name]
+        assert opt(cmd, "--device") == "cuda" and "--json" in cmd, name
+        assert (opt(cmd, "--seq-len"), opt(cmd, "--hidden"), opt(cmd, "--layers"), opt(cmd, "--heads")) == \
+            ("1024", "768", "12", "12"), name  # head_dim 64
+    assert [opt(cmds[n], "--batch") for n in ("scoring_b8", "scoring_b32")] == ["8", "32"]
+    assert all(int(opt(cmds[n], "--steps")) >= 90 for n in ("scoring_b8", "scoring_b32"))
+    assert "--no-ray" not in cmds["scoring_ray"] and int(opt(cmds["scoring_ray"], "--ray-steps")) >= 90
+    assert [opt(cmds[n], "--batch-size") for n in ("training_b8", "training_b32")] == ["8", "32"]
+    assert opt(cmds["training_b8"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training_b8"]
+    gpu_files = cmds["gpu_tests"][cmds["gpu_tests"].index("no:cacheprovider") + 1:]
+    assert "tests/curation/engine/test_workers.py" in gpu_files and "tests/jobs/test_bench_gpu.py" not in gpu_files
+    with pytest.raises(SystemExit):
+        bench.main(["--skip", "scoring,main_job"])
+
+
+@pytest.mark.slow
+def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
+    """Two quick steps at tiny sizes (the others are left out here: the full --tiny run takes minutes)."""
+    bench = load_job("bench_gpu", "_tiny")
+    skip = ",".join(s for s in bench.STEPS if s not in ("scoring_b8", "selection"))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_gpu.py"), "--tiny", "--skip", skip,
+                           "--data", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["tiny"] is True and set(report["steps"]) == {"scoring_b8", "selection"}
+    assert all(s["rc"] == 0 and "tail" not in s for s in report["steps"].values())
+    scoring, head = report["steps"]["scoring_b8"]["result"], report["headline"]
+    assert scoring["batch"] == 2 and scoring["device"] == "cpu"
+    assert head["scoring"]["worker_over_forward_b8"] == scoring["worker_over_forward"]
+    assert head["selection_over_forward"] == report["steps"]["selection"]["result"]["delta_select_over_forward"]
+    assert head["scoring"]["worker_over_forward_b32"] is None and head["main_job_ok"] is None

@@ -1,0 +1,54 @@
+"""jobs/bench_scoring.py at tiny sizes on a CPU: every part runs and reports its keys (the figures are the bench's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, load_job
+
+TINY = ["--device", "cpu", "--vocab", "512", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2",
+        "--seq-len", "32", "--batch", "2", "--range-steps", "2", "--json"]
+
+
+def test_pipeline_only_reports_the_host_cost_per_token(capsys):
+    bench = load_job("bench_scoring", "_pipeline")
+    assert bench.main([*TINY, "--pipeline-only", "--steps", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "pipeline-only" and out["tokens"] == 4 * 2 * 32
+    assert out["host_us_per_token"] > 0
+    assert out["tokens_per_s_one_core"] == pytest.approx(1e6 / out["host_us_per_token"])
+    assert out["ok"] == (out["tokens_per_s_one_core"] >= 5e6)
+    assert out["host_waits_per_step"] == 0  # a CPU has no device to wait for
+
+
+def test_in_process_part_times_the_loss_directly(capsys):
+    bench = load_job("bench_scoring", "_inproc")
+    assert bench.main([*TINY, "--no-ray", "--steps", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 2 * 2 * 32 and out["worker_over_forward"] > 0
+    lo = out["loss_over_forward"]
+    assert lo["full_logits"] > 0 and lo["hidden_chunks"] > 0  # direct timings: never negative
+    assert "ray" not in out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_part_runs_one_then_two_workers():
+    """The 1 vs 2 workers part (it once crashed on its second iteration: no test ran it)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_scoring.py"), *TINY, "--steps", "2",
+                           "--ray-steps", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ray = out["ray"]
+    assert set(ray["runs"]) == {"1", "2"}
+    for run in ray["runs"].values():
+        assert run["steady_tokens_per_s"] > 0 and run["startup_s"] >= 0
+        assert set(run) == {"startup_s", "whole_run_tokens_per_s", "steady_tokens_per_s", "steady_tokens"}
+    assert ray["speedup"] == pytest.approx(ray["tokens_per_s_2_workers"] / ray["tokens_per_s_1_worker"])
+    assert ray["scaling_efficiency"] == pytest.approx(ray["speedup"] / 2)
+    assert ray["ray_over_in_process"] > 0
