@@ -3,6 +3,7 @@
     python jobs/bench_prepare.py                           # 45 MB of real text from ../shared/data, GPT-2, L = 1024
     python jobs/bench_prepare.py --workers 1 2 --json
     python jobs/bench_prepare.py --input corpus.jsonl --tokenizer tok.json --workers 1 8 16
+    python jobs/bench_prepare.py --huge-doc 20 100 --json   # peak RSS of jobs/prepare.py on one huge document
 
 The input is one ``.jsonl`` of ``{"text": ...}`` records: ``--input``, or ``--mb`` megabytes of the real text of
 ``../shared/data`` (web, papers, textbooks, speeches, math, fiction, Wikipedia...; shuffled, repeated to size)
@@ -21,6 +22,12 @@ started, Ray's included: robust to other load on a shared machine, which the wal
 wall clock only). Ratios: prepare ÷
 raw (goal ≥ 0.8 with all workers) and the scaling efficiency T(N) ÷ (N · T(1)) of the Ray runs (goal ≥ 0.9 per
 added worker where there are free cores).
+
+``--huge-doc MB [MB ...]``: instead, the peak resident memory of ``jobs/prepare.py`` (a fresh process, as a user
+runs it: its own, by ``getrusage``, and the largest of the processes it started, Ray's workers, sampled) preparing a
+``.jsonl`` whose one document is MB megabytes on a single line (words of a small vocabulary, a 300-token BPE,
+L = 512), once in this process (``workers: 1``) and once as the job chooses (Ray workers when the file makes
+several units). Goal: under 1 GB at 20 MB, and flat as the document grows (the document itself is held once).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="Ray worker counts (default: 1 and the machine's CPUs)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold jobs/prepare.py run")
     p.add_argument("--json", action="store_true", help="print one JSON object (after the text report)")
+    p.add_argument("--huge-doc", type=float, nargs="+", default=None, metavar="MB",
+                   help="measure the peak RSS of jobs/prepare.py on one document of each size instead")
     p.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)  # the one-core raw run (a subprocess)
     return p.parse_args(argv)
 
@@ -167,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_only:
         print(json.dumps(_raw(args.input, args.tokenizer)))
         return 0
+    if args.huge_doc:
+        report = huge_documents(args.huge_doc)
+        if args.json:
+            print(json.dumps(report))
+        return 0
     from curation.engine.ray_backend.actors import ray_session
     from curation.engine.ray_backend.prepare_pool import ray_unit_pool
     from schemas.config import RayConfig
@@ -199,6 +213,84 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def huge_documents(sizes: list[float]) -> dict:
+    """Peak RSS of ``jobs/prepare.py`` on a one-document input of each size (see the module docstring)."""
+    import numpy as np
+    import yaml
+
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+    from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
+
+    words = np.array("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split())
+    rng = np.random.default_rng(7)
+    tmp = tempfile.mkdtemp(prefix="bench_prepare-huge-")
+    out: dict = {"runs": []}
+    try:
+        tok = train_bpe_tokenizer((" ".join(rng.choice(words, 40)) for _ in range(200)), vocab_size=300,
+                                  save_to=os.path.join(tmp, "tok", "tokenizer.json"))
+        for mb in sizes:
+            path = os.path.join(tmp, f"doc{mb:g}.jsonl")
+            with open(path, "w", encoding="utf-8") as f:  # written in pieces: this process never holds it
+                f.write('{"text": "a small one"}\n{"text": "')
+                left = int(mb * 1e6)
+                while left > 0:
+                    chunk = " ".join(rng.choice(words, min(1 << 20, max(1, left // 6)))) + " "
+                    f.write(chunk[:left])
+                    left -= len(chunk)
+                f.write('end"}\n')
+            for workers in (1, None):
+                cfg = PrepareConfig(sources=[SourceConfig(name="big", paths=[path])], validation=[],
+                                    tokenizer=TokenizerConfig(path=tok.path), output_dir=os.path.join(tmp, "out"),
+                                    seq_len=512, sequences_per_part=1024, progress=False, workers=workers)
+                conf = os.path.join(tmp, "job.yaml")
+                with open(conf, "w", encoding="utf-8") as f:
+                    yaml.safe_dump(cfg.model_dump(mode="json"), f)
+                probe = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+                         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nfinally:\n"
+                         "    print(f'PEAK {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr)")
+                t = time.perf_counter()
+                proc = subprocess.Popen([sys.executable, "-c", probe, os.path.join(REPO, "jobs", "prepare.py"),
+                                         "--config", conf], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+                others = _largest_descendant(proc)
+                _, err = proc.communicate()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"jobs/prepare.py failed: {err[-2000:]}")
+                me = int(err.split("PEAK ")[1].split()[0]) / 1024
+                run = {"document_mb": os.path.getsize(path) / 1e6, "workers": workers or "auto",
+                       "peak_rss_mb": round(me), "largest_other_process_mb": round(others),
+                       "seconds": round(time.perf_counter() - t, 1)}
+                print(f"{run['document_mb']:6.1f} MB document, workers {run['workers']}: peak RSS of jobs/prepare.py "
+                      f"{me:.0f} MB; of its largest other process (a Ray worker...): {others:.0f} MB; "
+                      f"{run['seconds']:.0f} s", flush=True)
+                out["runs"].append(run)
+                shutil.rmtree(cfg.output_dir, ignore_errors=True)
+            os.unlink(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _largest_descendant(proc: subprocess.Popen) -> float:
+    """Until ``proc`` ends: the largest RSS (MB) seen of any process it started (Ray's are not its waited-for
+    children, so ``getrusage`` misses them), sampled every 0.1 s."""
+    import psutil
+
+    top = 0.0
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            for child in root.children(recursive=True):
+                try:
+                    top = max(top, child.memory_info().rss / 2**20)
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    return top
 
 
 def _warm_up(args: argparse.Namespace, path: str, tmp: str, pool, n: int) -> float:  # noqa: ANN001

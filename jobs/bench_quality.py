@@ -1,13 +1,15 @@
 """Quality benchmark on real public text: the paper's comparison, ablations and transfer in miniature,
-at equal tokens and at equal compute, on held-out sets for the target, other math styles and forgetting.
+at equal tokens and at equal compute, on held-out sets for the target, other math styles and forgetting, in two
+settings (GSM8K train in the pool; the paper's regime without it).
 
-    python jobs/bench_quality.py --out runs/quality                 # CPU preset (see docs/results/RESULTS.md)
-    python jobs/bench_quality.py --preset gpu --out runs/quality-gpu # one H100-class GPU, ≈ 30 min (estimate)
+    python jobs/bench_quality.py --out /work/qruns/v3                # CPU preset, ≈ 6 h on 2 cores (planned)
+    python jobs/bench_quality.py --preset gpu --out runs/quality-gpu # one H100-class GPU (not run)
     python jobs/bench_quality.py --quick --out /tmp/q                # CI smoke version (a few minutes)
 
 The setting (data, models, presets, compute model) is in bench/quality/setting.py, the runs in
-bench/quality/runs.py and the report in bench/quality/report.py. Everything that is chosen (the BLADE
-refresh strength) is chosen by validation loss only, never by an evaluation set. Outputs under ``--out``:
+bench/quality/runs.py, the verdict rules in bench/quality/verdicts.py and the report in
+bench/quality/report.py. Everything that is chosen (BLADE's refresh setting, RHO-1's reference length) is
+chosen at equal compute on a dev split of GSM8K train, never on an evaluation set. Outputs under ``--out``:
 RESULTS.md, results.json, figures/*.png, models/<policy>-seed<k>/ (HF save_pretrained + tokenizer),
 runs/<run>/ (each training run). A rerun with the same ``--out`` reuses every finished run whose settings
 match and resumes unfinished ones from their checkpoints, so a preset can be run in pieces.

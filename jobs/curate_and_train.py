@@ -19,10 +19,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from curation.engine.plan import EngineError, WorkerGroupFailed
-from schemas.config import parse_job_config
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
+from curation.io.stop import StopRequested, exit_code
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import report_job_errors
-from schemas.stop import StopRequested, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

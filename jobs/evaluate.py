@@ -31,9 +31,9 @@ from curation.evaluation.heldout import (
     resolve_models,
     results_markdown,
 )
-from schemas.config import parse_job_config  # noqa: E402
+from curation.io.atomic import atomic_write_text  # noqa: E402
+from curation.io.cli import parse_job_config  # noqa: E402
 from schemas.eval_config import EvaluateConfig  # noqa: E402
-from schemas.manifest import atomic_write_text  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

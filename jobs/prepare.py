@@ -13,9 +13,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from curation.ingest.prepare import prepare
-from schemas.config import PrepareConfig, parse_job_config
-from schemas.outdir import report_job_errors
-from schemas.stop import GracefulStop, StopRequested, exit_code
+from curation.io.cli import parse_job_config
+from curation.io.outdir import report_job_errors
+from curation.io.stop import GracefulStop, StopRequested, exit_code
+from schemas.config import PrepareConfig
 
 
 def main(argv: list[str] | None = None) -> int:

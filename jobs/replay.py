@@ -14,8 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from schemas.config import parse_job_config
-from schemas.outdir import report_job_errors
+from curation.io.cli import parse_job_config
+from curation.io.objects import is_url
+from curation.io.outdir import report_job_errors
+from curation.io.stop import GracefulStop, StopRequested, exit_code
 from schemas.train_config import ReplayConfig
 
 
@@ -23,13 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_job_config(ReplayConfig, description=__doc__.splitlines()[0],
                                  default=ReplayConfig.demo_default, argv=argv,
                                  set_example="model.hf_config.num_hidden_layers=4 --set output_dir=runs/demo/replay/deep")
-    if not os.path.exists(os.path.join(cfg.selected, "index.json")):
+    if not is_url(cfg.selected) and not os.path.exists(os.path.join(cfg.selected, "index.json")):
         print(f"error: no selected-token shards in {cfg.selected}; run `python jobs/train.py` first", file=sys.stderr)
         return 1
-    # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once.
+    # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once; and
+    # before the stop handler is installed (importing Composer installs its own, which would replace it).
     from training.runs.single import replay
 
-    out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")
+    try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
+        with GracefulStop(what="the training step in progress and its checkpoint"):
+            out = report_job_errors(lambda: replay(cfg), f"replaying into {cfg.output_dir} failed")
+    except StopRequested as e:
+        print(e, file=sys.stderr)
+        return exit_code(e.signum)
     if out is None:
         return 1
     params = sum(p.numel() for p in out["run"].model.parameters())

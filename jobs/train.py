@@ -18,10 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+from curation.io.cli import parse_job_config
+from curation.io.objects import is_url
+from curation.io.outdir import report_job_errors
+from curation.io.stop import GracefulStop, StopRequested, exit_code
 from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
-from schemas.config import parse_job_config
-from schemas.outdir import report_job_errors
-from schemas.stop import GracefulStop, StopRequested, exit_code
 from schemas.train_config import POLICY_CHOICES, TrainConfig
 
 #: Short override names accepted by --set (e.g. --set policy=rho1).
@@ -65,26 +66,24 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
                                  set_example="selection.gamma=0.5 --set max_steps=300")
-    if args.config is None and not os.path.exists(os.path.join(cfg.data.candidates, "index.json")):
+    if (args.config is None and not is_url(cfg.data.candidates)  # (a bucket's shards: read, and checked, by the run)
+            and not os.path.exists(os.path.join(cfg.data.candidates, "index.json"))):
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
               file=sys.stderr)
         return 1
     # Imported after the config is parsed (Composer and Ray take seconds): --help and bad settings answer at once,
-    # and a single-process run does not import Ray.
+    # and a single-process run does not import Ray. Imported before the stop handler is installed: Composer installs
+    # its own SIGTERM/SIGINT handler (exit at once) when first imported, which would replace the project's.
     from curation.engine.plan import WorkerGroupFailed
 
-    def run() -> dict:
-        if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
-            from training.runs.group import train_parallel
-
-            return train_parallel(cfg)
-        from training.runs.single import train
-
-        return train(cfg)
+    if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
+        from training.runs.group import train_parallel as run_training
+    else:
+        from training.runs.single import train as run_training
 
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
-            out = report_job_errors(run, f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+            out = report_job_errors(lambda: run_training(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     except StopRequested as e:
         print(e, file=sys.stderr)
         return exit_code(e.signum)

@@ -1,21 +1,16 @@
-"""Validated job configs: pydantic models, YAML files, ``--set a.b=c`` overrides, ``--print-config``.
+"""Validated job configs: pydantic models, YAML files, ``--set a.b=c`` overrides.
 
 Every job section is a pydantic model that forbids unknown keys, so a typo is an error naming the key.
-Jobs call :func:`parse_job_config` with their top-level model and embedded default::
-
-    cfg = parse_job_config(PrepareConfig, description="...", default=PrepareConfig.demo)
-
-which understands ``--config FILE.yaml``, repeated ``--set key.path=value`` (values parsed as YAML, list
-items addressed by index: ``--set sources.0.text_field=body``), and ``--print-config`` (prints the
-resolved config as YAML and exits).
+:func:`load_config` resolves a YAML file (or the embedded default) and overrides ``key.path=value`` (values
+parsed as YAML, list items addressed by index: ``sources.0.text_field=body``) into a validated config; the
+jobs' command line (``--config``, ``--set``, ``--print-config``) is :mod:`curation.io.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
+import typing
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -31,7 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.outdir import OPERATIONAL
+from schemas.manifest import PATH_NAME_RULE, RESERVED_NAMES, check_path_name  # noqa: F401 (their home: a leaf)
+from schemas.records import OPERATIONAL
 
 __all__ = [
     "ConfigError",
@@ -47,9 +43,14 @@ __all__ = [
     "PrepareConfig",
     "apply_override",
     "load_config",
-    "parse_job_config",
+    "config_to_yaml",
     "DEMO_ROOT",
     "load_yaml",
+    "load_record_yaml",
+    "BoundedSafeLoader",
+    "shown",
+    "cut",
+    "nearest_key",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -58,8 +59,56 @@ M = TypeVar("M", bound=BaseModel)
 DEMO_ROOT = os.path.join("runs", "demo")
 
 
-class _YAMLLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` is a number (YAML 1.1 reads a string), so strict
+#: At most this many characters of a value are quoted in an error (a config value can be megabytes long).
+MAX_SHOWN = 200
+
+
+def cut(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text``, cut to ``limit`` characters (then ``...`` and its full length)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def shown(value: Any, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters (:func:`cut`)."""
+    return cut(repr(value), limit)
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded: an alias (``*name``, ``<<: *name``) is refused, so a few hundred bytes cannot
+    expand into gigabytes (the "billion laughs"), and a key given twice in a mapping is refused naming both lines
+    (YAML would keep the last one silently). Errors are ``yaml.YAMLError`` with the line."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"the alias *{cut(str(event.anchor), 40)} is not accepted in a config (write the value out: "
+                "aliases can expand a small file into gigabytes)", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the constructor below reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {shown(key, 60)} is given twice in this mapping (first on line {first}); "
+                        "keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_record_yaml(stream: Any) -> Any:
+    """Parse YAML written by ``yaml.safe_dump`` (a config record) with :class:`BoundedSafeLoader`."""
+    return yaml.load(stream, Loader=BoundedSafeLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+class _YAMLLoader(BoundedSafeLoader):
+    """:class:`BoundedSafeLoader` with YAML 1.2 floats: ``1e-3`` is a number (YAML 1.1 reads a string), so strict
     float fields take the usual spelling of a learning rate."""
 
 
@@ -84,10 +133,11 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, defaults are validated too, and values are
-    not coerced between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float)."""
+    """Base for config sections: unknown keys are errors, defaults are validated too, values are not coerced
+    between kinds (``true`` is no integer, ``"256"`` no number; an int is a valid float), and a number is finite
+    (``optim.lr=.inf`` is refused here, not after it was recorded and training diverged)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 def check_unique_names(names: Sequence[str], what: str) -> None:
@@ -95,24 +145,6 @@ def check_unique_names(names: Sequence[str], what: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{what} {dup}")
-
-
-#: Files a job writes beside the folders named after sources (``candidates/index.json`` ...).
-RESERVED_NAMES = ("index.json", "manifest.json", "config.yaml")
-
-#: The rule for a config value used as one path component (a folder named after a source or a model).
-PATH_NAME_RULE = ("1 to 100 characters, only letters, digits, '-', '_', '.', not starting with '.' or '-' (so "
-                  "never '.', '..' or a hidden name like '.lock'), no path separator, and none of "
-                  + ", ".join(RESERVED_NAMES))
-
-
-def check_path_name(v: str, what: str = "name") -> str:
-    """Return ``v`` when it is safe as one path component (:data:`PATH_NAME_RULE`), else raise ``ValueError``
-    naming ``what`` and stating the rule."""
-    if not (0 < len(v) <= 100 and v[0] not in ".-" and all(c.isalnum() or c in "-_." for c in v)
-            and v not in RESERVED_NAMES):
-        raise ValueError(f"{what} {v!r} is used as a folder name and must be {PATH_NAME_RULE}")
-    return v
 
 
 #: A name used as one path component (a source's folder, a model's export folder).
@@ -321,31 +353,71 @@ class PrepareConfig(StrictModel):
 # ------------------------------------------------------------------------------------------------
 # loading machinery
 # ------------------------------------------------------------------------------------------------
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions) between two short strings."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def nearest_key(name: str, valid: Sequence[str]) -> str | None:
+    """The valid key nearest ``name`` by edit distance when it is a likely typo (at most 2 edits, or a third of the
+    name), else None; ties go to the first in ``valid``."""
+    if len(name) > 100:  # no key is this long (and the distance costs len(name) × len(key))
+        return None
+    best = min(valid, key=lambda v: edit_distance(name, v), default=None)
+    if best is None:
+        return None
+    return best if edit_distance(name, best) <= max(2, len(name) // 3) else None
+
+
+def _section_models(annotation: Any) -> list[type[BaseModel]]:
+    """The config models inside a field's annotation (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _section_models(a)]
+
+
+def _keys_beside(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
+    """The valid keys of the section that holds the key at ``loc`` (an error's location in ``model``)."""
+    models = [model]
+    for part in loc[:-1]:
+        inner = [m for mod in models if isinstance(part, str) and part in mod.model_fields
+                 for m in _section_models(mod.model_fields[part].annotation)]
+        models = inner or models  # a list index, a dict key or a union's tag: the same section
+    return [k for m in models for k in m.model_fields]
+
+
+def _format_validation_error(err: ValidationError, origin: str, model: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"]
+        got = e.get("input")
+        extra = "" if e["type"] in ("missing",) or isinstance(got, dict) else f" (got {shown(got)})"
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        got = e.get("input")
-        shown = "" if e["type"] in ("missing",) or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {key}: {msg}{shown}")
+            near = nearest_key(str(e["loc"][-1]), _keys_beside(model, e["loc"])) if model and e["loc"] else None
+            extra = f" (did you mean {near}?)" if near else extra
+        lines.append(f"  {cut(key, 100)}: {cut(msg, 2 * MAX_SHOWN)}{extra}")
     return f"invalid config ({origin}):\n" + "\n".join(lines)
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one ``a.b.c=value`` override in place; ``value`` is parsed as YAML."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected key.path=value")
+        raise ConfigError(f"--set {shown(assignment)}: expected key.path=value")
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set {assignment!r}: empty key segment")
+        raise ConfigError(f"--set {shown(assignment)}: empty key segment")
     try:
         value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e})") from e
+        raise ConfigError(f"--set {shown(key, 100)}: value {shown(raw)} is not valid YAML ({e})") from e
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -399,51 +471,12 @@ def load_config(
     for o in overrides:
         apply_override(data, o)
     if overrides:
-        origin += " + --set " + " ".join(overrides)
+        origin += " + --set " + " ".join(cut(o, 100) for o in overrides)
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, origin)) from None
+        raise ConfigError(_format_validation_error(e, origin, model)) from None
 
 
 def config_to_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, set_example: str | None = None) -> None:
-    """``--config``, ``--set`` (its help shows ``set_example``, e.g. ``seq_len=256``) and ``--print-config``."""
-    parser.add_argument("--config", help="YAML config file (default: the embedded default)")
-    example = f", e.g. --set {set_example}" if set_example else ""
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help=f"override a config key (the value is YAML; list items by index){example} (repeatable; "
-        "--print-config lists the keys)",
-    )
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-
-
-def parse_job_config(
-    model: type[M],
-    *,
-    description: str,
-    default: Callable[[], M] | None = None,
-    argv: Sequence[str] | None = None,
-    parser: argparse.ArgumentParser | None = None,
-    set_example: str | None = None,
-) -> tuple[M, argparse.Namespace]:
-    """Parse a job's command line into a validated config (exits 2 with the message on a config error).
-
-    ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
-    """
-    parser = parser or argparse.ArgumentParser(description=description)
-    add_config_arguments(parser, set_example)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if args.print_config:
-        sys.stdout.write(config_to_yaml(cfg))
-        raise SystemExit(0)
-    return cfg, args

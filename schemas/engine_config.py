@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, RayConfig, StrictModel
-from schemas.outdir import OPERATIONAL
+from schemas.records import OPERATIONAL
 from schemas.train_config import ModelConfig, Precision, TrainConfig, demo_model_config
 
 __all__ = [

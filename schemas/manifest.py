@@ -2,8 +2,8 @@
 
 A manifest records what produced the directory (schema version, resolved config, tokenizer and model
 fingerprints), what it holds (per-source counts) and which shards are finished, so that a rerun skips
-finished work and never writes a shard twice. Saved atomically (write to a temporary file, then
-``os.replace``), so a kill never leaves a half-written manifest.
+finished work and never writes a shard twice. Saved atomically by :mod:`curation.io.atomic` (write to a temporary
+file, then ``os.replace``), so a kill never leaves a half-written manifest.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.shards import SCHEMA_VERSION
 
@@ -26,12 +25,62 @@ __all__ = [
     "Manifest",
     "UnitRecord",
     "sha256_file",
-    "atomic_write_text",
+    "check_path_name",
+    "check_relative_name",
+    "one_line",
+    "PATH_NAME_RULE",
+    "RESERVED_NAMES",
 ]
 
 MANIFEST_NAME = "manifest.json"
 #: At most this many bad records are listed individually; all are counted.
 MAX_LISTED_BAD_RECORDS = 200
+
+
+#: Files a job writes beside the folders named after sources (``candidates/index.json`` ...).
+RESERVED_NAMES = ("index.json", "manifest.json", "config.yaml")
+
+#: The rule for a config value used as one path component (a folder named after a source or a model).
+PATH_NAME_RULE = ("1 to 100 characters, only letters, digits, '-', '_', '.', not starting with '.' or '-' (so "
+                  "never '.', '..' or a hidden name like '.lock'), no path separator, and none of "
+                  + ", ".join(RESERVED_NAMES))
+
+
+def check_path_name(v: str, what: str = "name") -> str:
+    """Return ``v`` when it is safe as one path component (:data:`PATH_NAME_RULE`), else raise ``ValueError``
+    naming ``what`` and stating the rule."""
+    if not (0 < len(v) <= 100 and v[0] not in ".-" and all(c.isalnum() or c in "-_." for c in v)
+            and v not in RESERVED_NAMES):
+        raise ValueError(f"{what} {v!r} is used as a folder name and must be {PATH_NAME_RULE}")
+    return v
+
+
+def check_relative_name(v: str) -> str:
+    """``v`` when it is a relative path (``/``-separated, at most 8 components) of names that each follow
+    :data:`PATH_NAME_RULE` (a part directory ``<source>/part-00000-00001``), else ``ValueError``: a name read back
+    from a manifest is untrusted, and a part is read, rewritten or deleted through it."""
+    parts = v.split("/") if isinstance(v, str) else []
+    if not 0 < len(parts) <= 8:
+        raise ValueError(f"{v!r:.120} is not a relative path of 1 to 8 names")
+    for p in parts:
+        try:
+            check_path_name(p)
+        except ValueError:
+            raise ValueError(f"{v!r:.120} is not a relative path of names that are each {PATH_NAME_RULE}") from None
+    return v
+
+
+def one_line(e: Exception) -> str:
+    """A pydantic validation error as one line: the first error's field path and message (and how many more)."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    errs = errors()
+    first = errs[0]
+    loc = ".".join(str(x) for x in first.get("loc", ())) or "(top level)"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    return f"{loc}: {msg}{more}".replace("\n", "\\n")
 
 
 class _Strict(BaseModel):
@@ -64,7 +113,8 @@ class SourceCounts(_Strict):
 class ShardRecord(_Strict):
     """A finished shard group (an MDS subdirectory with its own index.json)."""
 
-    name: str = Field(description="subdirectory, relative to the output directory")
+    name: Annotated[str, AfterValidator(check_relative_name)] = Field(
+        description="subdirectory, relative to the output directory")
     source: str | None = None
     part: int = 0
     samples: int
@@ -110,18 +160,12 @@ class Manifest(_Strict):
             )
         try:
             return cls.model_validate(data)
-        except Exception as e:  # pydantic.ValidationError: keep its field paths, add the file
-            raise ValueError(f"{path}: invalid manifest: {e}") from e
+        except ValidationError as e:  # one line: the field path and what is wrong, with the file
+            raise ValueError(f"{path}: invalid manifest: {one_line(e)}") from None
 
     @classmethod
     def load_if_exists(cls, directory: str) -> Manifest | None:
         return cls.load(directory) if os.path.exists(cls.path_in(directory)) else None
-
-    def save(self, directory: str) -> str:
-        os.makedirs(directory, exist_ok=True)
-        path = self.path_in(directory)
-        atomic_write_text(path, self.model_dump_json(indent=2))
-        return path
 
     # --- bookkeeping -------------------------------------------------------------------------
     def counts(self, source: str) -> SourceCounts:
@@ -150,6 +194,9 @@ class UnitRecord(_Strict):
     source: str
     unit: int
     spans: list[list[Any]] = Field(description="the unit's input: [file, start, stop] (bytes or row groups)")
+    inputs: list[list[Any]] = Field(default_factory=list, description="per span, its file's [size, mtime_ns, "
+                                    "xxh3-128 of the bytes the unit reads] when the unit started (a changed input "
+                                    "is detected on a rerun)")
     parts: list[ShardRecord] = Field(default_factory=list, description="finished parts, each with its resume state")
     counts: SourceCounts = Field(default_factory=SourceCounts, description="documents, tokens... of the finished "
                                  "parts (dropped_tokens once done)")
@@ -167,39 +214,10 @@ class UnitRecord(_Strict):
         try:
             with open(path, encoding="utf-8") as f:
                 return cls.model_validate(json.load(f))
-        except (OSError, ValueError) as e:  # json and pydantic errors are ValueErrors
+        except ValidationError as e:
+            raise ValueError(f"{path}: invalid work unit record: {one_line(e)}") from None
+        except (OSError, ValueError) as e:  # json errors are ValueErrors
             raise ValueError(f"{path}: cannot read the work unit's record ({e})") from e
-
-    def save(self, path: str) -> None:
-        """Save atomically through ``<path>.tmp`` (only the unit's task writes it: a rerun removes what a kill
-        left of it)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        atomic_write_text(path, self.model_dump_json(indent=1), temp=path + ".tmp")
-
-
-def atomic_write_text(path: str, text: str, *, temp: str | None = None) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the new file, never half.
-
-    ``temp``: the temporary file's path (default: a new ``.tmp-*`` beside ``path``); a writer that owns a fixed
-    one (a work unit's record) can find and remove what a kill left of it.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if temp is None:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    else:
-        fd, tmp = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), temp
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:  # a failed write (full disk): name the file
-            raise type(e)(e.errno, e.strerror or str(e), path) from e
-        raise
 
 
 def sha256_file(path: str) -> str:

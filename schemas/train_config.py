@@ -39,7 +39,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
-from schemas.outdir import EXTENDABLE, OPERATIONAL
+from schemas.records import EXTENDABLE, OPERATIONAL
 from schemas.train_options import LoggersConfig, ThroughputConfig
 
 __all__ = [

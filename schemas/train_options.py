@@ -3,9 +3,9 @@
 ``jobs/curate_and_train.py`` is its ``train:`` section). How the model runs (``model.activation_checkpointing``,
 ``model.compile``) is :class:`~schemas.train_config.TrainModelConfig`.
 
-No torch here. Both sections are operational (:data:`~schemas.outdir.OPERATIONAL`): what is logged where cannot
+No torch here. Both sections are operational (:data:`~schemas.records.OPERATIONAL`): what is logged where cannot
 change what a run computes, so a rerun may add a logger and still resume. Runs recorded before these keys existed
-resume too: a key absent from a record that holds its default counts as equal (:func:`schemas.outdir.config_diff`).
+resume too: a key absent from a record that holds its default counts as equal (:func:`schemas.records.config_diff`).
 
 The loggers are optional extras; each is off unless its section is present, and written by rank 0 only:
 

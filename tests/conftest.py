@@ -63,7 +63,7 @@ def _quiet_env(monkeypatch):
 
 @pytest.fixture
 def full_disk(monkeypatch):
-    """``full_disk(when)``: from now on, atomic writes (``schemas.manifest.atomic_write_text``) whose text
+    """``full_disk(when)``: from now on, atomic writes (``curation.io.atomic.atomic_write_text``) whose text
     satisfies ``when`` fail with ENOSPC, as on a full disk; the others are written."""
     import errno
 
@@ -88,7 +88,7 @@ def full_disk(monkeypatch):
             return getattr(self.f, name)
 
     def fill(when=lambda text: True):
-        monkeypatch.setattr("schemas.manifest.os.fdopen", lambda fd, *a, **k: FullFile(real(fd, *a, **k), when))
+        monkeypatch.setattr("curation.io.atomic.os.fdopen", lambda fd, *a, **k: FullFile(real(fd, *a, **k), when))
 
     return fill
 

@@ -200,6 +200,64 @@ def test_the_experiments_live_in_bench_not_in_training(job, module):
     assert any(m.startswith(module) for m in imported), f"jobs/{job} does not import {module}: {sorted(imported)}"
 
 
+#: What ``schemas/`` (configs, manifests, shard specs: data and pure rules) must not do: handle signals, lock
+#: files, parse command lines or write files. Those are I/O and live in ``curation/io`` (stop, outdir, cli, atomic).
+_IO_MODULES = {"signal", "fcntl", "argparse", "tempfile", "shutil", "subprocess", "socket"}
+_WRITING_CALLS = {"replace", "rename", "makedirs", "mkdir", "unlink", "remove", "rmdir", "write", "pwrite",
+                  "ftruncate", "fsync", "chmod", "fchmod", "symlink", "link", "open"}
+
+
+def _writes(tree: ast.AST):
+    """Lines of ``open(..., "w"/"a"/"x"/"+")`` and of ``os.<a call that writes>`` (``os.open`` included)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        if isinstance(fn, ast.Name) and fn.id == "open":
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"),
+                                                                  None)
+            if mode is not None and not (isinstance(mode, ast.Constant) and set(str(mode.value)) <= set("rbt")):
+                yield node.lineno, "open(..., mode)"
+        elif (isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id == "os"
+              and fn.attr in _WRITING_CALLS):
+            yield node.lineno, f"os.{fn.attr}"
+
+
+def test_schemas_hold_no_signal_handling_locks_argument_parsing_or_file_writes():
+    """``schemas/`` is what configs and records *are*; how a job stops on a signal, locks its output directory,
+    parses its command line or writes a file whole is I/O (``curation/io``: DESIGN.md §4)."""
+    files = sorted((REPO / "schemas").rglob("*.py"))
+    found = [f"{p.relative_to(REPO)}:{line}: import {t}" for p in files for line, m, n in _imports(p)
+             for t in _top(m, n) & _IO_MODULES]
+    found += [f"{p.relative_to(REPO)}:{line}: {what}" for p in files
+              for line, what in _writes(ast.parse(p.read_text(encoding="utf-8")))]
+    assert files and not found, f"I/O in schemas/ (move it to curation/io): {found}"
+
+
+def test_the_io_modules_the_jobs_use_before_their_config_is_parsed_import_nothing_heavy():
+    """The jobs parse the command line, open the output directory and install the stop handler before they import
+    torch, Composer or Ray (``--help`` and a bad setting answer at once): these modules, and what they import of the
+    project, import none of those."""
+    heavy = {"torch", "composer", "ray", "streaming", "transformers", "numpy", "safetensors", "boto3", "tokenizers"}
+    todo = ["curation.io.cli", "curation.io.outdir", "curation.io.stop", "curation.io.atomic", "curation.io.objects"]
+    seen: set[str] = set()
+    found = []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = REPO / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        in_functions = {n.lineno for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(fn)
+                        if isinstance(n, ast.Import | ast.ImportFrom)}  # (imported when called, not on import)
+        found += [f"{module}:{line}: {t}" for line, m, n in _imports(path, runtime_only=True)
+                  if line not in in_functions for t in _top(m, n) & heavy]
+        todo += sorted(_project_targets(path))
+    assert not found, f"heavy imports on the jobs' start-up path: {found}"
+
+
 # ------------------------------------------------------------------------------------------------
 # the engine–trainer seam (DESIGN.md §4: "where each kind of change goes at the engine–trainer seam")
 # ------------------------------------------------------------------------------------------------

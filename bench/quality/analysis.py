@@ -24,25 +24,47 @@ from typing import Any
 
 import torch
 
-from bench.quality.compute import amortized_total, flops_to_reach, loss_at, run_flops, selection_flops
-from bench.quality.experiment import Runs, StageClock, train_all
+from bench.quality.compute import (
+    amortized_total,
+    break_even_runs,
+    charged_selection,
+    flops_to_reach,
+    loss_at,
+    mean_curve,
+    run_flops,
+    selection_flops,
+    smooth,
+)
+from bench.quality.experiment import Runs, StageClock, run_prefix, train_all
 from bench.quality.report import make_figures, results_md, seed_interval
 from bench.quality.runs import REUSED, Evaluator, final_val
 from bench.quality.setting import (
+    CPU_ESTIMATE_MIN,
     EVAL_SETS,
     POLICIES,
+    SETTINGS,
     SOURCES,
     TARGET_SET,
     Setting,
     data_configs,
+    dev_source,
+    document_hashes,
     eval_sources,
     model_config,
     run_shape,
 )
+from bench.quality.verdicts import (
+    VERDICT_RULES,
+    blade_vs_rho1_verdict,
+    direction,
+    native_verdict,
+    reuse_summary,
+    reuse_verdict,
+)
 from curation.core.stats import Histogram
 from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 
 __all__ = ["run_benchmark", "analyse", "compare_seeds", "interpolate_scores", "share_above", "delta_over_time", "passed_at"]
 
@@ -108,134 +130,190 @@ def passed_at(curve: list[tuple[int, float]], reference: float, margin: float) -
     return next((n for n, v in curve if v < reference - margin), None)
 
 
+def _native(r: Runs, setting: str, ev: Evaluator, base_ev: dict[str, DocScores]) -> dict[str, Any]:
+    """One setting's proxy runs scored and compared (the first two questions)."""
+    s, out, shape = r.s, r.out, run_shape(r.s)
+    small, target_only, pre, main = model_config(s), (TARGET_SET,), run_prefix(setting), r.main[setting]
+
+    def snap(res: dict[str, Any], step: int) -> str:
+        return res["snapshots"][str(step)]
+
+    def final_w(p: str, res: dict[str, Any]) -> str:
+        return snap(res, s.steps) if p == "full" else res["final_weights"]
+
+    ev_main = {p: [ev(f"{pre}{p}-seed{k}@{s.steps}", small, final_w(p, res)) for k, res in enumerate(rs)]
+               for p, rs in main.items()}
+    ev_eq = {p: [ev(f"{pre}full-seed{k}@{r.eq_steps[p]}", small, snap(full, r.eq_steps[p]))
+                 for k, full in enumerate(main["full"])] for p in POLICIES[1:]}
+    for p, rs in main.items():  # models/<setting-><policy>-seed<k>/: HF directories for jobs/evaluate.py
+        for k, res in enumerate(rs):
+            export_hf(build_causal_lm(small.model_copy(update={"weights": final_w(p, res)})), r.tokenizer,
+                      os.path.join(out, "models", f"{pre}{p}-seed{k}"))
+    curve_steps = sorted(int(n) for n in main["rho1"][0]["snapshots"] if int(n) <= s.steps)
+    test_curves = {p: [[(0, base_ev[TARGET_SET].mean)] + [
+        (n, ev(f"{pre}{p}-seed{k}@{n}", small, snap(res, n), sets=target_only)[TARGET_SET].mean) for n in curve_steps]
+        for k, res in enumerate(rs)] for p, rs in main.items()}
+    ref_w = main["rho1"][0].get("final_reference")
+    val_src = data_configs(s, out)["pool"].validation[0]
+    static_ref = _means(ev(f"{pre}static-reference", small, ref_w, extra=(val_src, dev_source(s))))
+    margin = 0.1  # nats: "passed by a wide margin"
+    passed = {p: [passed_at(c, static_ref[TARGET_SET], margin) for c in cs] for p, cs in test_curves.items()}
+    compute_curves = {p: [[(run_flops(shape, p, pt["step"], r.best).total, pt["loss"]) for pt in res["validation"]]
+                          for res in rs] for p, rs in main.items()}
+    full_val_curve = [(run_flops(shape, "full", pt["step"]).total, pt["loss"]) for pt in main["full"][0]["validation"]]
+    data = r.data["pool" if setting == SETTINGS[0] else "pool-paper"]
+    domain = {src[0]: src[3] for src in SOURCES}
+    pool_m = data.manifests["candidates"]
+    pool_share = {k: c.sequences / pool_m.totals().sequences for k, c in pool_m.sources.items()}
+    eq_tokens = {p: compare_seeds(ev_main[p], ev_main["full"]) for p in POLICIES[1:]}
+    eq_compute = {p: compare_seeds(ev_main[p], ev_eq[p]) for p in POLICIES[1:]}
+    blade_rho1 = compare_seeds(ev_main["blade"], ev_main["rho1"])
+    seeds = len(main["full"])
+    return {
+        "pool_share": pool_share, "math_share": sum(v for k, v in pool_share.items() if domain[k] == "math"),
+        "pool_counts": {k: c.model_dump() for k, c in pool_m.sources.items()},
+        "eval": {p: [_means(e) for e in es] for p, es in ev_main.items()},
+        "eval_equal_compute_full": {p: [_means(e) for e in es] for p, es in ev_eq.items()},
+        "vs_full_equal_tokens": eq_tokens, "vs_full_equal_compute": eq_compute, "blade_vs_rho1": blade_rho1,
+        "blade_vs_nosync": compare_seeds(ev_main["blade"], ev_main["blade-nosync"]),
+        "verdicts": {"blade_vs_rho1": blade_vs_rho1_verdict(blade_rho1[TARGET_SET], seeds),
+                     "native": {p: native_verdict(eq_compute[p][TARGET_SET], seeds) for p in POLICIES[2:]},
+                     "native_all_sets": {p: {k: direction(v, seeds) for k, v in eq_compute[p].items()}
+                                         for p in POLICIES[2:]}},
+        "compute_curves": compute_curves, "full_val_compute_curve": full_val_curve,
+        "test_curves": test_curves, "static_reference": static_ref, "passed_static_reference": passed,
+        "pass_margin": margin,
+        "step_seconds": {p: [res["step_seconds"] for res in rs] for p, rs in main.items()},
+        "part_seconds": {p: {k: statistics.fmean(res["summary"]["seconds"].get(k, 0.0) / res["summary"]["steps"]
+                                                for res in rs) for k in ("refresh", "score", "select")}
+                         for p, rs in main.items()},
+        "final_val": {p: [final_val(res, s.steps) for res in rs] for p, rs in main.items()},
+        "val_curves": {p: [[pt for pt in res["validation"] if pt["step"] <= s.steps] for res in rs]
+                       for p, rs in main.items()},
+        "kept_share": {p: {k: v["kept_fraction"] for k, v in sorted(rs[0]["summary"]["tokens"]["per_source"].items())}
+                       for p, rs in main.items()},
+        "param_distance": {p: rs[0]["summary"].get("param_distance", []) for p, rs in main.items()},
+        "delta_over_time": {p: delta_over_time([res["summary"] for res in main[p]])
+                            for p in ("rho1", "blade", "blade-nosync")},
+    }
+
+
+def _reuse(r: Runs, setting: str, ev: Evaluator, tbase: dict[str, DocScores]) -> dict[str, Any]:
+    """One setting's target runs, every reuse seed: replay − the same seed's `full`, at equal target steps and at
+    equal total compute for every R in both accountings; "reaches" and break-even R on smoothed mean curves."""
+    s, shape, tshape = r.s, run_shape(r.s), run_shape(r.s, target=True)
+    big, target_only, pre, entry = model_config(s, target=True), (TARGET_SET,), run_prefix(setting), r.reuse[setting]
+    per_step = run_flops(tshape, "full", 1).total
+    T, base = s.steps * per_step, r.bases["proxy"]["flops"]
+    seeds = len(entry["full"])
+
+    def snap(res: dict[str, Any], step: int) -> str:
+        return res["snapshots"][str(step)]
+
+    full_pts = []  # per seed: [(FLOPs, scores)]
+    for k, tfull in enumerate(entry["full"]):
+        steps = sorted(int(n) for n in tfull["snapshots"])
+        full_pts.append([(0.0, tbase)] + [(n * per_step, ev(f"{pre}target-full-seed{k}@{n}", big, snap(tfull, n),
+                                                              sets=None if n >= s.steps else target_only))
+                                          for n in steps])
+    full_final = [next(sc for x, sc in pts if x == T) for pts in full_pts]
+    full_mean = mean_curve([[(x, sc[TARGET_SET].mean) for x, sc in pts] for pts in full_pts])
+    level = loss_at(smooth(full_mean, s.smooth_window), T)  # full's final target loss, smoothed
+    out: dict[str, Any] = {
+        "seeds": seeds, "target_steps": s.steps, "full_steps": entry["full"][0]["config"]["max_steps"],
+        "target_step_flops": per_step, "full_flops": T, "proxy_base_flops": base, "base_vs_target_run": base / T,
+        "full_final": [_means(f) for f in full_final], "full_curve": full_mean, "full_level_smoothed": level,
+        "base": _means(tbase), "policies": {}, "break_even": {}}
+    for p, reps in entry["replays"].items():
+        sel = selection_flops(shape, p, s.steps, r.best)
+        finals, curves = [], []
+        for k, rep in enumerate(reps):
+            steps_p = sorted(int(n) for n in rep["snapshots"])
+            pts = [(0, tbase)] + [(n, ev(f"{pre}target-replay-{p}-seed{k}@{n}", big, snap(rep, n),
+                                         sets=None if n == s.steps else target_only)) for n in steps_p]
+            finals.append(pts[-1][1])
+            curves.append([(n, sc[TARGET_SET].mean) for n, sc in pts])
+        rep_mean = mean_curve(curves)
+        rep_level = rep_mean[-1][1]  # the replay's final loss, mean over seeds (an end: smoothing keeps it)
+        e: dict[str, Any] = {
+            "selection_flops": sel, "selection_vs_target_run": sel / T, "final": [_means(f) for f in finals],
+            "curve_steps": rep_mean, "equal_steps": compare_seeds(finals, full_final), "accountings": {}}
+        e["equal_steps_verdict"] = direction(e["equal_steps"][TARGET_SET], seeds)
+        for acct in ("charged", "free"):
+            c = charged_selection(p, sel, base, charged=acct == "charged")
+            per_r = {}
+            for runs in s.reuse_runs:
+                total = amortized_total(T, c, runs)
+                ats, bound = [], False
+                for pts in full_pts:
+                    at = {k: interpolate_scores([(x, sc[k]) for x, sc in pts if k in sc], total) for k in finals[0]}
+                    if any(v is None for v in at.values()):  # beyond full's run: its last snapshot, a bound
+                        at, bound = dict(pts[-1][1]), True
+                    ats.append(at)
+                diff = compare_seeds(finals, ats)
+                curve = smooth([(c / runs + n * per_step, v) for n, v in rep_mean], s.smooth_window)
+                need = flops_to_reach(curve, level)
+                per_r[str(runs)] = {
+                    "total_flops": total, "curve": curve, "bound": bound,
+                    "full_at_equal_compute": {k: statistics.fmean(a[k].mean for a in ats) for k in finals[0]},
+                    "equal_compute": diff, "verdict": reuse_verdict(diff[TARGET_SET], seeds, bound=bound),
+                    "flops_to_reach_full": need, "vs_full_flops": None if need is None else need / T}
+            e["accountings"][acct] = {"selection": c, "runs": per_r,
+                                      "summary": reuse_summary({n: v["verdict"] for n, v in per_r.items()},
+                                                               s.reuse_runs)}
+            out["break_even"].setdefault(p, {})[acct] = break_even_runs(c, T, full_mean, rep_level,
+                                                                        window=s.smooth_window)
+        out["policies"][p] = e
+    return out
+
+
+def dev_split(s: Setting) -> dict[str, Any]:
+    """The dev split and its overlaps (by document text hashes) with the pool's GSM8K, the validation slice and
+    every evaluation set: all zero, or the choices made on it would have seen evaluation data."""
+    dev = dev_source(s)
+    hashes = document_hashes(dev)
+    cfg = data_configs(s, "/nonexistent")
+    others = {"validation": cfg["pool"].validation[0],
+              **{f"pool:{c.name}": c for c in cfg["pool"].sources if c.name == "gsm8k"},
+              **{c.name: c for c in eval_sources(s)}}
+    return {"source": dev.paths[0], "skip_documents": dev.skip_documents, "documents": len(hashes),
+            "overlap": {name: len(hashes & document_hashes(src)) for name, src in others.items()}}
+
+
 def analyse(r: Runs) -> dict[str, Any]:
     """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them)."""
     s, out = r.s, r.out
     shape, tshape = run_shape(s), run_shape(s, target=True)
     ev = Evaluator(out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
     small, big = model_config(s), model_config(s, target=True)
-    target_only = (TARGET_SET,)
-
-    def snap(res: dict[str, Any], step: int) -> str:
-        return res["snapshots"][str(step)]
-
-    # ---- native selection (proxy) --------------------------------------------------------------------
-    def final_w(p: str, res: dict[str, Any]) -> str:
-        return snap(res, s.steps) if p == "full" else res["final_weights"]
-
-    ev_main = {p: [ev(f"{p}-seed{k}@{s.steps}", small, final_w(p, res)) for k, res in enumerate(rs)]
-               for p, rs in r.main.items()}
-    ev_eq = {p: [ev(f"full-seed{k}@{r.eq_steps[p]}", small, snap(full, r.eq_steps[p]))
-                 for k, full in enumerate(r.main["full"])] for p in POLICIES[1:]}
-    for p, rs in r.main.items():  # models/<policy>-seed<k>/: HF directories for jobs/evaluate.py
-        for k, res in enumerate(rs):
-            export_hf(build_causal_lm(small.model_copy(update={"weights": final_w(p, res)})), r.tokenizer,
-                      os.path.join(out, "models", f"{p}-seed{k}"))
     base_ev = ev("base-proxy", small, r.bases["proxy"]["final_weights"])
-    curve_steps = sorted(int(n) for n in r.main["rho1"][0]["snapshots"] if int(n) <= s.steps)
-    test_curves = {p: [[(0, base_ev[TARGET_SET].mean)] + [
-        (n, ev(f"{p}-seed{k}@{n}", small, snap(res, n), sets=target_only)[TARGET_SET].mean) for n in curve_steps]
-        for k, res in enumerate(rs)] for p, rs in r.main.items()}
-    ref_w = r.main["rho1"][0].get("final_reference")
-    val_src = data_configs(s, out)["pool"].validation[0]
-    static_ref = _means(ev("static-reference", small, ref_w, extra=(val_src,)))
-    margin = 0.1  # nats: "passed by a wide margin"
-    passed = {p: [passed_at(c, static_ref[TARGET_SET], margin) for c in cs] for p, cs in test_curves.items()}
-    flops = {p: run_flops(shape, p, s.steps, r.best).as_dict() for p in POLICIES}
+    tbase = ev("base-target", big, r.bases["target"]["final_weights"])
+    settings = {}
+    for name in SETTINGS:
+        settings[name] = _native(r, name, ev, base_ev)
+        settings[name]["reuse"] = _reuse(r, name, ev, tbase) if r.reuse else {}
     full_step = run_flops(shape, "full", 1).total
-    compute_curves = {p: [[(run_flops(shape, p, pt["step"], r.best).total, pt["loss"]) for pt in res["validation"]]
-                          for res in rs] for p, rs in r.main.items()}
-    sweep = [{k: v for k, v in c.items() if k != "run"} | {"name": c["run"]["name"], "kt": c["setting"]["refresh_steps"] / s.tau,
-                                                           "flops_vs_full": c["flops"]["total"] / (full_step * s.steps)}
-             for c in r.sweep]
-    full_val_curve = [(run_flops(shape, "full", pt["step"]).total, pt["loss"]) for pt in r.main["full"][0]["validation"]]
-
-    # ---- reused selection (target) -------------------------------------------------------------------
-    reuse: dict[str, Any] = {}
-    if r.target_full is not None:
-        per_step = run_flops(tshape, "full", 1).total
-        tfull = r.target_full
-        t_steps = sorted(int(n) for n in tfull["snapshots"])
-        tbase = ev("base-target", big, r.bases["target"]["final_weights"])
-        full_pts = [(0.0, tbase)] + [
-            (n * per_step, ev(f"target-full@{n}", big, snap(tfull, n), sets=None if n >= s.steps else target_only))
-            for n in t_steps]
-        full_final = next(sc for x, sc in full_pts if x == s.steps * per_step)
-        full_curve = [(x, sc[TARGET_SET].mean) for x, sc in full_pts]
-        reuse = {"target_forward_flops": tshape.forward_flops, "proxy_forward_flops": shape.forward_flops,
-                 "flops_ratio": tshape.forward_flops / shape.forward_flops, "target_step_flops": per_step,
-                 "target_steps": s.steps, "full_steps": r.target_full["config"]["max_steps"],
-                 "full_final": _means(full_final), "full_curve": full_curve, "base": _means(tbase),
-                 "full_flops": s.steps * per_step, "policies": {}}
-        for p, rep in r.replays.items():
-            sel = selection_flops(shape, p, s.steps, r.best)
-            steps_p = sorted(int(n) for n in rep["snapshots"])
-            pts = [(0, tbase)] + [(n, ev(f"target-replay-{p}@{n}", big, snap(rep, n),
-                                         sets=None if n == s.steps else target_only)) for n in steps_p]
-            final = pts[-1][1]
-            entry: dict[str, Any] = {
-                "selection_flops": sel, "selection_vs_target_run": sel / (s.steps * per_step),
-                "final": _means(final), "curve_steps": [(n, sc[TARGET_SET].mean) for n, sc in pts],
-                "equal_steps": {k: _iv(paired_difference(final[k], full_final[k], rounds=1000, seed=0))
-                                for k in final},
-                "amortized": {}}
-            for runs in s.reuse_runs:
-                total = amortized_total(s.steps * per_step, sel, runs)
-                at = {k: interpolate_scores([(x, sc[k]) for x, sc in full_pts if k in sc], total) for k in final}
-                curve = [(sel / runs + n * per_step, sc[TARGET_SET].mean) for n, sc in pts]
-                need = flops_to_reach(curve, full_final[TARGET_SET].mean)
-                entry["amortized"][str(runs)] = {
-                    "total_flops": total, "curve": curve,
-                    "full_at_equal_compute": {k: v.mean for k, v in at.items() if v is not None},
-                    "equal_compute": {k: _iv(paired_difference(final[k], v, rounds=1000, seed=0))
-                                      for k, v in at.items() if v is not None},
-                    "flops_to_reach_full": need,
-                    "vs_full_flops": None if need is None else need / (s.steps * per_step),
-                }
-            reuse["policies"][p] = entry
-        reuse["full_equal_compute_check"] = loss_at(full_curve, s.steps * per_step)
-
-    domain = {src[0]: src[3] for src in SOURCES}
-    pool_m = r.data["pool"].manifests["candidates"]
-    pool_share = {k: c.sequences / pool_m.totals().sequences for k, c in pool_m.sources.items()}
+    sweep = [{k: v for k, v in c.items() if k != "run"}
+             | {"name": c["run"]["name"], "flops_vs_full": c["flops"]["total"] / (full_step * s.steps)}
+             | ({"kt": c["setting"]["refresh_steps"] / s.tau} if c["policy"] == "blade" else {})
+             for c in [*r.sweep, *r.rho1_sweep]]
     return {
+        "verdict_rules": list(VERDICT_RULES), "settings": settings, "reuse_seeds": list(range(s.reuse_seeds)),
+        "reuse_runs": list(s.reuse_runs),
+        "break_even": {name: st["reuse"].get("break_even", {}) for name, st in settings.items()},
         "setting": _setting_dict(s), "best_refresh": r.best, "sweep": sweep, "sweep_budget": r.sweep_budget,
+        "rho1_budget": r.rho1_budget, "dev_split": dev_split(s) | {"base_loss": r.dev_base},
         "eval_sets": EVAL_SETS, "target_set": TARGET_SET, "eval_documents": dict(ev.documents),
-        "pool_share": pool_share, "math_share": sum(v for k, v in pool_share.items() if domain[k] == "math"),
-        "pool_counts": {k: c.model_dump() for k, c in pool_m.sources.items()},
-        "bases": {role: {k: b[k] for k in ("parameters", "tokens", "tokens_per_parameter", "epochs", "unique_tokens")}
+        "bases": {role: {k: b[k] for k in ("parameters", "tokens", "tokens_per_parameter", "epochs", "unique_tokens",
+                                           "flops")}
                   | {"curve": b["validation"], "final_val": final_val(b), "run_seconds": b.get("run_seconds")}
                   for role, b in r.bases.items()},
-        "base_eval": _means(base_ev),
-        "eval": {p: [_means(e) for e in es] for p, es in ev_main.items()},
-        "eval_equal_compute_full": {p: [_means(e) for e in es] for p, es in ev_eq.items()},
-        "vs_full_equal_tokens": {p: compare_seeds(ev_main[p], ev_main["full"]) for p in POLICIES[1:]},
-        "vs_full_equal_compute": {p: compare_seeds(ev_main[p], ev_eq[p]) for p in POLICIES[1:]},
-        "blade_vs_rho1": compare_seeds(ev_main["blade"], ev_main["rho1"]),
-        "blade_vs_nosync": compare_seeds(ev_main["blade"], ev_main["blade-nosync"]),
-        "equal_compute_steps": r.eq_steps, "flops": flops, "full_step_flops": full_step,
-        "compute_curves": compute_curves, "full_val_compute_curve": full_val_curve,
-        "test_curves": test_curves, "static_reference": static_ref, "passed_static_reference": passed,
-        "pass_margin": margin,
-        "step_seconds": {p: [res["step_seconds"] for res in rs] for p, rs in r.main.items()},
-        "part_seconds": {p: {k: statistics.fmean(res["summary"]["seconds"].get(k, 0.0) / res["summary"]["steps"]
-                                                for res in rs) for k in ("refresh", "score", "select")}
-                         for p, rs in r.main.items()},
-        "final_val": {p: [final_val(res, s.steps) for res in rs] for p, rs in r.main.items()},
-        "val_curves": {p: [[pt for pt in res["validation"] if pt["step"] <= s.steps] for res in rs]
-                       for p, rs in r.main.items()},
-        "kept_share": {p: {k: v["kept_fraction"] for k, v in sorted(rs[0]["summary"]["tokens"]["per_source"].items())}
-                       for p, rs in r.main.items()},
-        "param_distance": {p: rs[0]["summary"].get("param_distance", []) for p, rs in r.main.items()},
-        "delta_over_time": {p: delta_over_time([res["summary"] for res in r.main[p]])
-                            for p in ("rho1", "blade", "blade-nosync")},
-        "reuse": reuse,
+        "base_eval": _means(base_ev), "target_base_eval": _means(tbase),
+        "flops_ratio": tshape.forward_flops / shape.forward_flops,
+        "equal_compute_steps": r.eq_steps, "flops": {p: run_flops(shape, p, s.steps, r.best).as_dict() for p in POLICIES},
+        "full_step_flops": full_step, "estimate_minutes": CPU_ESTIMATE_MIN,
         "reused_runs": sorted(set(REUSED)),
     }
-
-
-def _iv(iv) -> dict[str, float]:
-    return {"mean": iv.value, "lo": iv.lo, "hi": iv.hi, "method": "document bootstrap, 1 seed"}
 
 
 def _setting_dict(s) -> dict[str, Any]:

@@ -16,7 +16,14 @@ token, ``curation.evaluation.flops``; training = 3 f):
 A **selector's run** is everything a policy needs to emit its selected-token shards: the three parts above.
 ``random`` needs no model to draw its masks, so its selection costs nothing; ``full`` selects nothing.
 Reused by a target, the selection is **amortized** over the ``R`` target runs that replay the same shards:
-the target's total is ``target training + selection / R``.
+the target's total is ``target training + selection / R``. Two accountings: **free** (the proxy's base model is
+taken as given) and **base charged** (the proxy's base pretraining, ``3 f · tokens``, is part of the selection:
+a team that wants BLADE or RHO-1 shards has to train that small model first; ``random`` needs no model, so
+nothing is charged to it either way).
+
+**Break-even R** (:func:`break_even_runs`): with the replay's final loss ``L`` after the target's ``T`` FLOPs and
+``full``'s (smoothed) loss-versus-compute curve ``f``, reuse pays at R when ``L < f(T + C/R)``; ``f`` falling,
+that holds while ``T + C/R < X`` with ``X`` the compute ``full`` needs to reach ``L``, so ``R* = C / (X − T)``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 from curation.core.schedule import Schedule
 
 __all__ = ["Compute", "RunShape", "run_flops", "equal_compute_steps", "selection_flops", "amortized_total",
-           "loss_at", "flops_to_reach"]
+           "loss_at", "flops_to_reach", "base_flops", "charged_selection", "smooth", "mean_curve", "break_even_runs"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +135,67 @@ def flops_to_reach(curve: Sequence[tuple[float, float]], loss: float) -> float |
         if y1 <= loss:
             return x0 + (x1 - x0) * (y0 - loss) / (y0 - y1)
     return None
+
+
+def base_flops(forward_flops: float, tokens: int) -> float:
+    """Training FLOPs of a base model's pretraining on ``tokens`` tokens (``3 f`` per token)."""
+    return 3.0 * forward_flops * tokens
+
+
+def charged_selection(policy: str, selection: float, base: float, *, charged: bool) -> float:
+    """The selection compute of one accounting: with ``charged``, the proxy's base pretraining ``base`` is added
+    for every policy that scores with a model (not ``random``, not ``full``)."""
+    return selection + (base if charged and policy not in ("full", "random") else 0.0)
+
+
+def smooth(curve: Sequence[tuple[float, float]], window: int = 3) -> list[tuple[float, float]]:
+    """A centred moving average of a curve's losses over ``window`` neighbouring points, so that one noisy
+    snapshot cannot decide whether (or where) a curve reaches a loss; compute values unchanged. Points closer to
+    an end than ``window // 2`` average the widest centred window they have, and the two ends keep their values
+    (a one-sided average would pull a run's final loss toward its earlier, higher losses)."""
+    pts = _checked(curve)
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"window must be odd and >= 1, got {window}")
+    out = []
+    for i, (x, _) in enumerate(pts):
+        h = min(window // 2, i, len(pts) - 1 - i)
+        near = pts[i - h:i + h + 1]
+        out.append((x, sum(y for _, y in near) / len(near)))
+    return out
+
+
+def mean_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The pointwise mean over seeds of curves read at the same compute values."""
+    if not curves:
+        raise ValueError("no curves to average")
+    xs = [x for x, _ in curves[0]]
+    if any([x for x, _ in c] != xs for c in curves):
+        raise ValueError("curves to average must share their compute values")
+    return [(x, sum(c[i][1] for c in curves) / len(curves)) for i, x in enumerate(xs)]
+
+
+def break_even_runs(selection: float, target_flops: float, full_curve: Sequence[tuple[float, float]],
+                    replay_loss: float, *, window: int = 3, most: int = 64) -> dict[str, Any]:
+    """The number of target runs R from which reusing one selection of ``selection`` FLOPs pays: the replay's
+    final loss ``replay_loss`` (after ``target_flops``) below ``full``'s smoothed curve at ``target_flops +
+    selection / R``. Returns ``{"runs": R* or None, "label": ...}``:
+
+    * ``never``: ``full`` reaches the replay's loss by ``target_flops`` (no amount of reuse helps);
+    * ``any R``: a free selection (``random``) whose replay beats ``full`` at equal steps;
+    * ``beyond <most>``: R* above ``most``;
+    * ``≤ x``: ``full``'s run ends before reaching the replay's loss, so R* is at most what its end implies;
+    * otherwise R* itself (interpolated on the smoothed curve; ``≤ 1`` means it pays from the first run).
+    """
+    curve = smooth(full_curve, window)
+    need = flops_to_reach(curve, replay_loss)
+    if need is not None and need <= target_flops:
+        return {"runs": None, "label": "never", "full_flops_to_match": need}
+    if selection == 0:
+        return {"runs": 0.0, "label": "any R", "full_flops_to_match": need}
+    if need is None:
+        end = curve[-1][0]
+        bound = selection / (end - target_flops) if end > target_flops else None
+        label = "beyond full's run" if bound is None else f"≤ {bound:.3g}"
+        return {"runs": bound, "label": label, "upper_bound": True, "full_flops_to_match": None}
+    runs = selection / (need - target_flops)
+    return {"runs": runs, "label": f"beyond {most}" if runs > most else f"{runs:.3g}", "full_flops_to_match": need}

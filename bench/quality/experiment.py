@@ -1,13 +1,17 @@
 """The quality benchmark's training, in stages that each reuse what an earlier invocation finished:
 
-1. ``data``: the pool (+ target validation; trains the tokenizer) and the base text (+ base validation);
-2. ``bases``: the proxy's and the target's base models, pretrained from scratch on the general base text;
-3. ``sweep``: blade (seed 0) with each refresh-strength candidate; the one with the lowest validation loss at
-   equal compute (the cheapest candidate's FLOPs) is chosen;
-4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed
-   (``full`` runs on to the FLOPs of the costliest policy, with snapshots at each policy's equal-compute step);
-5. ``reuse``: the target continued from its base on the selected shards of seed 0 of ``reuse_policies``, and
-   ``full`` on the whole pool for as long as the largest selection-inclusive compute.
+1. ``data``: the pool (+ target validation; trains the tokenizer), the paper setting's pool (no GSM8K train)
+   and the base text (+ base validation);
+2. ``bases``: the proxy's and the target's base models, pretrained from scratch on the general base text for a
+   set number of tokens per parameter (at most ``MAX_EPOCHS`` passes);
+3. ``sweep``: blade (seed 0) with each refresh setting and rho1 (seed 0) with each reference length; in each
+   family the one with the lowest *dev* loss at equal compute (the cheapest candidate's FLOPs) is chosen;
+4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed,
+   in both settings (``full`` runs on to the FLOPs of the costliest policy, with snapshots at each policy's
+   equal-compute step);
+5. ``reuse``: for seeds < ``reuse_seeds`` in both settings, the target continued from its base on that seed's
+   selected shards of each reused policy, and the target's ``full`` of the same seed for as long as the
+   equal-total-compute points need (``target_extra_steps``).
 
 Every run saves snapshots along the way (curves on the target evaluation set). :func:`train_all` runs the
 stages up to ``until`` and returns the finished runs; ``bench.quality.analysis`` evaluates them.
@@ -25,12 +29,23 @@ from typing import Any
 
 import yaml
 
-from bench.quality.compute import equal_compute_steps, loss_at, run_flops, selection_flops
-from bench.quality.runs import REUSED, final_val, run_replay, run_training
-from bench.quality.setting import POLICIES, Setting, data_configs, model_config, run_shape
+from bench.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
+from bench.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training
+from bench.quality.setting import (
+    MAX_EPOCHS,
+    POLICIES,
+    SETTINGS,
+    Setting,
+    data_configs,
+    dev_source,
+    eval_sources,
+    forward_flops,
+    model_config,
+    run_shape,
+)
 from curation.ingest.prepare import prepare
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
-from schemas.manifest import atomic_write_text
 from schemas.train_config import (
     CheckpointConfig,
     DataConfig,
@@ -42,7 +57,8 @@ from schemas.train_config import (
     TrainConfig,
 )
 
-__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice"]
+__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice", "target_extra_steps",
+           "run_prefix"]
 
 STAGES = ("data", "bases", "sweep", "main", "reuse")
 
@@ -104,7 +120,7 @@ def count_parameters(mcfg: ModelConfig) -> int:
 
 
 def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, list[float]]:
-    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, validation loss) curve read at
+    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, dev loss) curve read at
     the budget of the cheapest candidate's whole run; returns (chosen index, budget, loss of each)."""
     budget = min(c[-1][0] for c in curves)
     losses = [loss_at(c, budget) for c in curves]
@@ -122,13 +138,17 @@ class Runs:
     tokenizer: str = ""
     data: dict[str, Any] = field(default_factory=dict)  # prepare results by name
     bases: dict[str, dict[str, Any]] = field(default_factory=dict)  # "proxy" / "target" → result (+ params)
-    sweep: list[dict[str, Any]] = field(default_factory=list)  # per candidate: setting, run, curve, loss at budget
-    best: dict[str, Any] = field(default_factory=dict)  # the chosen refresh setting
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # per blade candidate: setting, run, dev curve, …
+    rho1_sweep: list[dict[str, Any]] = field(default_factory=list)  # per reference length: the same
+    best: dict[str, Any] = field(default_factory=dict)  # the chosen refresh setting (+ the chosen rho1_steps)
     sweep_budget: float | None = None
-    main: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # policy → result per seed
+    rho1_budget: float | None = None
+    dev_base: float | None = None  # the proxy base's dev loss (every dev curve's first point)
+    # setting → policy → result per seed
+    main: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     eq_steps: dict[str, int] = field(default_factory=dict)  # full's steps at each policy's FLOPs
-    target_full: dict[str, Any] | None = None
-    replays: dict[str, dict[str, Any]] = field(default_factory=dict)  # reused policy → target replay result
+    # setting → {"full": [result per seed], "replays": {policy: [result per seed]}}
+    reuse: dict[str, dict[str, Any]] = field(default_factory=dict)
     target_steps: int = 0  # target full's length
 
 
@@ -197,69 +217,127 @@ def _stage_data(r: Runs) -> None:
 def _stage_bases(r: Runs, t: _Trainer) -> None:
     s = r.s
     sequences = r.data["base"].manifests["candidates"].totals().sequences
-    for role, epochs in (("proxy", s.base_epochs), ("target", s.target_base_epochs)):
+    for role, tpp in (("proxy", s.base_tokens_per_parameter), ("target", s.target_base_tokens_per_parameter)):
         mcfg = model_config(s, target=role == "target")
-        steps = math.ceil(epochs * sequences / s.base_batch)
+        params = count_parameters(mcfg)
+        steps = math.ceil(tpp * params / (s.base_batch * s.seq_len))
+        epochs = steps * s.base_batch / sequences
+        if epochs > MAX_EPOCHS:
+            raise ValueError(f"the {role} base at {tpp} tokens per parameter needs {epochs:.2f} passes over the base "
+                             f"text ({sequences} sequences), more than MAX_EPOCHS = {MAX_EPOCHS}")
         res = t.run(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
                     lr=s.base_lr, eval_interval=s.base_eval_interval)
-        params = count_parameters(mcfg)
         tokens = steps * s.base_batch * s.seq_len
         r.bases[role] = {**res, "parameters": params, "tokens": tokens, "tokens_per_parameter": tokens / params,
-                         "epochs": steps * s.base_batch / sequences, "unique_tokens": sequences * s.seq_len}
+                         "epochs": epochs, "unique_tokens": sequences * s.seq_len,
+                         "flops": base_flops(forward_flops(s, target=role == "target"), tokens)}
 
 
 def _start(r: Runs, role: str = "proxy") -> ModelConfig:
     return model_config(r.s, target=role == "target", weights=r.bases[role]["final_weights"])
 
 
+def _dev_curve(r: Runs, ev: Evaluator, res: dict[str, Any], policy: str, sel: dict[str, Any]) -> list[tuple[float, float]]:
+    """(FLOPs, dev loss) of a sweep run: the base at 0, then each snapshot."""
+    shape, small = run_shape(r.s), model_config(r.s)
+    dev = dev_source(r.s)
+    pts = [(0.0, r.dev_base)]
+    for n in sorted(int(k) for k in res["snapshots"]):
+        loss = ev(f"{res['name']}@{n}", small, res["snapshots"][str(n)], sets=(), extra=(dev,))[dev.name].mean
+        pts.append((run_flops(shape, policy, n, sel).total, loss))
+    return pts
+
+
 def _stage_sweep(r: Runs, t: _Trainer) -> None:
+    """BLADE's refresh settings and RHO-1's reference lengths, each chosen at equal compute on the dev split."""
     s, shape = r.s, run_shape(r.s)
     snaps = _curve_steps(s.curve_interval, s.steps)
+    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
+    dev = dev_source(s)
+    r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
     for i, cand in enumerate(s.sweep):
         res = t.run(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
                     **cand)
-        curve = [(run_flops(shape, "blade", p["step"], cand).total, p["loss"]) for p in res["validation"]]
-        r.sweep.append({"setting": dict(cand), "run": res, "curve": curve, "val_loss": final_val(res),
-                        "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
-    chosen, r.sweep_budget, losses = sweep_choice([c["curve"] for c in r.sweep])
-    for c, v in zip(r.sweep, losses, strict=True):
-        c["val_at_budget"] = v
-        c["chosen"] = c is r.sweep[chosen]
-    r.best = dict(r.sweep[chosen]["setting"])
-    print(f"[sweep] chosen at equal compute ({r.sweep_budget:.3g} FLOPs): {r.best}", flush=True)
+        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": _dev_curve(r, ev, res, "blade", cand),
+                        "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
+    for n in s.rho1_sweep:
+        cand = {"rho1_steps": n}
+        res = t.run(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
+                    rho1_steps=n)
+        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", cand),
+                             "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, cand).as_dict()})
+    for rows, attr in ((r.sweep, "sweep_budget"), (r.rho1_sweep, "rho1_budget")):
+        chosen, budget, losses = sweep_choice([c["curve"] for c in rows])
+        setattr(r, attr, budget)
+        for c, v in zip(rows, losses, strict=True):
+            c["dev_at_budget"] = v
+            c["chosen"] = c is rows[chosen]
+    r.best = {**next(c["setting"] for c in r.sweep if c["chosen"]),
+              "rho1_steps": next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])}
+    print(f"[sweep] chosen at equal compute on the dev split: {r.best}", flush=True)
+
+
+def _reuse_policies(s: Setting, setting: str) -> tuple[str, ...]:
+    return s.reuse_policies if setting == SETTINGS[0] else s.paper_reuse_policies
+
+
+def run_prefix(setting: str) -> str:
+    """The run names' prefix of a setting: none for the first (its runs keep the single-setting names)."""
+    return "" if setting == SETTINGS[0] else f"{setting}-"
 
 
 def _stage_main(r: Runs, t: _Trainer) -> None:
     s, shape = r.s, run_shape(r.s)
     r.eq_steps = {p: equal_compute_steps(shape, p, s.steps, r.best) for p in POLICIES}
     snaps = _curve_steps(s.curve_interval, s.steps)
-    r.main = {p: [] for p in POLICIES}
-    chosen = next(c["run"] for c in r.sweep if c["chosen"])
-    for seed in range(s.seeds):
-        full_snaps = snaps | set(r.eq_steps.values())
-        r.main["full"].append(t.run(f"full-seed{seed}", policy="full", seed=seed, mcfg=_start(r),
-                                    steps=max(full_snaps), snapshots=full_snaps))
-        for p in POLICIES[1:]:
-            if p == "blade" and seed == 0:  # the chosen sweep run is exactly this run (same config and seed)
-                r.main[p].append(chosen)
-                continue
-            r.main[p].append(t.run(f"{p}-seed{seed}", policy=p, seed=seed, mcfg=_start(r), snapshots=snaps,
-                                   write_selected=seed == 0 and p in s.reuse_policies))
+    # the chosen sweep runs are the first setting's seed-0 runs of blade and rho1 (same config and seed)
+    chosen = {"blade": next(c["run"] for c in r.sweep if c["chosen"]),
+              "rho1": next(c["run"] for c in r.rho1_sweep if c["chosen"])}
+    for setting in SETTINGS:
+        data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting), _reuse_policies(s, setting)
+        main = r.main[setting] = {p: [] for p in POLICIES}
+        for seed in range(s.seeds):
+            full_snaps = snaps | set(r.eq_steps.values())
+            main["full"].append(t.run(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
+                                      steps=max(full_snaps), snapshots=full_snaps))
+            for p in POLICIES[1:]:
+                if p in chosen and seed == 0 and setting == SETTINGS[0]:
+                    main[p].append(chosen[p])
+                    continue
+                main[p].append(t.run(f"{pre}{p}-seed{seed}", policy=p, seed=seed, mcfg=_start(r), data=data,
+                                     snapshots=snaps, write_selected=seed < s.reuse_seeds and p in reused))
+
+
+def target_extra_steps(s: Setting, selections: list[float], base: float, per_step: float) -> int:
+    """Target ``full``'s steps beyond ``steps``: to the equal total compute of the costliest selection with the
+    proxy's base charged, amortized over the second-smallest R (the smallest R's point, further out, is compared
+    with ``full``'s last snapshot: a bound)."""
+    if s.target_extra_steps is not None:
+        return s.target_extra_steps
+    runs = sorted(s.reuse_runs)
+    r2 = runs[1] if len(runs) > 1 else runs[0]
+    return math.ceil((max([0.0, *selections]) + base) / r2 / per_step)
 
 
 def _stage_reuse(r: Runs, t: _Trainer) -> None:
     s = r.s
     shape, tshape = run_shape(s), run_shape(s, target=True)
     per_step = run_flops(tshape, "full", 1).total
-    most = max(selection_flops(shape, p, s.steps, r.best) for p in s.reuse_policies)
-    extra = s.target_extra_steps if s.target_extra_steps is not None else math.ceil(most / per_step)
-    r.target_steps = s.target_curve_interval * math.ceil((s.steps + extra) / s.target_curve_interval)
+    sels = [selection_flops(shape, p, s.steps, r.best) for p in {*s.reuse_policies, *s.paper_reuse_policies}]
+    extra = target_extra_steps(s, sels, r.bases["proxy"]["flops"], per_step)
+    r.target_steps = s.steps + extra  # snapshots every target_curve_interval steps and at the end
     start = _start(r, "target")
-    r.target_full = t.run("target-full", policy="full", seed=0, mcfg=start, steps=r.target_steps, lr=s.target_lr,
-                          snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps})
-    for p in s.reuse_policies:
-        selected = r.main[p][0]["summary"]["selected_dir"]
-        r.replays[p] = t.replay(f"target-replay-{p}", selected, start, _curve_steps(s.target_curve_interval, s.steps))
+    for setting in SETTINGS:
+        data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting)
+        entry = r.reuse[setting] = {"full": [], "replays": {p: [] for p in _reuse_policies(s, setting)}}
+        for seed in range(s.reuse_seeds):
+            entry["full"].append(t.run(
+                f"{pre}target-full-seed{seed}", policy="full", seed=seed, mcfg=start, data=data, steps=r.target_steps,
+                lr=s.target_lr, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
+            for p in entry["replays"]:
+                selected = r.main[setting][p][seed]["summary"]["selected_dir"]
+                entry["replays"][p].append(t.replay(f"{pre}target-replay-{p}-seed{seed}", selected, start,
+                                                    _curve_steps(s.target_curve_interval, s.steps)))
 
 
 def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:

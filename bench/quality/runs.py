@@ -21,10 +21,12 @@ from composer.core import Callback
 
 from curation.evaluation.heldout import DocScores, read_set, score_documents
 from curation.ingest.tokenizer import load_tokenizer
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, save_weights
+from curation.io.outdir import ConfigMismatch, check_config_record
 from schemas.config import SourceConfig
-from schemas.manifest import atomic_write_text, sha256_file
-from schemas.outdir import ConfigMismatch, check_config_record, operational_keys
+from schemas.manifest import sha256_file
+from schemas.records import operational_keys
 from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig
 from training.runs.single import replay, train
 

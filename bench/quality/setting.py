@@ -4,12 +4,18 @@ Data, all from ``../shared/data`` (each source's SOURCE.md). Every off-domain (g
 consecutive document slices ``[base | base validation | held-out evaluation | pool]``:
 
 * **bases**: the proxy and the target model are each pretrained from scratch on the *base* slices of the
-  general sources only (C4, WikiText-2, LAMBADA, BoolQ, PubMedQA, Tiny Shakespeare, and the US presidential
-  speeches, which feed the bases only), at most ``MAX_EPOCHS`` passes, with the base-validation slices as
+  general sources only (C4, WikiText-2, LAMBADA, BoolQ, PubMedQA, Tiny Shakespeare, and, feeding the bases only,
+  the US presidential speeches, 85 English novels, 26k Wikipedia articles and 17 books of folk tales), for a
+  set number of tokens per parameter and at most ``MAX_EPOCHS`` passes, with the base-validation slices as
   their validation set (the loss curve that shows the base flattening);
-* **validation (target)**: the first 500 GSM8K *train* problems (in no pool);
-* **pool**: in-domain math in GSM8K's style and textbooks (GSM8K train after the validation slice, capped;
-  OpenIntro Statistics; HoTT) mixed with the pool slices of the general sources;
+* **validation (target)**: the first 500 GSM8K *train* problems (in no pool); the references train on it;
+* **dev**: the next ``DEV_DOCS`` GSM8K train problems after the pool's (in no pool, no reference's training
+  data, no evaluation set): the only data any choice is made on (BLADE's refresh setting, RHO-1's reference
+  length);
+* **pool** (two settings): ``gsm8k-in-pool``: in-domain math in GSM8K's style and textbooks (GSM8K train after
+  the validation slice, capped; OpenIntro Statistics; HoTT) mixed with the pool slices of the general sources;
+  ``paper`` (the paper's regime, the target's validation data not in the pool): the same without GSM8K train,
+  its share taken by the other math sources and the general text;
 * **evaluation sets**, in no pool, base or validation set and never used for any choice: GSM8K test (the
   target's distribution), MATH test and AQuA (math in other styles), and the held-out slices of WikiText-2,
   LAMBADA and C4 (general text: forgetting).
@@ -20,22 +26,27 @@ model whose training FLOPs per token are ≥ 5× the proxy's, which replays the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.quality.compute import RunShape
 from curation.evaluation.flops import ModelShape, forward_flops_per_token
+from curation.evaluation.heldout import read_set
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
 
-__all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "MAX_EPOCHS", "Setting", "PRESETS", "QUICK",
-           "data_configs", "eval_sources", "model_config", "run_shape", "forward_flops"]
+__all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "DEV_DOCS", "MAX_EPOCHS", "SETTINGS", "Setting",
+           "PRESETS", "QUICK", "CPU_ESTIMATE_MIN", "data_configs", "dev_source", "document_hashes", "eval_sources", "model_config",
+           "run_shape", "forward_flops"]
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..", "shared",
                       "data")
 POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
-MAX_EPOCHS = 4  # passes over the base text, at most
+MAX_EPOCHS = 2  # passes over the base text, at most
+#: the two pools every policy is run on: GSM8K train in the pool (the first design), and the paper's regime
+SETTINGS = ("gsm8k-in-pool", "paper")
 
 # (name, file(s) under ../shared/data, how to read a record, domain, documents for the bases, base-validation
 #  documents, held-out evaluation documents, pool cap (documents; None = all the rest; 0 = bases only))
@@ -53,6 +64,10 @@ SOURCES: list[tuple[str, list[str], dict[str, Any], str, int, int, int, int | No
     ("shakespeare", ["tinyshakespeare/input.txt"], {}, "general", 3600, 100, 0, None),
     ("speeches", ["us_presidential_speeches/state_union.jsonl", "us_presidential_speeches/inaugural.jsonl"], {},
      "general", 118, 6, 0, 0),
+    ("novels", ["eltec_english_novels/eltec_english_novels.jsonl.zst"], {}, "general", 83, 2, 0, 0),
+    ("wikipedia", ["wikipedia_en_2018_articles/wikipedia_en_2018_articles.jsonl.zst"], {}, "general", 26000, 270, 0,
+     0),
+    ("folktales", ["gutenberg_folk_fairy_tales/gutenberg_folk_fairy_tales.jsonl.zst"], {}, "general", 16, 1, 0, 0),
 ]
 # evaluation sets that are whole files (or a prefix): (name, files, how, documents (None = all), group)
 EVAL_FILES: list[tuple[str, list[str], dict[str, Any], int | None, str]] = [
@@ -65,6 +80,8 @@ EVAL_SETS: dict[str, str] = {**{n: g for n, _, _, _, g in EVAL_FILES},
                              **{f"{n}_heldout": "general (forgetting)" for n, *_, held, _ in SOURCES if held}}
 TARGET_SET = "gsm8k_test"
 VAL_DOCS = 500  # first GSM8K train problems: the validation (target) slice, skipped in the pool
+DEV_DOCS = 500  # GSM8K train problems right after the pool's: the dev split every choice is made on
+_GSM8K = ("gsm8k/train.jsonl", "{question}\n{answer}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,7 @@ class Setting:
     # data
     doc_scale: float = 1.0  # multiplies every document count (quick mode shrinks the corpus)
     pool_doc_cap: int | None = None  # cap on the documents of every pool source (quick mode)
+    base_doc_cap: int | None = None  # cap on the documents of every base slice (quick mode)
     skip_sources: tuple[str, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json under ../shared/data; None = train a BPE of `vocab` tokens
     vocab: int = 2048  # BPE size, or the model's (padded) vocabulary with a given tokenizer
@@ -83,9 +101,10 @@ class Setting:
     layers: int = 4
     target_hidden: int = 160
     target_layers: int = 5
-    # bases: pretrained from scratch on the general base slices, `base_epochs` passes (≤ MAX_EPOCHS)
-    base_epochs: float = 4.0
-    target_base_epochs: float = 4.0
+    # bases: pretrained from scratch on the general base slices for this many tokens per parameter (the run
+    # stops with an error if that would take more than MAX_EPOCHS passes over the base text)
+    base_tokens_per_parameter: float = 30.0
+    target_base_tokens_per_parameter: float = 10.5
     base_batch: int = 16
     base_lr: float = 2e-3
     base_eval_interval: int = 250
@@ -101,18 +120,33 @@ class Setting:
     eval_interval: int = 100
     eval_batches: int | None = 8
     curve_interval: int = 500  # snapshots every this many steps, scored on the target evaluation set (curves)
-    # refresh-strength candidates for blade (keys of SelectionConfig), compared at equal compute on validation
+    # refresh settings for blade (keys of SelectionConfig), compared at equal compute on the dev split: λ (with
+    # 0), η_w, the refresh batch and K/τ above and below the paper's 0.3
     sweep: tuple[dict[str, Any], ...] = field(default_factory=lambda: (
         {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.3 (the paper's)
         {"refresh_steps": 10, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.1
-        {"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.03
+        {"refresh_steps": 50, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 8},  # K/τ = 0.5
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 8},  # validation only
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 1.0, "refresh_batch_size": 8},
+        {"refresh_steps": 30, "ref_lr": 1e-3, "lam": 0.25, "refresh_batch_size": 8},
+        {"refresh_steps": 30, "ref_lr": 1e-2, "lam": 0.25, "refresh_batch_size": 8},
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 16},
     ))
-    # reuse: the target replays the selected shards of seed 0 of these policies; `full` is its own baseline
-    reuse_policies: tuple[str, ...] = ("blade", "rho1", "random")
-    reuse_runs: tuple[int, ...] = (1, 4)  # target runs one selection is amortized over
+    # RHO-1's static reference length (steps on the validation slice), chosen on the same dev split
+    rho1_sweep: tuple[int, ...] = (100, 200, 400)
+    # reuse: the target replays the selected shards of every seed < reuse_seeds of these policies, against the
+    # target's own `full` of the same seed (the paper setting replays fewer policies: the budget)
+    reuse_policies: tuple[str, ...] = ("rho1", "blade", "blade-nosync", "random")
+    paper_reuse_policies: tuple[str, ...] = ("rho1", "blade")
+    reuse_seeds: int = 3
+    reuse_runs: tuple[int, ...] = (1, 4, 16)  # target runs one selection is amortized over
+    smooth_window: int = 3  # snapshots averaged (centred) before reading "reaches" and break-even R
     target_lr: float = 1e-3
-    target_curve_interval: int = 250
-    target_extra_steps: int | None = None  # target `full` beyond `steps` (None: to the largest equal total compute)
+    target_curve_interval: int = 500
+    # target `full` beyond `steps` (None: to the equal total compute of the costliest selection, base charged, at
+    # the second-smallest R; the smallest R's point beyond that compares with full's last snapshot, a bound)
+    target_extra_steps: int | None = None
     eval_docs: int | None = None  # cap on the documents of every evaluation set (None = the sizes above)
     threads: int = 2
     precision: str = "fp32"
@@ -120,22 +154,36 @@ class Setting:
 
 
 CPU = Setting()
+#: The CPU preset's planned wall minutes per stage on the shared 2-core machine, from the previous preset's
+#: stage table (bases 44, sweep 10, main 82, reuse 22, evaluate 14 min) scaled by the work: data ≈ 35M tokens to
+#: tokenize (the --quick run: 32 s of CPU for 1.9M); bases: the 1.86M-parameter target at 10.5 tokens/parameter
+#: (9.5k steps of 16 × 128, ≈ 0.34 s each) + the proxy at 30 (4.8k steps, ≈ 0.07 s); sweep: 9 blade + 3 rho1
+#: runs of 2,000 steps (≈ 190 s and 140 s) + their dev scores; main: 2 settings × 15 runs (≈ 14 min per seed
+#: uncontended; blade seed 0 of the first is the chosen sweep run); reuse: 3 seeds × (full ≈ 2,670 + 4 replays ×
+#: 2,000 target steps) + 3 seeds × (full + 2 replays), ≈ 0.15 s per target step; evaluate: ≈ 2.4× the previous
+#: preset's scored snapshots. Total 360 min (6.0 h) on an idle machine: at the budget's edge; the lever if it runs
+#: over is the sweep's horizon (1,000-step candidates: ≈ −14 min).
+CPU_ESTIMATE_MIN = {"data": 10, "bases": 63, "sweep": 38, "main": 88, "reuse": 127, "evaluate": 34}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
-# a 11× target; the bases are held to the same text, so the proxy stays small enough for ≥ 5 tokens/parameter.
+# a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
+# over the base text.
 GPU = Setting(
-    vocab=4096, seq_len=512, hidden=128, layers=4, target_hidden=384, target_layers=8, base_batch=32, batch=32, steps=4000,
-    warmup=200, tau=200, rho1_steps=400, eval_interval=200, eval_batches=20, curve_interval=1000,
-    sweep=({"refresh_steps": 60, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
-           {"refresh_steps": 20, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32},
-           {"refresh_steps": 6, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 32}),
-    target_curve_interval=500, threads=16, precision="amp_bf16", checkpoint_interval=1000,
+    vocab=4096, seq_len=512, hidden=128, layers=2, target_hidden=256, target_layers=5, base_batch=32, batch=32,
+    steps=4000, warmup=200, tau=200, rho1_steps=400, eval_interval=200, eval_batches=20, curve_interval=1000,
+    base_tokens_per_parameter=20.0, target_base_tokens_per_parameter=10.0,
+    sweep=tuple({**c, "refresh_steps": c["refresh_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
+                for c in CPU.sweep),
+    rho1_sweep=(200, 400, 800), target_curve_interval=500, threads=16, precision="amp_bf16", checkpoint_interval=1000,
 )
 QUICK = Setting(
-    doc_scale=0.02, pool_doc_cap=30, skip_sources=("openintro", "hott"), vocab=1024, seq_len=64, hidden=32, layers=1,
-    target_hidden=96, target_layers=1, base_epochs=1.0, target_base_epochs=1.0, base_batch=8, base_eval_interval=4,
-    batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4, eval_batches=2, curve_interval=6,
+    doc_scale=0.02, pool_doc_cap=30, base_doc_cap=60, skip_sources=("openintro", "hott", "novels", "folktales"),
+    vocab=1024, seq_len=64, hidden=32, layers=1, target_hidden=96, target_layers=1, base_tokens_per_parameter=0.5,
+    target_base_tokens_per_parameter=0.2,
+    base_batch=8, base_eval_interval=10, batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4,
+    eval_batches=2, curve_interval=6,
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
-           {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4}),
+           {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),
+    rho1_sweep=(2, 3), reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1",), reuse_seeds=2,
     target_curve_interval=4, eval_docs=40, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
@@ -155,7 +203,8 @@ def _src(name: str, files: list[str], how: dict[str, Any], **kw: Any) -> SourceC
 
 def _slices(s: Setting, base: int, val: int, held: int) -> tuple[int, int, int]:
     """Scaled document counts of a general source's base, base-validation and held-out slices."""
-    return _cap(base, s.doc_scale), _cap(val, s.doc_scale) if val else 0, _cap(held, s.doc_scale) if held else 0
+    return (_cap(base, s.doc_scale, s.base_doc_cap), _cap(val, s.doc_scale) if val else 0,
+            _cap(held, s.doc_scale) if held else 0)
 
 
 def eval_sources(s: Setting) -> list[SourceConfig]:
@@ -170,9 +219,22 @@ def eval_sources(s: Setting) -> list[SourceConfig]:
     return out
 
 
+def _gsm8k_pool_docs(s: Setting) -> int:
+    cap = next(c for n, *_, c in SOURCES if n == "gsm8k")
+    return _cap(cap, s.doc_scale, s.pool_doc_cap)
+
+
+def dev_source(s: Setting) -> SourceConfig:
+    """The dev split: GSM8K train problems after the validation slice and the pool's (in no pool, no reference's
+    training data, no evaluation set); scored whole, like an evaluation set, but only ever used for choices."""
+    return _src("gsm8k_dev", [_GSM8K[0]], {"template": _GSM8K[1]}, skip_documents=VAL_DOCS + _gsm8k_pool_docs(s),
+                max_documents=_cap(DEV_DOCS, max(s.doc_scale, 0.1), s.eval_docs))
+
+
 def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
-    """The two preparations: pool (+ the target validation slice; trains the tokenizer unless one is given)
-    and base (+ the base-validation slices), tokenized alike."""
+    """The three preparations: pool (+ the target validation slice; trains the tokenizer unless one is given),
+    the paper setting's pool (the same without GSM8K train) and base (+ the base-validation slices), tokenized
+    alike."""
     pool, base, base_val = [], [], []
     for name, files, how, domain, base_docs, val_docs, held_docs, cap in SOURCES:
         if name in s.skip_sources:
@@ -188,8 +250,7 @@ def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
         if cap != 0:
             pool.append(_src(name, files, how, skip_documents=b + v + h,
                              max_documents=_cap(cap, s.doc_scale, s.pool_doc_cap)))
-    val = _src("gsm8k_val", ["gsm8k/train.jsonl"], {"template": "{question}\n{answer}"},
-               max_documents=_cap(VAL_DOCS, max(s.doc_scale, 0.1)))
+    val = _src("gsm8k_val", [_GSM8K[0]], {"template": _GSM8K[1]}, max_documents=_cap(VAL_DOCS, max(s.doc_scale, 0.1)))
     if s.tokenizer:
         pool_tok = base_tok = TokenizerConfig(path=os.path.join(SHARED, s.tokenizer))
     else:
@@ -199,9 +260,17 @@ def data_configs(s: Setting, out: str) -> dict[str, PrepareConfig]:
     return {
         "pool": PrepareConfig(sources=pool, validation=[val], tokenizer=pool_tok,
                               output_dir=os.path.join(out, "data", "pool"), **common),
+        "pool-paper": PrepareConfig(sources=[p for p in pool if p.name != "gsm8k"], validation=[val], tokenizer=base_tok,
+                                    output_dir=os.path.join(out, "data", "pool-paper"), **common),
         "base": PrepareConfig(sources=base, validation=base_val, tokenizer=base_tok,
                               output_dir=os.path.join(out, "data", "base"), **common),
     }
+
+
+def document_hashes(source: SourceConfig) -> set[str]:
+    """SHA-256 of every document's text of a source (with its skip/max), as read for training or evaluation:
+    what the dev split's disjointness from the pool, the validation slice and the evaluation sets is checked on."""
+    return {hashlib.sha256(t.encode()).hexdigest() for t in read_set(source)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from curation.core.divergence import check_reference
 from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
 from curation.core.selection import masked_mean
 
@@ -314,6 +315,14 @@ def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use
     return masked_mean(losses, valid)
 
 
+def _vocab_size(model: nn.Module) -> int | None:
+    """The ids an HF causal LM predicts over (its output embedding's rows); None for another module."""
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    weight = getattr(out, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
 def refresh_reference(
     proxy: nn.Module,
     val_batches: Iterable[Any],
@@ -355,6 +364,7 @@ def refresh_reference(
     Raises:
         ValueError: ``cand_batches`` missing while ``λ ≠ 0``, a bad ``optimizer_state``, or an iterator that
             runs out before ``K`` batches.
+        DivergenceError: the reference diverged (:func:`curation.core.divergence.check_reference`).
     """
     steps, lam = settings.refresh_steps, settings.lam
     previous, optimizer_state, workspace, clone = start.previous, start.optimizer_state, start.workspace, start.clone
@@ -410,6 +420,8 @@ def refresh_reference(
             result.objectives.append(float(objective.detach()))
             result.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))  # sharded: Σ ranks
     opt.zero_grad(set_to_none=True)
+    if steps:  # a diverged reference stops the run (one line naming selection.ref_lr), not scores on silently
+        check_reference(result.val_losses, params, vocab_size=_vocab_size(ref), lr=settings.lr)
     ref.eval()
     result.optimizer_state = opt.state_dict()
     if workspace is not None and not workspace.keep_optimizer_state:

@@ -21,13 +21,14 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.outdir import OutputDirLock
 from curation.io.outputs import localize, open_output, urls_in
 from curation.io.shards import check_tokenizer, shard_dir_info
+from curation.io.stop import GracefulStop, StopRequested
 from schemas.engine_config import CurateConfig
-from schemas.manifest import Manifest, atomic_write_text
-from schemas.outdir import OutputDirLock
-from schemas.stop import GracefulStop, StopRequested
+from schemas.manifest import Manifest
 
 __all__ = ["curate"]
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curation.io import storage
+from curation.io.paths import safe_join
 from curation.io.shards import ShardReader, publish_parts, recovery_hint, verify_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
-from schemas.outdir import config_diff
+from schemas.records import config_diff
 from schemas.shards import SPECS
 
 
@@ -133,7 +134,7 @@ class PartLedger:
         """Unrecord the parts whose files are missing or do not match their hashes; their units are redone."""
         dropped = []
         for rec in list(self.manifest.shards):
-            problem = verify_part(os.path.join(self.out_dir, rec.name)) if rec.complete else None
+            problem = verify_part(self._part(rec.name)) if rec.complete else None
             if problem is None:
                 continue
             if "sources" not in rec.state:
@@ -151,12 +152,20 @@ class PartLedger:
             dropped.append(rec.name)
         return dropped
 
+    def _part(self, name: str) -> str:
+        """The directory of the part ``name`` (a manifest's: untrusted), refused when it leads outside the output
+        directory (:func:`curation.io.paths.safe_join`; the name itself was checked when the manifest loaded)."""
+        return safe_join(self.out_dir, name, what="part", source_file=storage.display(Manifest.path_in(self.out_dir)))
+
+    def _worker_dirs(self) -> list[tuple[str, str]]:
+        """``(name, path)`` of the ``worker-*`` folders, each refused when it leads outside (a symbolic link)."""
+        return [(entry, safe_join(self.out_dir, entry, what="worker folder", source_file=self.out_dir))
+                for entry in sorted(os.listdir(self.out_dir))
+                if entry.startswith("worker-") and os.path.isdir(os.path.join(self.out_dir, entry))]
+
     def _remove_unrecorded(self) -> None:
         recorded = {r.name for r in self.manifest.shards if r.complete}
-        for entry in sorted(os.listdir(self.out_dir)):
-            path = os.path.join(self.out_dir, entry)
-            if not (entry.startswith("worker-") and os.path.isdir(path)):
-                continue
+        for entry, path in self._worker_dirs():
             for part in sorted(os.listdir(path)):
                 if part.endswith(".tmp") or f"{entry}/{part}" not in recorded:
                     storage.remove(os.path.join(path, part))
@@ -196,9 +205,9 @@ class PartLedger:
         for src, c in result.sources.items():
             self.manifest.sources[src] = self.manifest.counts(src) + SourceCounts(**c)
         # Other copies of the same unit (an unrecorded leftover of a crashed attempt) go first.
-        for entry in os.listdir(self.out_dir):
-            other = os.path.join(self.out_dir, entry, result.unit)
-            if entry.startswith("worker-") and f"{entry}/{result.unit}" != result.name and os.path.isdir(other):
+        for entry, path in self._worker_dirs():
+            other = os.path.join(path, result.unit)
+            if f"{entry}/{result.unit}" != result.name and os.path.isdir(other):
                 storage.remove(other)
         self._publish()
         return rec
@@ -249,7 +258,8 @@ class PartCache:
     def rows(self, part: str, first: int, step: int) -> list[dict[str, Any]]:
         reader = self._open.get(part)
         if reader is None:
-            reader = ShardReader(os.path.join(self.out_dir, part),
+            path = safe_join(self.out_dir, part, what="part", source_file=Manifest.path_in(self.out_dir))
+            reader = ShardReader(path,
                                  hint=lambda name: recovery_hint(self.out_dir, os.path.join(part, name)))
             self._open[part] = reader
             while len(self._open) > self.keep:

@@ -26,9 +26,9 @@ from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.shards import open_shards
-from schemas.manifest import atomic_write_text
 from schemas.train_config import ModelConfig, SelectionConfig
 
 

@@ -37,6 +37,7 @@ from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, Wo
 from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
 from curation.io import storage
+from curation.io.paths import safe_join
 from curation.io.recent import load_recent, save_recent
 from schemas.manifest import SourceCounts
 
@@ -66,8 +67,8 @@ def weights_on_disk(engine_dir: str, kind: str) -> dict[int, str]:
     """version → path of the ``kind`` weights saved under ``engine_dir``, in version order."""
     found = {}
     for name in os.listdir(engine_dir):
-        if m := _FILE[kind].fullmatch(name):
-            found[int(m.group(1))] = os.path.join(engine_dir, name)
+        if m := _FILE[kind].fullmatch(name):  # a name this code writes; resolved, it must stay in engine_dir
+            found[int(m.group(1))] = safe_join(engine_dir, name, what=f"{kind} weights", source_file=engine_dir)
     return dict(sorted(found.items()))
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from curation.io.atomic import atomic_write_text
 from schemas.eval_config import LmEvalConfig
-from schemas.manifest import atomic_write_text
 
 __all__ = ["HARNESS_MISSING", "harness_available", "write_gsm8k_task", "run_harness"]
 

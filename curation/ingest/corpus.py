@@ -225,7 +225,9 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) ->
                     break
                 pos += len(line)
                 lines += 1
-                yield line
+                held = [line]
+                del line  # suspended at the yield, this frame must not hold the line: a huge one is freed by its reader
+                yield held.pop()
         except zstandard.ZstdError as e:
             raise BadRecordError(path, lines + 1, f"corrupt zstd stream: {e}") from e
         except TruncatedZstdError as e:
@@ -287,23 +289,30 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: 
     """(record index, line, text or BadRecordError) for a jsonl file (span); record index = 0-based line index
     in the span, line = 1-based line in the span (``base`` turns it into a line of the file)."""
     seen_content = False
+    # A huge line (one document of 100 MB) is held once while its document is tokenized: its bytes, their decoded
+    # string and the parsed record are dropped as soon as the next form exists (no copy by strip() either).
     for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop)):
-        if data.strip():
-            seen_content = True
+        blank = data.isspace() or not data
+        seen_content = seen_content or not blank
         if idx < start:
             continue
         line = idx + 1
-        if not data.strip():
+        if blank:
             continue  # blank lines between records are tolerated
         try:
             text = _decode(path, line, data)
+            del data
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:
                 # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
                 where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
                 raise BadRecordError(path, line, f"malformed JSON ({where})") from None
-            yield idx, line, _text_of(record, source, path, line)
+            del text
+            value = _text_of(record, source, path, line)
+            del record
+            yield idx, line, value
+            del value
         except BadRecordError as e:
             yield idx, line, _rebased(e, base)
     if not seen_content and span.whole:

@@ -15,7 +15,7 @@ import json
 import os
 import random
 
-from schemas.manifest import atomic_write_text
+from curation.io.atomic import atomic_write_text
 
 __all__ = ["DEMO_FILES", "DEFAULT_SIZES", "write_demo_corpus", "math_problem", "general_text", "noise_text"]
 

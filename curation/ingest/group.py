@@ -23,14 +23,25 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from curation.ingest.corpus import BadRecordError, FileSpan
-from curation.ingest.units import PackSettings, PartRewritten, WorkUnit, plan_units, run_unit
+from curation.ingest.corpus import BadRecordError, FileSpan, resolve_paths
+from curation.ingest.token_sources import resolve_token_inputs
+from curation.ingest.units import (
+    RECORD_NAME,
+    PackSettings,
+    PartRewritten,
+    WorkUnit,
+    check_record,
+    load_record,
+    plan_units,
+    run_unit,
+)
 from curation.io import storage
 from curation.io.outputs import urls_in
+from curation.io.paths import safe_join
 from curation.io.shards import merge_part_indexes, save_manifest, verify_part
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import MAX_LISTED_BAD_RECORDS, BadRecord, Manifest, SourceCounts, UnitRecord
-from schemas.outdir import config_diff
+from schemas.records import config_diff
 from schemas.shards import CANDIDATE
 
 __all__ = ["ShardGroup", "group_key"]
@@ -106,7 +117,9 @@ class ShardGroup:
 
         A record written for other spans than the unit now has (its input changed since, e.g. a bad line was
         fixed, which moves the cuts after it) is removed with its parts, and the unit is prepared again, as is
-        every unit a record exists for that the plan no longer has: the output is then the one of this input.
+        every unit a record exists for that the plan no longer has: the output is then the one of this input. So is a
+        unit whose spans are the same but whose bytes are not (a same-length edit: the size, mtime and content hash
+        of what it reads, recorded when it started, :meth:`WorkUnit.changed_input`): never a mix of old and new text.
 
         Args:
             files: per source name, its files and the patterns that matched nothing (``skip_bad_records``).
@@ -116,33 +129,77 @@ class ShardGroup:
             paths, self.missing[source.name] = files[source.name]
             units = plan_units(self.out, si, source, paths, self.cfg.unit_bytes)
             self.units.extend(units)
-            planned = {u.record_path: u for u in units}
-            folder = os.path.join(self.out, source.name)
-            for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-                path = os.path.join(folder, entry)
-                if not (entry.startswith("unit-") and entry.endswith(".json")):
-                    continue
-                record = UnitRecord.load(path)
-                unit = planned.get(path)
+            planned = {u.index: u for u in units}
+            folder = self._folder(source)
+            for entry, index in self._record_files(folder):
+                path = safe_join(folder, entry, what="unit record", source_file=folder)
+                record = check_record(UnitRecord.load(path), path, source.name, index)  # untrusted: checked first
+                unit = planned.get(index)
+                changed = None
                 if unit is not None and record.spans == unit.span_list:
-                    self.records[(source.name, unit.index)] = record
-                    continue
-                now = unit.span_list if unit is not None else "no such unit"
-                warnings.warn(f"{path}: its input changed since it was written ({record.spans} now {now}); "
-                              "preparing it again", stacklevel=2)
-                for part in record.parts:
-                    storage.remove(os.path.join(self.out, part.name))
+                    changed = unit.changed_input(record.inputs)  # same cuts: the same bytes? (size, mtime, hash)
+                    if changed is None:
+                        self.records[(source.name, unit.index)] = record
+                        continue
+                    why = (f"its input {changed} changed since it was written (its size, mtime and content hash "
+                           "differ from the record's); preparing the unit again")
+                else:
+                    now = unit.span_list if unit is not None else "no such unit"
+                    why = f"its input changed since it was written ({record.spans} now {now}); preparing it again"
+                warnings.warn(f"{path}: {why}", stacklevel=2)
+                # Only what this code names for the unit is removed (the record's names were checked to be those).
+                for k in range(len(record.parts)):
+                    storage.remove(os.path.join(folder, f"part-{index:05d}-{k:05d}"))
                 storage.remove(path)
+
+    def _folder(self, source: SourceConfig) -> str:
+        """The source's folder of this group (refused when it leads outside, e.g. a symbolic link)."""
+        return safe_join(self.out, source.name, what="source folder", source_file=self.out)
+
+    @staticmethod
+    def _record_files(folder: str) -> list[tuple[str, int]]:
+        """``(file name, unit number)`` of the unit records in ``folder``, in order."""
+        entries = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [(e, int(m.group(1))) for e in entries if (m := RECORD_NAME.fullmatch(e))]
+
+    def check_inputs(self) -> None:
+        """For a finished group: refuse a rerun when an input its units read has changed since (the group would
+        otherwise be reported complete with the counts and text of the old input). A file that is gone is not
+        checked (its prepared data stays usable); a record naming a file its source does not resolve to is refused.
+
+        Raises:
+            ValueError: naming the changed file and the directory.
+        """
+        if self.legacy:
+            return
+        resolvable = {}
+        for source in self.sources:
+            try:
+                resolvable[source.name] = set(resolve_token_inputs(source) if source.pre_tokenized
+                                              else resolve_paths(source))
+            except BadRecordError:  # an input is gone: what is left is checked below
+                resolvable[source.name] = None
+        for unit in self.recorded_units():
+            record = self.record(unit)
+            files = resolvable[unit.source.name]
+            for span in unit.spans:
+                if files is not None and span.path not in files:
+                    raise ValueError(f"{unit.record_path}: spans names {span.path!r:.120}, not a file of source "
+                                     f"{unit.source.name!r}; refused: restore the file or delete the directory")
+            changed = unit.changed_input(record.inputs, missing_ok=True)
+            if changed is not None:
+                raise ValueError(f"{changed}: changed since {self.out} was prepared from it (its size, mtime and "
+                                 f"content hash differ from {unit.record_path}); restore the file, or prepare the "
+                                 "changed input into a new output_dir")
 
     def recorded_units(self) -> list[WorkUnit]:
         """The units of a finished group, rebuilt from their records (no input is read)."""
         units = []
         for si, source in enumerate(self.sources):
-            folder = os.path.join(self.out, source.name)
-            names = sorted(e for e in (os.listdir(folder) if os.path.isdir(folder) else [])
-                           if e.startswith("unit-") and e.endswith(".json"))
-            for entry in names:
-                record = UnitRecord.load(os.path.join(folder, entry))
+            folder = self._folder(source)
+            for entry, index in self._record_files(folder):
+                path = safe_join(folder, entry, what="unit record", source_file=folder)
+                record = check_record(UnitRecord.load(path), path, source.name, index)
                 spans = tuple(FileSpan(p, start, stop) for p, start, stop in record.spans)
                 units.append(WorkUnit(self.out, si, source, record.unit, spans, 0))
                 self.records[(source.name, record.unit)] = record
@@ -161,7 +218,7 @@ class ShardGroup:
         """Read the records of ``units`` again (the truth, after tasks in other processes saved them)."""
         for unit in units:
             if unit.out == self.out and storage.refresh(unit.record_path):  # written on another node: the bucket's
-                self.update(UnitRecord.load(unit.record_path))
+                self.update(load_record(unit))
 
     # --- damaged parts ----------------------------------------------------------------------------
     def repair(self, settings: PackSettings) -> list[str]:

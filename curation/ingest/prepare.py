@@ -119,8 +119,11 @@ def prepare(cfg: PrepareConfig, *, pool: PoolFactory | None = None) -> PrepareRe
     """
     cfg = localize(cfg)  # an s3:// output_dir: its local cache (curation.io.storage), filled from the bucket
     with open_output(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
+        # a given tokenizer is loaded before the config is recorded: a wrong tokenizer.path leaves no record that
+        # would refuse the corrected rerun (one trained here is saved under output_dir: recorded first)
+        tok = _get_tokenizer(cfg) if cfg.tokenizer.path is not None else None
         lock.write_records()
-        return _prepare_locked(cfg, pool)
+        return _prepare_locked(cfg, pool, tok)
 
 
 def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
@@ -133,11 +136,11 @@ def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
     return sorted(demo - other)
 
 
-def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None) -> PrepareResult:
+def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTokenizer | None) -> PrepareResult:
     start = time.perf_counter()
     for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
-    tok = _get_tokenizer(cfg)
+    tok = tok or _get_tokenizer(cfg)
     share_tokenizer(tok, eos_token=cfg.tokenizer.eos_token)  # the units run in this process need not load it again
     result = PrepareResult(tokenizer=tok)
     settings = PackSettings(
@@ -154,6 +157,8 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None) -> PrepareResu
         group = ShardGroup.open(cfg, name, sources, tok.fingerprint, tok.vocab_size, tok.path)
         if not group.manifest.complete:
             group.plan({s.name: _files(s, cfg.skip_bad_records) for s in sources})
+        else:
+            group.check_inputs()  # a changed input is refused, never reported as prepared
         result.regenerated.extend(group.repair(settings))
         groups.append(group)
         result.dirs[name] = group.out

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from curation.ingest.corpus import BadRecordError, iter_inputs, resolve_paths
-from curation.io.shards import ShardIntegrityError, decode_sample, load_shard_file
+from curation.io.shards import ShardIntegrityError, check_index_names, decode_sample, load_shard_file
 from schemas.config import SourceConfig
 
 __all__ = ["TokenRecord", "resolve_token_inputs", "iter_token_records"]
@@ -180,6 +180,7 @@ def _mds_shards(path: str, source: SourceConfig) -> list[Any]:
         shards = [reader_from_json(path, None, info) for info in infos]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadRecordError(index, 0, f"unreadable MDS index ({type(e).__name__}: {e})") from e
+    check_index_names(path, shards)  # its file names stay inside the dataset (else an UnsafeNameError)
     column = source.token_column
     for info, shard in zip(infos, shards, strict=True):
         name = (shard.zip_data or shard.raw_data).basename

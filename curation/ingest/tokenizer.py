@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from curation.io.atomic import atomic_write_text
 from curation.io.storage import tokenizer_json_path
-from schemas.manifest import atomic_write_text, sha256_file
+from schemas.manifest import sha256_file
 
 __all__ = ["LoadedTokenizer", "load_tokenizer", "shared_tokenizer", "share_tokenizer", "train_bpe_tokenizer",
            "PIECE_CHARS"]

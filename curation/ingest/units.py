@@ -27,6 +27,7 @@ Everything here runs in-process (the world size 1 of ``prepare``) and, unchanged
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,23 +42,33 @@ from curation.ingest.corpus import (
     iter_documents,
     parquet_row_groups,
 )
+from curation.ingest.fingerprint import span_fingerprint, stat_input
 from curation.ingest.packing import Packer
 from curation.ingest.token_sources import TokenRecord, iter_token_records
 from curation.ingest.tokenizer import PIECE_CHARS, shared_tokenizer
 from curation.io import storage
+from curation.io.atomic import write_unit_record
+from curation.io.paths import UnsafeNameError, check_relative, safe_join
 from curation.io.shards import write_part
+from curation.io.stop import check_stop
 from schemas.config import SourceConfig
 from schemas.manifest import BadRecord, ShardRecord, UnitRecord
 from schemas.shards import CANDIDATE, token_dtype
-from schemas.stop import check_stop
 
-__all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "PartRewritten", "read_documents"]
+__all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "PartRewritten", "read_documents",
+           "check_record", "load_record", "RECORD_NAME"]
+
+#: A unit record's file name in its source's folder (``unit-00012.json``: the unit's number).
+RECORD_NAME = re.compile(r"unit-(\d{5,9})\.json")
 
 _ENCODE_BATCH = 256
 _BATCH_CHARS = 1 << 20
-#: Pieces of a huge document encoded together: one per tokenizer thread (at most 8: ~40 MB of the tokenizer's
-#: memory each), so a huge document is tokenized on every core too, in this process.
-_PIECES_AT_ONCE = min(8, int(os.environ.get("RAYON_NUM_THREADS") or os.cpu_count() or 1))
+#: Pieces of a huge document encoded together: one per tokenizer thread, so a huge document is tokenized on every
+#: core too, in this process; at most 4 (each costs ~40 MB of the tokenizer's memory, and a core of a container
+#: with a CPU quota is not one of os.cpu_count(): the cores this process may run on are counted).
+_PIECES_AT_ONCE = min(4, int(os.environ.get("RAYON_NUM_THREADS")
+                             or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+                             or 1))
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,65 @@ class WorkUnit:
 
     def fresh_record(self) -> UnitRecord:
         return UnitRecord(source=self.source.name, unit=self.index, spans=self.span_list)
+
+    def fingerprints(self) -> list[list]:
+        """``[size, mtime_ns, content hash]`` of each span's file, as a unit record keeps them (see
+        :func:`span_fingerprint`)."""
+        return [span_fingerprint(s, self._format(s)) for s in self.spans]
+
+    def changed_input(self, recorded: list[list], *, missing_ok: bool = False) -> str | None:
+        """The first file of this unit whose content changed since ``recorded`` (its record's fingerprints) were
+        taken, else ``None``: a file of the same size and mtime is taken as unchanged, another one is hashed (a
+        copy, or a touch, keeps its hash). A record without fingerprints (an older version's) is not checked;
+        ``missing_ok``: a file that is gone is not either."""
+        if not recorded:
+            return None
+        for span, old in zip(self.spans, recorded, strict=False):
+            try:
+                size, mtime = stat_input(span.path)
+            except OSError:
+                if missing_ok and not os.path.lexists(span.path):  # gone (``missing_ok``): nothing to compare
+                    continue
+                return span.path
+            if [size, mtime] == list(old[:2]):
+                continue
+            if span_fingerprint(span, self._format(span))[2] != old[2]:
+                return span.path
+        return None
+
+    def _format(self, span: FileSpan) -> str | None:
+        return None if self.source.pre_tokenized or span.whole else _format(span.path, self.source)
+
+
+def check_record(record: UnitRecord, path: str, source: str, index: int) -> UnitRecord:
+    """``record``, read from ``path``, when it is the record of unit ``index`` of ``source`` as this code writes it:
+    its source and unit, and every part named as :meth:`WorkUnit.part_name` names it. A record is read back from
+    disk or a bucket, so it is untrusted: a part name is what a rerun deletes (a unit redone) or reads.
+
+    Raises:
+        UnsafeNameError: one line naming ``path`` and the field.
+    """
+    if record.source != source:
+        raise UnsafeNameError(f"{path}: source {record.source!r} is not this record's source {source!r}; refused: "
+                              "restore the file or delete the directory")
+    if record.unit != index:
+        raise UnsafeNameError(f"{path}: unit {record.unit} is not this record's unit {index}; refused: restore the "
+                              "file or delete the directory")
+    for k, part in enumerate(record.parts):
+        check_relative(part.name, what=f"parts[{k}].name", source_file=path)
+        expected = f"{source}/part-{index:05d}-{k:05d}"
+        if part.name != expected:
+            raise UnsafeNameError(f"{path}: parts[{k}].name {part.name!r} is not the name this unit's part {k} has "
+                                  f"({expected!r}); refused: restore the file or delete the directory")
+    return record
+
+
+def load_record(unit: WorkUnit) -> UnitRecord:
+    """The unit's saved record (:func:`check_record`: its file must stay inside the output directory, its names
+    must be the unit's own)."""
+    path = safe_join(unit.out, f"{unit.source.name}/unit-{unit.index:05d}.json", what="unit record",
+                     source_file=unit.out)
+    return check_record(UnitRecord.load(path), path, unit.source.name, unit.index)
 
 
 @dataclass(frozen=True)
@@ -236,7 +306,7 @@ def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
 def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
     """Delete what a killed run of this unit left: part directories its record does not list (the unfinished
     part) and a half-written record. Only this unit's files: other units may be running beside it."""
-    folder = os.path.join(unit.out, unit.source.name)
+    folder = safe_join(unit.out, unit.source.name, what="source folder", source_file=unit.out)
     if not os.path.isdir(folder):
         return
     prefix = f"part-{unit.index:05d}-"
@@ -250,7 +320,7 @@ def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
 
 def _save_record(unit: WorkUnit, record: UnitRecord) -> None:
     """Save the unit's record after a finished part (uploaded, for an object-store directory, after the part)."""
-    record.save(unit.record_path)
+    write_unit_record(unit.record_path, record)
     storage.publish(unit.record_path)
 
 
@@ -261,7 +331,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     Resumes from the unit's saved record (``unit.record_path``): a ``done`` unit returns at once, an unfinished
     one continues after its last finished part. After each part the record is saved (the part is on disk
     before the record says so), ``on_part`` is called with it, and a stop signal is polled
-    (:func:`~schemas.stop.check_stop`: in-process, a SIGTERM stops here, between parts).
+    (:func:`~curation.io.stop.check_stop`: in-process, a SIGTERM stops here, between parts).
 
     Memory is bounded by one part plus the document being read: a document longer than ``PIECE_CHARS`` is
     tokenized and packed piece by piece. A part is written as soon as its sequences are full, i.e. while a
@@ -283,7 +353,11 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     else:
         target = None
         started = storage.refresh(unit.record_path)  # a worker on another node: the bucket's copy
-        record = UnitRecord.load(unit.record_path) if started else unit.fresh_record()
+        if started:
+            record = load_record(unit)
+        else:  # the inputs as this run reads them: a rerun redoes the unit when they change (never mixes)
+            record = unit.fresh_record()
+            record.inputs = unit.fingerprints()
         if record.done:
             return UnitResult(unit, record)
         _remove_leftovers(unit, record)
@@ -326,7 +400,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
         k += 1
         if on_part is not None:
             on_part(record)
-        check_stop(f"after finishing {unit.out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (schemas.stop)
+        check_stop(f"after finishing {unit.out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (curation.io.stop)
 
     def feed(ids: np.ndarray) -> None:
         nonlocal pending, fed, to_skip
@@ -379,7 +453,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
             if stop:
                 break
     except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
-        saved = UnitRecord.load(unit.record_path) if os.path.exists(unit.record_path) else unit.fresh_record()
+        saved = load_record(unit) if os.path.exists(unit.record_path) else unit.fresh_record()
         return UnitResult(unit, saved, tokens, BadRecord(source=source.name, file=e.file, line=e.line,
                                                          reason=e.reason), time.process_time() - cpu)
     flush(pending, {"done": True})

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from schemas.train_config import ModelConfig
@@ -20,6 +21,7 @@ from schemas.train_config import ModelConfig
 __all__ = [
     "resolve_device",
     "build_causal_lm",
+    "check_positions",
     "model_vocab_size",
     "weights_fingerprint",
     "save_weights",
@@ -64,9 +66,16 @@ def build_causal_lm(cfg: ModelConfig) -> nn.Module:
         assert cfg.path is not None
         if not os.path.isdir(cfg.path):
             raise ValueError(f"model.path {cfg.path!r} is not a local model directory")
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code, torch_dtype=torch.float32
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code, torch_dtype=torch.float32
+            )
+        except (RuntimeError, OSError, ValueError, SafetensorError) as e:  # one line naming the file, not 30–50
+            weights = next((os.path.join(cfg.path, n) for n in ("model.safetensors", "model.safetensors.index.json",
+                                                                 "pytorch_model.bin")
+                            if os.path.exists(os.path.join(cfg.path, n))), cfg.path)
+            raise ValueError(f"model.path: {weights}: cannot be loaded as the model its config.json describes "
+                             f"({_first_lines(e)})") from None
     if cfg.weights is not None:
         load_weights(model, cfg.weights)
     model.train()
@@ -76,6 +85,30 @@ def build_causal_lm(cfg: ModelConfig) -> nn.Module:
 def model_vocab_size(model: nn.Module) -> int:
     """Rows of the model's input embedding (ids it can embed)."""
     return int(model.get_input_embeddings().weight.shape[0])
+
+
+#: The config attributes in which an architecture states the longest sequence it embeds positions for: Llama,
+#: Mistral, Qwen, GPT-NeoX, OPT... (``max_position_embeddings``), GPT-2 (``n_positions``, ``n_ctx``), MPT
+#: (``max_seq_len``), Falcon/others (``max_sequence_length``, ``seq_length``).
+POSITION_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
+                  "seq_length")
+
+
+def check_positions(model: nn.Module, seq_len: int, *, what: str, setting: str = "model") -> None:
+    """Fail clearly when the model embeds positions for fewer tokens than a sequence of the data holds (a GPT-2
+    then ends in an ``IndexError`` deep in its embedding, a Llama trains silently past what it was built for).
+
+    Raises:
+        ValueError: naming the setting, both numbers and ``what`` (the file the sequence length comes from).
+    """
+    config = getattr(model, "config", None)
+    for attr in POSITION_ATTRS:
+        n = getattr(config, attr, None)
+        if isinstance(n, int) and not isinstance(n, bool) and 0 < n < seq_len:
+            attr = getattr(config, "attribute_map", {}).get(attr, attr)  # (GPT-2's alias: n_positions)
+            raise ValueError(
+                f"{setting}: the model embeds positions for {n} tokens ({attr}) but the sequences of {what} hold "
+                f"{seq_len}: set {setting}.hf_config.{attr} >= {seq_len}, or prepare the data with seq_len <= {n}")
 
 
 def check_vocab(model: nn.Module, vocab_size: int, *, what: str, setting: str = "model",
@@ -161,7 +194,10 @@ def read_weights(path: str) -> dict[str, Tensor]:
 
     if not os.path.isfile(path):
         raise ValueError(f"weights file {path} does not exist")
-    return load_file(path, device="cpu")
+    try:
+        return load_file(path, device="cpu")
+    except SafetensorError as e:  # e.g. a pickle renamed .safetensors: never unpickled, one line
+        raise ValueError(f"{path}: not a safetensors file ({_first_lines(e)})") from None
 
 
 def load_weights(model: nn.Module, path: str) -> None:
@@ -182,7 +218,16 @@ def load_state(model: nn.Module, weights: Mapping[str, Tensor], *, what: str) ->
     try:
         model.load_state_dict(dict(weights), strict=True)
     except RuntimeError as e:
-        raise ValueError(f"{what}: weights do not fit the model: {e}") from e
+        raise ValueError(f"{what}: weights do not fit the model: {_first_lines(e)}") from None
+
+
+def _first_lines(e: BaseException, n: int = 2, limit: int = 300) -> str:
+    """``e``'s message on one line: its first ``n`` non-blank lines, at most ``limit`` characters (torch lists every
+    mismatching tensor, one per line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    more = len(lines) - n
+    text = " ".join(lines[:n]) + (f" … ({more} more lines)" if more > 0 else "")
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def weights_fingerprint(model: nn.Module | Mapping[str, Tensor]) -> str:

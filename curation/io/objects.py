@@ -34,6 +34,8 @@ SCHEMES = ("s3",)
 _SINGLE_PUT = 4 << 30
 _PART = 64 << 20
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
+#: A bucket name boto accepts (botocore's VALID_BUCKET, without its ARN forms).
+_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 
 class StorageError(OSError):
     """An object-store operation failed: the message names the URL, the cause and what to do."""
@@ -77,6 +79,9 @@ def split_url(url: str) -> tuple[str, str]:
     bucket, _, key = m.group(2).partition("/")
     if not bucket:
         raise ValueError(f"{url}: no bucket name")
+    if not _BUCKET.fullmatch(bucket):  # boto's own rule, said in one line (not its regular expressions)
+        raise ValueError(f"{url}: {bucket!r:.80} is not a valid bucket name (1 to 255 letters, digits, '.', '-', '_'; "
+                         "S3 itself wants 3 to 63 lowercase letters, digits, '.' and '-')")
     return bucket, key.strip("/")
 
 
@@ -109,6 +114,7 @@ def forget_clients() -> None:
     """Drop the cached clients (the environment changed: another endpoint or other credentials)."""
     with _clients_lock:
         _clients.clear()
+    _buckets_seen.clear()
 
 
 _guards: dict[str, Callable[[], None]] = {}
@@ -186,8 +192,32 @@ def _unless_missing(url: str, action: str, call: Callable[[], Any]) -> Any:
             return call()
         except Exception as e:
             if _not_found(e):
+                _check_bucket(url)  # the object is missing, or its whole bucket (then: a StorageError)
                 return None
             raise
+
+
+_buckets_seen: set[tuple[str | None, str]] = set()
+
+
+def _check_bucket(url: str) -> None:
+    """After a "not found" on an object: raise :class:`StorageError` when it is the bucket that does not exist (an
+    object request cannot tell; a missing bucket otherwise reads as an empty directory)."""
+    bucket, _ = split_url(url)
+    key = (os.environ.get("S3_ENDPOINT_URL"), bucket)
+    if key in _buckets_seen:
+        return
+    from botocore.exceptions import ClientError
+
+    with _errors(url, "read"):
+        try:
+            client().head_bucket(Bucket=bucket)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchBucket", "404", "NotFound"):
+                raise StorageError(f"cannot read {url}: the bucket {bucket} does not exist at {_endpoint()}; create "
+                                   "it or fix the URL", url) from None
+            raise
+    _buckets_seen.add(key)
 
 
 def _not_found(e: Exception) -> bool:

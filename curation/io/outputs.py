@@ -5,7 +5,7 @@
   may be ``s3://`` URLs → the same config with their cache paths
   (:func:`curation.io.storage.local_path`); a URL anywhere else is refused naming the key. Everything below a
   job's entry takes that config; records and run keys keep the URLs (:func:`urls_in`, ``storage.canonical``).
-* :func:`open_output`: :func:`schemas.outdir.open_output_dir` for a local directory; for a URL, the same on its
+* :func:`open_output`: :func:`curation.io.outdir.open_output_dir` for a local directory; for a URL, the same on its
   cache directory (one process per machine: ``flock`` on ``<cache>/.lock``) plus the bucket's lock object
   (:class:`RemoteLock`), then the cache is made equal to the bucket (:func:`curation.io.storage.pull`) before
   the config records are compared: a rerun on any machine, with an empty cache or a stale one, resumes from
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from curation.io import objects, storage
-from schemas.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
+from curation.io.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
 __all__ = ["URL_FIELDS", "localize", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
 
@@ -220,10 +220,10 @@ class RemoteLock:
 # ------------------------------------------------------------------------------------------------
 def open_output(directory: str, job: str, records: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
                 ) -> OutputDirLock:
-    """:func:`schemas.outdir.open_output_dir` for a local path or an ``s3://`` URL (module docstring).
+    """:func:`curation.io.outdir.open_output_dir` for a local path or an ``s3://`` URL (module docstring).
 
     Raises:
-        OutputDirBusy, ConfigMismatch, OutputDirError: see :mod:`schemas.outdir` (naming the URL).
+        OutputDirBusy, ConfigMismatch, OutputDirError: see :mod:`curation.io.outdir` (naming the URL).
         StorageError: the bucket cannot be reached or refuses the credentials.
     """
     objects.check_scheme(directory)

@@ -33,14 +33,17 @@ from typing import Any
 import numpy as np
 
 from curation.io import storage
+from curation.io.atomic import atomic_write_text, write_manifest
 from curation.io.mds import SHARD_HASH, sample_decoder, write_mds
-from schemas.manifest import Manifest, atomic_write_text, sha256_file
+from curation.io.paths import safe_join
+from schemas.manifest import Manifest, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
+    "shard_file", "check_index_names",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -87,7 +90,7 @@ def load_shard_file(directory: str, shard: Any) -> bytes:
     Raises:
         ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
     """
-    path = os.path.join(directory, (shard.zip_data or shard.raw_data).basename)
+    path = shard_file(directory, shard)
     downloaded = not os.path.exists(path) and storage.fetch(path)
     try:
         return _read_shard(directory, shard)
@@ -99,16 +102,37 @@ def load_shard_file(directory: str, shard: Any) -> bytes:
         return _read_shard(directory, shard)
 
 
+def shard_file(directory: str, shard: Any, *, raw: bool = False) -> str:
+    """The path of a shard's file (``raw``: its uncompressed one) in ``directory``, from the basename its
+    ``index.json`` records: untrusted, so checked to be a relative path of plain names that stays inside
+    ``directory`` (:func:`curation.io.paths.safe_join`).
+
+    Raises:
+        UnsafeNameError: one line naming the index and the field.
+    """
+    field = "raw_data" if raw or shard.zip_data is None else "zip_data"
+    return safe_join(directory, getattr(shard, field).basename, what=f"{field}.basename",
+                     source_file=storage.display(os.path.join(directory, "index.json")))
+
+
+def check_index_names(directory: str, shards: Sequence[Any]) -> None:
+    """Check every file name the index of ``directory`` records (:func:`shard_file`) before anything is read."""
+    for shard in shards:
+        shard_file(directory, shard, raw=True)
+        if shard.zip_data is not None:
+            shard_file(directory, shard)
+
+
 def _read_shard(directory: str, shard: Any) -> bytes:
     from streaming.base.compression import decompress
 
-    raw = os.path.join(directory, shard.raw_data.basename)
+    raw = shard_file(directory, shard, raw=True)
     try:
         if os.path.exists(raw) or shard.zip_data is None:
             with open(raw, "rb") as f:
                 data = f.read()
         else:
-            zipped = os.path.join(directory, shard.zip_data.basename)
+            zipped = shard_file(directory, shard)
             with open(zipped, "rb") as f:
                 packed = f.read()
             _check_bytes(packed, shard.zip_data, storage.display(zipped))
@@ -171,6 +195,7 @@ def verify_part(part_dir: str) -> str | None:
             shards = [reader_from_json(part_dir, None, s) for s in json.load(f)["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{index}: missing or unreadable index ({e})"
+    check_index_names(part_dir, shards)  # a hostile name is an error, not damage to regenerate around
     try:
         for shard in shards:
             load_shard_file(part_dir, shard)
@@ -210,8 +235,9 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
     """
     shards: list[dict[str, Any]] = []
     total = 0
+    manifest = storage.display(Manifest.path_in(root))
     for part in parts:
-        index_path = os.path.join(root, part, "index.json")
+        index_path = os.path.join(safe_join(root, part, what="part", source_file=manifest), "index.json")
         if not storage.fetch(index_path):  # a part another machine wrote into an object-store directory: fetched
             continue
         with open(index_path, encoding="utf-8") as f:
@@ -220,7 +246,9 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
             shard = dict(shard)
             for key in ("raw_data", "zip_data"):
                 if shard.get(key):
-                    shard[key] = {**shard[key], "basename": os.path.join(part, shard[key]["basename"])}
+                    name = safe_join(os.path.join(root, part), shard[key].get("basename"), what=f"{key}.basename",
+                                     source_file=storage.display(index_path))
+                    shard[key] = {**shard[key], "basename": os.path.relpath(name, root).replace(os.sep, "/")}
             shards.append(shard)
             total += shard["samples"]
     atomic_write_text(os.path.join(root, "index.json"), json.dumps({"version": 2, "shards": shards}, indent=1))
@@ -230,7 +258,7 @@ def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
 
 def save_manifest(out_dir: str, manifest: Manifest) -> None:
     """Save the manifest (atomically) and, for an object-store directory, upload it."""
-    storage.publish(manifest.save(out_dir))
+    storage.publish(write_manifest(out_dir, manifest))
 
 
 def publish_parts(out_dir: str, manifest: Any) -> None:
@@ -276,6 +304,7 @@ class ShardReader:
         self.path = path
         self._hint = hint or (lambda name: recovery_hint(path, name))
         self.shards = [reader_from_json(path, None, s) for s in index["shards"]]
+        check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
                           if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()

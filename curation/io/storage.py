@@ -38,6 +38,7 @@ from curation.io.objects import (
     upload,
     write_object,
 )
+from curation.io.paths import UnsafeNameError, check_relative, inside, safe_key
 
 __all__ = [
     "cache_root", "local_path", "url_of", "canonical", "display", "fetch", "refresh", "publish", "unpublish",
@@ -197,11 +198,13 @@ def pull(root: str) -> list[str]:
     for rel, path in {**files, **{r: os.path.join(root, r) for r in links}}.items():
         if rel not in remote:
             os.unlink(path)
+    for rel in remote:  # keys are untrusted (anyone who can write the bucket): none may lead out of the cache
+        safe_key(root, rel, what="object key", source_file=f"{url}/")
     got = []
     for rel, info in sorted(remote.items()):
         if rel.rsplit("/", 1)[-1] == SYMLINKS:
             continue
-        path = os.path.join(root, *rel.split("/"))
+        path = safe_key(root, rel, what="object key", source_file=f"{url}/")
         if rel in links or not (os.path.isfile(path) and os.path.getsize(path) == info.size
                                 and file_etag(path) == info.etag):
             if os.path.islink(path):
@@ -211,13 +214,29 @@ def pull(root: str) -> list[str]:
     for rel in sorted(r for r in remote if r.rsplit("/", 1)[-1] == SYMLINKS):
         stored = read_object(f"{url}/{rel}")
         base = os.path.join(root, *rel.split("/")[:-1])
-        for name, target in (json.loads(stored.body) if stored else {}).items():
-            link = os.path.join(base, *name.split("/"))
+        for name, target in _link_table(f"{url}/{rel}", stored.body if stored else b"{}").items():
+            link = safe_key(base, name, what="link name", source_file=f"{url}/{rel}")
+            # The target: a relative path of plain names from the link's folder (Composer's latest-rank0.pt →
+            # ep0-ba8-rank0.pt), never absolute or up through '..', and inside the cache directory once resolved.
+            check_relative(target, what=f"target of link {name!r}", source_file=f"{url}/{rel}", loose=True)
+            if not inside(root, os.path.join(os.path.dirname(link), target)):
+                raise UnsafeNameError(f"{url}/{rel}: target of link {name!r} {target!r} leads outside {root}; refused")
             if os.path.lexists(link):
                 os.unlink(link)
             os.makedirs(os.path.dirname(link), exist_ok=True)
             os.symlink(target, link)
     return got
+
+
+def _link_table(url: str, body: bytes) -> dict[str, str]:
+    """A ``.symlinks.json`` object's table (link name → target), or :class:`UnsafeNameError` naming it."""
+    try:
+        table = json.loads(body)
+    except ValueError:
+        table = None
+    if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+        raise UnsafeNameError(f"{url}: not a table of link names and targets; refused (no link was made)")
+    return table
 
 
 def push_all(root: str) -> str | None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench.soak import _growth, _kills, _redone, _StepLog, _unfinished_parts
+from curation.io.atomic import write_manifest
 from schemas.manifest import Manifest, ShardRecord
 
 
@@ -48,9 +49,9 @@ def test_the_redone_work_is_counted_from_the_metrics_log_the_parts_on_disk_and_t
     for part in ("worker-00/steps-0-5", "worker-00/steps-10-15.tmp", "worker-01/steps-5-10", "worker-01/steps-15-20"):
         (scored / part).mkdir(parents=True)
     assert _unfinished_parts(str(out)) == 4  # no manifest yet: nothing is recorded
-    Manifest(kind="scored", job="curate_and_train", shards=[
+    write_manifest(str(scored), Manifest(kind="scored", job="curate_and_train", shards=[
         ShardRecord(name="worker-00/steps-0-5", samples=1, tokens=1),
-        ShardRecord(name="worker-01/steps-5-10", samples=1, tokens=1)]).save(str(scored))
+        ShardRecord(name="worker-01/steps-5-10", samples=1, tokens=1)]))
     assert _unfinished_parts(str(out)) == 2  # the .tmp and the finished but unrecorded part
 
     (out / "summary.json").write_text(json.dumps({"engine": {"units_redone_after_restart": 3}}))

@@ -253,3 +253,27 @@ def test_prepare_on_ray_workers_into_the_bucket_equals_a_local_prepare(s3, engin
         assert ours["extra"].pop("tokenizer_path") == s3.url("ray/tokenizer/tokenizer.json")
         theirs["extra"].pop("tokenizer_path")
         assert {k: v for k, v in ours.items() if k != "config"} == {k: v for k, v in theirs.items() if k != "config"}
+
+
+def test_s3_data_given_with_set_is_read_from_the_bucket_by_train_py_and_replay_py(s3, engine_demo, tiny_train,
+                                                                                    tmp_path, monkeypatch, capsys):
+    """``--set data.candidates=s3://...`` on the embedded default (README's example) and ``--set selected=s3://...``:
+    read from the bucket, not refused as a missing local directory (issue 32: jobs/train.py:66, jobs/replay.py:26)."""
+    from schemas.train_config import ReplayConfig, TrainConfig
+
+    train_job, replay_job = load_job("train", "_s3set"), load_job("replay", "_s3set")
+    _prepare_into(s3, engine_demo)
+    local = TrainConfig.model_validate(tiny_train(str(tmp_path / "unused"), max_steps=4))
+    monkeypatch.setattr(train_job.TrainConfig, "demo_default", classmethod(lambda cls, **_: local))
+    data = _s3_data(s3)
+    assert train_job.main([*(f"--set=data.{k}={v}" for k, v in data.items()),
+                           "--set", f"output_dir={s3.url('run')}"]) == 0, capsys.readouterr().err
+    assert "selected/index.json" in objects.list_objects(s3.url("run"))
+
+    rcfg = ReplayConfig.demo_default(engine_demo).model_copy(update={
+        "validation": None, "tokenizer": None, "model": local.model, "batch_size": 8, "max_steps": 2,
+        "progress_bar": False, "threads": 1})
+    monkeypatch.setattr(replay_job.ReplayConfig, "demo_default", classmethod(lambda cls, **_: rcfg))
+    assert replay_job.main(["--set", f"selected={s3.url('run/selected')}", "--set",
+                            f"output_dir={tmp_path / 'replay'}"]) == 0, capsys.readouterr().err
+    assert os.path.isfile(os.path.join(tmp_path, "replay", "final", "model.safetensors"))

@@ -16,14 +16,14 @@ import yaml
 
 from curation.ingest.demo import DEMO_FILES
 from curation.ingest.prepare import prepare
-from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
-from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import (
+from curation.io.outdir import (
     ConfigMismatch,
     OutputDirBusy,
     OutputDirLock,
     open_output_dir,
 )
+from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
+from schemas.engine_config import CurateAndTrainConfig
 from schemas.train_config import TrainConfig
 from tests.conftest import load_job
 
@@ -149,7 +149,7 @@ def test_train_into_a_read_only_directory_names_it(tmp_path, monkeypatch):
     def refuse(path, *a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr("schemas.outdir.os.open", refuse)  # as root, chmod 555 would not stop the write
+    monkeypatch.setattr("curation.io.outdir.os.open", refuse)  # as root, chmod 555 would not stop the write
     cfg = TrainConfig.demo_default(str(tmp_path)).model_copy(update={"output_dir": str(out)})
     with pytest.raises(ValueError) as err:
         train(cfg)

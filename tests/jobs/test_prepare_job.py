@@ -66,3 +66,17 @@ def test_an_llm_foundry_mds_dataset_is_prepared_and_a_bad_id_is_one_line(tmp_pat
     assert out.stderr.splitlines()[-1] == (
         f"error: {bad}/shard.00000.mds.zstd:8: token id 5000 (position 3) is outside the tokenizer's vocabulary "
         f"(ids 0 to {tok.vocab_size - 1}): was this data tokenized with another tokenizer?")
+
+
+def test_a_wrong_tokenizer_path_leaves_no_record_so_the_corrected_rerun_runs(tmp_path):
+    """issue 32: a wrong tokenizer.path left a config.yaml that refused the rerun with the right one."""
+    text = tmp_path / "a.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    args = ["--set", f"sources=[{{name: s, paths: [{text}]}}]", "--set", "validation=[]", "--set", "demo=false",
+            "--set", f"output_dir={tmp_path / 'out'}", "--set", "seq_len=16", "--set", "workers=1"]
+    out = _run(*args, "--set", f"tokenizer.path={tmp_path / 'nowhere.json'}", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and "nowhere.json" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "out" / "config.yaml").exists()
+    out = _run(*args, "--set", "tokenizer.vocab_size=300", cwd=tmp_path)  # corrected: a tokenizer trained here
+    assert out.returncode == 0, out.stderr

@@ -16,7 +16,7 @@ import yaml
 
 from schemas.config import PrepareConfig
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import config_diff, operational_keys
+from schemas.records import config_diff, operational_keys
 from schemas.train_config import TrainConfig
 from tests.conftest import SHARED_DATA, load_job
 

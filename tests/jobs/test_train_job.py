@@ -213,3 +213,85 @@ def test_damaged_candidate_shard_stops_training_naming_the_file(small_demo, tmp_
     part = os.path.relpath(shard.parent, cand)
     assert rc == 1 and f"error: {shard}: corrupt shard" in err
     assert f"part {part} can be regenerated: rerun jobs/prepare.py" in err and "Traceback" not in err
+
+
+def test_a_copied_run_directory_resumes_from_its_new_place(small_demo, tmp_path, capsys):  # noqa: F811
+    """issue 32: a run directory copied (or moved) elsewhere was refused (``differs in: output_dir``); now the copy
+    resumes from its own checkpoint, and an output_dir spelled with a trailing '/' is the same directory."""
+    import shutil
+    import signal
+
+    from composer.core import Callback
+
+    from curation.io.stop import GracefulStop, StopRequested
+    from training.runs.single import train
+
+    class SigtermAtStep4(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    out, copy = str(tmp_path / "run"), str(tmp_path / "copy")
+    config = _config_file(small_demo, out, tmp_path / "train.yaml")
+    with pytest.raises(StopRequested, match="after step 4 of 9"), GracefulStop():
+        train(load_config(TrainConfig, path=config), callbacks=[SigtermAtStep4()])
+    shutil.copytree(out, copy, symlinks=True)
+    capsys.readouterr()
+    assert train_job.main(["--config", config, "--set", f"output_dir={copy}/"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "blade: 9 steps" in printed and f"(resumed from {copy}/checkpoints/latest-rank0.pt)" in printed, printed
+    assert json.load(open(os.path.join(copy, "summary.json")))["steps"] == 9
+    assert yaml.safe_load(open(os.path.join(copy, "config.yaml")))["output_dir"] == f"{copy}/"
+    assert not os.path.exists(os.path.join(out, "final"))  # the original is left as it was
+
+
+@pytest.mark.parametrize(("model", "line"), [
+    ({"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 512},
+     "error: model: the model embeds positions for 64 tokens (n_positions) but the sequences of {m} hold 128: set "
+     "model.hf_config.n_positions >= 128, or prepare the data with seq_len <= 64"),
+    ({"max_position_embeddings": 64},
+     "error: model: the model embeds positions for 64 tokens (max_position_embeddings) but the sequences of {m} hold "
+     "128: set model.hf_config.max_position_embeddings >= 128, or prepare the data with seq_len <= 64"),
+    ({"batch_size": 10**9}, "error: batch_size 1000000000 is more than the {n} candidate sequences of {c}: a step "
+     "takes batch_size of them; lower batch_size"),
+])
+def test_settings_the_data_cannot_run_end_in_one_line_before_the_config_is_recorded(small_demo, tmp_path, capsys,
+                                                                                      model, line):  # noqa: F811
+    """issue 32: a GPT-2 with fewer positions than seq_len ended in an 85-line IndexError, a Llama trained past them
+    silently, batch_size=1e9 in a memory-error traceback; each left a config.yaml that refused the corrected rerun."""
+    out = str(tmp_path / "run")
+    base = TrainConfig.model_validate(yaml.safe_load(open(_config_file(small_demo, out, tmp_path / "t.yaml"))))
+    if "batch_size" in model:
+        updates = model
+    elif "model_type" in model:
+        updates = {"model": {**base.model.model_dump(mode="json"), "hf_config": model}}
+    else:
+        updates = {"model": {**base.model.model_dump(mode="json"),
+                             "hf_config": {**base.model.hf_config, **model}}}
+    config = _config_file(small_demo, out, tmp_path / "bad.yaml", **updates)
+    capsys.readouterr()
+    assert train_job.main(["--config", config]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    cand = os.path.join(small_demo, "data", "candidates")
+    n = json.load(open(os.path.join(cand, "manifest.json")))
+    n = sum(c["sequences"] for c in n["sources"].values())
+    want = line.format(m=os.path.join(cand, "manifest.json"), n=n, c=cand)
+    assert err == [want], err
+    assert not os.path.exists(os.path.join(out, "config.yaml"))  # the corrected rerun is not refused by a record
+
+
+def test_an_infinite_learning_rate_is_refused_with_the_other_bad_settings(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_job.main(["--set", "optim.lr=.inf", "--print-config"])
+    assert e.value.code == 2
+    assert "  optim.lr: Input should be a finite number (got inf)" in capsys.readouterr().err.splitlines()
+
+
+def test_a_diverging_reference_stops_the_run_naming_the_setting(small_demo, tmp_path, capsys):  # noqa: F811
+    """issue 32: ``--set selection.ref_lr=1e3`` ran to the end (rc 0) with a reference at the uniform loss."""
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    capsys.readouterr()
+    assert train_job.main(["--config", config, "--set", "selection.ref_lr=1e3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the reference diverged in a refresh: its validation loss "), err
+    assert err[0].endswith("; lower selection.ref_lr (now 1000)"), err

@@ -3,7 +3,8 @@ import re
 import pytest
 import yaml
 
-from schemas.config import ConfigError, PrepareConfig, apply_override, load_config, parse_job_config
+from curation.io.cli import parse_job_config
+from schemas.config import ConfigError, PrepareConfig, apply_override, load_config
 
 
 def test_demo_default_validates_and_round_trips(tmp_path):
@@ -197,3 +198,69 @@ def test_an_evaluation_set_is_text(tmp_path):
     with pytest.raises(ConfigError, match=r"sets.0 \('target_val'\): evaluation sets are read as text"):
         load_config(EvaluateConfig, default=lambda: EvaluateConfig.demo_default(str(tmp_path)),
                     overrides=["sets.0.template=null", "sets.0.format=mds"])
+
+
+# ------------------------------------------------------------------------------------------------
+# bounded parsing (issue 32): aliases, duplicate keys, long values, typos
+# ------------------------------------------------------------------------------------------------
+#: The 319-byte "billion laughs" of issue 32: nine levels of nine aliases, 9⁹ strings once expanded.
+ALIAS_BOMB = "a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n" + "".join(
+    f"{c}: &{c} [" + ",".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+def test_a_yaml_alias_is_refused_at_once_naming_its_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(ALIAS_BOMB)
+    with pytest.raises(ConfigError) as e:
+        load_config(PrepareConfig, path=str(bomb))
+    msg = str(e.value)
+    assert "the alias *a is not accepted in a config" in msg and "line 2" in msg and len(msg) < 600, msg
+    with pytest.raises(ConfigError, match=r"alias \*x is not accepted"):
+        load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                    overrides=["sources.0.paths=[&x a, *x]"])
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    cfg = PrepareConfig.demo_default(str(tmp_path)).model_dump(mode="json")
+    text = yaml.safe_dump(cfg, sort_keys=False) + "seq_len: 64\n"
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    first = 1 + next(i for i, line in enumerate(text.splitlines()) if line.startswith("seq_len:"))
+    last = len(text.splitlines())
+    with pytest.raises(ConfigError) as e:
+        load_config(PrepareConfig, path=str(path))
+    assert f"key 'seq_len' is given twice in this mapping (first on line {first}); keep one" in str(e.value)
+    assert f"line {last}" in str(e.value)
+
+
+def test_errors_quote_at_most_a_few_hundred_characters_of_a_value(tmp_path):
+    huge = "x" * 50_000
+    for override in (f"seq_len={huge}", f"sources.0.name={huge}", f"{huge}=1", f"seq_len=[{huge}"):
+        with pytest.raises(ConfigError) as e:
+            load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                        overrides=[override])
+        msg = str(e.value)
+        assert len(msg) < 2000 and "50,0" in msg, (override[:20], len(msg), msg[:300])
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("seq_lem=64", "  seq_lem: unknown key (did you mean seq_len?)"),
+    ("tokenizer.vocab_sise=64", "  tokenizer.vocab_sise: unknown key (did you mean vocab_size?)"),
+    ("sources.1.txt_field=body", "  sources.1.txt_field: unknown key (did you mean text_field?)"),
+    ("completely_unrelated=1", "  completely_unrelated: unknown key (got 1)"),
+])
+def test_an_unknown_key_names_the_nearest_valid_one(tmp_path, override, line):
+    with pytest.raises(ConfigError) as e:
+        load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)), overrides=[override])
+    assert line in str(e.value).splitlines(), str(e.value)
+
+
+def test_an_unknown_key_of_a_nested_job_section_names_the_nearest_key_of_that_section(tmp_path):
+    from schemas.engine_config import CurateAndTrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(CurateAndTrainConfig, default=lambda: CurateAndTrainConfig.demo_default(str(tmp_path)),
+                    overrides=["train.max_step=5", "train.selection.ref_lrr=0.1"])
+    lines = str(e.value).splitlines()
+    assert "  train.max_step: unknown key (did you mean max_steps?)" in lines, lines
+    assert "  train.selection.ref_lrr: unknown key (did you mean ref_lr?)" in lines, lines

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from curation.io.outdir import ConfigMismatch, check_config_record, write_config_record
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import ConfigMismatch, check_config_record, write_config_record
 from schemas.train_config import TrainConfig
 
 

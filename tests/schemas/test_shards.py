@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 
+from curation.io.atomic import write_manifest
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import (
     CANDIDATE,
@@ -93,7 +94,7 @@ def test_manifest_round_trip_and_atomic_save(tmp_path):
     m = Manifest(kind="candidate", job="prepare", config={"a": 1}, tokenizer_fingerprint="ab" * 32)
     m.counts("x").documents += 3
     m.shards.append(ShardRecord(name="x/part-00000", source="x", samples=5, tokens=50, state={"carry": [1, 2]}))
-    m.save(str(tmp_path))
+    write_manifest(str(tmp_path), m)
     back = Manifest.load(str(tmp_path))
     assert back == m and back.completed() == {"x/part-00000"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]

@@ -9,8 +9,8 @@ import shlex
 import pytest
 import torch
 
+from curation.io.outdir import report_job_errors
 from curation.io.shards import read_column
-from schemas.outdir import report_job_errors
 from training.blocks.checkpoint import (
     CheckpointRefused,
     checkpoint_damage,
@@ -98,3 +98,31 @@ def test_foreign_and_unsafe_files_are_refused_without_running_anything(tmp_path)
         with weights_only_loading():
             torch.load(unsafe, map_location="cpu", weights_only=False)  # what Composer calls
     assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("target", ["/elsewhere/ep0-ba2-rank0.pt", "../other/ep0-ba2-rank0.pt", "../../victim",
+                                    ".", "ep0-ba2-rank0.pt\n", "sub/ep0-ba2-rank0.pt"])
+def test_a_latest_link_leading_outside_its_folder_is_refused_in_one_line(tmp_path, target):
+    """``latest-rank0.pt`` is read back from disk (or restored from a bucket's ``.symlinks.json``): a target that is
+    not a checkpoint file beside it is refused before anything is read through it (issue 32)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (tmp_path / "other").mkdir()
+    outside = tmp_path / "other" / "ep0-ba2-rank0.pt"
+    torch.save({"state": {"w": torch.ones(2)}}, outside)  # intact: the old reader resumed from it
+    os.symlink(target, folder / "latest-rank0.pt")
+    with pytest.raises(ValueError) as e:
+        resume_checkpoint(str(folder))
+    assert str(e.value) == (f"{folder}/latest-rank0.pt: its target {target!r} is not a checkpoint file beside it "
+                            "(ep<e>-ba<b>-rank0.pt); refused: delete the link to resume from the newest intact "
+                            "checkpoint")
+
+
+def test_a_latest_link_to_a_link_leading_outside_is_refused(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"state": {"w": torch.ones(2)}}, tmp_path / "ep0-ba2-rank0.pt")
+    os.symlink(tmp_path / "ep0-ba2-rank0.pt", folder / "ep0-ba2-rank0.pt")
+    os.symlink("ep0-ba2-rank0.pt", folder / "latest-rank0.pt")
+    with pytest.raises(ValueError, match="is not a checkpoint file beside it"):
+        resume_checkpoint(str(folder))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from curation.io.atomic import write_manifest
 from curation.io.shards import check_tokenizer, merge_part_indexes, shard_dir_info, write_part
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
@@ -74,7 +75,7 @@ def test_tokenizer_mismatch_names_both_files(tmp_path, demo_root):
     shutil.copytree(val, other)
     m = Manifest.load(other)
     m.tokenizer_fingerprint = "0" * 64
-    m.save(other)
+    write_manifest(other, m)
     with pytest.raises(ValueError, match="tokenizer mismatch") as e:
         check_tokenizer([infos[0], shard_dir_info(other, "candidate")], None)
     assert Manifest.path_in(other) in str(e.value) and Manifest.path_in(cand) in str(e.value)

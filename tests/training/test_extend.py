@@ -9,9 +9,10 @@ import os
 
 import pytest
 
+from curation.io.outdir import ConfigMismatch
+from curation.io.stop import GracefulStop, StopRequested
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.outdir import ConfigMismatch, extendable_keys
-from schemas.stop import GracefulStop, StopRequested
+from schemas.records import extendable_keys
 from schemas.train_config import ReplayConfig, TrainConfig
 from tests.training.test_preemption import Signal, _trained_steps, _weights
 from training.runs.single import train

@@ -1,6 +1,7 @@
 """Experiment loggers (``loggers:``): what TensorBoard, MLflow and W&B (offline) wrote, read back with each tool's own
 reader, holds the same series as the JSON-lines log: loss, validation loss, kept fraction per source, ‖u − w̃‖,
-refresh timings and throughput. A missing package is one line naming the extra."""
+refresh timings and throughput (skipped, with the reason, unless the three extras are installed: CI's second step).
+A missing package is one line naming the extra."""
 
 from __future__ import annotations
 
@@ -18,71 +19,14 @@ from training.blocks.throughput import host_peak_rss
 from training.runs.single import train
 
 from .conftest import tiny_config
-
-pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
-pytest.importorskip("wandb", reason="the wandb extra is not installed")
+from .logger_series import KEYS, jsonl_series, mlflow_series, require_extras, tensorboard_series, wandb_series
 
 STEPS = 11
-SOURCES = ("general", "noise", "target")
-#: the metrics every logger must hold, as the trainer names them
-KEYS = ["loss/train/total", "metrics/eval/TokenLoss", *(f"blade/kept_fraction/{s}" for s in SOURCES),
-        "blade/param_distance", "blade/refresh_seconds", "time/refresh_seconds", "time/score_seconds",
-        "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds", "memory/host_peak_rss_gib"]
-
-
-def series(rows: list[tuple[int, str, float]]) -> dict[str, dict[int, float]]:
-    """``(step, key, value)`` rows → key → step → value (the last value of a key logged twice at a step)."""
-    out: dict[str, dict[int, float]] = {}
-    for step, key, value in rows:
-        out.setdefault(key, {})[int(step)] = float(value)
-    return out
-
-
-def jsonl_series(out: str) -> dict[str, dict[int, float]]:
-    with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f]
-    return series([(r["step"], k, v) for r in lines if "step" in r for k, v in r.items()
-                   if k != "step" and isinstance(v, int | float)])
-
-
-def tensorboard_series(log_dir: str) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return series([(e.step, tag, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)])
-
-
-def mlflow_series(uri: str, experiment: str) -> tuple[list, dict[str, dict[int, float]]]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    history = [(m.step, key, m.value) for key in KEYS for m in client.get_metric_history(runs[0].info.run_id, key)]
-    return runs, series(history)
-
-
-def wandb_series(run_dir: str) -> dict[str, dict[int, float]]:
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
-    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    store = datastore.DataStore()
-    store.open_for_scan(path)
-    rows = []
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            step = record.history.step.num
-            rows += [(step, i.key or "/".join(i.nested_key), json.loads(i.value_json)) for i in record.history.item
-                     if not (i.key or "/".join(i.nested_key)).startswith("_")]
-    return series([r for r in rows if isinstance(r[2], int | float)])
 
 
 @pytest.fixture(scope="module")
 def logged_run(demo_root, tmp_path_factory):
+    require_extras()
     out = str(tmp_path_factory.mktemp("loggers") / "blade")
     cfg = tiny_config(demo_root, out, "blade", max_steps=STEPS, throughput={"window": 3},
                       loggers={"tensorboard": {}, "mlflow": {"experiment": "tests"}, "wandb": {}})

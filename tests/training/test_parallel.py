@@ -233,7 +233,7 @@ def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_un
     """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
     all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
     from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""
-    from schemas.stop import GracefulStop, StopRequested
+    from curation.io.stop import GracefulStop, StopRequested
     from training.runs.group import STOPPED_FILE
 
     steps = 80  # the driver hands the signal on within 0.5 s: the run must outlast that after its first checkpoint

@@ -19,7 +19,7 @@ from training.runs.group import train_parallel
 from training.runs.single import train
 
 from .conftest import tiny_config
-from .test_loggers import mlflow_series, tensorboard_series, wandb_series
+from .logger_series import mlflow_series, require_extras, tensorboard_series, wandb_series
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -57,9 +57,7 @@ def _same_run(single: dict, group: dict) -> None:
 
 
 def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_ray, single):
-    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    require_extras()
     cfg = _checkpointed(make_config(
         "blade", "ddp", max_steps=STEPS, parallel={"workers": 2}, throughput={"window": 3, "peak_flops": 1e11},
         loggers={"tensorboard": {}, "mlflow": {"experiment": "ddp"}, "wandb": {}}))

@@ -10,7 +10,7 @@ import signal
 import pytest
 from composer.core import Callback
 
-from schemas.stop import GracefulStop, StopRequested
+from curation.io.stop import GracefulStop, StopRequested
 from tests.training.test_resume import _columns
 from training.runs.single import train
 

@@ -12,8 +12,8 @@ import torch
 from streaming import StreamingDataset
 
 from curation.io.models import build_causal_lm
+from curation.io.outdir import ConfigMismatch
 from curation.io.shards import read_column
-from schemas.outdir import ConfigMismatch
 from schemas.train_config import ReplayConfig, demo_model_config
 from training.blocks.data import TokenRows, rows_loader
 from training.blocks.model import MaskedCausalLM

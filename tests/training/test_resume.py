@@ -13,9 +13,9 @@ import torch
 from composer.core import Callback
 from safetensors.torch import load_file
 
+from curation.io.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
-from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirLock
 from training.blocks.checkpoint import (
     checkpoint_damage,
     load_checkpoint,
@@ -266,7 +266,7 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(make_config):
 def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resumes(make_config, monkeypatch):
     import errno
 
-    from schemas.outdir import describe_os_error
+    from curation.io.outdir import describe_os_error
 
     cfg = make_config("full", "diskfull", max_steps=8)
     real_save = torch.save

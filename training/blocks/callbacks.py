@@ -35,8 +35,9 @@ from curation.core.policies import ScoreKind, SelectionPolicy
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.core.stats import SourceCounts as BatchCounts
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.shards import PART_PREFIX, ShardReader, part_name, publish_parts, verify_part, write_part
-from schemas.manifest import Manifest, ShardRecord, SourceCounts, atomic_write_text
+from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
 
 __all__ = ["StepSelections", "SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger",

@@ -33,8 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint", "checkpoint_damage",
-           "checkpoint_files", "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
+from curation.io.paths import inside
+
+__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint",
+           "checkpoint_damage", "check_link", "checkpoint_files", "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
 def _safe_globals() -> list[Any]:
@@ -101,11 +103,33 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 def latest_checkpoint(folder: str) -> str | None:
     """``folder/latest-rank0.pt`` (Composer's symlink to the newest checkpoint) when it exists."""
     path = os.path.join(folder, "latest-rank0.pt")
+    check_link(path)
     return path if os.path.exists(path) else None
 
 
+def check_link(link: str) -> None:
+    """Refuse the link ``latest-rank0.pt`` when it does not point at a checkpoint file beside it.
+
+    Composer links it to ``ep{e}-ba{b}-rank0.pt`` in the same folder (a relative name); the link is read back
+    from disk, or restored from a bucket's ``.symlinks.json``, so it is untrusted: a target elsewhere (absolute,
+    up through ``..``, through another link) would have the run read, and Composer later replace, a file outside
+    the run.
+
+    Raises:
+        ValueError: one line naming the link and its target.
+    """
+    if not os.path.islink(link):
+        return
+    target = os.readlink(link)
+    folder = os.path.dirname(link)
+    if not _CHECKPOINT_NAME.fullmatch(os.path.basename(target)) or os.path.dirname(os.path.normpath(target)) \
+            or not inside(folder, link):
+        raise ValueError(f"{link}: its target {target!r:.120} is not a checkpoint file beside it "
+                         "(ep<e>-ba<b>-rank0.pt); refused: delete the link to resume from the newest intact checkpoint")
+
+
 #: Composer's checkpoint file names (``save_filename`` default): ``ep{epoch}-ba{batch}-rank0.pt``.
-_CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")
+_CHECKPOINT_NAME = re.compile(r"ep\d+-ba(\d+)-rank0\.pt")
 
 
 def checkpoint_damage(path: str) -> str | None:
@@ -156,7 +180,7 @@ def checkpoint_files(folder: str) -> list[str]:
     """The checkpoint files in ``folder`` (Composer's ``ep{e}-ba{b}-rank0.pt``), newest (highest step) first."""
     if not os.path.isdir(folder):
         return []
-    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _CHECKPOINT_NAME.match(name))]
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _CHECKPOINT_NAME.fullmatch(name))]
     return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
 
 
@@ -178,6 +202,7 @@ def resume_checkpoint(folder: str) -> str | None:
     """
     latest = os.path.join(folder, "latest-rank0.pt")
     newest = None
+    check_link(latest)
     if os.path.lexists(latest):
         damage = checkpoint_damage(latest)
         if damage is None:

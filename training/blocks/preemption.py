@@ -1,7 +1,7 @@
 """Preemption of a trainer: on a stop request, training ends after the current step, with a checkpoint there.
 
 :class:`StopAtStepEnd` is a Composer callback polled at ``BATCH_END`` of every step. When a stop was requested
-(SIGTERM / SIGINT inside a :class:`schemas.stop.GracefulStop`; a data-parallel rank asks its group instead, so
+(SIGTERM / SIGINT inside a :class:`curation.io.stop.GracefulStop`; a data-parallel rank asks its group instead, so
 that all ranks agree on the step), it calls Composer's ``state.stop_training()``, which lowers ``max_duration`` to
 the step just finished: the checkpoint interval of :func:`training.blocks.trainer.make_trainer` is due at
 ``max_duration``, so ``BATCH_CHECKPOINT`` writes this step's checkpoint, the loop ends, and ``FIT_END`` runs
@@ -19,7 +19,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from curation.io import storage
-from schemas.stop import StopRequested, stop_signal
+from curation.io.stop import StopRequested, stop_signal
 
 __all__ = ["StopAtStepEnd", "stopped_at_step"]
 
@@ -29,7 +29,7 @@ class StopAtStepEnd(Callback):
 
     Args:
         requested: polled once per step (every rank of a group polls it at the same step); returns the stop
-            signal's number, or None to go on. Default: the signal of the active :class:`schemas.stop.GracefulStop`.
+            signal's number, or None to go on. Default: the signal of the active :class:`curation.io.stop.GracefulStop`.
 
     Attributes:
         stopped_at: the number of steps trained when training stopped (None: it did not stop early).
@@ -50,13 +50,13 @@ class StopAtStepEnd(Callback):
             state.stop_training()
 
     def stop(self, output_dir: str, max_steps: int) -> StopRequested:
-        """The :class:`~schemas.stop.StopRequested` to raise after the fit (:func:`stopped_at_step`)."""
+        """The :class:`~curation.io.stop.StopRequested` to raise after the fit (:func:`stopped_at_step`)."""
         assert self.stopped_at is not None and self.signum is not None
         return stopped_at_step(self.signum, self.stopped_at, output_dir, max_steps)
 
 
 def stopped_at_step(signum: int, step: int, output_dir: str, max_steps: int) -> StopRequested:
-    """The :class:`~schemas.stop.StopRequested` of a run in ``output_dir`` stopped after ``step`` steps: names the
+    """The :class:`~curation.io.stop.StopRequested` of a run in ``output_dir`` stopped after ``step`` steps: names the
     step and the checkpoint a rerun resumes from."""
     latest = os.path.join(output_dir, "checkpoints", "latest-rank0.pt")
     ckpt = storage.display(os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest))))

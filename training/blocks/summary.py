@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from curation.core.stats import DEFAULT_QUANTILES, Histogram
-from schemas.manifest import atomic_write_text
+from curation.io.atomic import atomic_write_text
 
 __all__ = ["build_summary", "write_summary", "plot_summary"]
 

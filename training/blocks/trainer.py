@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from curation.core.distributed import current_ranks
 from curation.io import storage
-from curation.io.models import build_causal_lm, check_vocab, model_vocab_size, resolve_device
+from curation.io.models import build_causal_lm, check_positions, check_vocab, model_vocab_size, resolve_device
 from curation.io.shards import ShardDirInfo
 from schemas.manifest import Manifest
 from schemas.train_config import ModelConfig, OptimConfig, ReplayConfig, TrainConfig
@@ -63,6 +63,9 @@ def build_model(model_cfg: ModelConfig, infos: Sequence[ShardDirInfo]) -> Masked
     ``model`` and the manifest of ``infos[0]``)."""
     hf = build_causal_lm(model_cfg)
     check_vocab(hf, max(i.vocab_size for i in infos), what=Manifest.path_in(infos[0].path), setting="model")
+    for info in infos:  # (checked before the run's config is recorded)
+        if info.seq_len:
+            check_positions(hf, info.seq_len, what=Manifest.path_in(info.path))
     return MaskedCausalLM(hf)
 
 

@@ -31,8 +31,8 @@ from curation.engine.training_curation import TrainingCuration
 from curation.ingest.prepare import prepare
 from curation.io import storage
 from curation.io.outputs import localize, open_output
+from curation.io.stop import GracefulStop
 from schemas.engine_config import CurateAndTrainConfig
-from schemas.stop import GracefulStop
 from training.blocks.loggers import check_installed
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus

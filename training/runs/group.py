@@ -18,11 +18,11 @@ where the rank shows (DESIGN.md §2, docs/dev/ray-train-composer.md):
 * **Outputs, once**: rank 0 writes the selected-token shards (full batches, in single-process row order,
   ``world_size`` in the manifest), the metrics log and the experiment loggers' files, the final weights and the
   summary; Composer writes the checkpoints from rank 0 only.
-* **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`schemas.stop.GracefulStop`) is written to
+* **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`curation.io.stop.GracefulStop`) is written to
   ``parallel/stop.json``; every rank reads it at the end of every step and the ranks agree with one ``all_reduce``
   (MAX) of their flags (:class:`GroupStop`), so all stop after the same step, where rank 0's checkpoint is written
   (:class:`training.blocks.preemption.StopAtStepEnd`). Rank 0 records the step in ``parallel/stopped.json`` and
-  the driver raises :class:`~schemas.stop.StopRequested` naming it and the checkpoint.
+  the driver raises :class:`~curation.io.stop.StopRequested` naming it and the checkpoint.
 * **Failures**: the worker group runs under Ray Train's failure config. A killed worker makes Ray Train
   restart the group, and every worker resumes from ``checkpoints/latest-rank0.pt`` (the run's usual
   resume), so the outputs equal an uninterrupted run. Ray Train retries *every* worker error; data errors
@@ -48,10 +48,10 @@ from curation.core.distributed import Ranks, current_ranks
 from curation.engine.handle import EngineFeed
 from curation.engine.plan import EngineError
 from curation.engine.ray_backend import ray_session, run_trainer_group
+from curation.io.atomic import atomic_write_text
 from curation.io.outputs import localize, open_output
-from schemas.manifest import atomic_write_text
+from curation.io.stop import GracefulStop, stop_signal
 from schemas.shards import ShardSchemaError
-from schemas.stop import GracefulStop, stop_signal
 from schemas.train_config import TrainConfig
 from training.blocks.callbacks import StepTimes
 from training.blocks.loggers import check_installed
@@ -210,7 +210,7 @@ def run_worker_group(cfg: TrainConfig, *, engine: EngineFeed | None = None, step
     scores through :meth:`~curation.engine.handle.EngineFeed.for_workers`, rank 0 publishes proxy snapshots to it;
     the driver checks the engine while the group runs and closes it (which stops the group) when it fails.
 
-    Inside a :class:`schemas.stop.GracefulStop`, a stop signal is handed to the ranks (``parallel/stop.json``,
+    Inside a :class:`curation.io.stop.GracefulStop`, a stop signal is handed to the ranks (``parallel/stop.json``,
     within 0.5 s) and the group stops after a step they agree on (:class:`GroupStop`).
 
     Raises:

@@ -15,15 +15,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from curation.io import storage
+from curation.io.atomic import atomic_write_text
 from curation.io.models import model_vocab_size
 from curation.io.outputs import localize, open_output
 from curation.io.shards import check_tokenizer, shard_dir_info
-from schemas.manifest import atomic_write_text
-from schemas.stop import check_stop, stop_requested
+from curation.io.stop import check_stop, stop_requested
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import ValidationCurve
 from training.blocks.data import TokenRows, rows_loader
 from training.blocks.loggers import check_installed
+from training.blocks.preemption import StopAtStepEnd
 from training.blocks.throughput import throughput_callbacks
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.runs.wiring import TrainRun, build_training, finish_run
@@ -35,7 +36,7 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run (or resume) a training run; returns the output paths (``final_weights``, ``final_reference``,
     ``summary``, ``plots``, ``selected``) and the wired ``run``.
 
-    Within a :class:`schemas.stop.GracefulStop` (``jobs/train.py``), a SIGTERM / SIGINT ends the fit after the step
+    Within a :class:`curation.io.stop.GracefulStop` (``jobs/train.py``), a SIGTERM / SIGINT ends the fit after the step
     in progress with a checkpoint at that step (:mod:`training.blocks.preemption`); ``final/`` and the summary are
     then not written.
 
@@ -75,9 +76,11 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     total = cfg.max_steps or len(loader) * cfg.epochs
     speed, meter = throughput_callbacks(cfg, model, total_steps=total, validation=cfg.validation is not None)
+    stopper = StopAtStepEnd()  # a SIGTERM / SIGINT (jobs/replay.py) ends the fit after the step, with a checkpoint
     trainer = make_trainer(cfg, model=model, loader=loader, total_steps=total, device=device, resume=resume,
-                           callbacks=[*callbacks, speed, meter])
-    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume, throughput=meter)
+                           callbacks=[*callbacks, stopper, speed, meter])
+    return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume, throughput=meter,
+                    stopper=stopper)
 
 
 def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
@@ -90,7 +93,9 @@ def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any
     with open_output(cfg.output_dir, "replay", {"config.yaml": cfg}) as lock:
         run = build_replay(cfg, callbacks=[curve, *callbacks])
         lock.write_records()
+        total = int(run.trainer.state.max_duration.value)  # (a stop lowers max_duration to the step it ends at)
         run.fit()
+        run.raise_if_stopped(total)
         out = finish_run(cfg.output_dir, run.outputs(reference=False), plots=False)
         atomic_write_text(os.path.join(cfg.output_dir, "validation.json"), json.dumps(curve.points, indent=1))
         storage.publish(os.path.join(cfg.output_dir, "validation.json"))

@@ -11,7 +11,7 @@ and ``summary.json``.
 
 ``output_dir`` of a training run::
 
-    config.yaml                 resolved config (a rerun resumes only with the same one: schemas.outdir)
+    config.yaml                 resolved config (a rerun resumes only with the same one: curation.io.outdir)
     .lock                       held by the running job (pid, host, start time)
     checkpoints/                Composer checkpoints (BLADE state included); latest-rank0.pt → newest
     selected/                   selected-token shards (MDS) + manifest.json
@@ -94,6 +94,10 @@ def training_inputs(cfg: TrainConfig) -> TrainingInputs:
     fingerprint = check_tokenizer(infos, cfg.data.tokenizer)
     if cand.seq_len is not None and val.seq_len is not None and cand.seq_len != val.seq_len:
         raise ValueError(f"seq_len differs: {cand.path} has {cand.seq_len}, {val.path} has {val.seq_len}")
+    sequences = cand.manifest.totals().sequences
+    if sequences and cfg.batch_size > sequences:  # (checked before the run's config is recorded)
+        raise ValueError(f"batch_size {cfg.batch_size} is more than the {sequences} candidate sequences of "
+                         f"{cand.path}: a step takes batch_size of them; lower batch_size")
     model = build_model(cfg.model, infos)
     return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
 
@@ -118,7 +122,7 @@ class TrainRun:
         return self.stopper.stopped_at if self.stopper is not None else None
 
     def raise_if_stopped(self, max_steps: int) -> None:
-        """After :meth:`fit`: raise :class:`~schemas.stop.StopRequested` naming the step and the checkpoint a rerun
+        """After :meth:`fit`: raise :class:`~curation.io.stop.StopRequested` naming the step and the checkpoint a rerun
         resumes from when a stop request ended the fit early (``final/`` and the summary are then not written)."""
         if self.stopped_at is not None:
             raise self.stopper.stop(self.output_dir, max_steps)
@@ -198,7 +202,7 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
          schedule: Schedule | None = None) -> TrainRun:
     """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics and throughput logged),
     resuming from ``output_dir``'s checkpoints. ``stopper`` ends the fit at a step end on a stop request (default: on
-    a signal caught by the active :class:`schemas.stop.GracefulStop`; a data-parallel rank passes its group's);
+    a signal caught by the active :class:`curation.io.stop.GracefulStop`; a data-parallel rank passes its group's);
     ``reference`` is the in-process reference's work and ``schedule`` the run's (the time left counts both).
 
     Raises:

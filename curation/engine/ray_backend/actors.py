@@ -53,8 +53,8 @@ from curation.engine.state import EngineState, RefreshTask, gpu_shares
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
+from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
-from schemas.stop import check_stop
 
 __all__ = ["ray_session", "RayEngine"]
 
@@ -379,7 +379,7 @@ class RayEngine(EngineClient):
         """Block until every unit is done (batch curation), with a progress bar.
 
         Raises:
-            StopRequested: a stop signal came (inside a :class:`schemas.stop.GracefulStop`); polled about once a
+            StopRequested: a stop signal came (inside a :class:`curation.io.stop.GracefulStop`); polled about once a
                 second. Leaving the engine's ``with`` block then lets the workers finish their units (:meth:`close`).
         """
         from tqdm import tqdm

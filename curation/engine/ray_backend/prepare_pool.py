@@ -11,7 +11,7 @@ handed out in plan order; results come back as they finish. The driver stays the
 * **Bad input** (``skip_bad_records: false``): the unit returns the bad record; the driver stops handing out
   units, the running ones finish, and it raises the first error in plan order.
 * **SIGTERM / SIGINT**: ``ray.init`` replaces the driver's SIGTERM handler, so the pool catches the signals again
-  (:class:`~schemas.stop.GracefulStop`) once Ray is up; on the first one no further unit starts, the running ones
+  (:class:`~curation.io.stop.GracefulStop`) once Ray is up; on the first one no further unit starts, the running ones
   finish (up to ``STOP_WAIT_S``; one still running then is ended with the Ray session, dropping its part in
   progress: its record says what it finished), the driver saves the manifests and the job stops (exit 143 /
   130); a rerun continues every unit from its last finished part. (Not ``ray.cancel``: cancelling a task that is
@@ -29,8 +29,8 @@ from ray.exceptions import RayTaskError
 
 from curation.engine.ray_backend.actors import ray_session
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, run_unit
+from curation.io.stop import GracefulStop, StopRequested, check_stop, stop_signal
 from schemas.config import RayConfig
-from schemas.stop import GracefulStop, StopRequested, check_stop, stop_signal
 
 __all__ = ["RayUnitPool", "ray_unit_pool"]
 
@@ -59,7 +59,7 @@ class RayUnitPool:
     def run(self, units: Sequence[WorkUnit], settings: PackSettings) -> Iterator[UnitResult]:
         """Yield every unit's result as it finishes. Leaving early (the driver met bad input) lets the running
         units finish; so does a stop signal (for ``STOP_WAIT_S``), which then raises
-        :class:`~schemas.stop.StopRequested`."""
+        :class:`~curation.io.stop.StopRequested`."""
         todo = list(units)[::-1]
         running: dict[Any, WorkUnit] = {}
         settings_ref = ray.put(settings)

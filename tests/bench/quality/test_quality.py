@@ -8,7 +8,15 @@ import pytest
 from safetensors.torch import load_file
 
 from bench.quality.report import seed_interval
-from bench.quality.setting import MAX_EPOCHS, PRESETS, QUICK, Setting, eval_sources, forward_flops
+from bench.quality.setting import (
+    MAX_EPOCHS,
+    PRESETS,
+    QUICK,
+    Setting,
+    data_configs,
+    eval_sources,
+    forward_flops,
+)
 
 
 def test_seed_interval():
@@ -20,7 +28,7 @@ def test_seed_interval():
 
 
 def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
-    from bench.quality.setting import SOURCES, data_configs
+    from bench.quality.setting import SOURCES
 
     s = Setting()
     cfgs = data_configs(s, "/tmp/unused")
@@ -40,8 +48,29 @@ def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
         else:
             assert all(ev.paths[0] not in c.paths for c in [*pool.values(), *base.values()])
     assert {n for n, *_, held, _ in SOURCES if held} == {"c4", "wikitext2", "lambada"}
+    assert {"novels", "wikipedia", "folktales"} <= set(base) and not {"novels", "wikipedia", "folktales"} & set(pool)
     assert cfgs["pool"].validation[0].max_documents == 500 and pool["gsm8k"].skip_documents == 500
+    # the paper's regime: the same pool without GSM8K train, the same validation slice
+    paper = {c.name for c in cfgs["pool-paper"].sources}
+    assert paper == set(pool) - {"gsm8k"} and cfgs["pool-paper"].validation == cfgs["pool"].validation
 
+
+@pytest.mark.parametrize("preset", ["cpu", "quick"])
+def test_dev_split_is_disjoint_by_document_hashes(preset):
+    """The dev split (every choice is made on it) shares no document with the pool's GSM8K, the validation slice
+    the references train on, or any evaluation set, compared by the hashes of the texts actually read."""
+    from bench.quality.setting import DEV_DOCS, dev_source, document_hashes
+
+    s = QUICK if preset == "quick" else PRESETS[preset]
+    dev = dev_source(s)
+    cfgs = data_configs(s, "/tmp/unused")
+    dev_h = document_hashes(dev)
+    assert len(dev_h) == (DEV_DOCS if preset == "cpu" else dev.max_documents)
+    gsm_pool = next(c for c in cfgs["pool"].sources if c.name == "gsm8k")
+    assert dev.skip_documents == gsm_pool.skip_documents + gsm_pool.max_documents  # right after the pool's slice
+    for other in [gsm_pool, cfgs["pool"].validation[0], *eval_sources(s)]:
+        assert not dev_h & document_hashes(other), other.name
+    assert document_hashes(gsm_pool) & document_hashes(gsm_pool)  # the check can see an overlap
 
 @pytest.mark.slow
 def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
@@ -61,17 +90,34 @@ def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])
 def test_presets_meet_the_brief(preset):
     """The target's training FLOPs per token are ≥ 5× the proxy's; the long horizon is ≥ 2,000 steps with 3 seeds;
-    the refresh sweep includes the paper's K/τ = 0.3 and at least two cheaper settings; the bases see the base text
-    at most MAX_EPOCHS times; amortized over 1 and 4 target runs; resumable in pieces (checkpoints)."""
+    BLADE's refresh is tuned over ≥ 8 settings spanning λ (with 0), η_w, the refresh batch and K/τ above and below
+    the paper's 0.3, RHO-1's reference length over ≥ 3; the target base at ≥ 10 tokens per parameter; reuse with 3
+    seeds of the four selecting policies, amortized over 1, 4 and 16 target runs; resumable in pieces."""
     s = PRESETS[preset]
     assert forward_flops(s, target=True) >= 5 * forward_flops(s)
     assert s.steps >= 2000 and s.seeds == 3
-    kt = sorted(c["refresh_steps"] / s.tau for c in s.sweep)
-    assert 0.3 in kt and sum(k < 0.3 for k in kt) >= 2
-    assert max(s.base_epochs, s.target_base_epochs) <= MAX_EPOCHS
-    assert set(s.reuse_policies) == {"blade", "rho1", "random"} and s.reuse_runs == (1, 4)
+    assert len(s.sweep) >= 8 and len(s.rho1_sweep) >= 3
+    kt = {c["refresh_steps"] / s.tau for c in s.sweep}
+    assert 0.3 in kt and min(kt) < 0.3 < max(kt)
+    for key in ("lam", "ref_lr", "refresh_batch_size"):
+        assert len({c[key] for c in s.sweep}) >= 3, key
+    assert 0.0 in {c["lam"] for c in s.sweep}
+    assert s.target_base_tokens_per_parameter >= 10
+    assert set(s.reuse_policies) == {"blade", "blade-nosync", "rho1", "random"} and s.reuse_seeds == 3
+    assert s.reuse_runs == (1, 4, 16) and set(s.paper_reuse_policies) <= set(s.reuse_policies)
     assert s.checkpoint_interval is not None and s.checkpoint_interval < s.steps
     assert s.steps % s.curve_interval == 0 and s.steps % s.target_curve_interval == 0
+
+
+def test_gpu_target_base_fits_two_epochs_of_the_cpu_preset_text():
+    """10 tokens per target parameter within MAX_EPOCHS passes: the GPU target is sized to the base text (the
+    CPU run's base text, ≈ 30M tokens at vocabulary 2,048, is checked at run time; here: a lower bound of 25M)."""
+    from bench.quality.experiment import count_parameters
+    from bench.quality.setting import model_config
+
+    gpu = PRESETS["gpu"]
+    assert gpu.target_base_tokens_per_parameter * count_parameters(model_config(gpu, target=True)) <= 2 * 25e6
+    assert MAX_EPOCHS == 2
 
 
 def test_cpu_preset_model_sizes():

@@ -128,3 +128,68 @@ def test_delta_distribution_summaries():
     assert rows[0]["positive"] == pytest.approx(17 / 20) and rows[1]["positive"] == 0.0
     assert passed_at([(0, 5.0), (500, 4.5), (1000, 4.2)], 4.6, 0.1) == 1000
     assert passed_at([(0, 5.0)], 4.6, 0.1) is None
+
+
+def test_base_charged_versus_free_accounting():
+    from bench.quality.compute import base_flops, charged_selection
+
+    # a proxy of forward 464 FLOPs/token pretrained on 1,000 tokens: 3 · 464 · 1000
+    base = base_flops(464.0, 1000)
+    assert base == 1_392_000.0
+    assert charged_selection("rho1", 600.0, base, charged=True) == 600.0 + base
+    assert charged_selection("blade", 600.0, base, charged=False) == 600.0
+    # random draws its masks without a model, full selects nothing: nothing to charge either way
+    assert charged_selection("random", 0.0, base, charged=True) == 0.0
+    assert charged_selection("full", 0.0, base, charged=True) == 0.0
+    # amortized over R = 4 target runs of 1,000 FLOPs: 1,000 + (600 + 1,392,000) / 4 vs 1,000 + 600 / 4
+    assert amortized_total(1000.0, charged_selection("rho1", 600.0, base, charged=True), 4) == 1000.0 + 1_392_600.0 / 4
+    assert amortized_total(1000.0, charged_selection("rho1", 600.0, base, charged=False), 4) == 1150.0
+
+
+def test_smoothing_decides_reaches_not_one_noisy_point():
+    from bench.quality.compute import mean_curve, smooth
+
+    # one snapshot dips to 3.0 by noise, its neighbours are at 3.6 and 3.5
+    noisy = [(0.0, 5.0), (1.0, 4.0), (2.0, 3.6), (3.0, 3.0), (4.0, 3.5), (5.0, 3.4)]
+    assert flops_to_reach(noisy, 3.1) == pytest.approx(2.0 + 0.5 / 0.6)  # the raw curve "reaches" at the dip
+    sm = smooth(noisy, 3)
+    assert [y for _, y in sm] == pytest.approx([5.0, 4.2, 3.5333333, 3.3666667, 3.3, 3.4])  # ends kept
+    assert [x for x, _ in sm] == [x for x, _ in noisy]
+    assert flops_to_reach(sm, 3.1) is None  # smoothed: never
+    assert smooth(noisy, 1) == noisy
+    with pytest.raises(ValueError, match="window must be odd"):
+        smooth(noisy, 2)
+    # the mean over seeds, pointwise
+    assert mean_curve([[(0.0, 4.0), (1.0, 3.0)], [(0.0, 5.0), (1.0, 2.0)]]) == [(0.0, 4.5), (1.0, 2.5)]
+    with pytest.raises(ValueError, match="share their compute"):
+        mean_curve([[(0.0, 4.0)], [(1.0, 4.0)]])
+
+
+def test_break_even_runs_on_a_hand_made_curve():
+    from bench.quality.compute import break_even_runs
+
+    # full's curve (window 1: no smoothing): loss falls 0.1 per 100 FLOPs from 4.0 at 1,000 to 3.5 at 1,500
+    full = [(0.0, 6.0), (1000.0, 4.0), (1100.0, 3.9), (1200.0, 3.8), (1300.0, 3.7), (1400.0, 3.6), (1500.0, 3.5)]
+    # a replay that ends at 3.85 after the target's 1,000 FLOPs: full needs X = 1,150 to get there, so
+    # R* = C / (X − T) = 600 / 150 = 4
+    be = break_even_runs(600.0, 1000.0, full, 3.85, window=1)
+    assert be["runs"] == pytest.approx(4.0) and be["label"] == "4" and be["full_flops_to_match"] == pytest.approx(1150)
+    assert break_even_runs(6000.0, 1000.0, full, 3.85, window=1)["label"] == "40"
+    assert break_even_runs(60_000.0, 1000.0, full, 3.85, window=1)["label"] == "beyond 64"  # R* = 400
+    # no better than full at equal steps (full passes 4.05 at 975 on its way from 6 to 4): reuse never pays
+    assert break_even_runs(600.0, 1000.0, full, 4.05, window=1) == {"runs": None, "label": "never",
+                                                                     "full_flops_to_match": pytest.approx(975.0)}
+    # a free selection (random) that beats full at equal steps pays from any R
+    assert break_even_runs(0.0, 1000.0, full, 3.85, window=1)["label"] == "any R"
+    # better than full's whole run: R* is at most selection / (end − T) = 600 / 500
+    be = break_even_runs(600.0, 1000.0, full, 3.2, window=1)
+    assert be["upper_bound"] and be["runs"] == pytest.approx(1.2) and be["label"] == "≤ 1.2"
+    # a noisy dip to 3.5 at 1,100 decides R* on the raw curve; smoothed (window 3), its neighbours outvote it
+    dip = [*full[:2], (1100.0, 3.5), *full[3:]]
+    # raw: full passes 3.85 at 1,000 + 100 · 0.15/0.5 = 1,030, so R* = 600 / 30 = 20 on one snapshot's say-so
+    assert break_even_runs(600.0, 1000.0, dip, 3.85, window=1)["runs"] == pytest.approx(20.0)
+    smoothed = break_even_runs(600.0, 1000.0, dip, 3.85, window=3)
+    # smoothed: 0 stays 6 (an end), 1,000 → (6 + 4 + 3.5)/3 = 4.5, 1,100 → (4 + 3.5 + 3.8)/3 = 3.7667: crossing at
+    # 1,000 + 100 · 0.65/0.7333
+    assert smoothed["full_flops_to_match"] == pytest.approx(1000 + 100 * 0.65 / (4.5 - 11.3 / 3))
+    assert smoothed["runs"] == pytest.approx(600 / (100 * 0.65 / (4.5 - 11.3 / 3)))  # ≈ 6.77

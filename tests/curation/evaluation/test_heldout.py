@@ -27,6 +27,7 @@ from curation.evaluation.heldout import (
     score_documents,
 )
 from curation.ingest.tokenizer import train_bpe_tokenizer
+from curation.io.atomic import write_manifest
 from curation.io.models import build_causal_lm, save_weights
 from schemas.config import SourceConfig
 from schemas.eval_config import EvalModelSpec, EvaluateConfig
@@ -192,7 +193,7 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, tok):
 
     run = _run_dir(tmp_path, tok, "run")
     (tmp_path / "c").mkdir()
-    Manifest(kind="candidate", job="prepare", tokenizer_fingerprint="0" * 64).save(str(tmp_path / "c"))
+    write_manifest(str(tmp_path / "c"), Manifest(kind="candidate", job="prepare", tokenizer_fingerprint="0" * 64))
     (ref,) = resolve_models([EvalModelSpec(path=str(run))])
     with pytest.raises(EvalError, match="not the one its training shards were made with"):
         load_model(ref)

@@ -453,8 +453,10 @@ def test_regenerating_a_part_from_changed_input_is_refused(tmp_path, corpus):
     shutil.rmtree(os.path.join(out, part))
     src = tmp_path / "raw" / "a.jsonl"
     src.write_text(src.read_text().replace("alpha", "omega"))
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match="the input files changed since"):
+    # refused before anything is regenerated, naming the file (its fingerprint in the unit record: issue 32)
+    with pytest.raises(ValueError, match=rf"^{src}: changed since {out} was prepared from it"):
         prep.prepare(cfg)
+    assert not os.path.exists(os.path.join(out, part))
 
 
 def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path, flip_bit):

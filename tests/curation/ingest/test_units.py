@@ -23,6 +23,7 @@ from curation.ingest.corpus import (
 from curation.ingest.packing import pack_documents
 from curation.ingest.tokenizer import train_bpe_tokenizer
 from curation.ingest.units import plan_units
+from curation.io.atomic import write_manifest
 from curation.io.shards import read_column
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.manifest import Manifest, UnitRecord
@@ -254,10 +255,10 @@ def test_changed_input_and_old_directories(units_corpus):
     m = Manifest.load(out)
     # a complete directory written before work units (no unit_bytes in its group key) is used as it is
     del m.extra["group_key"]["unit_bytes"]
-    m.save(out)
+    write_manifest(out, m)
     assert prep.prepare(c).tokens_processed == 0
     m.complete = False  # ... but an unfinished one cannot be continued
-    m.save(out)
+    write_manifest(out, m)
     with pytest.raises(ValueError, match="started by an older version .* delete the directory and rerun"):
         prep.prepare(c)
     # input that changed under an unfinished directory (a bad line fixed, a line added): the units whose input
@@ -267,7 +268,7 @@ def test_changed_input_and_old_directories(units_corpus):
     out2 = os.path.join(c2.output_dir, "candidates")
     m2 = Manifest.load(out2)
     m2.complete = False
-    m2.save(out2)
+    write_manifest(out2, m2)
     plan = plan_units(out2, 0, src, resolve_paths(src), c2.unit_bytes)
     stamps = {u.index: os.stat(u.record_path).st_mtime_ns for u in plan}
     f0 = os.path.join(os.path.dirname(src.paths[0]), "f0.jsonl")

@@ -79,3 +79,31 @@ def test_token_range_names_the_place_the_first_bad_id_and_its_position():
         check_token_range(batch, 10, "runs/c (step 7)")
     with pytest.raises(_OwnError, match="token id 10 at position 0"):  # a caller's own error class
         check_token_range(np.array([10]), 10, "w", error=_OwnError)
+
+
+def test_model_path_weights_of_the_wrong_shape_or_a_renamed_pickle_end_in_one_line_naming_the_file(tmp_path):
+    """Issue 32: these were 37–55-line tracebacks (torch's size-mismatch list, safetensors' header error)."""
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from curation.io.models import build_causal_lm, read_weights
+    from schemas.train_config import ModelConfig
+
+    d = tmp_path / "m"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32)).save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "n_embd": 32}))  # the weights are of n_embd 16
+    with pytest.raises(ValueError) as e:
+        build_causal_lm(ModelConfig(path=str(d)))
+    assert str(e.value).startswith(f"model.path: {d}/model.safetensors: cannot be loaded as the model its config.json "
+                                   "describes (Error(s) in loading state_dict for ") and "size mismatch" in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500
+    (d / "config.json").write_text(json.dumps(cfg))
+    torch.save({"x": torch.ones(2)}, d / "model.safetensors")  # a pickle named .safetensors: never unpickled
+    with pytest.raises(ValueError, match=rf"^model.path: {d}/model.safetensors: cannot be loaded as the model its "
+                                         r"config.json describes \(Error while deserializing header: [^\n]*\)$"):
+        build_causal_lm(ModelConfig(path=str(d)))
+    with pytest.raises(ValueError, match=rf"^{d}/model.safetensors: not a safetensors file \(Error while "
+                                         r"deserializing header: [^\n]*\)$"):
+        read_weights(str(d / "model.safetensors"))

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from curation.io import objects, storage
+from curation.io.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
 from curation.io.outputs import RemoteLock, localize, open_output, urls_in
 from curation.io.shards import ShardIntegrityError, ShardReader, write_part
 from schemas.config import PrepareConfig
-from schemas.outdir import ConfigMismatch, OutputDirBusy, OutputDirError
 from schemas.shards import CANDIDATE
 from schemas.train_config import TrainConfig
 
@@ -228,3 +228,19 @@ def test_unreachable_endpoint_missing_and_refused_credentials(s3, monkeypatch, t
         objects.read_object(url)
     assert str(e.value).startswith(f"cannot read {url}: the object store refused the credentials (InvalidAccessKeyId)")
     assert "wrong-secret" not in str(e.value)
+
+
+def test_a_missing_bucket_on_read_is_named_and_an_invalid_bucket_name_is_one_line(s3):
+    """Issue 32: reading from a bucket that does not exist said '<cache path>: not a directory' (a missing object
+    and a missing bucket looked alike); a bucket name boto refuses printed its regular expressions."""
+    from curation.io.shards import shard_dir_info
+
+    url = f"s3://{s3.name}-gone/data/candidates"
+    with pytest.raises(objects.StorageError, match=rf"^cannot read {url}/index.json: the bucket {s3.name}-gone does "
+                                                   "not exist at http://[^ ]+; create it or fix the URL$"):
+        shard_dir_info(storage.local_path(url), "candidate")
+    assert storage.fetch(storage.local_path(s3.url("data/none.json"))) is False  # a missing object: still just absent
+    with pytest.raises(ValueError) as e:
+        storage.local_path("s3://my bucket!/data")
+    assert str(e.value) == ("s3://my bucket!/data: 'my bucket!' is not a valid bucket name (1 to 255 letters, digits, "
+                            "'.', '-', '_'; S3 itself wants 3 to 63 lowercase letters, digits, '.' and '-')")

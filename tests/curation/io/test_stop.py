@@ -1,4 +1,4 @@
-"""schemas.stop: the first SIGTERM/SIGINT only asks for a stop, polled between units; handlers are restored."""
+"""curation.io.stop: the first SIGTERM/SIGINT only asks for a stop, polled between units; handlers are restored."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from schemas.stop import GracefulStop, StopRequested, check_stop, exit_code, stop_requested
+from curation.io.stop import GracefulStop, StopRequested, check_stop, exit_code, stop_requested
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

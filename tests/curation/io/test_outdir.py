@@ -15,22 +15,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.config import PrepareConfig
-from schemas.engine_config import CurateAndTrainConfig
-from schemas.manifest import atomic_write_text
-from schemas.outdir import (
+from curation.io.atomic import atomic_write_text
+from curation.io.outdir import (
     LOCK_NAME,
     ConfigMismatch,
     OutputDirBusy,
     OutputDirError,
     OutputDirLock,
     check_config_record,
-    config_diff,
     describe_os_error,
-    field_default,
     open_output_dir,
-    operational_keys,
 )
+from schemas.config import PrepareConfig
+from schemas.engine_config import CurateAndTrainConfig
+from schemas.records import config_diff, field_default, operational_keys
 from schemas.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +51,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from schemas.outdir import OutputDirLock
+        from curation.io.outdir import OutputDirLock
         lock = OutputDirLock({str(out)!r}, "train")
         print("locked", flush=True)
         time.sleep(600)
@@ -196,7 +194,7 @@ def test_an_unwritable_output_dir_is_named(tmp_path, monkeypatch):
         def refuse(path, *a, **k):
             raise PermissionError(errno.EACCES, "Permission denied", path)
 
-        monkeypatch.setattr("schemas.outdir.os.open", refuse)
+        monkeypatch.setattr("curation.io.outdir.os.open", refuse)
     with pytest.raises(OutputDirError) as err:
         OutputDirLock(out, "train")
     msg = str(err.value)
@@ -218,7 +216,7 @@ def test_a_full_disk_names_the_file_being_written(tmp_path, full_disk):
 def test_report_job_errors_prints_one_line_and_lets_bugs_through(capsys):
     import errno
 
-    from schemas.outdir import report_job_errors
+    from curation.io.outdir import report_job_errors
 
     assert report_job_errors(lambda: {"ok": 1}, "x failed") == {"ok": 1}
 
@@ -245,3 +243,37 @@ def test_report_job_errors_prints_one_line_and_lets_bugs_through(capsys):
     assert capsys.readouterr().err == "error: worker 1: bad record in shard 3\n"
     with pytest.raises(EngineDown):  # not expected by this job: a bug, with its traceback
         report_job_errors(engine, "w")
+
+
+def test_the_output_dir_is_compared_as_the_directory_it_names_and_a_copied_run_resumes(tmp_path, monkeypatch):
+    """issue 32: a trailing '/', a relative path, or a copy of the run directory got ``differs in: output_dir``, and
+    the suggested ``--config <copy>/config.yaml`` pointed back at the original."""
+    import shutil
+
+    out = tmp_path / "run"
+    cfg = TrainConfig.demo_default(str(tmp_path)).model_copy(update={"output_dir": str(out)})
+    with open_output_dir(str(out), "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+    record = (out / "config.yaml").read_text()
+    monkeypatch.chdir(tmp_path)
+    for spelled in (str(out) + "/", "run", "./run/", os.path.join("..", tmp_path.name, "run")):
+        with open_output_dir(spelled, "train", {"config.yaml": cfg.model_copy(update={"output_dir": spelled})}):
+            pass  # resumes (the record is rewritten only when the job acts: write_records)
+    assert (out / "config.yaml").read_text() == record
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    moved = cfg.model_copy(update={"output_dir": str(copy)})
+    with open_output_dir(str(copy), "train", {"config.yaml": moved}) as lock:
+        assert list(lock.pending) == ["config.yaml"]  # the record will name where the run is now
+        lock.write_records()
+    assert yaml.safe_load((copy / "config.yaml").read_text())["output_dir"] == str(copy)
+    assert (out / "config.yaml").read_text() == record  # the original is untouched
+
+    shutil.rmtree(copy)
+    shutil.copytree(out, copy)
+    with pytest.raises(ConfigMismatch) as err:
+        open_output_dir(str(copy), "train", {"config.yaml": moved.model_copy(update={"batch_size": 32})})
+    assert err.value.keys == ["batch_size"]
+    assert f"rerun with the config recorded in {copy / 'config.yaml'} and --set output_dir={copy} to resume" in str(
+        err.value)

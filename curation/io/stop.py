@@ -78,6 +78,17 @@ class GracefulStop:
         """Raise :class:`StopRequested` (naming ``where``) when a stop signal came; else do nothing."""
         if self.signum is not None:
             raise StopRequested(self.signum, where)
+        self.reinstall()
+
+    def reinstall(self) -> None:
+        """Put this block's handler back where a library replaced it since :meth:`__enter__` (Composer installs its
+        own, which exits at once, when first imported): polled with every :meth:`check`. Nothing once a signal
+        came (the handlers are then the default, on purpose) or outside the main thread."""
+        if self.signum is not None or not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.signals:
+            if signal.getsignal(s) != self._handle:
+                signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
@@ -110,8 +121,12 @@ def stop_requested() -> bool:
 
 
 def stop_signal() -> int | None:
-    """The signal the innermost active :class:`GracefulStop` received (None: none yet, or outside one)."""
-    return _ACTIVE[-1].signum if _ACTIVE else None
+    """The signal the innermost active :class:`GracefulStop` received (None: none yet, or outside one); its handlers
+    are put back where a library replaced them (:meth:`GracefulStop.reinstall`)."""
+    if not _ACTIVE:
+        return None
+    _ACTIVE[-1].reinstall()
+    return _ACTIVE[-1].signum
 
 
 def check_stop(where: str = "") -> None:

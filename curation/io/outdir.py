@@ -9,17 +9,19 @@ Every job (prepare, train, replay, curate, curate_and_train) opens its output di
    for the message a second writer gets;
 2. compares the resolved config with the record the directory was written with (``config.yaml``, or
    ``engine_config.yaml``): a rerun resumes only when they are equal except for the *operational* keys
-   (fields marked with :data:`OPERATIONAL`, e.g. progress bars, which cannot change the outputs) and for
+   (fields marked with :data:`schemas.records.OPERATIONAL`, e.g. progress bars, which cannot change the outputs) and for
    keys the record does not have whose value is their field's default (a setting added to the config
    after the run was recorded, left at its default, is the behaviour the run was recorded with), and
-   for *extendable* keys (fields marked with :data:`EXTENDABLE`: ``max_steps``) raised above the recorded
-   value: the run is then extended (:attr:`OutputDirLock.extended`) and its record rewritten; else it is
+   for *extendable* keys (fields marked with :data:`schemas.records.EXTENDABLE`: ``max_steps``) raised above the
+   recorded value: the run is then extended (:attr:`OutputDirLock.extended`) and its record rewritten; else it is
    refused naming exactly the keys that differ (a lowered extendable key too), and the record is left as
-   it was;
+   it was; the keys that name the directory itself (its ``output_dir``, spelled any way) are not compared
+   (:func:`location_keys`: a copied or moved run directory resumes);
 3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
-   there was none or the run is extended: an equal record is not rewritten.
+   there was none, the run is extended or moved: an equal record is not rewritten.
 
-No torch, no ray: stdlib + pydantic only.
+No torch, no ray: stdlib + pydantic only (the jobs open their output directory before they import Composer). The
+comparison of two configs is pure and lives with the configs (:mod:`schemas.records`).
 """
 
 from __future__ import annotations
@@ -31,47 +33,33 @@ import json
 import os
 import socket
 import sys
-import types
-import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel
 
-from schemas.manifest import atomic_write_text
+from curation.io.atomic import atomic_write_text
+from schemas.config import load_record_yaml
+from schemas.records import as_dict, config_diff, extendable_keys, leaves, operational_keys
 
 T = TypeVar("T")
 
 __all__ = [
     "report_job_errors",
     "LOCK_NAME",
-    "OPERATIONAL",
-    "EXTENDABLE",
     "OutputDirError",
     "OutputDirBusy",
     "ConfigMismatch",
     "OutputDirLock",
-    "operational_keys",
-    "extendable_keys",
-    "field_default",
-    "config_diff",
     "check_config_record",
     "write_config_record",
     "open_output_dir",
+    "location_keys",
     "describe_os_error",
 ]
 
 LOCK_NAME = ".lock"
-
-#: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
-#: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
-OPERATIONAL: dict[str, Any] = {"operational": True}
-
-#: ``json_schema_extra`` of an integer config field a rerun may *raise* and still resume: the run is extended from
-#: its checkpoint, and must end as a run that had the larger value from the start (``max_steps``: nothing the
-#: first steps computed depends on it; docs/FAILURES.md, "Extending a run"). Lowering it is refused.
-EXTENDABLE: dict[str, Any] = {"extendable": True}
 
 
 class OutputDirError(ValueError):
@@ -174,116 +162,6 @@ def _read_holder(fd: int) -> str:
 # ------------------------------------------------------------------------------------------------
 # config records
 # ------------------------------------------------------------------------------------------------
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [m for a in typing.get_args(annotation) for m in _models_in(a)]
-    return []
-
-
-def operational_keys(model: type[BaseModel], prefix: str = "", *, mark: str = "operational") -> set[str]:
-    """Dotted keys of the fields of ``model`` (nested sections included) marked :data:`OPERATIONAL` (``mark``:
-    another marker, e.g. ``extendable``)."""
-    keys: set[str] = set()
-    for name, field in model.model_fields.items():
-        key = prefix + name
-        extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get(mark):
-            keys.add(key)
-            continue
-        for sub in _models_in(field.annotation):
-            keys |= operational_keys(sub, key + ".", mark=mark)
-    return keys
-
-
-def extendable_keys(model: type[BaseModel]) -> set[str]:
-    """Dotted keys of the fields of ``model`` marked :data:`EXTENDABLE`."""
-    return operational_keys(model, mark="extendable")
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, Mapping) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, list | tuple) and value:
-        for i, v in enumerate(value):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
-    else:
-        out[prefix] = value
-
-
-_MISSING = object()
-
-
-def _json(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    return json.loads(json.dumps(value))
-
-
-def field_default(model: type[BaseModel], key: str) -> Any:
-    """The default of the field at the dotted ``key`` of ``model`` (through nested sections), as its record holds
-    it (JSON); leaves below a default section (``loggers.tensorboard`` of a default ``loggers``) too. ``_MISSING``
-    (a private sentinel) when the key names no field, a required one, or an item of a list or dict."""
-    parts = key.split(".")
-    models: list[type[BaseModel]] = [model]
-    for i, part in enumerate(parts):
-        field = next((m.model_fields[part] for m in models if part in m.model_fields), None)
-        if field is None:
-            return _MISSING
-        if i == len(parts) - 1:
-            return _MISSING if field.is_required() else _json(field.get_default(call_default_factory=True))
-        models = _models_in(field.annotation)
-        if not models:
-            return _MISSING
-    return _MISSING
-
-
-def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: set[str] = frozenset(),
-                model: type[BaseModel] | None = None) -> list[str]:
-    """Leaf keys (dotted, list items by index) whose values differ, as ``key: old → new``; keys under an
-    ``ignore`` prefix are left out. With the config's ``model``, a key ``old`` does not have is equal when ``new``
-    holds its field's default (:func:`field_default`): a setting added after ``old`` was recorded, at the default
-    that is the recorded behaviour. Empty when the configs are equal."""
-    a: dict[str, Any] = {}
-    b: dict[str, Any] = {}
-    _flatten(json.loads(json.dumps(old)), "", a)
-    _flatten(json.loads(json.dumps(new)), "", b)
-
-    def ignored(key: str) -> bool:
-        return any(key == p or key.startswith(p + ".") for p in ignore)
-
-    lines = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
-        if va is _MISSING and model is not None and _absent_at_default(model, key, vb):
-            continue
-        if va != vb and not ignored(key):
-            show = ["(absent)" if v is _MISSING else json.dumps(v) for v in (va, vb)]
-            lines.append(f"{key}: {show[0]} → {show[1]}")
-    return lines
-
-
-def _absent_at_default(model: type[BaseModel], key: str, value: Any) -> bool:
-    """``key`` (a leaf of a flattened record) holds ``value``, and it or a section above it is a field whose default
-    holds that same leaf value (a new section at its default flattens to leaves below the new field)."""
-    parts = key.split(".")
-    for n in range(len(parts), 0, -1):
-        default = field_default(model, ".".join(parts[:n]))
-        if default is _MISSING:
-            continue
-        leaves: dict[str, Any] = {}
-        _flatten(default, "", leaves)
-        rest = ".".join(parts[n:])
-        return rest in leaves and leaves[rest] == value
-    return False
-
-
-def _as_dict(cfg: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
-    return cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else json.loads(json.dumps(dict(cfg)))
-
-
 def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: set[str] | None = None,
                         name: str | None = None, extended: dict[str, tuple[int, int]] | None = None) -> bool:
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
@@ -301,15 +179,15 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            old = yaml.safe_load(f) or {}
+            old = load_record_yaml(f) or {}
     except (OSError, yaml.YAMLError) as e:
         raise OutputDirError(f"{path}: cannot read the config record of this output directory ({e})") from e
     model = type(cfg) if isinstance(cfg, BaseModel) else None
     if ignore is None:
         ignore = operational_keys(model) if model is not None else set()
-    diff = config_diff(old, _as_dict(cfg), ignore, model=model)
+    diff = config_diff(old, as_dict(cfg), ignore, model=model)
     if extended is not None and model is not None:
-        diff = _extensions(diff, extendable_keys(model), old, _as_dict(cfg), extended)
+        diff = _extensions(diff, extendable_keys(model), old, as_dict(cfg), extended)
     if diff:
         keys = [d.split(":", 1)[0] for d in diff]
         name = name or path
@@ -349,7 +227,7 @@ def _extensions(diff: list[str], keys: set[str], old: Mapping[str, Any], new: Ma
 def write_config_record(path: str, cfg: BaseModel | Mapping[str, Any]) -> None:
     """Write the resolved config record atomically (errors name the file)."""
     try:
-        atomic_write_text(path, yaml.safe_dump(_as_dict(cfg), sort_keys=False))
+        atomic_write_text(path, yaml.safe_dump(as_dict(cfg), sort_keys=False))
     except OSError as e:
         raise OutputDirError(describe_os_error(e, f"cannot write {path}")) from e
 
@@ -376,16 +254,51 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
         if after_lock is not None:
             after_lock(lock)
         for record, cfg in (records or {}).items():
-            shown = f"{name}/{record}" if name else None
+            path, shown = os.path.join(directory, record), f"{name}/{record}" if name else None
+            here = location_keys(cfg, directory, name)
+            ignore = (operational_keys(type(cfg)) if isinstance(cfg, BaseModel) else set()) | set(here)
             extended: dict[str, tuple[int, int]] = {}
-            if not check_config_record(os.path.join(directory, record), cfg, name=shown, extended=extended) \
-                    or extended:  # (an extended run's record is rewritten with the raised values)
+            try:
+                if not check_config_record(path, cfg, ignore=ignore, name=shown, extended=extended) \
+                        or extended:  # (an extended run's record is rewritten with the raised values)
+                    lock.pending[record] = cfg
+                    lock.extended.update(extended)
+                    continue
+            except ConfigMismatch as e:  # the suggested rerun must write here, not where the record was written
+                moved = _moved(path, here)
+                if not moved:
+                    raise
+                sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
+                raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
+            if _moved(path, here):  # a copied or moved directory resumes; its record then names where it is now
                 lock.pending[record] = cfg
-            lock.extended.update(extended)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def location_keys(cfg: BaseModel | Mapping[str, Any], directory: str, name: str | None = None) -> dict[str, str]:
+    """The keys of ``cfg`` that name ``directory`` itself (its ``output_dir``), spelled any way (a trailing ``/``, a
+    relative path, a link; ``name``: its object-store URL), with their values. A directory is where its record is:
+    these keys are not compared with the record, so a copied or moved run directory resumes from its new place."""
+    where = os.path.realpath(directory)
+    url = name.rstrip("/") if name and "://" in name else None
+    return {k: v for k, v in leaves(as_dict(cfg)).items() if isinstance(v, str) and v
+            and (v.rstrip("/") == url if "://" in v else os.path.realpath(v) == where)}
+
+
+def _moved(path: str, here: Mapping[str, str]) -> dict[str, str]:
+    """The keys of ``here`` whose value in the record at ``path`` is spelled otherwise (the run was recorded
+    elsewhere, or the same place another way)."""
+    if not here or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = leaves(load_record_yaml(f) or {})
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {k: v for k, v in here.items() if old.get(k) != v}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""The jobs' command line: ``--config FILE.yaml``, repeated ``--set key.path=value``, ``--print-config``.
+
+Jobs call :func:`parse_job_config` with their top-level model and embedded default::
+
+    cfg, args = parse_job_config(PrepareConfig, description="...", default=PrepareConfig.demo_default)
+
+A bad setting ends the job with one ``error: ...`` and exit status 2; ``--print-config`` prints the resolved
+config as YAML and exits. Standard library and :mod:`schemas` only: ``--help`` and a bad setting answer before a
+job imports torch, Composer or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from schemas.config import ConfigError, config_to_yaml, load_config
+
+__all__ = ["add_config_arguments", "parse_job_config"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, set_example: str | None = None) -> None:
+    """``--config``, ``--set`` (its help shows ``set_example``, e.g. ``seq_len=256``) and ``--print-config``."""
+    parser.add_argument("--config", help="YAML config file (default: the embedded default)")
+    example = f", e.g. --set {set_example}" if set_example else ""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help=f"override a config key (the value is YAML; list items by index){example} (repeatable; "
+        "--print-config lists the keys)",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def parse_job_config(
+    model: type[M],
+    *,
+    description: str,
+    default: Callable[[], M] | None = None,
+    argv: Sequence[str] | None = None,
+    parser: argparse.ArgumentParser | None = None,
+    set_example: str | None = None,
+) -> tuple[M, argparse.Namespace]:
+    """Parse a job's command line into a validated config (exits 2 with the message on a config error).
+
+    ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
+    """
+    parser = parser or argparse.ArgumentParser(description=description)
+    add_config_arguments(parser, set_example)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.print_config:
+        sys.stdout.write(config_to_yaml(cfg))
+        raise SystemExit(0)
+    return cfg, args
