@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     order = BatchOrder("blocks", steps_needed * args.batch, args.batch)
 
     def spec(out: str, threads: int | None) -> WorkerSpec:
-        return WorkerSpec(candidates=cand, out_dir=out, model=model_cfg.model_dump(mode="json"), order=order.to_dict(),
+        return WorkerSpec(candidates=cand, out_dir=out, model=model_cfg, order=order,
                           vocab_size=args.vocab, device=args.device, threads=threads, score_batch_size=args.batch,
                           needs_proxy=False)
 
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- 3: 1 vs 2 workers on Ray ----------------------------------------------------------------------
     if not args.no_ray:
+        from curation.engine.ledger import LedgerSpec
         from curation.engine.ray_backend import RayEngine, ray_session
         from curation.engine.work import EngineWork
         from schemas.engine_config import WorkersConfig
@@ -225,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in (1, 2):
                 out = os.path.join(work, f"ray-{n}")
                 engine_work = EngineWork(units=ray_units, worker_spec=spec(out, args.threads),
-                                  ledger=dict(out_dir=out, kind="scored", job="bench", run_key={"n": n},
-                                              vocab_size=args.vocab),
+                                  ledger=LedgerSpec(out, kind="scored", job="bench", run_key={"n": n},
+                                                    vocab_size=args.vocab),
                                   engine_dir=os.path.join(out, "engine"))
                 pool = WorkersConfig(count=n, threads=args.threads, device=args.device,
                                      gpus=None if args.device == "cuda" else 0)
@@ -297,8 +298,8 @@ def pipeline_only(args: argparse.Namespace) -> dict:
     n_steps = args.range_steps + args.steps
     work = tempfile.mkdtemp(prefix="bench_scoring-pipeline-")
     cand = _corpus(work, n_steps * args.batch, args.seq_len, args.vocab, args.seed)
-    spec = WorkerSpec(candidates=cand, out_dir=os.path.join(work, "scored"), model=model_cfg.model_dump(mode="json"),
-                      order=BatchOrder("blocks", n_steps * args.batch, args.batch).to_dict(), vocab_size=args.vocab,
+    spec = WorkerSpec(candidates=cand, out_dir=os.path.join(work, "scored"), model=model_cfg,
+                      order=BatchOrder("blocks", n_steps * args.batch, args.batch), vocab_size=args.vocab,
                       device=args.device, threads=1, score_batch_size=args.batch, needs_proxy=False)
     worker = ScoringWorker(spec, 0)
     worker.set_weights(REFERENCE, 0, ref)

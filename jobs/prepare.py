@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer: {display(result.tokenizer.path)} (vocab {result.tokenizer.vocab_size}, sha256 {result.tokenizer.fingerprint[:12]})")
     print(f"tokenized {result.tokens_processed} tokens in {result.seconds:.1f}s: "
           f"{result.tokens_per_second:,.0f} tokens/s ({result.workers} worker{'s' if result.workers > 1 else ''})")
+    if result.uploaded is not None:
+        print(result.uploaded)
     return 0
 
 

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the config is parsed (Composer and Ray take seconds): --help and bad settings answer at once,
     # and a single-process run does not import Ray. Imported before the stop handler is installed: Composer installs
     # its own SIGTERM/SIGINT handler (exit at once) when first imported, which would replace the project's.
-    from curation.core.distributed import WorkerGroupFailed
+    from curation.engine.plan import WorkerGroupFailed
 
     if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
         from training.runs.group import train_parallel as run_training

@@ -384,7 +384,7 @@ class ReplayConfig(StrictModel):
 
 
 class ScorerConfig(StrictModel):
-    """A reference scorer (curation.engine.scorer.ReferenceScorer): one model, loaded once."""
+    """A token-loss scorer (curation.engine.scorer.TokenLossScorer): one model, loaded once."""
 
     model: ModelConfig
     weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")

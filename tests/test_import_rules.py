@@ -256,3 +256,64 @@ def test_the_io_modules_the_jobs_use_before_their_config_is_parsed_import_nothin
                   if line not in in_functions for t in _top(m, n) & heavy]
         todo += sorted(_project_targets(path))
     assert not found, f"heavy imports on the jobs' start-up path: {found}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine–trainer seam (DESIGN.md §4: "where each kind of change goes at the engine–trainer seam")
+# ------------------------------------------------------------------------------------------------
+def _functions(paths):
+    for p in paths:
+        for fn in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield p, fn
+
+
+def _params(fn):
+    a = fn.args
+    return [*a.posonlyargs, *a.args, *a.kwonlyargs]
+
+
+def test_the_trainer_reaches_the_engine_through_its_declared_handle():
+    """No parameter of ``training/`` that takes the engine is untyped or ``Any``: it is an ``EngineHandle`` or the
+    ``EngineFeed`` that carries one (``curation/engine/handle.py``)."""
+    found = [f"{p.relative_to(REPO)}:{fn.lineno}: {fn.name}({arg.arg}: {ast.unparse(arg.annotation) if arg.annotation else '?'})"
+             for p, fn in _functions(sorted((REPO / "training").rglob("*.py"))) for arg in _params(fn)
+             if "engine" in arg.arg and (arg.annotation is None or "Any" in ast.unparse(arg.annotation))]
+    assert not found, f"the engine crosses into training/ untyped: {found}"
+
+
+def test_the_engine_settings_cross_ray_as_typed_objects_not_dicts():
+    """The settings handed to the actors (``WorkerSpec``, ``RefreshSpec``), the engine's work and the trainer's feed
+    hold typed objects (``ModelConfig``, ``BatchOrder``, ``Schedule``, ``CandidateStream``, ``SelectionConfig``,
+    ``LedgerSpec``), not dicts flattened on one side and rebuilt on the other."""
+    classes = {"curation/engine/workers.py": "WorkerSpec", "curation/engine/refresh_runner.py": "RefreshSpec",
+               "curation/engine/work.py": "EngineWork", "curation/engine/handle.py": "EngineFeed"}
+    found = []
+    for path, name in classes.items():
+        tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
+        cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+        found += [f"{path}: {name}.{f.target.id}: {ast.unparse(f.annotation)}" for f in cls.body
+                  if isinstance(f, ast.AnnAssign) and "dict" in ast.unparse(f.annotation).lower()]
+    assert not found, f"engine settings as dicts: {found}"
+
+
+def test_the_run_schedule_is_built_once_and_passed_as_an_object():
+    """``Schedule.of(cfg)`` (``curation/core/schedule.py``) is the one place a run's schedule is made; the engine and
+    the trainer neither construct one nor rebuild one from a dict."""
+    files = sorted([*(REPO / "curation" / "engine").rglob("*.py"), *(REPO / "training").rglob("*.py")])
+    found = [f"{p.relative_to(REPO)}:{n.lineno}: {ast.unparse(n.func)}" for p in files
+             for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+             if isinstance(n, ast.Call) and ast.unparse(n.func) in ("Schedule", "Schedule.from_dict")]
+    assert not found, f"schedules made outside Schedule.of: {found}"
+
+
+def test_every_refresh_takes_its_start_state_as_one_object():
+    """The refresh's start (previous weights, AdamW state, workspace, clone) is one ``RefreshStart``; no refresh of
+    the core or the trainer (``refresh_reference``, ``SelectionPolicy.refresh``, ``RefreshData.refresh``,
+    ``InProcessReference.refresh``) spells its fields out as parameters again. (The engine's refresh runner takes the
+    previous reference version's ``Weights`` as they travel between actors, and builds the ``RefreshStart``.)"""
+    files = sorted([*(REPO / "curation" / "core").rglob("*.py"), *(REPO / "training").rglob("*.py")])
+    start = {"previous", "optimizer_state", "workspace", "clone"}
+    found = [f"{p.relative_to(REPO)}:{fn.lineno}: {fn.name}({', '.join(sorted(names))})"
+             for p, fn in _functions(files) if "refresh" in fn.name and (names := {a.arg for a in _params(fn)} & start)]
+    assert not found, f"refresh start state spelled out as parameters: {found}"

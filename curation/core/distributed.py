@@ -38,14 +38,9 @@ __all__ = [
     "select_across_ranks",
     "global_rows",
     "normalised_loss",
-    "WorkerGroupFailed",
 ]
 
 Scope = Literal["global", "rank"]
-
-
-class WorkerGroupFailed(RuntimeError):
-    """The data-parallel worker group failed more often than its restarts allow (the workers' errors by rank)."""
 
 
 #: The selection scopes (``selection.scope`` of the training config).

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from curation.core.losses import model_logits, model_token_losses, target_valid, token_losses
 from curation.core.policies import RefreshMode, get_policy, train_static_reference
-from curation.core.refresh import RefreshSettings
+from curation.core.refresh import RefreshSettings, RefreshStart
 from curation.core.schedule import Schedule
 from curation.core.selection import masked_mean
 from curation.core.stream import CandidateStream
@@ -161,7 +161,7 @@ def blade_loop(
             result = policy.refresh(
                 u, val.refresh(e, selection.refresh_steps),
                 _candidate_batches(recent, tokens, rb, selection.refresh_steps), ref_settings,
-                previous=previous, optimizer_state=ref_opt_state if previous is not None else None,
+                RefreshStart(previous=previous, optimizer_state=ref_opt_state if previous is not None else None),
             )
             ref, ref_opt_state = result.model, result.optimizer_state
             out.refresh_log.append(result.log_entry(step=t, version=e))

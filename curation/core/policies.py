@@ -20,7 +20,6 @@ Pure torch: no ray, no composer.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,10 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from curation.core.refresh import (
-    Clone,
+    FROM_PROXY,
     RefreshResult,
     RefreshSettings,
-    RefreshWorkspace,
+    RefreshStart,
     refresh_reference,
     train_static_reference,
 )
@@ -159,36 +158,24 @@ class SelectionPolicy:
         val_batches: Iterable[Any],
         cand_batches: Iterable[Any] | None,
         settings: RefreshSettings,
-        *,
-        previous: nn.Module | Mapping[str, Tensor] | None = None,
-        optimizer_state: Mapping[str, Any] | str | None = None,
-        workspace: RefreshWorkspace | None = None,
-        clone: Clone = copy.deepcopy,
+        start: RefreshStart = FROM_PROXY,
     ) -> RefreshResult:
         """Refresh the reference as this policy prescribes (``blade`` / ``blade-nosync`` only).
 
-        ``blade`` restarts from the proxy (``previous`` and ``optimizer_state`` are ignored: each
-        episode's reference gets a fresh optimizer). ``blade-nosync`` continues from ``previous``
+        ``blade`` restarts from the proxy (``start``'s ``previous`` and ``optimizer_state`` are ignored: each
+        episode's reference gets a fresh optimizer). ``blade-nosync`` continues from ``start.previous``
         (module or state dict) and its ``optimizer_state``; the first time (``previous=None``) it
-        starts from the proxy. ``settings``, ``workspace`` and ``clone`` go to
+        starts from the proxy. ``settings`` and the rest of ``start`` go to
         :func:`~curation.core.refresh.refresh_reference` as they are.
 
         Raises:
             ValueError: for policies that are never refreshed.
         """
         if self.refresh_mode is RefreshMode.SYNC:
-            return refresh_reference(proxy, val_batches, cand_batches, settings, workspace=workspace, clone=clone)
+            return refresh_reference(proxy, val_batches, cand_batches, settings, start.from_proxy())
         if self.refresh_mode is RefreshMode.CONTINUE:
-            return refresh_reference(
-                proxy,
-                val_batches,
-                cand_batches,
-                settings,
-                previous=previous,
-                optimizer_state=optimizer_state if previous is not None else None,
-                workspace=workspace,
-                clone=clone,
-            )
+            return refresh_reference(proxy, val_batches, cand_batches, settings,
+                                     start if start.previous is not None else start.from_proxy())
         raise ValueError(
             f"policy {self.name!r} has refresh mode {self.refresh_mode.value!r}: its reference is never refreshed"
         )

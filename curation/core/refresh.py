@@ -44,8 +44,10 @@ Clone = Callable[[nn.Module], nn.Module]
 
 __all__ = [
     "CONTINUE",
+    "FROM_PROXY",
     "RefreshResult",
     "RefreshSettings",
+    "RefreshStart",
     "RefreshWorkspace",
     "copy_buffers",
     "refresh_reference",
@@ -243,6 +245,38 @@ class RefreshWorkspace:
         return opt
 
 
+@dataclass(frozen=True, eq=False)
+class RefreshStart:
+    """The start state of a refresh: where ``w_0`` and its AdamW come from and what the refresh reuses. One object
+    for every refresh call (:func:`refresh_reference`, :meth:`SelectionPolicy.refresh
+    <curation.core.policies.SelectionPolicy.refresh>`, :meth:`RefreshData.refresh
+    <curation.core.refresh_data.RefreshData.refresh>`), built by the caller that owns the reference (the
+    single-process trainer's :class:`~training.selection.reference.InProcessReference`, the engine's
+    :class:`~curation.engine.refresh_runner.RefreshRunner`); the policy decides what of it a refresh uses
+    (:meth:`from_proxy`).
+
+    Attributes:
+        previous: start from these weights (module or state dict) instead of the proxy's (``blade-nosync``).
+        optimizer_state: the AdamW state to resume from, or :data:`CONTINUE` (needs ``workspace``).
+        workspace: the reference module and AdamW reused refresh after refresh (built on first use).
+        clone: builds ``w_0``'s module from the proxy (or ``previous``); a sharded proxy needs
+            :func:`training.blocks.sharding.sharded_clone`.
+    """
+
+    previous: nn.Module | Mapping[str, Tensor] | None = None
+    optimizer_state: Mapping[str, Any] | str | None = None
+    workspace: RefreshWorkspace | None = None
+    clone: Clone = copy.deepcopy
+
+    def from_proxy(self) -> RefreshStart:
+        """The same start from the proxy: no previous weights, a fresh AdamW (the workspace and clone kept)."""
+        return dataclasses.replace(self, previous=None, optimizer_state=None)
+
+
+#: The default start: from the proxy, a fresh AdamW, new modules.
+FROM_PROXY = RefreshStart()
+
+
 def copy_buffers(dst: nn.Module, src: nn.Module) -> None:
     """Copy every buffer of ``src`` into ``dst``'s buffer of the same name, the non-persistent ones (e.g. rotary
     frequencies, which no state dict holds) included."""
@@ -294,15 +328,11 @@ def refresh_reference(
     val_batches: Iterable[Any],
     cand_batches: Iterable[Any] | None,
     settings: RefreshSettings,
-    *,
-    previous: nn.Module | Mapping[str, Tensor] | None = None,
-    optimizer_state: Mapping[str, Any] | str | None = None,
-    workspace: RefreshWorkspace | None = None,
-    clone: Clone = copy.deepcopy,
+    start: RefreshStart = FROM_PROXY,
 ) -> RefreshResult:
     """Compute a new reference ``w̃`` by ``K = settings.refresh_steps`` AdamW steps from ``w_0``.
 
-    ``w_0`` is a deep copy of ``proxy`` (BLADE: synchronisation), or, when ``previous`` is given,
+    ``w_0`` is a deep copy of ``proxy`` (BLADE: synchronisation), or, when ``start.previous`` is given,
     the proxy's architecture loaded with ``previous``'s weights (``blade-nosync``: the reference
     continues from its last weights). Each step draws one validation batch and (when ``λ ≠ 0``)
     one candidate batch and minimises ``L_val(w) + λ · masked_mean(ℓ(w), α)``; gradients are
@@ -325,11 +355,8 @@ def refresh_reference(
         cand_batches: iterable of candidate batches with selections; may be ``None`` if ``λ = 0``.
         settings: ``K`` (``refresh_steps``; 0 returns a copy of ``w_0`` unchanged), ``λ``, the AdamW's settings,
             clipping and precision (its seed, batch size and ``rho1_steps`` are not used here).
-        previous: start from these weights (module or state dict) instead of the proxy's.
-        optimizer_state: AdamW state to resume from, or :data:`CONTINUE` (needs ``workspace``).
-        workspace: reuse its reference module and AdamW (built on first use) instead of new ones.
-        clone: builds ``w_0``'s module from the proxy (or ``previous``); a sharded proxy needs
-            :func:`training.blocks.sharding.sharded_clone`.
+        start: ``previous`` weights, ``optimizer_state``, ``workspace``, ``clone`` (:class:`RefreshStart`; default:
+            from the proxy, a fresh AdamW, new modules).
 
     Returns:
         A :class:`RefreshResult` with the reference module, optimizer state and per-step losses.
@@ -340,6 +367,7 @@ def refresh_reference(
         DivergenceError: the reference diverged (:func:`curation.core.divergence.check_reference`).
     """
     steps, lam = settings.refresh_steps, settings.lam
+    previous, optimizer_state, workspace, clone = start.previous, start.optimizer_state, start.workspace, start.clone
     if lam != 0 and cand_batches is None and steps > 0:
         raise ValueError("cand_batches is required when lam != 0")
 
@@ -425,4 +453,4 @@ def train_static_reference(
         A :class:`RefreshResult` holding the static reference.
     """
     static = dataclasses.replace(settings, refresh_steps=settings.rho1_steps, lam=0.0)
-    return refresh_reference(base_model, val_batches, None, static, clone=clone)
+    return refresh_reference(base_model, val_batches, None, static, RefreshStart(clone=clone))

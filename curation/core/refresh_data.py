@@ -36,10 +36,11 @@ from torch import Tensor, nn
 from curation.core.losses import target_valid
 from curation.core.policies import SelectionPolicy
 from curation.core.refresh import (
+    FROM_PROXY,
     Clone,
     RefreshResult,
     RefreshSettings,
-    RefreshWorkspace,
+    RefreshStart,
     train_static_reference,
 )
 from curation.core.schedule import Schedule
@@ -144,34 +145,21 @@ class RefreshData:
 
         return gen()
 
-    def refresh(
-        self,
-        policy: SelectionPolicy,
-        proxy: nn.Module,
-        version: int,
-        recent: RecentMasks,
-        *,
-        previous: nn.Module | Mapping[str, Tensor] | None = None,
-        optimizer_state: Mapping[str, Any] | str | None = None,
-        workspace: RefreshWorkspace | None = None,
-        clone: Clone = copy.deepcopy,
-    ) -> RefreshResult:
+    def refresh(self, policy: SelectionPolicy, proxy: nn.Module, version: int, recent: RecentMasks,
+                start: RefreshStart = FROM_PROXY) -> RefreshResult:
         """Reference ``version`` from ``proxy`` (``u``) through ``policy``'s refresh.
 
         Args:
-            policy: ``blade`` (from ``u``) or ``blade-nosync`` (from ``previous``, continuing ``optimizer_state``).
+            policy: ``blade`` (from ``u``) or ``blade-nosync`` (from ``start.previous``, continuing its
+                ``optimizer_state``).
             proxy: the proxy at the refresh step (not modified).
             version: the reference version (its validation batches; its refresh step when ``recent`` is empty).
             recent: the recent trained steps and their masks.
-            previous: ``blade-nosync``: the previous reference's weights.
-            optimizer_state: ``blade-nosync``: the previous refresh's AdamW state.
-            workspace: the reference module and AdamW reused refresh after refresh.
-            clone: builds the reference module from the proxy (:func:`~curation.core.refresh.refresh_reference`).
+            start: the refresh's start state (:class:`~curation.core.refresh.RefreshStart`: previous weights and
+                AdamW state, the reused workspace, how the reference module is built).
         """
-        return policy.refresh(
-            proxy, self.validation_batches(version), self.candidate_batches(version, recent), self.cfg,
-            previous=previous, optimizer_state=optimizer_state, workspace=workspace, clone=clone,
-        )
+        return policy.refresh(proxy, self.validation_batches(version), self.candidate_batches(version, recent),
+                              self.cfg, start)
 
     def train_static(self, base: nn.Module, *, clone: Clone = copy.deepcopy) -> RefreshResult:
         """RHO-1's static reference (version 0): ``rho1_steps`` steps on validation data from ``base``."""

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
+    from schemas.train_config import TrainConfig
 
 __all__ = ["WARMUP_EPISODE", "Schedule"]
 
@@ -56,6 +59,13 @@ class Schedule:
         _check_int("tau", self.tau, 1)
         if self.total_steps is not None:
             _check_int("total_steps", self.total_steps, 0)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Schedule:
+        """The run's schedule (warm-up ``W``, refresh interval ``τ``, ``max_steps``), built here once: every object
+        of a run that needs one is given this one (the trainer, and in the engine's job its plan, scoring workers and
+        refresh, as the object itself)."""
+        return cls(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps)
 
     def _check_step(self, t: int) -> int:
         return _check_int("step t", t, 0)

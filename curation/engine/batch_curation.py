@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+from curation.engine.ledger import LedgerSpec
 from curation.engine.plan import PROXY, REFERENCE, plan_batch_units
 from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
@@ -64,11 +65,11 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
     fps = {"reference": reference.fingerprint(), "proxy": proxy.fingerprint()}
     run_key = {"candidates": storage.canonical(cfg.candidates), "order": order.to_dict(), "gamma": cfg.gamma,
                "model": cfg.model.model_dump(mode="json"), "weights": fps, "range_steps": cfg.workers.range_steps}
-    ledger = dict(out_dir=out, kind="selected", job="curate", run_key=run_key, config=urls_in(cfg.model_dump(mode="json")),
-                  vocab_size=cand.vocab_size, seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
-                  model_fingerprints=fps, extra={"order": order.to_dict()})
+    ledger = LedgerSpec(out, kind="selected", job="curate", run_key=run_key, config=urls_in(cfg.model_dump(mode="json")),
+                        vocab_size=cand.vocab_size, seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
+                        model_fingerprints=fps, extra={"order": order.to_dict()})
     spec = WorkerSpec(
-        candidates=cfg.candidates, out_dir=out, model=cfg.model.model_dump(mode="json"), order=order.to_dict(),
+        candidates=cfg.candidates, out_dir=out, model=cfg.model, order=order,
         vocab_size=cand.vocab_size, policy="blade", gamma=cfg.gamma, schedule=None, device=cfg.workers.device,
         threads=cfg.workers.threads, score_batch_size=cfg.workers.score_batch_size, needs_proxy=True,
         precision=cfg.precision,

@@ -42,6 +42,43 @@ class PartResult:
     scored_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class LedgerSpec:
+    """What an engine's output directory records (built with the engine's work; opened by the coordinator, the
+    ledger's single writer, with :meth:`open`). The fields are :class:`PartLedger`'s.
+
+    Attributes:
+        out_dir: the output directory.
+        kind: ``scored`` or ``selected``.
+        job: producing job.
+        run_key: what must be equal for a rerun to resume here (JSON).
+        config: the job's resolved config (JSON, as recorded).
+        vocab_size: the candidate shards' vocabulary.
+        seq_len: their sequence length.
+        tokenizer_fingerprint: their tokenizer's.
+        model_fingerprints: fingerprints of given weights (batch curation).
+        extra: more manifest fields (JSON).
+    """
+
+    out_dir: str
+    kind: str
+    job: str
+    run_key: Mapping[str, Any]
+    config: Mapping[str, Any] = field(default_factory=dict)
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    tokenizer_fingerprint: str | None = None
+    model_fingerprints: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def open(self) -> PartLedger:
+        """The output directory's ledger (created, or opened and checked against ``run_key``)."""
+        return PartLedger(self.out_dir, kind=self.kind, job=self.job, run_key=self.run_key, config=dict(self.config),
+                          vocab_size=self.vocab_size, seq_len=self.seq_len,
+                          tokenizer_fingerprint=self.tokenizer_fingerprint,
+                          model_fingerprints=dict(self.model_fingerprints), extra=dict(self.extra))
+
+
 class PartLedger:
     """The manifest of an engine output directory (scored or selected shards).
 

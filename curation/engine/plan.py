@@ -21,7 +21,7 @@ from typing import Any
 from curation.core.schedule import WARMUP_EPISODE, Schedule
 from curation.io.shards import part_name
 
-__all__ = ["EngineError", "ScoringDataError", "WorkUnit", "plan_training_units", "plan_batch_units", "TrainingPlan",
+__all__ = ["EngineError", "WorkerGroupFailed", "ScoringDataError", "WorkUnit", "plan_training_units", "plan_batch_units", "TrainingPlan",
            "worker_dir", "PROXY", "REFERENCE"]
 
 #: Weights kinds in the registry: a proxy snapshot (version = its step) or a reference (version = episode).
@@ -30,6 +30,11 @@ PROXY, REFERENCE = "proxy", "reference"
 
 class EngineError(RuntimeError):
     """The engine cannot go on (a worker failed on bad data, a refresh failed, a worker died for good)."""
+
+
+class WorkerGroupFailed(RuntimeError):
+    """The data-parallel trainer's worker group (on Ray Train) failed more often than its restarts allow (the
+    workers' errors by rank)."""
 
 
 class ScoringDataError(ValueError):

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import CONTINUE, RefreshSettings, RefreshWorkspace
+from curation.core.refresh import CONTINUE, RefreshSettings, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
@@ -37,33 +37,32 @@ from schemas.train_config import ModelConfig, SelectionConfig
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RefreshSpec:
-    """Settings of the refresh (the training config's selection section, resolved).
+    """Settings of the refresh (the training config's selection section, resolved; handed to the actor as it is).
 
     Attributes:
-        model: proxy/reference architecture (``ModelConfig`` dict).
+        model: proxy/reference architecture.
         validation: validation-shard directory (``L_val``).
         candidates: candidate-shard directory (tokens of the recent steps).
-        stream: the training :class:`~curation.core.stream.CandidateStream` as a dict.
-        selection: the ``SelectionConfig`` as a dict.
+        stream: the training candidate stream.
+        selection: the run's selection settings.
         ref_lr: ``η_w``.
         refresh_batch_size: sequences per validation / candidate batch of a refresh step.
         engine_dir: where reference versions are saved (``reference-0003.safetensors``).
-        schedule: the run's :class:`~curation.core.schedule.Schedule` as a dict (the one the trainer and the
-            engine's plan follow).
+        schedule: the run's schedule (the one the trainer and the engine's plan follow).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave as is).
         precision: ``fp32`` / ``amp_bf16`` (the refresh's forward passes under bf16 autocast on CUDA).
     """
 
-    model: dict[str, Any]
+    model: ModelConfig
     validation: str
     candidates: str
-    stream: dict[str, Any]
-    selection: dict[str, Any]
+    stream: CandidateStream
+    selection: SelectionConfig
     ref_lr: float
     refresh_batch_size: int
     engine_dir: str
-    schedule: dict[str, Any]
+    schedule: Schedule
     device: str = "auto"
     threads: int | None = None
     precision: str = "fp32"
@@ -88,15 +87,15 @@ class RefreshRunner:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         self.spec = spec
-        self.cfg = SelectionConfig.model_validate(spec.selection)
+        self.cfg = spec.selection
         self.policy = get_policy(self.cfg.policy)
         self.device = resolve_device(spec.device)
-        self.model_cfg = ModelConfig.model_validate(spec.model)
+        self.model_cfg = spec.model
         self.proxy = build_causal_lm(self.model_cfg).to(self.device)
         self.validation = open_shards(spec.validation, "candidate")
-        self.stream = CandidateStream.from_dict(spec.stream)
+        self.stream = spec.stream
         self.candidates = open_shards(spec.candidates, "candidate")
-        self.schedule = Schedule.from_dict(spec.schedule)
+        self.schedule = spec.schedule
         # The same batches and settings as the single-process trainer's refreshes.
         settings = RefreshSettings.of(self.cfg, lr=spec.ref_lr, batch_size=spec.refresh_batch_size,
                                       precision=spec.precision)
@@ -165,8 +164,8 @@ class RefreshRunner:
             prev_sd = {k: v.to(self.device) for k, v in previous.state_dict().items()}
             opt_state = self._optimizer_state(version - 1)
         step = self.schedule.refresh_step(version)
-        result = self.data.refresh(self.policy, self.proxy, version, recent, previous=prev_sd,
-                                   optimizer_state=opt_state, workspace=self.workspace)
+        result = self.data.refresh(self.policy, self.proxy, version, recent,
+                                   RefreshStart(previous=prev_sd, optimizer_state=opt_state, workspace=self.workspace))
         weights = Weights.from_state_dict(result.model)
         if continue_mode:
             self.opt_version = version  # its AdamW state stays in the workspace's optimizer

@@ -1,10 +1,11 @@
-"""Reference scoring: a plain scorer class, and scored shards written and read by stream step.
+"""Token-loss scoring: a plain scorer class, and scored shards written and read by stream step.
 
-:class:`ReferenceScorer` loads one model once (``__init__(config)``) and maps a batch of token
-sequences to per-token reference losses ``ℓ(w̃)`` as numpy float16 (``__call__``), under
+:class:`TokenLossScorer` loads one model once (``__init__(config)``) and maps a batch of token
+sequences to its per-token losses as numpy float16 (``__call__``): the reference's ``ℓ(w̃)``, and in a
+pipelined scoring worker the proxy snapshot's ``ℓ(u)`` too, under
 ``torch.inference_mode``. It runs in-process (tests, the single-process trainer) and, unchanged,
 as a Ray actor (the Ray engine wraps the class; nothing here imports ray). New reference weights
-arrive with :meth:`ReferenceScorer.load_weights` (a version number travels with them).
+arrive with :meth:`TokenLossScorer.load_weights` (a version number travels with them).
 
 Scored shards (docs/DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
 stream *by step*: a part ``steps-<first>-<stop>/`` holds the ``b`` sequences of each step
@@ -34,7 +35,7 @@ from schemas.manifest import Manifest, ShardRecord
 from schemas.shards import SCORED
 from schemas.train_config import ScorerConfig
 
-__all__ = ["ReferenceScorer", "check_finite_losses", "resolve_device", "write_scored_steps", "ScoredShards"]
+__all__ = ["TokenLossScorer", "check_finite_losses", "resolve_device", "write_scored_steps", "ScoredShards"]
 
 
 def check_finite_losses(losses: Tensor, what: str) -> None:
@@ -57,8 +58,8 @@ def _as_tokens(batch: Any) -> Tensor:
     return batch.long()
 
 
-class ReferenceScorer:
-    """Per-token reference losses of one model (loaded once, scored without gradients).
+class TokenLossScorer:
+    """Per-token losses of one model, the reference or a proxy snapshot (loaded once, scored without gradients).
 
     Args:
         config: the model and where/how to run it.
@@ -86,7 +87,7 @@ class ReferenceScorer:
             self.model.load_state_dict(weights, strict=True)
         self.version = version
 
-    def to(self, device: torch.device | str) -> ReferenceScorer:
+    def to(self, device: torch.device | str) -> TokenLossScorer:
         """Move the model (e.g. to the training device to score, back to CPU to offload)."""
         self.device = torch.device(device)
         self.model.to(self.device)
@@ -154,7 +155,7 @@ def write_scored_steps(
     Args:
         out_dir: scored-shard directory (created).
         reader: the candidate stream and shards.
-        scorer: tokens ``(b, L)`` → float16 losses (a :class:`ReferenceScorer`).
+        scorer: tokens ``(b, L)`` → float16 losses (a :class:`TokenLossScorer`).
         steps: a contiguous step range.
         episode_of: the episode (reference version) that scores a step.
         vocab_size: for the token column's dtype.

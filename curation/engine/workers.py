@@ -3,7 +3,7 @@
 :class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference ``w̃``
 (and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own subdirectory.
 Models are built once; new weights arrive as :class:`~curation.engine.weights.Weights` with a version and
-are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.ReferenceScorer`
+are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.TokenLossScorer`
 (``torch.inference_mode``, bf16 autocast on CUDA). The reference refresh is
 :mod:`curation.engine.refresh_runner`.
 
@@ -31,7 +31,7 @@ from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
-from curation.engine.scorer import ReferenceScorer, check_finite_losses
+from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
 from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
@@ -87,17 +87,17 @@ class BatchOrder:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a scoring worker needs (passed to the actor; workers read no config files or env vars).
+    """Everything a scoring worker needs (handed to the actor as it is; workers read no config files or env vars).
 
     Attributes:
         candidates: candidate-shard directory.
         out_dir: output directory (the worker writes ``out_dir/worker-NN/<unit>``).
-        model: the architecture of proxy and reference (``ModelConfig`` as a dict).
-        order: the :class:`BatchOrder` as a dict.
+        model: the architecture of proxy and reference.
+        order: which candidate sequences form each step.
         vocab_size: the candidate shards' vocabulary (token column dtype).
         policy: selection policy (scores ``Δ = ℓ(u) − ℓ(w̃)``).
         gamma: γ.
-        schedule: for the ``episode`` column of selected output (``None``: episode 0, batch curation).
+        schedule: the run's, for the ``episode`` column of selected output (``None``: episode 0, batch curation).
         device: ``auto`` / ``cpu`` / ``cuda``.
         threads: torch CPU threads (``None``: leave the process setting alone).
         score_batch_size: sequences per forward (``None``: the whole batch).
@@ -108,12 +108,12 @@ class WorkerSpec:
 
     candidates: str
     out_dir: str
-    model: dict[str, Any]
-    order: dict[str, Any]
+    model: ModelConfig
+    order: BatchOrder
     vocab_size: int
     policy: str = "blade"
     gamma: float = 0.6
-    schedule: dict[str, Any] | None = None
+    schedule: Schedule | None = None
     device: str = "auto"
     threads: int | None = None
     score_batch_size: int | None = None
@@ -135,20 +135,19 @@ class ScoringWorker:
         self.spec = spec
         self.worker_id = worker_id
         self.subdir = worker_dir(worker_id)
-        self.order = BatchOrder(**spec.order)
+        self.order = spec.order
         self.policy = get_policy(spec.policy)
         self.select = SelectionStep(self.policy, spec.gamma)  # the trainer's step, on one worker's rows
-        self.schedule = Schedule.from_dict(spec.schedule) if spec.schedule else None
+        self.schedule = spec.schedule
         self.candidates = open_shards(spec.candidates, "candidate")
         if len(self.candidates) != self.order.num_samples:
             raise ValueError(f"{spec.candidates}: holds {len(self.candidates)} sequences, the plan expects "
                              f"{self.order.num_samples}")
-        model_cfg = ModelConfig.model_validate(spec.model)
         batch = spec.score_batch_size or self.order.batch_size
-        scorer_cfg = ScorerConfig(model=model_cfg, device=spec.device, batch_size=batch, precision=spec.precision)
-        self.scorers: dict[str, ReferenceScorer] = {REFERENCE: ReferenceScorer(scorer_cfg)}
+        scorer_cfg = ScorerConfig(model=spec.model, device=spec.device, batch_size=batch, precision=spec.precision)
+        self.scorers: dict[str, TokenLossScorer] = {REFERENCE: TokenLossScorer(scorer_cfg)}
         if spec.needs_proxy:
-            self.scorers[PROXY] = ReferenceScorer(scorer_cfg)
+            self.scorers[PROXY] = TokenLossScorer(scorer_cfg)
         self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
         self.versions: dict[str, int | None] = {k: None for k in self.scorers}
         self.cuda = self.scorers[REFERENCE].device.type == "cuda"

@@ -96,6 +96,7 @@ class PrepareResult:
     regenerated: list[str] = field(default_factory=list)  # damaged or missing parts rewritten by this run
     workers: int = 1  # processes that ran the units (1: this one)
     unit_cpu_seconds: float = 0.0  # CPU time of the units' runs (in every process)
+    uploaded: str | None = None  # an s3:// output_dir: "uploaded N files to s3://…; it holds M objects (X MiB)"
 
     @property
     def tokens_per_second(self) -> float:
@@ -165,6 +166,9 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
     _run_units(cfg, groups, settings, pool, result)
     for group in groups:
         result.manifests[group.name] = group.manifest if group.manifest.complete else group.commit(final=True)
+    # an object-store output_dir: every file was published as it was written; what is left (none, normally) goes now,
+    # still under the lock, and the bucket's own count confirms it
+    result.uploaded = storage.push_all(cfg.output_dir)
     result.seconds = time.perf_counter() - start
     return result
 

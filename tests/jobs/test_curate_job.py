@@ -44,8 +44,7 @@ def setup(engine_demo, tmp_path_factory):
             str(d / f"{name}.safetensors"))
     n = len(open_shards(cand))
     order = BatchOrder("blocks", n, B, seed=0, shuffle=True)  # the job's default order
-    spec = WorkerSpec(candidates=cand, out_dir="/nonexistent", model=MODEL.model_dump(mode="json"),
-                      order=order.to_dict(), vocab_size=512, gamma=0.5)
+    spec = WorkerSpec(candidates=cand, out_dir="/nonexistent", model=MODEL, order=order, vocab_size=512, gamma=0.5)
     worker = ScoringWorker(spec, 0)
     fixed = {(REFERENCE, 0): Weights.load(paths["reference"]), (PROXY, 0): Weights.load(paths["proxy"])}
     expected = []

@@ -41,7 +41,11 @@ def _prepare_into(s3, engine_demo: str, prefix: str = "data") -> PrepareConfig:
     cfg = PrepareConfig.demo_default(engine_demo)
     cfg = cfg.model_copy(update={"progress": False, "output_dir": s3.url(prefix),
                                  "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": ENGINE_VOCAB})})
-    prepare(cfg)
+    result = prepare(cfg)
+    # issue 34: an object-store prepare confirms what the bucket holds, counted from the bucket itself
+    held = len(objects.list_objects(s3.url(prefix)))
+    assert result.uploaded is not None and result.uploaded.startswith("uploaded ") and \
+        f" to {s3.url(prefix)}; it holds {held} objects (" in result.uploaded, result.uploaded
     return cfg
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from curation.core.losses import model_token_losses
-from curation.core.refresh import RefreshSettings, RefreshWorkspace, refresh_reference
+from curation.core.refresh import RefreshSettings, RefreshStart, RefreshWorkspace, refresh_reference
 from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from schemas.train_config import demo_model_config
@@ -45,7 +45,7 @@ def batches() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], torch.
 
 def refresh(proxy: torch.nn.Module, **kw):
     val, cand, _ = batches()
-    return refresh_reference(proxy, val, cand, RefreshSettings(refresh_steps=K, lam=1.0, lr=1e-2), **kw)
+    return refresh_reference(proxy, val, cand, RefreshSettings(refresh_steps=K, lam=1.0, lr=1e-2), RefreshStart(**kw))
 
 
 def reference(proxy: torch.nn.Module, policy: str = "blade-nosync"):

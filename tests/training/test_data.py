@@ -97,11 +97,19 @@ class _NoEngine:
         raise AssertionError("the resume protocol reads no part")
 
 
+def _feed(out_dir, stream):
+    from curation.core.schedule import Schedule
+    from curation.engine.handle import EngineFeed
+    from curation.engine.plan import TrainingPlan
+
+    return EngineFeed(_NoEngine(), out_dir, stream, TrainingPlan(Schedule(0, 2, 6), "pipelined", True))
+
+
 def test_engine_batches_resume_by_step_with_the_same_protocol(demo_root, tmp_path):
     from training.runs.engine_feed import EngineMaskedBatches
 
     reader = StreamReader.open(_cand(demo_root), batch_size=8, seed=3)
-    engine = EngineMaskedBatches(_NoEngine(), str(tmp_path), reader.stream, 6)
+    engine = EngineMaskedBatches(_feed(str(tmp_path), reader.stream), 6)
     local = StreamBatches(reader, stop_step=6)
     for num_samples, from_beginning in [(4 * 8, True), (2 * 8 + 3, True)]:
         assert engine.state_dict(num_samples, from_beginning) == local.state_dict(num_samples, from_beginning)
@@ -110,7 +118,7 @@ def test_engine_batches_resume_by_step_with_the_same_protocol(demo_root, tmp_pat
     assert engine.state_dict(num_samples=2 * 8, from_beginning=False)["step"] == 5  # counted from the resumed step
     other = StreamReader.open(_cand(demo_root), batch_size=4, seed=3).stream
     with pytest.raises(ValueError, match="same candidates, batch_size and seed"):
-        EngineMaskedBatches(_NoEngine(), str(tmp_path), other, 6).load_state_dict(engine.state_dict(0, False))
+        EngineMaskedBatches(_feed(str(tmp_path), other), 6).load_state_dict(engine.state_dict(0, False))
 
 
 def _counting(stream: StreamBatches) -> list[int]:

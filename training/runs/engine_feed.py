@@ -1,7 +1,8 @@
 """The trainer fed by the Ray engine (docs/DESIGN.md §3): Composer glue for the exact and pipelined modes.
 
-The engine handle (:class:`curation.engine.ray_backend.RayEngine`) is used duck-typed (``wait_part``,
-``trainer_at``, ``publish_proxy``, ``reference``), so nothing here imports ray.
+The engine is reached through its declared handle (:class:`curation.engine.handle.EngineHandle`: ``wait_part``,
+``trainer_at``, ``publish_proxy``, ``reference``, ``progress``), handed over in an
+:class:`~curation.engine.handle.EngineFeed`, so nothing here imports ray.
 
 * **exact**: :class:`~training.selection.shard_scores.EngineScores` stands in for scored shards in the BLADE
   algorithm: ``ℓ(w̃)`` of step ``t`` is read from the engine's scored part holding ``t``, waiting until a worker
@@ -30,7 +31,7 @@ from torch import nn
 
 from curation.core.refresh_data import RecentMasks
 from curation.core.stats import SelectionRecord, param_distance
-from curation.core.stream import CandidateStream
+from curation.engine.handle import EngineFeed, EngineHandle
 from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
 from curation.io.models import check_token_range
@@ -50,14 +51,14 @@ class EngineSync(Callback):
     the step's record before the statistics callback reads it.
 
     Args:
-        engine: the engine handle.
+        engine: the running engine.
         plan: the training plan (which steps to publish).
         algorithm: what trained the step (its ``last`` record; its ``recent`` masks, for the refresh's ``L_train``).
         distance_interval: measure ``‖u − w‖`` every this many steps.
         log_every: log the engine's progress every this many steps.
     """
 
-    def __init__(self, engine: Any, plan: TrainingPlan, *, algorithm: StepSelections, distance_interval: int = 1,
+    def __init__(self, engine: EngineHandle, plan: TrainingPlan, *, algorithm: StepSelections, distance_interval: int = 1,
                  log_every: int = 10) -> None:
         self.engine = engine
         self.plan = plan
@@ -118,21 +119,18 @@ class EngineMaskedBatches(StepBatches):
     """One batch per proxy step with the engine's finished mask (pipelined mode); waits for the part.
 
     Args:
-        engine: the engine handle.
-        out_dir: the selected-token shard directory the engine writes.
-        stream: the candidate stream (sample ids of each step).
+        feed: the running engine, the selected-token shard directory it writes, the candidate stream (sample ids of
+            each step), how long to wait for a step's mask before failing.
         stop_step: ``max_steps``.
         model_vocab: token ids are checked against it.
-        timeout_s: fail when a step's mask does not arrive within this time.
     """
 
-    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, stop_step: int, *,
-                 model_vocab: int | None = None, timeout_s: float = 1800.0) -> None:
-        super().__init__(stream, stop_step, model_vocab=model_vocab)
-        self.engine = engine
-        self.out_dir = out_dir
-        self.timeout_s = timeout_s
-        self.cache = PartCache(out_dir, stream.batch_size)
+    def __init__(self, feed: EngineFeed, stop_step: int, *, model_vocab: int | None = None) -> None:
+        super().__init__(feed.stream, stop_step, model_vocab=model_vocab)
+        self.engine = feed.handle
+        self.out_dir = feed.out_dir
+        self.timeout_s = feed.timeout_s
+        self.cache = PartCache(feed.out_dir, feed.stream.batch_size)
 
     def batch(self, step: int) -> dict[str, Any]:
         info = self.engine.wait_part(step, timeout_s=self.timeout_s)

@@ -23,85 +23,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from curation.core.policies import get_policy
-from curation.core.stream import CandidateStream
-from curation.engine.plan import TrainingPlan
 from curation.engine.ray_backend import RayEngine, ray_session
-from curation.engine.refresh_runner import RefreshSpec, reference_path
-from curation.engine.work import EngineWork
-from curation.engine.workers import BatchOrder, WorkerSpec
+from curation.engine.refresh_runner import reference_path
+from curation.engine.training_curation import TrainingCuration
 from curation.ingest.prepare import prepare
 from curation.io import storage
-from curation.io.outputs import localize, open_output, urls_in
-from curation.io.shards import check_tokenizer, shard_dir_info
+from curation.io.outputs import localize, open_output
 from curation.io.stop import GracefulStop
 from schemas.engine_config import CurateAndTrainConfig
 from training.blocks.loggers import check_installed
 from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
 from training.runs.group import run_worker_group, trainer_cpus
-from training.runs.wiring import RunOutputs, build_training, finish_run, run_schedule
+from training.runs.wiring import RunOutputs, build_training, finish_run
 from training.selection.shard_scores import EngineScores
 
-__all__ = ["curate_and_train", "EngineRun"]
-
-
-@dataclass
-class EngineRun:
-    """The engine of one job: its work and the candidate stream it scores (derived from the config, once)."""
-
-    work: EngineWork
-    stream: CandidateStream
-    out_dir: str  # the workers' shards: scored/ (exact) or selected/ (pipelined)
-
-    @property
-    def plan(self) -> TrainingPlan:
-        assert self.work.plan is not None
-        return self.work.plan
-
-    @classmethod
-    def of(cls, cfg: CurateAndTrainConfig) -> EngineRun:
-        t, eng, wk = cfg.train, cfg.engine, cfg.workers
-        cand = shard_dir_info(t.data.candidates, "candidate")
-        fingerprint = check_tokenizer([cand, shard_dir_info(t.data.validation, "candidate")], t.data.tokenizer)
-        policy = get_policy(t.selection.policy)
-        schedule = run_schedule(t)
-        pipelined = eng.mode == "pipelined"
-        plan = TrainingPlan(schedule, eng.mode, policy.refreshes, eng.snapshot_period if pipelined else 1,
-                            eng.overlap_steps if eng.refresh == "overlapped" else 0)
-        num = cand.manifest.totals().sequences
-        stream = CandidateStream(num, t.batch_size, t.seed)
-        out = os.path.join(t.output_dir, "selected" if pipelined else "scored")
-        engine_dir = os.path.join(t.output_dir, "engine")
-        model = t.model.architecture.model_dump(mode="json")  # the workers' model: how the trainer runs it aside
-        selection = t.selection.model_dump(mode="json")
-        run_key = {
-            "stream": stream.to_dict(), "plan": plan.to_dict(), "policy": policy.name, "model": model,
-            "selection": selection, "optim": t.optim.model_dump(mode="json"),
-            "candidates": storage.canonical(t.data.candidates), "validation": storage.canonical(t.data.validation),
-            "range_steps": wk.range_steps,
-        }
-        ledger = dict(out_dir=out, kind="selected" if pipelined else "scored", job="curate_and_train",
-                      run_key=run_key, config=urls_in(cfg.model_dump(mode="json")), vocab_size=cand.vocab_size,
-                      seq_len=cand.seq_len, tokenizer_fingerprint=fingerprint,
-                      extra={"stream": stream.to_dict(), "policy": policy.name})
-        worker_spec = WorkerSpec(
-            candidates=t.data.candidates, out_dir=out, model=model,
-            order=BatchOrder("stream", num, t.batch_size, t.seed).to_dict(), vocab_size=cand.vocab_size,
-            policy=policy.name, gamma=t.selection.gamma, schedule=schedule.to_dict(), device=wk.device,
-            threads=wk.threads, score_batch_size=wk.score_batch_size, needs_proxy=pipelined, precision=t.precision,
-        )
-        refresh_spec = RefreshSpec(
-            model=model, validation=t.data.validation, candidates=t.data.candidates, stream=stream.to_dict(),
-            selection=selection, ref_lr=t.ref_lr, refresh_batch_size=t.refresh_batch_size, engine_dir=engine_dir,
-            device=eng.refresh_device, threads=eng.refresh_threads or wk.threads, precision=t.precision,
-            schedule=schedule.to_dict(),
-        )
-        work = EngineWork(units=plan.units(wk.range_steps), worker_spec=worker_spec, ledger=ledger,
-                          engine_dir=engine_dir, plan=plan, refresh_mode=policy.refresh_mode, refresh_spec=refresh_spec)
-        return cls(work, stream, out)
+__all__ = ["curate_and_train"]
 
 
 def _ensure_data(cfg: CurateAndTrainConfig) -> None:
@@ -131,14 +69,14 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
                      {"engine_config.yaml": cfg, "config.yaml": cfg.train}) as lock:
         start = time.perf_counter()
         _ensure_data(cfg)
-        e = EngineRun.of(cfg)
+        e = TrainingCuration.of(cfg)
         if "train.max_steps" in lock.extended:
             _check_extension(e, *lock.extended["train.max_steps"], cfg.workers.range_steps)
         lock.write_records()
         return _run(cfg, e, start)
 
 
-def _check_extension(e: EngineRun, old: int, new: int, range_steps: int) -> None:
+def _check_extension(e: TrainingCuration, old: int, new: int, range_steps: int) -> None:
     """An extended run (``train.max_steps`` raised from ``old`` to ``new``): refused before anything is written when
     its continuation needs a proxy snapshot the shorter run never published (:meth:`TrainingPlan.extension_gaps`)."""
     gaps = e.plan.extension_gaps(old, range_steps)
@@ -151,7 +89,7 @@ def _check_extension(e: EngineRun, old: int, new: int, range_steps: int) -> None
     print(f"extending the run: train.max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
 
 
-def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any]:
+def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[str, Any]:
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
     pipelined, parallel = eng.mode == "pipelined", t.parallel.workers > 1
     # SIGTERM / SIGINT: the trainer stops at the end of its step with a checkpoint there (StopRequested), the
@@ -163,21 +101,20 @@ def _run(cfg: CurateAndTrainConfig, e: EngineRun, start: float) -> dict[str, Any
             e.work, wk, lookahead=eng.lookahead,
             reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
     ) as engine:
+        feed = e.feed(engine, timeout_s=eng.wait_timeout_s)  # what the trainer sees of the running engine
         if parallel:  # the trainer as a Ray Train worker group (exact mode); its rank 0 wrote final/model
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
                   f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
-            res = run_worker_group(t, engine={"engine": engine, "scored_dir": e.out_dir, "stream": e.stream,
-                                              "plan": e.plan, "timeout_s": eng.wait_timeout_s})
+            res = run_worker_group(t, engine=feed)
             outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"],
                                                             "throughput": res["throughput"]})
         else:
             if pipelined:
                 run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
-                    engine, e.out_dir, e.stream, t.max_steps, model_vocab=vocab, timeout_s=eng.wait_timeout_s))
+                    feed, t.max_steps, model_vocab=vocab))
             else:
-                run = build_training(t, scored=EngineScores(engine, e.out_dir, e.stream, timeout_s=eng.wait_timeout_s),
-                                     schedule=e.plan.schedule)
-            sync = EngineSync(engine, e.plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
+                run = build_training(t, scored=EngineScores(feed), schedule=e.plan.schedule)
+            sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
             run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
                   f"{eng.mode} mode, {eng.refresh} refresh, "

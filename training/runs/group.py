@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from curation.core.distributed import Ranks, current_ranks
+from curation.engine.handle import EngineFeed
 from curation.engine.plan import EngineError
-from curation.engine.ray_backend import engine_client, ray_session, run_trainer_group
+from curation.engine.ray_backend import ray_session, run_trainer_group
 from curation.io.atomic import atomic_write_text
 from curation.io.outputs import localize, open_output
 from curation.io.stop import GracefulStop, stop_signal
@@ -138,17 +139,16 @@ def train_worker(config: dict[str, Any]) -> None:
 
 def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
     callbacks = [StepTimes(cfg.output_dir, ranks.rank)] if config.get("step_times") else []
-    engine = config.get("engine")
+    engine: EngineFeed | None = config.get("engine")  # the driver's feed, with the workers' handle
     scored = schedule = None
     if engine is not None:  # exact mode next to the Ray engine: every rank reads the scores of its rows
-        schedule = engine["plan"].schedule  # the driver's: the engine's plan follows the same one
-        scored = EngineScores(engine["client"], engine["scored_dir"], engine["stream"], timeout_s=engine["timeout_s"])
+        schedule = engine.plan.schedule  # the driver's: the engine's plan follows the same one
+        scored = EngineScores(engine)
     run = build_training(cfg, ranks=ranks, callbacks=callbacks, scored=scored, schedule=schedule,
                          stopper=StopAtStepEnd(GroupStop(cfg.output_dir)))
     sync = None
     if engine is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
-        sync = EngineSync(engine["client"], engine["plan"], algorithm=run.algorithm,
-                          distance_interval=cfg.distance_interval)
+        sync = EngineSync(engine.handle, engine.plan, algorithm=run.algorithm, distance_interval=cfg.distance_interval)
         run.trainer.state.callbacks.insert(0, sync)
     _record_attempt(cfg.output_dir, ranks, run.resumed_from)
     run.fit()
@@ -168,7 +168,7 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
         out = {**finish_run(cfg.output_dir, outputs, plots=cfg.plots), "stats": stats,
                "resumed_from": run.resumed_from, "throughput": outputs.extra.get("throughput"),
                "publish_seconds": sync.publish_seconds if sync else 0.0,
-               "trainer_wait_seconds": engine["client"].wait_seconds}
+               "trainer_wait_seconds": engine.handle.wait_seconds}
     else:
         out = {**finish_run(cfg.output_dir, outputs, plots=cfg.plots), "selected": selected}
     atomic_write_text(os.path.join(cfg.output_dir, "parallel", "outputs.json"), json.dumps(out))
@@ -201,14 +201,14 @@ def trainer_cpus(cfg: TrainConfig) -> int:
     return int(np.ceil(cfg.parallel.workers * cfg.parallel.cpus_per_worker))
 
 
-def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool = False) -> dict[str, Any]:
+def run_worker_group(cfg: TrainConfig, *, engine: EngineFeed | None = None, step_times: bool = False) -> dict[str, Any]:
     """Run the worker group of ``cfg`` on the Ray cluster this process joined (the caller holds ``output_dir``'s
     lock) and return what rank 0 wrote to ``parallel/outputs.json``.
 
-    ``engine``: the running :class:`~curation.engine.ray_backend.RayEngine` of ``jobs/curate_and_train.py``
-    (exact mode) with ``scored_dir``, ``stream``, ``plan`` (whose schedule is the run's), ``timeout_s``: the workers read
-    its scores, rank 0 publishes proxy snapshots to it; the driver checks the engine while the group runs and stops
-    the group when the engine fails.
+    ``engine``: the running engine of ``jobs/curate_and_train.py`` (exact mode) as its trainer sees it (the
+    scored-shard directory, the stream, the plan whose schedule is the run's, the wait timeout): the workers read its
+    scores through :meth:`~curation.engine.handle.EngineFeed.for_workers`, rank 0 publishes proxy snapshots to it;
+    the driver checks the engine while the group runs and closes it (which stops the group) when it fails.
 
     Inside a :class:`curation.io.stop.GracefulStop`, a stop signal is handed to the ranks (``parallel/stop.json``,
     within 0.5 s) and the group stops after a step they agree on (:class:`GroupStop`).
@@ -225,9 +225,8 @@ def run_worker_group(cfg: TrainConfig, *, engine: Any = None, step_times: bool =
     config: dict[str, Any] = {"train": cfg.model_dump(mode="json"), "step_times": step_times, "cwd": os.getcwd()}
     check = on_error = None
     if engine is not None:
-        handle = engine.pop("engine")
-        config["engine"] = {**engine, "client": engine_client(handle)}
-        check, on_error = handle.check, handle.close
+        config["engine"] = engine.for_workers()
+        check, on_error = engine.handle.check, engine.handle.close
 
     def monitor() -> None:  # every 0.5 s in the driver's main thread (where the signal handler runs)
         signum = stop_signal()

@@ -63,14 +63,7 @@ from training.selection.algorithm import BladeAlgorithm
 from training.selection.reference import InProcessReference, ReferenceSettings
 from training.selection.shard_scores import ScoreSource, ShardScores
 
-__all__ = ["TrainRun", "TrainingInputs", "RunOutputs", "training_inputs", "run_schedule", "build_training", "wire",
-           "finish_run"]
-
-
-def run_schedule(cfg: TrainConfig) -> Schedule:
-    """The run's schedule (warm-up ``W``, refresh interval ``τ``, ``max_steps``): every object of a run that needs
-    one is given this one (the engine's job passes it to its plan, workers and trainer)."""
-    return Schedule(cfg.selection.warmup_steps, cfg.selection.tau, cfg.max_steps)
+__all__ = ["TrainRun", "TrainingInputs", "RunOutputs", "training_inputs", "build_training", "wire", "finish_run"]
 
 
 @dataclass
@@ -220,7 +213,7 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     stats = SelectionStats(algorithm)
     stopper = stopper or StopAtStepEnd()
     speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
-                                        reference=reference, schedule=schedule or run_schedule(cfg))
+                                        reference=reference, schedule=schedule or Schedule.of(cfg))
     trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data), total_steps=cfg.max_steps,
                            device=inputs.device, resume=resume, algorithms=[algorithm],
                            callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
@@ -236,7 +229,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
 
     ``scored`` is a live source of reference scores used instead of ``cfg.data.scored`` (the Ray engine's
     :class:`~training.selection.shard_scores.EngineScores`); ``schedule`` the run's schedule when the caller
-    built it already (the engine's job: :func:`run_schedule`); ``meters`` the timers and counts (benchmarks);
+    built it already (the engine's job: its plan's :meth:`~curation.core.schedule.Schedule.of`); ``meters`` the timers and counts (benchmarks);
     ``stopper`` as in :func:`wire`.
 
     Raises:
@@ -255,7 +248,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
     in_process = select.policy.needs_reference and scored is None
     stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab,
                            keep_behind=cfg.selection.refresh_candidate_batches if in_process else 0)
-    schedule = schedule or run_schedule(cfg)
+    schedule = schedule or Schedule.of(cfg)
     meters = meters if meters is not None else Meters()
     seq_len = inputs.candidates.seq_len or reader.dataset[0]["tokens"].shape[0]
     reference = work = None

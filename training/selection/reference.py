@@ -38,10 +38,10 @@ from torch import Tensor, nn
 
 from curation.core.distributed import Ranks
 from curation.core.policies import RefreshMode, SelectionPolicy, get_policy
-from curation.core.refresh import CONTINUE, Clone, RefreshWorkspace
+from curation.core.refresh import CONTINUE, Clone, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import WARMUP_EPISODE, Schedule
-from curation.engine.scorer import ReferenceScorer
+from curation.engine.scorer import TokenLossScorer
 from curation.io.models import load_state, read_weights
 from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig
 from training.blocks.data import StreamBatches
@@ -122,7 +122,7 @@ class InProcessReference:
         self.version = WARMUP_EPISODE
         self.refresh_log: list[dict[str, Any]] = []
         self.scores: dict[int, np.ndarray] = {}  # ℓ(w̃) of the coming steps of the episode (this rank's rows)
-        self.scorer: ReferenceScorer | None = None  # holds the float32 module while there is one
+        self.scorer: TokenLossScorer | None = None  # holds the float32 module while there is one
         self.compact = CompactReference()
         self.optimizer_host = HostOptimizerState()
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.continues)
@@ -196,9 +196,9 @@ class InProcessReference:
             self.drop()  # blade: the old reference is not needed any more
         self.scores.clear()
         with self.meters.timed("refresh", self.train_device):
-            result = self.refresh_data.refresh(
-                self.policy, proxy, episode, recent, previous=previous, optimizer_state=self._optimizer_for_refresh(),
-                workspace=self.workspace, clone=self.clone)
+            result = self.refresh_data.refresh(self.policy, proxy, episode, recent, RefreshStart(
+                previous=previous, optimizer_state=self._optimizer_for_refresh(), workspace=self.workspace,
+                clone=self.clone))
         self.meters.counts["refreshes"] += 1
         self.refresh_log.append(result.log_entry(step=self.schedule.refresh_step(episode), version=episode))
         self.use(result.model, episode, step=None)
@@ -263,7 +263,7 @@ class InProcessReference:
         self.version = version
         if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
             where = "cuda" if next(module.parameters()).device.type == "cuda" else "cpu"
-            self.scorer = ReferenceScorer(ScorerConfig(model=self.settings.model, device=where,
+            self.scorer = TokenLossScorer(ScorerConfig(model=self.settings.model, device=where,
                                                        precision=self.settings.precision,
                                                        batch_size=self.settings.score_batch_size), model=module)
         else:

@@ -3,17 +3,18 @@
 :class:`ShardScores` gives the BLADE algorithm this rank's rows of a step's reference losses and checks them
 against the candidate stream (the same sequences) and the schedule (the reference version the step needs).
 :class:`EngineScores` is the engine's source: it waits until a scoring worker has written the part holding
-the step. The engine handle is used duck-typed (``wait_part``), so nothing here imports ray.
+the step, through the engine's declared handle (:class:`curation.engine.handle.EngineHandle`), so nothing here
+imports ray.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from curation.core.distributed import Ranks
-from curation.core.stream import CandidateStream
+from curation.engine.handle import EngineFeed
 from curation.engine.ledger import PartCache
 
 __all__ = ["ScoreSource", "ShardScores", "EngineScores"]
@@ -59,18 +60,16 @@ class EngineScores:
     """Reference losses of stream steps from the engine's scored parts (a live ``ScoredShards``).
 
     Args:
-        engine: the engine handle.
-        out_dir: the scored-shard directory the engine writes.
-        stream: the trainer's candidate stream.
-        timeout_s: fail when a step's scores do not arrive within this time.
+        feed: the running engine, the scored-shard directory it writes, the trainer's candidate stream, how long to
+            wait for a step's scores before failing.
     """
 
-    def __init__(self, engine: Any, out_dir: str, stream: CandidateStream, *, timeout_s: float = 1800.0) -> None:
-        self.engine = engine
-        self.path = out_dir
-        self.stream = stream
-        self.timeout_s = timeout_s
-        self.cache = PartCache(out_dir, stream.batch_size)
+    def __init__(self, feed: EngineFeed) -> None:
+        self.engine = feed.handle
+        self.path = feed.out_dir
+        self.stream = feed.stream
+        self.timeout_s = feed.timeout_s
+        self.cache = PartCache(feed.out_dir, feed.stream.batch_size)
 
     def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step`` (waits for them)."""

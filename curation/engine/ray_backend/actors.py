@@ -1,7 +1,8 @@
 """The engine on Ray (docs/DESIGN.md §3), plumbing only: the Ray session, actors, the object store, restarts.
 
-With :mod:`curation.engine.ray_backend.train_group` (the data-parallel trainer's worker group), the only
-code of the project that imports ray. The actors wrap the plain classes of the Ray-free
+With :mod:`~curation.engine.ray_backend.client` (the trainer's calls) and
+:mod:`~curation.engine.ray_backend.train_group` (the data-parallel trainer's worker group), the only code of the
+project that imports ray. The actors wrap the plain classes of the Ray-free
 engine, which make every decision (:mod:`curation.engine.state`: registry, resume, snapshot retention,
 refresh triggering, statistics; :mod:`curation.engine.workers`; :mod:`curation.engine.refresh_runner`);
 the driver (a job, or the trainer's process) holds a :class:`RayEngine` inside :func:`ray_session`.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 import warnings
@@ -42,14 +42,14 @@ try:
 except ImportError as e:  # pragma: no cover - ray is a hard dependency of the project
     raise ImportError("the Ray engine needs ray: pip install 'ray[default]>=2.60,<2.61'") from e
 
-from torch import nn
 
 from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
-from curation.engine.ledger import PartLedger, PartResult
-from curation.engine.plan import REFERENCE, EngineError, ScoringDataError, TrainingPlan, WorkUnit
+from curation.engine.ledger import LedgerSpec, PartResult
+from curation.engine.plan import EngineError, ScoringDataError, TrainingPlan, WorkUnit
+from curation.engine.ray_backend.client import EngineClient, error_message
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
-from curation.engine.state import EngineState, RefreshTask, gpu_shares, save_snapshot
+from curation.engine.state import EngineState, RefreshTask, gpu_shares
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
@@ -95,14 +95,6 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
     return False
 
 
-def error_message(err: BaseException) -> str:
-    """The original error's message out of Ray's wrappers."""
-    cause = getattr(err, "cause", None)
-    if isinstance(err, RayTaskError) and cause is not None:
-        return error_message(cause)
-    return str(err)
-
-
 @ray.remote(num_cpus=0)
 def _load_weights(path: str) -> Weights:
     return Weights.load(path)
@@ -116,13 +108,13 @@ class _CoordinatorActor:
     (``next_unit``, ``wait_part``) do not block others; handles are ``ObjectRef``; refreshes are tasks of the
     refresh actor, awaited here."""
 
-    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: dict[str, Any], engine_dir: str,
+    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: LedgerSpec, engine_dir: str,
                  plan: TrainingPlan | None, refresh_mode: RefreshMode, refresh: Any = None) -> None:
         self.refresh_actor = refresh
         self._event: asyncio.Event | None = None
         self._tasks: set[Any] = set()
         self.state = EngineState(
-            units, ledger=PartLedger(**ledger), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
+            units, ledger=ledger.open(), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
             refresh_mode=refresh_mode, load=_load_weights.remote, launch=self._launch,
         )
 
@@ -295,9 +287,11 @@ class _RefreshActor:
 # ------------------------------------------------------------------------------------------------
 # driver side
 # ------------------------------------------------------------------------------------------------
-class RayEngine:
-    """Driver handle: starts the actors, waits for parts, publishes proxy snapshots, reports; as a context
-    manager, :meth:`close` at the end.
+class RayEngine(EngineClient):
+    """Driver handle: starts the actors, checks the workers, reports; as a context manager, :meth:`close` at the end.
+    The trainer's calls (:class:`~curation.engine.handle.EngineHandle`: wait for parts, publish proxy snapshots) are
+    those of its :class:`~curation.engine.ray_backend.client.EngineClient`, on the coordinator; a data-parallel
+    trainer's workers get a plain client (:meth:`for_workers`).
 
     Args:
         work: what the engine does (units, worker settings, ledger, weights directory, plan, refresh).
@@ -312,10 +306,7 @@ class RayEngine:
 
     def __init__(self, work: EngineWork, workers: WorkersConfig, *, lookahead: int | None = None,
                  reserved_gpus: float = 0.0, fixed_weights: dict[tuple[str, int], Weights] | None = None) -> None:
-        self.engine_dir = work.engine_dir
         self.plan = work.plan
-        self.wait_seconds = 0.0
-        self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
         device, restarts = workers.device, workers.max_restarts
         total = 0.0 if device == "cpu" else float(ray.cluster_resources().get("GPU", 0.0))
         gpu_w, gpu_r = gpu_shares(total, workers.count, refresh=work.refresh_spec is not None,
@@ -327,10 +318,10 @@ class RayEngine:
                 num_cpus=0, num_gpus=gpu_r, max_restarts=restarts, max_task_retries=restarts,
             ).remote(work.refresh_spec)
         self.refresh = refresh
-        self.coordinator = ray.remote(_CoordinatorActor).options(num_cpus=0, max_concurrency=1000).remote(
+        super().__init__(ray.remote(_CoordinatorActor).options(num_cpus=0, max_concurrency=1000).remote(
             units=list(work.units), lookahead=lookahead, ledger=work.ledger, engine_dir=work.engine_dir,
             plan=work.plan, refresh_mode=RefreshMode(work.refresh_mode), refresh=refresh,
-        )
+        ), work.engine_dir)
         # Every actor is created before waiting on any: they start (import torch, load models) in parallel.
         self.workers = [
             ray.remote(_WorkerActor).options(
@@ -358,14 +349,6 @@ class RayEngine:
         return self._get(self._pid_refs)
 
     # --- errors --------------------------------------------------------------------------------
-    def _get(self, ref: Any, timeout: float | None = None) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout)
-        except RayTaskError as e:
-            raise EngineError(error_message(e)) from None
-        except RayActorError as e:  # e.g. the coordinator failed to start: its error is in the message
-            raise EngineError(str(e)) from None
-
     def check(self) -> None:
         """Raise :class:`EngineError` when a worker failed or died for good."""
         if not self.serving:
@@ -380,54 +363,16 @@ class RayEngine:
             except RayTaskError as e:
                 raise EngineError(error_message(e)) from None
 
-    def _poll(self, ask: Callable[[], Any], *, timeout_s: float = math.inf,
-              each: Callable[[], None] | None = None) -> Any:
-        """Ask the coordinator (``ask()`` starts a call that waits a little itself) until it answers, running
-        ``each`` after every answer and :meth:`check` after every empty one; ``None`` after ``timeout_s``."""
-        start = time.monotonic()
-        while True:
-            answer = self._get(ask())
-            if each is not None:
-                each()
-            if answer:
-                return answer
-            self.check()
-            if time.monotonic() - start > timeout_s:
-                return None
-
-    # --- trainer API ---------------------------------------------------------------------------
-    def wait_part(self, step: int, *, timeout_s: float = 1800.0) -> dict[str, Any]:
-        """Block until the part holding ``step`` is recorded; returns ``{part, first, stop, ref_version}``."""
-        start = time.monotonic()
-        info = self._poll(lambda: self.coordinator.wait_part.remote(step, 2.0), timeout_s=timeout_s)
-        if info is None:
-            raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s: {self.progress()}")
-        waited = time.monotonic() - start
-        self.wait_seconds += waited
-        if waited >= 0.05:
-            self.waits.append((int(step), round(waited, 3)))
-        return info
+    # --- the trainer's workers, given weights ----------------------------------------------------
+    def for_workers(self) -> EngineClient:
+        """The handle trainer workers use to reach this engine (its coordinator)."""
+        return EngineClient(self.coordinator, self.engine_dir)
 
     def publish_weights(self, kind: str, version: int, weights: Weights) -> None:
         """Put given weights (e.g. a checkpoint) in the object store once and register them."""
         ref = ray.put(weights)
         self._fixed.append(ref)
         self._get(self.coordinator.publish_weights.remote(kind, int(version), [ref]))
-
-    def trainer_at(self, step: int) -> None:
-        self.coordinator.trainer_at.remote(int(step))
-
-    def publish_proxy(self, step: int, model: nn.Module, recent: RecentMasks | None = None) -> None:
-        """Save ``u^(step)`` (and the recent masks) under ``engine_dir``, put it in the object store once, register it."""
-        weights = Weights.from_state_dict(model)
-        save_snapshot(self.engine_dir, step, weights, recent)
-        self._get(self.coordinator.publish_proxy.remote(int(step), [ray.put(weights)], recent))
-
-    def reference(self, version: int, *, timeout_s: float = 1800.0) -> Weights:
-        ref = self._get(self.coordinator.weights.remote(REFERENCE, int(version), timeout_s))
-        if ref is None:
-            raise EngineError(f"reference {version} not available after {timeout_s:.0f}s")
-        return self._get(ref[0])
 
     # --- batch API -----------------------------------------------------------------------------
     def run(self, *, progress: bool = True, desc: str = "curate") -> None:
@@ -462,9 +407,6 @@ class RayEngine:
             self.run(progress=False, desc="redo")
 
     # --- reporting / shutdown ------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
-        return self._get(self.coordinator.progress.remote())
-
     def report(self) -> dict[str, Any]:
         rep = self._get(self.coordinator.report.remote())
         rep["trainer_wait_seconds"] = self.wait_seconds

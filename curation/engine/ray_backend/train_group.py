@@ -13,11 +13,11 @@ from typing import Any
 
 import ray
 
-from curation.core.distributed import WorkerGroupFailed
-from curation.engine.ray_backend.actors import RayEngine, error_message
+from curation.engine.plan import WorkerGroupFailed
+from curation.engine.ray_backend.client import error_message
 from schemas.train_config import ParallelConfig
 
-__all__ = ["run_trainer_group", "EngineClient", "engine_client"]
+__all__ = ["run_trainer_group"]
 
 
 def _group_fits(workers: int, cpus: float, gpus: float) -> None:
@@ -116,34 +116,3 @@ def run_trainer_group(
         detail = "; ".join(f"rank {r}: {error_message(err)}" for r, err in sorted(per_rank.items())) or error_message(failure)
         raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") \
             from failure
-
-
-class EngineClient:
-    """A trainer worker's handle on a running engine (picklable: the coordinator's actor handle travels in the
-    worker group's config). The trainer API of :class:`RayEngine` (the same methods), on the coordinator's
-    handle: ``wait_part`` (every rank: each needs the scores of its rows), ``trainer_at`` and ``publish_proxy``
-    (rank 0 only: the weights are identical on every rank), ``reference``, ``progress``. The scoring workers are
-    checked by the driver while the group trains (:func:`run_trainer_group`'s ``monitor``), not here.
-    """
-
-    def __init__(self, coordinator: Any, engine_dir: str) -> None:
-        self.coordinator = coordinator
-        self.engine_dir = engine_dir
-        self.wait_seconds = 0.0
-        self.waits: list[tuple[int, float]] = []
-
-    def check(self) -> None:
-        """Nothing to check in a worker: the driver checks the engine."""
-
-    _get = RayEngine._get
-    _poll = RayEngine._poll
-    wait_part = RayEngine.wait_part
-    trainer_at = RayEngine.trainer_at
-    publish_proxy = RayEngine.publish_proxy
-    reference = RayEngine.reference
-    progress = RayEngine.progress
-
-
-def engine_client(engine: RayEngine) -> EngineClient:
-    """The handle trainer workers use to reach ``engine`` (its coordinator)."""
-    return EngineClient(engine.coordinator, engine.engine_dir)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from curation.core.policies import POLICIES, POLICY_NAMES, RefreshMode, ScoreKind, get_policy
-from curation.core.refresh import RefreshSettings
+from curation.core.refresh import RefreshSettings, RefreshStart
 from curation.core.selection import num_selected
 from curation.core.stats import param_distance
 
@@ -115,14 +115,14 @@ def test_refresh_dispatch_sync_vs_continue():
     torch.manual_seed(0)
     proxy, previous = _Bigram(), _Bigram()
     settings = RefreshSettings(refresh_steps=3, lr=0.05)
-    blade = get_policy("blade").refresh(proxy, _vals(), _cands(), settings, previous=previous)
+    blade = get_policy("blade").refresh(proxy, _vals(), _cands(), settings, RefreshStart(previous=previous))
     sync = get_policy("blade").refresh(proxy, _vals(), _cands(), settings)
     assert param_distance(blade.model, sync.model) == 0.0  # blade ignores `previous`: w0 <- u
-    nosync = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, previous=previous)
+    nosync = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, RefreshStart(previous=previous))
     assert param_distance(nosync.model, sync.model) > 0
-    zero = get_policy("blade-nosync").refresh(proxy, [], [], RefreshSettings(refresh_steps=0), previous=previous)
+    zero = get_policy("blade-nosync").refresh(proxy, [], [], RefreshSettings(refresh_steps=0), RefreshStart(previous=previous))
     assert param_distance(zero.model, previous) == 0.0
-    first = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, previous=None)
+    first = get_policy("blade-nosync").refresh(proxy, _vals(), _cands(), settings, RefreshStart(previous=None))
     assert param_distance(first.model, sync.model) == 0.0  # first episode: from the proxy
     for name in ("full", "random", "rho1"):
         with pytest.raises(ValueError, match="never refreshed"):

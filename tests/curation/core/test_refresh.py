@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from curation.core.losses import TokenBatch, model_logits, token_losses
-from curation.core.refresh import RefreshSettings, refresh_reference, train_static_reference
+from curation.core.refresh import RefreshSettings, RefreshStart, refresh_reference, train_static_reference
 from curation.core.selection import masked_mean
 from curation.core.stats import param_distance
 
@@ -174,13 +174,13 @@ def test_nosync_starts_from_previous_reference():
     proxy, _ = trained_proxy(2)
     previous = refresh_reference(proxy, val_stream(7), cand_stream(8), settings(4)).model
     # K = 0 from `previous` returns previous's weights, not the proxy's
-    same = refresh_reference(proxy, [], [], settings(0), previous=previous)
+    same = refresh_reference(proxy, [], [], settings(0), RefreshStart(previous=previous))
     assert param_distance(same.model, previous) == 0.0 and param_distance(same.model, proxy) > 0
     # state dicts work as well as modules
-    same_sd = refresh_reference(proxy, [], [], settings(0), previous=previous.state_dict())
+    same_sd = refresh_reference(proxy, [], [], settings(0), RefreshStart(previous=previous.state_dict()))
     assert param_distance(same_sd.model, previous) == 0.0
     # K > 0: identical to refreshing `previous` itself as if it were the proxy, different from sync
-    cont = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3), previous=previous)
+    cont = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3), RefreshStart(previous=previous))
     manual = refresh_reference(previous, val_stream(1), cand_stream(2), settings(3))
     sync = refresh_reference(proxy, val_stream(1), cand_stream(2), settings(3))
     assert param_distance(cont.model, manual.model) == 0.0
@@ -194,16 +194,9 @@ def test_optimizer_state_carry_equals_one_long_run():
     vals, cands = list(itertools.islice(val_stream(1), 4)), list(itertools.islice(cand_stream(2), 4))
     long = refresh_reference(proxy, vals, cands, settings(4))
     first = refresh_reference(proxy, vals[:2], cands[:2], settings(2))
-    second = refresh_reference(
-        proxy,
-        vals[2:],
-        cands[2:],
-        settings(2),
-        previous=first.model,
-        optimizer_state=first.optimizer_state,
-    )
+    second = refresh_reference(proxy, vals[2:], cands[2:], settings(2), RefreshStart(previous=first.model, optimizer_state=first.optimizer_state))
     assert param_distance(second.model, long.model) == 0.0
-    fresh = refresh_reference(proxy, vals[2:], cands[2:], settings(2), previous=first.model)
+    fresh = refresh_reference(proxy, vals[2:], cands[2:], settings(2), RefreshStart(previous=first.model))
     assert param_distance(fresh.model, long.model) > 0
 
 
@@ -289,10 +282,8 @@ def _refreshed_both_ways(proxy, episode, steps, fresh, kept, ws):
     with torch.no_grad():
         for p in proxy.parameters():
             p.add_(0.01 * (episode + 1))
-    a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), previous=fresh[0],
-                          optimizer_state=fresh[1])
-    b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), previous=kept[0],
-                          optimizer_state=kept[1], workspace=ws)
+    a = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), RefreshStart(previous=fresh[0], optimizer_state=fresh[1]))
+    b = refresh_reference(proxy, val_stream(episode), cand_stream(10 + episode), settings(steps), RefreshStart(previous=kept[0], optimizer_state=kept[1], workspace=ws))
     assert a.objectives == b.objectives and a.grad_norms == b.grad_norms
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -361,20 +352,18 @@ def test_a_state_carried_into_a_new_workspace_is_continued_exactly_without_a_cop
     first = refresh_reference(proxy, vals[:2], cands[:2], settings(2))
     carried = copy.deepcopy(first.optimizer_state)
     ws = RefreshWorkspace(keep_optimizer_state=True)
-    second = refresh_reference(proxy, vals[2:], cands[2:], settings(2), previous=first.model.state_dict(),
-                               optimizer_state=carried, workspace=ws)
+    second = refresh_reference(proxy, vals[2:], cands[2:], settings(2), RefreshStart(previous=first.model.state_dict(), optimizer_state=carried, workspace=ws))
     assert param_distance(second.model, long.model) == 0.0
     assert int(second.optimizer_state["state"][0]["step"]) == 4
     p0 = next(iter(second.model.parameters()))
     moment = ws.optimizer.state[p0]["exp_avg"]
     assert moment is carried["state"][0]["exp_avg"]  # taken over, updated in place
-    third = refresh_reference(proxy, vals[:1], cands[:1], settings(1), previous=second.model, optimizer_state=CONTINUE,
-                              workspace=ws)
+    third = refresh_reference(proxy, vals[:1], cands[:1], settings(1), RefreshStart(previous=second.model, optimizer_state=CONTINUE, workspace=ws))
     assert ws.optimizer.state[p0]["exp_avg"] is moment and int(third.optimizer_state["state"][0]["step"]) == 5
     with pytest.raises(ValueError, match="continues a workspace's AdamW: pass the workspace"):
-        refresh_reference(proxy, vals, cands, settings(1), optimizer_state=CONTINUE)
+        refresh_reference(proxy, vals, cands, settings(1), RefreshStart(optimizer_state=CONTINUE))
     with pytest.raises(ValueError, match="optimizer_state must be a state dict, 'continue' or None"):
-        refresh_reference(proxy, vals, cands, settings(1), optimizer_state="resume", workspace=ws)
+        refresh_reference(proxy, vals, cands, settings(1), RefreshStart(optimizer_state="resume", workspace=ws))
 
 
 @pytest.mark.gpu

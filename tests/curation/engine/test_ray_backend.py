@@ -13,6 +13,7 @@ from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
+from curation.engine.ledger import LedgerSpec
 from curation.engine.plan import PROXY, REFERENCE, TrainingPlan, plan_batch_units
 from curation.engine.ray_backend import RayEngine
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec, proxy_path
@@ -44,7 +45,7 @@ def batch_setup(engine_demo):
     fixed = {(REFERENCE, 0): _w(1), (PROXY, 0): _w(2)}
 
     def spec(out: str) -> WorkerSpec:
-        return WorkerSpec(candidates=cand, out_dir=out, model=MODEL.model_dump(mode="json"), order=order.to_dict(),
+        return WorkerSpec(candidates=cand, out_dir=out, model=MODEL, order=order,
                           vocab_size=512, gamma=0.6, needs_proxy=True)
 
     # the uninterrupted in-process result: rows of every step, in step order
@@ -58,11 +59,11 @@ def _unit_rows(worker, step, fixed):
 
     unit = WorkUnit(step, step + 1, "selected", 0, 0)
     worker._ensure(unit, lambda k, v: fixed[(k, v)])
-    return list(worker.rows(unit, {}))
+    return [row for step_rows in worker.rows(unit, {}) for row in step_rows]  # (one list of rows per step)
 
 
 def _engine(setup, out, workers=2, **kw):
-    ledger = dict(out_dir=out, kind="selected", job="test", run_key={"t": 1}, vocab_size=512, seq_len=128)
+    ledger = LedgerSpec(out, kind="selected", job="test", run_key={"t": 1}, vocab_size=512, seq_len=128)
     work = EngineWork(units=plan_batch_units(setup["order"].num_steps, kw.pop("range_steps", 10)),
                       worker_spec=setup["spec"](out), ledger=ledger, engine_dir=os.path.join(out, "engine"))
     engine = RayEngine(work, WorkersConfig(count=workers, threads=1, device="cpu", **kw))
@@ -135,15 +136,14 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     stream = CandidateStream(n, B, 0)
     sel = SelectionConfig(warmup_steps=2, tau=4, refresh_steps=2, refresh_batch_size=2, refresh_candidate_batches=2)
     out, engine_dir = str(tmp_path / "scored"), str(tmp_path / "engine")
-    rspec = RefreshSpec(model=MODEL.model_dump(mode="json"), validation=val, candidates=cand,
-                        stream=stream.to_dict(), selection=sel.model_dump(mode="json"), ref_lr=1e-3,
-                        refresh_batch_size=2, engine_dir=engine_dir, schedule=sched.to_dict(), device="cpu",
+    rspec = RefreshSpec(model=MODEL, validation=val, candidates=cand, stream=stream, selection=sel, ref_lr=1e-3,
+                        refresh_batch_size=2, engine_dir=engine_dir, schedule=sched, device="cpu",
                         threads=1)
-    wspec = WorkerSpec(candidates=cand, out_dir=out, model=MODEL.model_dump(mode="json"),
-                       order=BatchOrder("stream", n, B).to_dict(), vocab_size=512, schedule=sched.to_dict(),
+    wspec = WorkerSpec(candidates=cand, out_dir=out, model=MODEL, order=BatchOrder("stream", n, B), vocab_size=512,
+                       schedule=sched,
                        needs_proxy=False, device="cpu")
-    ledger = dict(out_dir=out, kind="scored", job="test", run_key={"t": 2}, vocab_size=512,
-                  extra={"stream": stream.to_dict()})
+    ledger = LedgerSpec(out, kind="scored", job="test", run_key={"t": 2}, vocab_size=512,
+                        extra={"stream": stream.to_dict()})
     model = build_causal_lm(MODEL)
     recent = RecentMasks.from_pairs([(0, np.ones((B, 128), np.uint8)), (1, np.ones((B, 128), np.uint8))])
     # As left by a job killed during refresh 0: its source snapshot and recent masks on disk, no reference.

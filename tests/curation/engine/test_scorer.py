@@ -10,7 +10,7 @@ import torch
 
 from curation.core.losses import token_losses
 from curation.core.stream import CandidateStream
-from curation.engine.scorer import ReferenceScorer, ScoredShards, write_scored_steps
+from curation.engine.scorer import ScoredShards, TokenLossScorer, write_scored_steps
 from curation.io.models import build_causal_lm, save_weights
 from curation.io.shards import merge_part_indexes, write_part
 from curation.io.stream_reader import StreamReader
@@ -25,7 +25,7 @@ def _cfg(**kw) -> ScorerConfig:
 
 
 def test_scorer_returns_float16_reference_losses_matching_token_losses():
-    scorer = ReferenceScorer(_cfg(batch_size=3))  # 5 rows → chunks of 3 + 2
+    scorer = TokenLossScorer(_cfg(batch_size=3))  # 5 rows → chunks of 3 + 2
     tokens = torch.randint(0, VOCAB, (5, 16), generator=torch.Generator().manual_seed(0))
     out = scorer(tokens)
     assert isinstance(out, np.ndarray) and out.dtype == np.float16 and out.shape == (5, 16)
@@ -40,19 +40,19 @@ def test_scorer_returns_float16_reference_losses_matching_token_losses():
 
 
 def test_scorer_loads_new_weights_by_version(tmp_path):
-    a = ReferenceScorer(_cfg())
+    a = TokenLossScorer(_cfg())
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     before = a(tokens)
     other = build_causal_lm(demo_model_config(VOCAB, hidden=32, layers=1, seq_len=16).model_copy(update={"init_seed": 7}))
     a.load_weights(other.state_dict(), version=3)
     assert a.version == 3 and not np.array_equal(a(tokens), before)
     path = save_weights(other, str(tmp_path / "w.safetensors"))
-    b = ReferenceScorer(_cfg(weights=path))
+    b = TokenLossScorer(_cfg(weights=path))
     np.testing.assert_array_equal(b(tokens), a(tokens))
 
 
 def test_scorer_rejects_non_finite_losses():
-    scorer = ReferenceScorer(_cfg())
+    scorer = TokenLossScorer(_cfg())
     with torch.no_grad():
         scorer.model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="not finite"):
@@ -71,7 +71,7 @@ def _candidates(root: str, n: int = 12, length: int = 16) -> str:
 def test_scored_shards_written_by_step_range_and_read_back(tmp_path):
     cand = _candidates(str(tmp_path / "cand"))
     reader = StreamReader.open(cand, batch_size=4, seed=5)
-    scorer = ReferenceScorer(_cfg())
+    scorer = TokenLossScorer(_cfg())
     out = str(tmp_path / "scored")
     # two workers' ranges, written out of order
     write_scored_steps(out, reader, scorer, range(3, 6), episode_of=lambda t: t // 3, vocab_size=VOCAB)

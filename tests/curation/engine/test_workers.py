@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import numpy as np
@@ -17,7 +18,7 @@ from curation.core.selection import excess_loss, num_selected, select_top_fracti
 from curation.core.stream import CandidateStream
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
-from curation.engine.scorer import ReferenceScorer
+from curation.engine.scorer import TokenLossScorer
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.models import build_causal_lm
@@ -42,9 +43,8 @@ def _spec(root: str, out: str, *, candidates: str | None = None, vocab: int = 51
     cand = candidates or os.path.join(root, "data", "candidates")
     n = len(open_shards(cand))
     kw.setdefault("device", "cpu")  # compared with CPU float32 values, also on a machine with a GPU
-    return WorkerSpec(candidates=cand, out_dir=out, model=_model().model_dump(mode="json"),
-                      order=BatchOrder("stream", n, B, seed=0).to_dict(), vocab_size=vocab,
-                      schedule=SCHED.to_dict(), **kw)
+    return WorkerSpec(candidates=cand, out_dir=out, model=_model(), order=BatchOrder("stream", n, B, seed=0),
+                      vocab_size=vocab, schedule=SCHED, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_scored_unit_holds_the_reference_scorer_losses(engine_demo, tmp_path, we
     res = worker.run(WorkUnit(2, 4, "scored", 0), lambda k, v: weights[(k, v)])
     assert res.name == "worker-03/steps-000000002-000000004" and res.samples == 2 * B
     validate_shard_dir(os.path.join(out, res.name), "scored")
-    scorer = ReferenceScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+    scorer = TokenLossScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
     scorer.load_weights(weights[(REFERENCE, 0)].state_dict(), 0)
     rows = _rows(os.path.join(out, res.name))
     for j, t in enumerate((2, 3)):
@@ -81,7 +81,7 @@ def test_selected_unit_is_the_top_gamma_of_each_step(engine_demo, tmp_path, weig
     validate_shard_dir(os.path.join(out, res.name), "selected")
     scorers = {}
     for kind in (REFERENCE, PROXY):
-        scorers[kind] = ReferenceScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+        scorers[kind] = TokenLossScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
         scorers[kind].load_weights(weights[(kind, 0 if kind == REFERENCE else 2)].state_dict())
     rows = _rows(os.path.join(out, res.name))
     for j, t in enumerate((2, 3)):
@@ -125,7 +125,7 @@ def test_bad_token_names_the_shard_and_record(engine_demo, tmp_path, weights):
 
     merge_part_indexes(cand, ["part-00000", "part-00001"])
     spec = _spec(engine_demo, str(tmp_path / "out"), candidates=cand, vocab=1000, needs_proxy=True)
-    spec = WorkerSpec(**{**spec.__dict__, "order": BatchOrder("blocks", 20, 4).to_dict(), "schedule": None})
+    spec = dataclasses.replace(spec, order=BatchOrder("blocks", 20, 4), schedule=None)
     worker = ScoringWorker(spec, 0)
     worker.run(WorkUnit(0, 3, "selected", 0, 0), lambda k, v: weights[(k, v)])  # records 0..11 are fine
     with pytest.raises(ScoringDataError, match=r"cand: shard part-00001/shard.00000.mds.zstd, record 3 "
@@ -199,7 +199,7 @@ class _Snap(Callback):
 
 @pytest.mark.parametrize("policy", ["blade", "rho1"])
 def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_path, tiny_train, policy):
-    from training.runs.wiring import build_training, run_schedule
+    from training.runs.wiring import build_training
 
     cfg = TrainConfig.model_validate(tiny_train(str(tmp_path / "train"), max_steps=3, write_selected=False,
                                                 selection={"policy": policy}))
@@ -208,12 +208,12 @@ def test_refresh_runner_computes_the_single_process_reference(engine_demo, tmp_p
     holder["alg"] = run.algorithm
     run.trainer.fit()
     run.trainer.close()
-    spec = RefreshSpec(model=cfg.model.architecture.model_dump(mode="json"), validation=cfg.data.validation,
+    spec = RefreshSpec(model=cfg.model.architecture, validation=cfg.data.validation,
                        candidates=cfg.data.candidates, stream=CandidateStream(len(open_shards(cfg.data.candidates)),
-                                                                              cfg.batch_size, cfg.seed).to_dict(),
-                       selection=cfg.selection.model_dump(mode="json"), ref_lr=cfg.optim.lr,
+                                                                              cfg.batch_size, cfg.seed),
+                       selection=cfg.selection, ref_lr=cfg.optim.lr,
                        refresh_batch_size=cfg.refresh_batch_size, engine_dir=str(tmp_path / "engine"),
-                       schedule=run_schedule(cfg).to_dict(), device="cpu")  # the trainer's device (tiny_train)
+                       schedule=Schedule.of(cfg), device="cpu")  # the trainer's device (tiny_train)
     os.makedirs(spec.engine_dir)
     runner = RefreshRunner(spec)
     if policy == "blade":

@@ -1,0 +1,111 @@
+"""A trainer's handle on the engine on Ray: :class:`EngineClient`, the engine's trainer calls on the coordinator's
+actor handle (:class:`curation.engine.handle.EngineHandle`). The driver's
+:class:`~curation.engine.ray_backend.RayEngine` is one (it also owns the actors); a data-parallel trainer worker
+holds a plain one (picklable: the coordinator's handle travels in the worker group's config).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from torch import nn
+
+from curation.core.refresh_data import RecentMasks
+from curation.engine.plan import REFERENCE, EngineError
+from curation.engine.state import save_snapshot
+from curation.engine.weights import Weights
+
+__all__ = ["EngineClient", "error_message"]
+
+
+def error_message(err: BaseException) -> str:
+    """The original error's message out of Ray's wrappers."""
+    cause = getattr(err, "cause", None)
+    if isinstance(err, RayTaskError) and cause is not None:
+        return error_message(cause)
+    return str(err)
+
+
+class EngineClient:
+    """The trainer's calls on a running engine's coordinator: ``wait_part`` (every rank of a data-parallel trainer:
+    each needs the scores of its rows), ``trainer_at`` and ``publish_proxy`` (rank 0 only: the weights are identical
+    on every rank), ``reference``, ``progress``. A plain client checks nothing and closes nothing: the driver checks
+    the scoring workers and ends the engine (:class:`~curation.engine.ray_backend.RayEngine` overrides both).
+
+    Args:
+        coordinator: the coordinator actor's handle.
+        engine_dir: where the engine keeps weights versions (proxy snapshots are saved there before publishing).
+    """
+
+    def __init__(self, coordinator: Any, engine_dir: str) -> None:
+        self.coordinator = coordinator
+        self.engine_dir = engine_dir
+        self.wait_seconds = 0.0
+        self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
+
+    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except RayTaskError as e:
+            raise EngineError(error_message(e)) from None
+        except RayActorError as e:  # e.g. the coordinator failed to start: its error is in the message
+            raise EngineError(str(e)) from None
+
+    def check(self) -> None:
+        """Nothing to check in a trainer worker: the driver checks the engine."""
+
+    def close(self) -> None:
+        """Nothing to end in a trainer worker: the driver ends the engine."""
+
+    def for_workers(self) -> EngineClient:
+        return EngineClient(self.coordinator, self.engine_dir)
+
+    def _poll(self, ask: Callable[[], Any], *, timeout_s: float = math.inf,
+              each: Callable[[], None] | None = None) -> Any:
+        """Ask the coordinator (``ask()`` starts a call that waits a little itself) until it answers, running
+        ``each`` after every answer and :meth:`check` after every empty one; ``None`` after ``timeout_s``."""
+        start = time.monotonic()
+        while True:
+            answer = self._get(ask())
+            if each is not None:
+                each()
+            if answer:
+                return answer
+            self.check()
+            if time.monotonic() - start > timeout_s:
+                return None
+
+    def wait_part(self, step: int, *, timeout_s: float = 1800.0) -> dict[str, Any]:
+        """Block until the part holding ``step`` is recorded; returns ``{part, first, stop, ref_version}``."""
+        start = time.monotonic()
+        info = self._poll(lambda: self.coordinator.wait_part.remote(step, 2.0), timeout_s=timeout_s)
+        if info is None:
+            raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s: {self.progress()}")
+        waited = time.monotonic() - start
+        self.wait_seconds += waited
+        if waited >= 0.05:
+            self.waits.append((int(step), round(waited, 3)))
+        return info
+
+    def trainer_at(self, step: int) -> None:
+        self.coordinator.trainer_at.remote(int(step))
+
+    def publish_proxy(self, step: int, model: nn.Module, recent: RecentMasks | None = None) -> None:
+        """Save ``u^(step)`` (and the recent masks) under ``engine_dir``, put it in the object store once, register it."""
+        weights = Weights.from_state_dict(model)
+        save_snapshot(self.engine_dir, step, weights, recent)
+        self._get(self.coordinator.publish_proxy.remote(int(step), [ray.put(weights)], recent))
+
+    def reference(self, version: int, *, timeout_s: float = 1800.0) -> Weights:
+        ref = self._get(self.coordinator.weights.remote(REFERENCE, int(version), timeout_s))
+        if ref is None:
+            raise EngineError(f"reference {version} not available after {timeout_s:.0f}s")
+        return self._get(ref[0])
+
+    def progress(self) -> dict[str, Any]:
+        return self._get(self.coordinator.progress.remote())
