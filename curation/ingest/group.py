@@ -92,14 +92,17 @@ class ShardGroup:
             recorded = manifest.extra.get("group_key") or {}
             legacy = "unit_bytes" not in recorded
             diff = config_diff(recorded, {k: v for k, v in key.items() if not (legacy and k == "unit_bytes")})
-            if diff:
+            if diff and not manifest.shards and not manifest.complete and not any(
+                    f.startswith("unit-") for _, _, files in os.walk(out) for f in files):
+                manifest = None  # a failed run's manifest, which finished nothing: the corrected rerun starts anew
+            elif diff:
                 keys = ", ".join(d.split(":", 1)[0] for d in diff)
                 raise ValueError(f"{out}: was prepared with a different config (differs in: {keys}); use a new "
                                  "output_dir or delete this one")
-            if legacy and not manifest.complete:
+            if manifest is not None and legacy and not manifest.complete:
                 raise ValueError(f"{out}: this unfinished preparation was started by an older version (one stream per "
                                  "source, before work units); delete the directory and rerun")
-        else:
+        if manifest is None:
             manifest = Manifest(
                 kind=CANDIDATE.name, job="prepare", config=urls_in(cfg.model_dump(mode="json")),
                 tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size, seq_len=cfg.seq_len,

@@ -267,7 +267,14 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
             except ConfigMismatch as e:  # the suggested rerun must write here, not where the record was written
                 moved = _moved(path, here)
                 if not moved:
-                    raise
+                    if _holds_outputs(directory, set(records or {})):
+                        raise
+                    # the record protects outputs; with none yet (a run that failed before its first one, e.g. on
+                    # a token id outside the vocabulary) the corrected rerun replaces it instead of being refused
+                    print(f"note: {shown or path} records a config that produced no output yet (differs in: "
+                          f"{', '.join(e.keys)}): replacing it with this run's", file=sys.stderr)
+                    lock.pending[record] = cfg
+                    continue
                 sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
                 raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
             if _moved(path, here):  # a copied or moved directory resumes; its record then names where it is now
@@ -276,6 +283,31 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
         lock.release()
         raise
     return lock
+
+
+def _holds_outputs(directory: str, records: set[str]) -> bool:
+    """Whether ``directory`` holds any file but its lock, its config ``records`` and manifests that list no shard
+    (a failed prepare records that nothing was finished); empty folders are no output. Conservative: a file that
+    cannot be read as such an empty manifest is an output."""
+    for root, _, files in os.walk(directory):
+        for f in files:
+            if root == directory and f in records | {LOCK_NAME}:
+                continue
+            if f == "manifest.json" and _lists_no_shard(os.path.join(root, f)):
+                continue
+            return True
+    return False
+
+
+def _lists_no_shard(path: str) -> bool:
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return False
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("shards") == [] and not data.get("complete")
 
 
 def location_keys(cfg: BaseModel | Mapping[str, Any], directory: str, name: str | None = None) -> dict[str, str]:

@@ -88,6 +88,7 @@ def test_curate_and_train_refuses_a_changed_config_and_a_second_writer_before_st
     cfg = CurateAndTrainConfig.demo_default(str(tmp_path))
     out = cfg.train.output_dir
     open_output_dir(out, "curate_and_train", {"engine_config.yaml": cfg, "config.yaml": cfg.train}).write_records()
+    Path(out, "summary.json").write_text("{}")  # an output the records protect (a record alone is replaced)
     before = {n: (Path(out) / n).read_text() for n in ("engine_config.yaml", "config.yaml")}
     data = cfg.model_dump(mode="json")
     data["engine"]["mode"] = "pipelined"
@@ -109,6 +110,7 @@ def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp
 
     cfg = CurateConfig.demo_default(str(tmp_path))
     open_output_dir(cfg.output_dir, "curate", {"config.yaml": cfg}).write_records()
+    Path(cfg.output_dir, "summary.json").write_text("{}")  # an output the record protects
     record = (Path(cfg.output_dir) / "config.yaml").read_text()
     changed = cfg.model_copy(update={"gamma": 0.4, "progress": False,
                                      "workers": cfg.workers.model_copy(update={"count": 8, "range_steps": 5})})
@@ -116,7 +118,7 @@ def test_curate_refuses_a_changed_config_and_a_second_writer_before_starting(tmp
         curate(changed)
     assert err.value.keys == ["gamma", "workers.range_steps"]
     assert (Path(cfg.output_dir) / "config.yaml").read_text() == record
-    assert sorted(os.listdir(cfg.output_dir)) == [".lock", "config.yaml"]
+    assert sorted(os.listdir(cfg.output_dir)) == [".lock", "config.yaml", "summary.json"]
     with OutputDirLock(cfg.output_dir, "curate"):
         with pytest.raises(OutputDirBusy, match="in use by another run: curate pid"):
             curate(cfg)

@@ -66,6 +66,14 @@ def test_an_llm_foundry_mds_dataset_is_prepared_and_a_bad_id_is_one_line(tmp_pat
     assert out.stderr.splitlines()[-1] == (
         f"error: {bad}/shard.00000.mds.zstd:8: token id 5000 (position 3) is outside the tokenizer's vocabulary "
         f"(ids 0 to {tok.vocab_size - 1}): was this data tokenized with another tokenizer?")
+    # issue 32: the failed run's config.yaml refused the corrected rerun; it protected no output, so it is replaced
+    assert (tmp_path / "out2" / "config.yaml").exists()
+    out = _run(*args, "--set", f"sources.0.paths=[{bad}]", "--set", f"output_dir={tmp_path / 'out2'}",
+               "--set", "skip_bad_records=true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines()[0] == (f"note: {tmp_path / 'out2' / 'config.yaml'} records a config that produced "
+                                          "no output yet (differs in: skip_bad_records): replacing it with this run's")
+    assert load_config(PrepareConfig, path=str(tmp_path / "out2" / "config.yaml")).skip_bad_records
 
 
 def test_a_wrong_tokenizer_path_leaves_no_record_so_the_corrected_rerun_runs(tmp_path):

@@ -103,6 +103,8 @@ def test_a_rerun_with_another_config_is_refused_and_the_record_is_kept(tmp_path)
         lock.write_records()
     record = (out / "config.yaml").read_text()
     assert yaml.safe_load(record) == cfg.model_dump(mode="json")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "ep0-ba5-rank0.pt").write_bytes(b"x")  # an output the record protects
     other = cfg.model_copy(update={"batch_size": 32, "progress_bar": False,
                                    "optim": cfg.optim.model_copy(update={"lr": 3e-4})})
     with pytest.raises(ConfigMismatch) as err:
@@ -180,6 +182,7 @@ def test_a_refused_rerun_releases_the_lock(tmp_path):
     out = tmp_path / "run"
     cfg = PrepareConfig.demo_default(str(tmp_path))
     open_output_dir(str(out), "prepare", {"config.yaml": cfg}).write_records()
+    (out / "tokenizer.json").write_text("{}")  # an output the record protects
     with pytest.raises(ConfigMismatch, match=r"differs in: seq_len\)"):
         open_output_dir(str(out), "prepare", {"config.yaml": cfg.model_copy(update={"seq_len": 64})})
     open_output_dir(str(out), "prepare", {"config.yaml": cfg}).release()
@@ -277,3 +280,29 @@ def test_the_output_dir_is_compared_as_the_directory_it_names_and_a_copied_run_r
     assert err.value.keys == ["batch_size"]
     assert f"rerun with the config recorded in {copy / 'config.yaml'} and --set output_dir={copy} to resume" in str(
         err.value)
+
+
+def test_a_record_that_protects_no_output_is_replaced_by_the_corrected_rerun(tmp_path, capsys):
+    """issue 32: a run that failed before its first output (a token id outside the vocabulary) left a record that
+    refused the corrected rerun. With nothing but the lock, the record and a manifest listing no shard, the rerun
+    replaces the record (one note); one other file, and it is refused as before."""
+    out = tmp_path / "run"
+    cfg = TrainConfig.demo_default(str(tmp_path))
+    with open_output_dir(str(out), "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+    (out / "candidates").mkdir()
+    (out / "candidates" / "manifest.json").write_text(json.dumps({"shards": [], "complete": False}))
+    other = cfg.model_copy(update={"batch_size": 32})
+    with open_output_dir(str(out), "train", {"config.yaml": other}) as lock:
+        assert capsys.readouterr().err == (f"note: {out / 'config.yaml'} records a config that produced no output yet "
+                                           "(differs in: batch_size): replacing it with this run's\n")
+        lock.write_records()
+    assert yaml.safe_load((out / "config.yaml").read_text())["batch_size"] == 32
+    (out / "candidates" / "manifest.json").write_text(json.dumps({"shards": [{"name": "a/part-00000"}]}))
+    with pytest.raises(ConfigMismatch):
+        open_output_dir(str(out), "train", {"config.yaml": cfg})
+    (out / "candidates" / "manifest.json").unlink()
+    (out / "log.txt").write_text("")
+    with pytest.raises(ConfigMismatch):
+        open_output_dir(str(out), "train", {"config.yaml": cfg})
+    assert yaml.safe_load((out / "config.yaml").read_text())["batch_size"] == 32
