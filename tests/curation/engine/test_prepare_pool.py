@@ -83,6 +83,14 @@ def _files(root: str) -> dict[str, bytes]:
                 m = json.loads(data)
                 m.pop("config")
                 data = json.dumps(m, sort_keys=True).encode()
+            elif name.startswith("unit-") and name.endswith(".json"):
+                # a unit record's input fingerprints are [size, mtime_ns, hash]: size and mtime are the input file's
+                # as the unit read it (a unit kept across an edit elsewhere in its file keeps those of that time;
+                # an edited and restored input has a new mtime), not something the unit made; its hash is compared
+                r = json.loads(data)
+                for fp in r.get("inputs") or []:
+                    fp[0] = fp[1] = None
+                data = json.dumps(r, sort_keys=True).encode()
             out[rel] = data
     return out
 
