@@ -1,5 +1,7 @@
 """A diverging reference stops the run: a refresh whose validation loss ends above a uniform guess (``ln V``), grows
-by :data:`GROWTH` over the refresh, or leaves a weight that is not finite.
+by :data:`GROWTH` over the refresh, or leaves a weight that is not finite. A diverging proxy stops it too: a training
+loss that is not finite, or above ``ln V`` by :data:`MARGIN` for :data:`PATIENCE` steps in a row
+(:func:`check_proxy`).
 
 Such a reference scores every token as equally learnable (or as nothing at all): selection goes on silently with
 meaningless scores (issue 32: ``selection.ref_lr=1e3`` ran to the end, the reference's largest weight at 7.9e5, its
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DivergenceError", "GROWTH", "MARGIN", "BLOWUP", "check_reference"]
+__all__ = ["DivergenceError", "GROWTH", "MARGIN", "BLOWUP", "PATIENCE", "check_reference", "check_proxy"]
 
 #: The factor by which a refresh's validation loss may grow from its first step to its last before the reference
 #: counts as diverged (a refresh of K AdamW steps lowers it, or keeps it level between batches).
@@ -29,6 +31,12 @@ MARGIN = 0.5
 #: A loss within the refresh above this many times its start is a blow-up even when the refresh ends lower (a
 #: diverged reference often jumps, then collapses to the uniform guess); a sound refresh may rise a little first.
 BLOWUP = 4.0
+
+
+#: Steps in a row the proxy's training loss may sit above ``ln V + MARGIN`` before the run stops: one noisy batch (or
+#: the first steps of a model that starts far from the data) is not a divergence; a proxy that stays worse than a
+#: uniform guess is (``optim.lr=1e3`` sends it there within a few steps and keeps it there).
+PATIENCE = 5
 
 
 class DivergenceError(ValueError):
@@ -64,3 +72,23 @@ def check_reference(val_losses: Sequence[float], weights: Iterable[Tensor], *, v
         return
     raise DivergenceError(f"the reference diverged in a refresh: its validation loss went from {first:.3f} to "
                           f"{seen:.4g} in {len(losses)} steps ({why}); {fix}")
+
+
+def check_proxy(recent_losses: Iterable[float] | Sequence[float], *, vocab_size: int | None, lr: float, setting: str = "optim.lr") -> None:
+    """Raise :class:`DivergenceError` when the proxy diverged: the last of ``recent_losses`` (its training loss at
+    each step, oldest first) is not finite, or the last :data:`PATIENCE` of them are all more than :data:`MARGIN`
+    above ``ln vocab_size``. ``lr`` and ``setting``: the proxy's learning rate and the key that sets it."""
+    recent_losses = list(recent_losses)
+    if not recent_losses:
+        return
+    fix = f"lower {setting} (now {lr:g})"
+    last = float(recent_losses[-1])
+    if not math.isfinite(last):
+        raise DivergenceError(f"the proxy diverged: its training loss became {last}; {fix}")
+    if not vocab_size or len(recent_losses) < PATIENCE:
+        return
+    uniform = math.log(vocab_size)
+    window = [float(v) for v in list(recent_losses)[-PATIENCE:]]
+    if min(window) > uniform + MARGIN:
+        raise DivergenceError(f"the proxy diverged: its training loss stayed above ln V = {uniform:.3f} (a uniform "
+                              f"guess over the {vocab_size} ids) for {PATIENCE} steps, at {last:.4g}; {fix}")

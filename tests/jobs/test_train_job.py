@@ -295,3 +295,14 @@ def test_a_diverging_reference_stops_the_run_naming_the_setting(small_demo, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the reference diverged in a refresh: its validation loss "), err
     assert err[0].endswith("; lower selection.ref_lr (now 1000)"), err
+
+
+def test_a_diverging_proxy_stops_the_run_naming_optim_lr(small_demo, tmp_path, capsys):  # noqa: F811
+    """issue 32: a proxy whose learning rate is far too large trained on at a loss worse than a uniform guess (lr 1:
+    finite losses of 16 and more against ln V = 6.24, which no check caught; a NaN was caught before)."""
+    config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml")
+    capsys.readouterr()
+    assert train_job.main(["--config", config, "--set", "policy=full", "--set", "optim.lr=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the proxy diverged: its training loss "), err
+    assert err[0].endswith("; lower optim.lr (now 1)"), err

@@ -19,6 +19,7 @@ They read what a step trained on from a :class:`StepSelections`: the BLADE algor
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -31,6 +32,7 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger, LoggerDestination
 
+from curation.core.divergence import PATIENCE, check_proxy
 from curation.core.policies import ScoreKind, SelectionPolicy
 from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.core.stats import SourceCounts as BatchCounts
@@ -241,8 +243,11 @@ class SelectionStats(Callback):
         edges: Δ histogram bin edges.
     """
 
-    def __init__(self, algorithm: StepSelections, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES) -> None:
+    def __init__(self, algorithm: StepSelections, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES,
+                 vocab_size: int | None = None, lr: float | None = None) -> None:
         self.algorithm = algorithm
+        self.vocab_size, self.lr = vocab_size, lr  # given: a diverging proxy stops the run (check_proxy)
+        self.recent_losses: collections.deque[float] = collections.deque(maxlen=PATIENCE)
         self.edges = tuple(edges)
         self.has_delta = algorithm.policy.score_kind is ScoreKind.EXCESS_LOSS
         self.steps: list[dict[str, Any]] = []
@@ -259,6 +264,9 @@ class SelectionStats(Callback):
         loss = (state.total_loss_dict or {}).get("loss/train/total")
         if loss is not None:
             entry["loss"] = float(loss)
+            if self.lr is not None:  # one line naming optim.lr, instead of a run that trains on at a uniform guess
+                self.recent_losses.append(entry["loss"])
+                check_proxy(self.recent_losses, vocab_size=self.vocab_size, lr=self.lr)
         mask, valid = torch.from_numpy(rec.mask), torch.from_numpy(rec.valid)
         scores = torch.from_numpy(rec.scores)
         if self.has_delta and rec.ref_version >= 0:
