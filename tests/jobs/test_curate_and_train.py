@@ -223,9 +223,12 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
 
     # The head node runs in the foreground (--block) in its own session, so that stopping it ends exactly the
     # processes it started (`ray stop` would end every Ray instance on the machine, other users' included).
+    # Its dashboard agent gets a free port too: the default 52365 is taken by any other Ray instance of the machine
+    # (another test run's), and an agent without its HTTP port answers every submission "No available agent".
     head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address",
                              "127.0.0.1", "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                             str(dash), "--include-dashboard", "true", "--disable-usage-stats"],
+                             str(dash), "--dashboard-agent-listen-port", str(_free_port()), "--include-dashboard",
+                             "true", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
