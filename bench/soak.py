@@ -42,7 +42,7 @@ from schemas.train_config import demo_model_config
 
 __all__ = ["SoakSettings", "soak", "soak_config"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/soak.py → the checkout
 JOB = os.path.join(REPO, "jobs", "curate_and_train.py")
 ROLES = {"worker": "_WorkerActor", "refresh": "_RefreshActor"}
 
