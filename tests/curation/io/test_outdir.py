@@ -31,7 +31,7 @@ from schemas.engine_config import CurateAndTrainConfig
 from schemas.records import config_diff, field_default, operational_keys
 from schemas.train_config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # tests/curation/io/test_outdir.py → the checkout
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
