@@ -100,8 +100,29 @@ def pytest_addoption(parser):
     )
 
 
+#: The test files that take longest (minutes each: jobs killed and rerun, several Ray instances), started first, so that
+#: the test processes of ``-n`` (a file each at a time) do not end with one of them running alone.
+_LONGEST_FILES = ("tests/jobs/test_soak.py", "tests/jobs/test_curate_and_train_stop.py", "tests/training/test_parallel.py",
+                  "tests/jobs/test_object_store.py", "tests/jobs/test_curate_and_train.py", "tests/jobs/test_curate_job.py",
+                  "tests/jobs/test_bench_quality.py", "tests/jobs/test_curate_and_train_parallel.py",
+                  "tests/curation/engine/test_ray_backend.py")
+
+
+def _longest_files_first(items) -> None:  # noqa: ANN001 - pytest items
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(REPO).as_posix(), len(rank)))  # stable
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one test process per core, at most 4 (each may start a local Ray instance
+    and job processes of its own)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores))
+
+
 def pytest_collection_modifyitems(config, items):
     """Plain `pytest` is the fast CPU subset; `pytest --all` (or an explicit -m) runs everything."""
+    _longest_files_first(items)
     if config.getoption("--all") or config.getoption("markexpr"):
         return
     keep, drop = [], []
