@@ -18,16 +18,25 @@ import glob
 import io
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import zstandard
 
+from curation.ingest.jsonstream import LineError, LineScan, StreamedText
 from schemas.config import SourceConfig
 
 __all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
            "iter_documents", "parquet_row_groups", "SPLITTABLE_FORMATS"]
+
+#: A ``.jsonl`` line longer than this many bytes is streamed when the caller asks for it (``iter_documents(stream=
+#: True)``): read in chunks, never held whole (:mod:`curation.ingest.jsonstream`). Shorter lines take the
+#: whole-line path. Module constants: tests make them tiny.
+STREAM_LINE_BYTES = 4 << 20
+#: Bytes of a streamed line read at once.
+STREAM_CHUNK = 1 << 20
 
 #: Formats whose files a work unit may read in part (:class:`FileSpan`): byte ranges, row-group ranges.
 SPLITTABLE_FORMATS = ("jsonl", "parquet")
@@ -87,17 +96,28 @@ _NO_LINES_BEFORE = _LineBase("", 0)
 class Document:
     """A document's text, where it came from, and the resume position just after it."""
 
-    text: str
+    text: str  # "" when ``stream`` is set
     file: str
     span_line: int  # 1-based line (jsonl/txt) or row (parquet) of the record, counted from its span's start
     file_index: int  # index into the files (or spans) read
     next_record: int  # records of this file (span) consumed once this document is taken
     lines_before: _LineBase = field(default=_NO_LINES_BEFORE, repr=False, compare=False)
+    stream: StreamedText | None = field(default=None, repr=False, compare=False)  # the text of a huge line
 
     @property
     def line(self) -> int:
         """1-based line (row) of the record in its file."""
         return self.lines_before.value + self.span_line
+
+    def pieces(self) -> Iterator[str]:
+        """The text as consecutive pieces: ``[text]``, or a streamed line's text decoded from the file again."""
+        if self.stream is None:
+            yield self.text
+            return
+        try:
+            yield from self.stream.pieces()
+        except LineError as e:  # checked whole before: the file changed since
+            raise BadRecordError(self.file, self.line, f"changed while it was read ({e})") from None
 
 
 def resolve_paths(source: SourceConfig) -> list[str]:
@@ -204,14 +224,47 @@ def _span_start(path: str, start: int) -> int:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
 
 
-def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+@dataclass
+class _LongLine:
+    """A line longer than :data:`STREAM_LINE_BYTES`, not read into memory: its bytes are read again, in chunks, each
+    time they are needed (from the file, or from a temporary copy for a ``.jsonl.zst`` file, whose decompression
+    cannot seek)."""
+
+    path: str
+    offset: int  # of the line in the (decompressed) file
+    length: int
+    spool: object | None = None  # a temporary file holding the line (zstd)
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.spool is not None:
+            f, close = self.spool, False
+            f.seek(0)
+        else:
+            f, close = open(self.path, "rb"), True  # noqa: SIM115 - closed in finally
+            f.seek(self.offset)
+        try:
+            left = self.length
+            while left > 0:
+                data = f.read(min(left, STREAM_CHUNK))
+                if not data:
+                    raise LineError(f"the file ends {left} bytes early")
+                left -= len(data)
+                yield data
+        finally:
+            if close:
+                f.close()
+
+
+def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *, stream: bool = False,
+                ) -> Iterator[bytes | _LongLine]:
     """Raw lines (bytes, with newline) of a plain or zstd-compressed text file; of a plain file, the lines
-    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`)."""
+    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`). With ``stream``, a line longer
+    than :data:`STREAM_LINE_BYTES` comes as a :class:`_LongLine` instead (read through, never held whole)."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
-    lines = 0
+    lines, long_lines = 0, stream
     try:
         if fmt == "jsonl.zst":
             stream = io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
@@ -220,10 +273,10 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) ->
             raw.seek(start)
         pos = start
         try:
-            for line in stream:
+            for line in (_long_lines(stream, path, fmt, start) if long_lines else stream):
                 if stop is not None and pos >= stop:
                     break
-                pos += len(line)
+                pos += len(line) if isinstance(line, bytes) else line.length
                 lines += 1
                 held = [line]
                 del line  # suspended at the yield, this frame must not hold the line: a huge one is freed by its reader
@@ -238,6 +291,36 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) ->
             ) from e
     finally:
         raw.close()
+
+
+def _long_lines(stream: io.BufferedIOBase, path: str, fmt: str, pos: int) -> Iterator[bytes | _LongLine]:
+    """The lines of ``stream`` (at byte ``pos``), those longer than STREAM_LINE_BYTES as :class:`_LongLine` s: the
+    rest of such a line is read through in chunks (into a temporary copy for a zstd file)."""
+    limit = STREAM_LINE_BYTES
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            pos += len(line)
+            held = [line]
+            del line
+            yield held.pop()
+            continue
+        spool = tempfile.TemporaryFile() if fmt == "jsonl.zst" else None  # noqa: SIM115 - closed by its owner
+        length = 0
+        while line:
+            if spool is not None:
+                spool.write(line)
+            length += len(line)
+            if line.endswith(b"\n"):
+                break
+            line = stream.readline(STREAM_CHUNK)
+        del line
+        if spool is not None:
+            spool.flush()
+        yield _LongLine(path, pos, length, spool)
+        pos += length
 
 
 def _decode(path: str, line_no: int, data: bytes) -> str:
@@ -284,14 +367,52 @@ def _rebased(e: BadRecordError, base: _LineBase) -> BadRecordError:
         e.file, base.value + e.line, e.reason)
 
 
+def _streamed_text(data: _LongLine, source: SourceConfig, path: str, line: int) -> str | StreamedText | None:
+    """The text of a huge line checked whole in one streaming pass (the same errors as the whole-line path): the
+    text itself when short, else a :class:`StreamedText` that decodes it again piece by piece; None: a blank line."""
+    try:
+        scanned = LineScan().scan(data.chunks())
+    except LineError as e:
+        raise BadRecordError(path, line, str(e)) from None
+    if scanned.blank:
+        return None
+    record = scanned.record
+    if isinstance(record, dict) and source.text_field in record:
+        index = scanned.long_index(record[source.text_field])
+        if index is not None:
+            if scanned.longs[index].blank:
+                raise BadRecordError(path, line, "empty document")
+            return StreamedText(data.chunks, index)
+    return _text_of(record, source, path, line)
+
+
 def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: FileSpan, base: _LineBase,
-                   ) -> Iterator[tuple[int, int, object]]:
+                   stream: bool = False) -> Iterator[tuple[int, int, object]]:
     """(record index, line, text or BadRecordError) for a jsonl file (span); record index = 0-based line index
-    in the span, line = 1-based line in the span (``base`` turns it into a line of the file)."""
+    in the span, line = 1-based line in the span (``base`` turns it into a line of the file). With ``stream`` (and
+    no ``template``, which needs the whole record), a line longer than STREAM_LINE_BYTES gives a
+    :class:`StreamedText` instead of its text."""
+    stream = stream and source.template is None
     seen_content = False
     # A huge line (one document of 100 MB) is held once while its document is tokenized: its bytes, their decoded
     # string and the parsed record are dropped as soon as the next form exists (no copy by strip() either).
-    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop)):
+    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop, stream=stream)):
+        if isinstance(data, _LongLine):
+            if idx < start:
+                seen_content = True  # (a blank huge line read before a resume position counts as content)
+                continue
+            try:
+                value = _streamed_text(data, source, path, idx + 1)
+            except BadRecordError as e:
+                seen_content = True
+                yield idx, idx + 1, _rebased(e, base)
+                continue
+            if value is None:
+                continue
+            seen_content = True
+            yield idx, idx + 1, value
+            del value
+            continue
         blank = data.isspace() or not data
         seen_content = seen_content or not blank
         if idx < start:
@@ -430,6 +551,7 @@ def iter_documents(
     start_record: int = 0,
     files: list[str] | None = None,
     spans: list[FileSpan] | None = None,
+    stream: bool = False,
 ) -> Iterator[Document | BadRecordError]:
     """Stream a source's documents from a resume position; bad records are yielded, not raised.
 
@@ -439,6 +561,8 @@ def iter_documents(
         start_record: records of that file (span) already consumed.
         files: the resolved file list (default: :func:`resolve_paths`).
         spans: read these parts of files instead (a work unit's); ``file_index`` then counts spans.
+        stream: a ``.jsonl`` line longer than :data:`STREAM_LINE_BYTES` (of a source without ``template``) gives a
+            document whose ``stream`` decodes its text piece by piece (``Document.pieces``), never held whole.
 
     Yields:
         :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
@@ -455,7 +579,7 @@ def iter_documents(
         base = _NO_LINES_BEFORE
         if fmt in ("jsonl", "jsonl.zst"):
             base = _LineBase(path, _span_start(path, span.start))
-            records = _jsonl_records(path, fmt, source, first, span, base)
+            records = _jsonl_records(path, fmt, source, first, span, base, stream)
         elif fmt == "parquet":
             records = _parquet_records(path, source, first, span)
         elif fmt == "txt":
@@ -465,6 +589,9 @@ def iter_documents(
         for idx, line, item in records:
             if isinstance(item, BadRecordError):
                 yield item
+            elif isinstance(item, StreamedText):
+                yield Document(text="", file=path, span_line=line, file_index=fi, next_record=idx + 1,
+                               lines_before=base, stream=item)
             else:
                 yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
                                lines_before=base)
