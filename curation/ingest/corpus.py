@@ -18,25 +18,18 @@ import glob
 import io
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import zstandard
 
-from curation.ingest.jsonstream import LineError, LineScan, StreamedText
+from curation.ingest import jsonstream
+from curation.ingest.jsonstream import LineError, LongLine, StreamedText
 from schemas.config import SourceConfig
 
 __all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
            "iter_documents", "parquet_row_groups", "SPLITTABLE_FORMATS"]
-
-#: A ``.jsonl`` line longer than this many bytes is streamed when the caller asks for it (``iter_documents(stream=
-#: True)``): read in chunks, never held whole (:mod:`curation.ingest.jsonstream`). Shorter lines take the
-#: whole-line path. Module constants: tests make them tiny.
-STREAM_LINE_BYTES = 4 << 20
-#: Bytes of a streamed line read at once.
-STREAM_CHUNK = 1 << 20
 
 #: Formats whose files a work unit may read in part (:class:`FileSpan`): byte ranges, row-group ranges.
 SPLITTABLE_FORMATS = ("jsonl", "parquet")
@@ -111,11 +104,8 @@ class Document:
 
     def pieces(self) -> Iterator[str]:
         """The text as consecutive pieces: ``[text]``, or a streamed line's text decoded from the file again."""
-        if self.stream is None:
-            yield self.text
-            return
         try:
-            yield from self.stream.pieces()
+            yield from (self.text,) if self.stream is None else self.stream.pieces()
         except LineError as e:  # checked whole before: the file changed since
             raise BadRecordError(self.file, self.line, f"changed while it was read ({e})") from None
 
@@ -218,53 +208,22 @@ def _span_start(path: str, start: int) -> int:
     try:
         with open(path, "rb") as f:
             f.seek(start - 1)
-            f.readline()  # the rest of the line holding byte start - 1 (just its newline when one ends there)
+            jsonstream.skip_line(f)  # the rest of the line holding byte start - 1 (just its newline when one ends there)
             return f.tell()
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
 
 
-@dataclass
-class _LongLine:
-    """A line longer than :data:`STREAM_LINE_BYTES`, not read into memory: its bytes are read again, in chunks, each
-    time they are needed (from the file, or from a temporary copy for a ``.jsonl.zst`` file, whose decompression
-    cannot seek)."""
-
-    path: str
-    offset: int  # of the line in the (decompressed) file
-    length: int
-    spool: object | None = None  # a temporary file holding the line (zstd)
-
-    def chunks(self) -> Iterator[bytes]:
-        if self.spool is not None:
-            f, close = self.spool, False
-            f.seek(0)
-        else:
-            f, close = open(self.path, "rb"), True  # noqa: SIM115 - closed in finally
-            f.seek(self.offset)
-        try:
-            left = self.length
-            while left > 0:
-                data = f.read(min(left, STREAM_CHUNK))
-                if not data:
-                    raise LineError(f"the file ends {left} bytes early")
-                left -= len(data)
-                yield data
-        finally:
-            if close:
-                f.close()
-
-
-def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *, stream: bool = False,
-                ) -> Iterator[bytes | _LongLine]:
+def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *, huge: bool = False,
+                ) -> Iterator[bytes | LongLine]:
     """Raw lines (bytes, with newline) of a plain or zstd-compressed text file; of a plain file, the lines
-    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`). With ``stream``, a line longer
-    than :data:`STREAM_LINE_BYTES` comes as a :class:`_LongLine` instead (read through, never held whole)."""
+    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`). With ``huge``, a line over
+    ``jsonstream.STREAM_LINE_BYTES`` comes as a :class:`LongLine` (read through, never held whole)."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
-    lines, long_lines = 0, stream
+    lines = 0
     try:
         if fmt == "jsonl.zst":
             stream = io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
@@ -273,7 +232,7 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *,
             raw.seek(start)
         pos = start
         try:
-            for line in (_long_lines(stream, path, fmt, start) if long_lines else stream):
+            for line in (jsonstream.long_lines(stream, path, fmt, start) if huge else stream):
                 if stop is not None and pos >= stop:
                     break
                 pos += len(line) if isinstance(line, bytes) else line.length
@@ -291,36 +250,6 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *,
             ) from e
     finally:
         raw.close()
-
-
-def _long_lines(stream: io.BufferedIOBase, path: str, fmt: str, pos: int) -> Iterator[bytes | _LongLine]:
-    """The lines of ``stream`` (at byte ``pos``), those longer than STREAM_LINE_BYTES as :class:`_LongLine` s: the
-    rest of such a line is read through in chunks (into a temporary copy for a zstd file)."""
-    limit = STREAM_LINE_BYTES
-    while True:
-        line = stream.readline(limit + 1)
-        if not line:
-            return
-        if len(line) <= limit or line.endswith(b"\n"):
-            pos += len(line)
-            held = [line]
-            del line
-            yield held.pop()
-            continue
-        spool = tempfile.TemporaryFile() if fmt == "jsonl.zst" else None  # noqa: SIM115 - closed by its owner
-        length = 0
-        while line:
-            if spool is not None:
-                spool.write(line)
-            length += len(line)
-            if line.endswith(b"\n"):
-                break
-            line = stream.readline(STREAM_CHUNK)
-        del line
-        if spool is not None:
-            spool.flush()
-        yield _LongLine(path, pos, length, spool)
-        pos += length
 
 
 def _decode(path: str, line_no: int, data: bytes) -> str:
@@ -367,51 +296,26 @@ def _rebased(e: BadRecordError, base: _LineBase) -> BadRecordError:
         e.file, base.value + e.line, e.reason)
 
 
-def _streamed_text(data: _LongLine, source: SourceConfig, path: str, line: int) -> str | StreamedText | None:
-    """The text of a huge line checked whole in one streaming pass (the same errors as the whole-line path): the
-    text itself when short, else a :class:`StreamedText` that decodes it again piece by piece; None: a blank line."""
-    try:
-        scanned = LineScan().scan(data.chunks())
-    except LineError as e:
-        raise BadRecordError(path, line, str(e)) from None
-    if scanned.blank:
-        return None
-    record = scanned.record
-    if isinstance(record, dict) and source.text_field in record:
-        index = scanned.long_index(record[source.text_field])
-        if index is not None:
-            if scanned.longs[index].blank:
-                raise BadRecordError(path, line, "empty document")
-            return StreamedText(data.chunks, index)
-    return _text_of(record, source, path, line)
-
-
 def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: FileSpan, base: _LineBase,
                    stream: bool = False) -> Iterator[tuple[int, int, object]]:
     """(record index, line, text or BadRecordError) for a jsonl file (span); record index = 0-based line index
-    in the span, line = 1-based line in the span (``base`` turns it into a line of the file). With ``stream`` (and
-    no ``template``, which needs the whole record), a line longer than STREAM_LINE_BYTES gives a
-    :class:`StreamedText` instead of its text."""
-    stream = stream and source.template is None
+    in the span, line = 1-based line in the span (``base`` turns it into a line of the file). ``stream``: a huge
+    line's text comes as a :class:`StreamedText` (not with a ``template``: that needs the whole record)."""
     seen_content = False
     # A huge line (one document of 100 MB) is held once while its document is tokenized: its bytes, their decoded
     # string and the parsed record are dropped as soon as the next form exists (no copy by strip() either).
-    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop, stream=stream)):
-        if isinstance(data, _LongLine):
-            if idx < start:
-                seen_content = True  # (a blank huge line read before a resume position counts as content)
-                continue
-            try:
-                value = _streamed_text(data, source, path, idx + 1)
-            except BadRecordError as e:
-                seen_content = True
-                yield idx, idx + 1, _rebased(e, base)
-                continue
-            if value is None:
-                continue
+    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop, huge=stream and source.template is None)):
+        if isinstance(data, LongLine):  # streamed: checked whole in one pass, its text read again in pieces
             seen_content = True
-            yield idx, idx + 1, value
-            del value
+            if idx >= start:
+                try:
+                    value = jsonstream.long_line_text(data, source.text_field)
+                    if value is not None and not isinstance(value, StreamedText):
+                        value = _text_of(value, source, path, idx + 1)  # the record minus its long strings
+                except (LineError, BadRecordError) as e:
+                    value = e if isinstance(e, BadRecordError) else BadRecordError(path, idx + 1, str(e))
+                if value is not None:
+                    yield idx, idx + 1, _rebased(value, base) if isinstance(value, BadRecordError) else value
             continue
         blank = data.isspace() or not data
         seen_content = seen_content or not blank
@@ -561,8 +465,7 @@ def iter_documents(
         start_record: records of that file (span) already consumed.
         files: the resolved file list (default: :func:`resolve_paths`).
         spans: read these parts of files instead (a work unit's); ``file_index`` then counts spans.
-        stream: a ``.jsonl`` line longer than :data:`STREAM_LINE_BYTES` (of a source without ``template``) gives a
-            document whose ``stream`` decodes its text piece by piece (``Document.pieces``), never held whole.
+        stream: a huge ``.jsonl`` line gives a document whose ``pieces()`` decode its text again, never held whole.
 
     Yields:
         :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
@@ -589,11 +492,9 @@ def iter_documents(
         for idx, line, item in records:
             if isinstance(item, BadRecordError):
                 yield item
-            elif isinstance(item, StreamedText):
-                yield Document(text="", file=path, span_line=line, file_index=fi, next_record=idx + 1,
-                               lines_before=base, stream=item)
-            else:
-                yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
-                               lines_before=base)
+            else:  # a huge line's text comes as a StreamedText
+                streamed = item if isinstance(item, StreamedText) else None
+                yield Document(text="" if streamed else item, file=path, span_line=line, file_index=fi,
+                               next_record=idx + 1, lines_before=base, stream=streamed)
 
     yield from iter_inputs(spans, start_file, start_record, documents)

@@ -21,12 +21,22 @@ strings, is held in its skeleton (as a ``str``, once).
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import secrets
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["LONG_STRING_CHARS", "LineScan", "LineError", "ScannedLine"]
+__all__ = ["STREAM_LINE_BYTES", "STREAM_CHUNK", "LONG_STRING_CHARS", "LineScan", "LineError", "ScannedLine", "LongLine",
+           "long_lines", "long_line_text", "StreamedText", "skip_line"]
+
+#: A ``.jsonl`` line longer than this many bytes is streamed when the caller asks for it (``curation.ingest.corpus.
+#: iter_documents(stream=True)``): read in chunks, never held whole. Shorter lines take the
+#: whole-line path. Module constants: tests make them tiny.
+STREAM_LINE_BYTES = 4 << 20
+#: Bytes of a streamed line read at once.
+STREAM_CHUNK = 1 << 20
 
 #: Strings with more characters than this are not held in the skeleton (module constant: tests make it tiny).
 LONG_STRING_CHARS = 1 << 16
@@ -286,3 +296,92 @@ class StreamedText:
 
     def pieces(self) -> Iterator[str]:
         return LineScan().pieces(self.chunks(), self.index)
+
+
+@dataclass
+class LongLine:
+    """A line longer than :data:`STREAM_LINE_BYTES`, not read into memory: its bytes are read again, in chunks, each
+    time they are needed (from the file, or from a temporary copy for a ``.jsonl.zst`` file, whose decompression
+    cannot seek)."""
+
+    path: str
+    offset: int  # of the line in the (decompressed) file
+    length: int
+    spool: object | None = None  # a temporary file holding the line (zstd)
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.spool is not None:
+            f, close = self.spool, False
+            f.seek(0)
+        else:
+            f, close = open(self.path, "rb"), True  # noqa: SIM115 - closed in finally
+            f.seek(self.offset)
+        try:
+            left = self.length
+            while left > 0:
+                data = f.read(min(left, STREAM_CHUNK))
+                if not data:
+                    raise LineError(f"the file ends {left} bytes early")
+                left -= len(data)
+                yield data
+        finally:
+            if close:
+                f.close()
+
+
+def long_lines(stream: io.BufferedIOBase, path: str, fmt: str, pos: int) -> Iterator[bytes | LongLine]:
+    """The lines of ``stream`` (at byte ``pos``), those longer than STREAM_LINE_BYTES as :class:`LongLine` s: the
+    rest of such a line is read through in chunks (into a temporary copy for a zstd file)."""
+    limit = STREAM_LINE_BYTES
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            pos += len(line)
+            held = [line]
+            del line
+            yield held.pop()
+            continue
+        spool = tempfile.TemporaryFile() if fmt == "jsonl.zst" else None  # noqa: SIM115 - closed by its owner
+        length = 0
+        while line:
+            if spool is not None:
+                spool.write(line)
+            length += len(line)
+            if line.endswith(b"\n"):
+                break
+            line = stream.readline(STREAM_CHUNK)
+        del line
+        if spool is not None:
+            spool.flush()
+        yield LongLine(path, pos, length, spool)
+        pos += length
+
+
+def long_line_text(line: LongLine, text_field: str) -> StreamedText | object | None:
+    """A huge line checked whole in one streaming pass: None (a blank line), a :class:`StreamedText` (its text field
+    is a long string, decoded again piece by piece when read), or the record (its long strings as placeholders) for
+    the caller's checks of a short or missing text field.
+
+    Raises:
+        LineError: the same reason as the whole-line path (invalid UTF-8, malformed JSON, an empty document).
+    """
+    scanned = LineScan().scan(line.chunks())
+    if scanned.blank:
+        return None
+    record = scanned.record
+    if isinstance(record, dict) and text_field in record:
+        index = scanned.long_index(record[text_field])
+        if index is not None:
+            if scanned.longs[index].blank:
+                raise LineError("empty document")
+            return StreamedText(line.chunks, index)
+    return record
+
+
+def skip_line(f: io.BufferedIOBase) -> None:
+    """Move ``f`` past the end of the line it is in, STREAM_CHUNK bytes at a time: a work unit that starts (or ends)
+    inside a 100 MB line must not read the rest of it into memory (``f.readline()`` did, once per unit)."""
+    while (part := f.readline(STREAM_CHUNK)) and not part.endswith(b"\n"):
+        pass

@@ -24,8 +24,8 @@ LONG = 24  # bytes: a longer line is streamed in these tests
 def tiny(monkeypatch):
     """Lines over 24 bytes streamed in chunks of 3 bytes (splitting escapes and UTF-8 characters); strings over 5
     characters left out of the skeleton."""
-    monkeypatch.setattr(corpus, "STREAM_LINE_BYTES", LONG)
-    monkeypatch.setattr(corpus, "STREAM_CHUNK", 3)
+    monkeypatch.setattr(jsonstream, "STREAM_LINE_BYTES", LONG)
+    monkeypatch.setattr(jsonstream, "STREAM_CHUNK", 3)
     monkeypatch.setattr(jsonstream, "LONG_STRING_CHARS", 5)
     return monkeypatch
 
@@ -67,7 +67,7 @@ def _lines():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
 def test_streamed_lines_give_the_same_documents_as_whole_lines(tmp_path, tiny, chunk):
-    tiny.setattr(corpus, "STREAM_CHUNK", chunk)
+    tiny.setattr(jsonstream, "STREAM_CHUNK", chunk)
     lines = _lines()
     for t in TEXTS:  # the decoded text is json.loads's
         assert json.loads('"' + t + '"')
@@ -128,7 +128,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_malformed_huge_lines_fail_like_whole_lines(tmp_path, tiny, chunk):
-    tiny.setattr(corpus, "STREAM_CHUNK", chunk)
+    tiny.setattr(jsonstream, "STREAM_CHUNK", chunk)
     for name, (line, reason) in HOSTILE.items():
         data = line if isinstance(line, bytes) else line.encode()
         last = name.endswith("line's end")  # the file's last line, without a newline
@@ -204,8 +204,8 @@ def test_prepare_output_is_byte_identical_with_and_without_streaming(tmp_path, m
     monkeypatch.setattr(units, "PIECE_CHARS", 500)  # the huge documents are tokenized in pieces either way
     outs = []
     for name, line_bytes in (("whole", 1 << 30), ("streamed", 1000)):
-        monkeypatch.setattr(corpus, "STREAM_LINE_BYTES", line_bytes)
-        monkeypatch.setattr(corpus, "STREAM_CHUNK", 777)
+        monkeypatch.setattr(jsonstream, "STREAM_LINE_BYTES", line_bytes)
+        monkeypatch.setattr(jsonstream, "STREAM_CHUNK", 777)
         monkeypatch.setattr(jsonstream, "LONG_STRING_CHARS", 100)
         out = tmp_path / "out"  # the same directory name: config.yaml and manifests name it
         prep.prepare(PrepareConfig(sources=[SourceConfig(name="s", paths=[str(raw / "*")])],
