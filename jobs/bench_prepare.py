@@ -27,7 +27,8 @@ added worker where there are free cores).
 runs it: its own, by ``getrusage``, and the largest of the processes it started, Ray's workers, sampled) preparing a
 ``.jsonl`` whose one document is MB megabytes on a single line (words of a small vocabulary, a 300-token BPE,
 L = 512), once in this process (``workers: 1``) and once as the job chooses (Ray workers when the file makes
-several units). Goal: under 1 GB at 20 MB, and flat as the document grows (the document itself is held once).
+several units). Goal: under 1 GB at 20 MB, and flat as the document grows (a line over 4 MB is streamed, never held whole:
+``curation/ingest/jsonstream.py``).
 """
 
 from __future__ import annotations

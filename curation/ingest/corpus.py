@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import zstandard
 
+from curation.ingest import jsonstream
+from curation.ingest.jsonstream import LineError, LongLine, StreamedText
 from schemas.config import SourceConfig
 
 __all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
@@ -87,17 +89,25 @@ _NO_LINES_BEFORE = _LineBase("", 0)
 class Document:
     """A document's text, where it came from, and the resume position just after it."""
 
-    text: str
+    text: str  # "" when ``stream`` is set
     file: str
     span_line: int  # 1-based line (jsonl/txt) or row (parquet) of the record, counted from its span's start
     file_index: int  # index into the files (or spans) read
     next_record: int  # records of this file (span) consumed once this document is taken
     lines_before: _LineBase = field(default=_NO_LINES_BEFORE, repr=False, compare=False)
+    stream: StreamedText | None = field(default=None, repr=False, compare=False)  # the text of a huge line
 
     @property
     def line(self) -> int:
         """1-based line (row) of the record in its file."""
         return self.lines_before.value + self.span_line
+
+    def pieces(self) -> Iterator[str]:
+        """The text as consecutive pieces: ``[text]``, or a streamed line's text decoded from the file again."""
+        try:
+            yield from (self.text,) if self.stream is None else self.stream.pieces()
+        except LineError as e:  # checked whole before: the file changed since
+            raise BadRecordError(self.file, self.line, f"changed while it was read ({e})") from None
 
 
 def resolve_paths(source: SourceConfig) -> list[str]:
@@ -198,15 +208,17 @@ def _span_start(path: str, start: int) -> int:
     try:
         with open(path, "rb") as f:
             f.seek(start - 1)
-            f.readline()  # the rest of the line holding byte start - 1 (just its newline when one ends there)
+            jsonstream.skip_line(f)  # the rest of the line holding byte start - 1 (just its newline when one ends there)
             return f.tell()
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
 
 
-def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *, huge: bool = False,
+                ) -> Iterator[bytes | LongLine]:
     """Raw lines (bytes, with newline) of a plain or zstd-compressed text file; of a plain file, the lines
-    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`)."""
+    starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`). With ``huge``, a line over
+    ``jsonstream.STREAM_LINE_BYTES`` comes as a :class:`LongLine` (read through, never held whole)."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
@@ -220,10 +232,10 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None) ->
             raw.seek(start)
         pos = start
         try:
-            for line in stream:
+            for line in (jsonstream.long_lines(stream, path, fmt, start) if huge else stream):
                 if stop is not None and pos >= stop:
                     break
-                pos += len(line)
+                pos += len(line) if isinstance(line, bytes) else line.length
                 lines += 1
                 held = [line]
                 del line  # suspended at the yield, this frame must not hold the line: a huge one is freed by its reader
@@ -285,13 +297,26 @@ def _rebased(e: BadRecordError, base: _LineBase) -> BadRecordError:
 
 
 def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: FileSpan, base: _LineBase,
-                   ) -> Iterator[tuple[int, int, object]]:
+                   stream: bool = False) -> Iterator[tuple[int, int, object]]:
     """(record index, line, text or BadRecordError) for a jsonl file (span); record index = 0-based line index
-    in the span, line = 1-based line in the span (``base`` turns it into a line of the file)."""
+    in the span, line = 1-based line in the span (``base`` turns it into a line of the file). ``stream``: a huge
+    line's text comes as a :class:`StreamedText` (not with a ``template``: that needs the whole record)."""
     seen_content = False
     # A huge line (one document of 100 MB) is held once while its document is tokenized: its bytes, their decoded
     # string and the parsed record are dropped as soon as the next form exists (no copy by strip() either).
-    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop)):
+    for idx, data in enumerate(_open_lines(path, fmt, base.offset, span.stop, huge=stream and source.template is None)):
+        if isinstance(data, LongLine):  # streamed: checked whole in one pass, its text read again in pieces
+            seen_content = True
+            if idx >= start:
+                try:
+                    value = jsonstream.long_line_text(data, source.text_field)
+                    if value is not None and not isinstance(value, StreamedText):
+                        value = _text_of(value, source, path, idx + 1)  # the record minus its long strings
+                except (LineError, BadRecordError) as e:
+                    value = e if isinstance(e, BadRecordError) else BadRecordError(path, idx + 1, str(e))
+                if value is not None:
+                    yield idx, idx + 1, _rebased(value, base) if isinstance(value, BadRecordError) else value
+            continue
         blank = data.isspace() or not data
         seen_content = seen_content or not blank
         if idx < start:
@@ -430,6 +455,7 @@ def iter_documents(
     start_record: int = 0,
     files: list[str] | None = None,
     spans: list[FileSpan] | None = None,
+    stream: bool = False,
 ) -> Iterator[Document | BadRecordError]:
     """Stream a source's documents from a resume position; bad records are yielded, not raised.
 
@@ -439,6 +465,7 @@ def iter_documents(
         start_record: records of that file (span) already consumed.
         files: the resolved file list (default: :func:`resolve_paths`).
         spans: read these parts of files instead (a work unit's); ``file_index`` then counts spans.
+        stream: a huge ``.jsonl`` line gives a document whose ``pieces()`` decode its text again, never held whole.
 
     Yields:
         :class:`Document` or :class:`BadRecordError` (the caller decides: fail, or count and skip).
@@ -455,7 +482,7 @@ def iter_documents(
         base = _NO_LINES_BEFORE
         if fmt in ("jsonl", "jsonl.zst"):
             base = _LineBase(path, _span_start(path, span.start))
-            records = _jsonl_records(path, fmt, source, first, span, base)
+            records = _jsonl_records(path, fmt, source, first, span, base, stream)
         elif fmt == "parquet":
             records = _parquet_records(path, source, first, span)
         elif fmt == "txt":
@@ -465,8 +492,9 @@ def iter_documents(
         for idx, line, item in records:
             if isinstance(item, BadRecordError):
                 yield item
-            else:
-                yield Document(text=item, file=path, span_line=line, file_index=fi, next_record=idx + 1,
-                               lines_before=base)
+            else:  # a huge line's text comes as a StreamedText
+                streamed = item if isinstance(item, StreamedText) else None
+                yield Document(text="" if streamed else item, file=path, span_line=line, file_index=fi,
+                               next_record=idx + 1, lines_before=base, stream=streamed)
 
     yield from iter_inputs(spans, start_file, start_record, documents)

@@ -14,6 +14,7 @@ from typing import BinaryIO
 import xxhash
 
 from curation.ingest.corpus import FileSpan
+from curation.ingest.jsonstream import skip_line
 
 __all__ = ["span_fingerprint", "stat_input"]
 
@@ -42,7 +43,7 @@ def span_fingerprint(span: FileSpan, fmt: str | None) -> list:
                 hi = size
             else:
                 f.seek(span.stop - 1)
-                f.readline()
+                skip_line(f)
                 hi = f.tell()
             return [size, mtime, _hash_range(f, lo, hi)]
     key = (os.path.abspath(span.path), size, mtime)

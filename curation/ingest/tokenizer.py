@@ -68,6 +68,52 @@ class LoadedTokenizer:
                     yield np.asarray(enc.ids, dtype=np.int64)
                 group = []
 
+    def encode_stream(self, pieces: Iterable[str], *, piece_chars: int = PIECE_CHARS, at_once: int = 1,
+                      ) -> Iterator[np.ndarray]:
+        """:meth:`encode_pieces` of the concatenation of ``pieces`` (any sizes), never holding it whole: the text is
+        cut exactly where ``encode_pieces`` cuts it (the first safe cut from ``piece_chars`` on; it holds about
+        ``piece_chars`` characters plus a few more up to that cut, more only for a text without one), so the ids
+        are the same."""
+        group: list[str] = []
+        for piece in _cut_stream(iter(pieces), piece_chars):
+            group.append(piece)
+            if len(group) == at_once:
+                for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
+                    yield np.asarray(enc.ids, dtype=np.int64)
+                group = []
+        if group:
+            for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
+                yield np.asarray(enc.ids, dtype=np.int64)
+
+
+def _cut_stream(pieces: Iterator[str], piece_chars: int) -> Iterator[str]:
+    """The text of ``pieces`` cut where :meth:`LoadedTokenizer.encode_pieces` cuts the whole text. ``buf`` is the text
+    from the current cut on: a cut needs more than ``piece_chars`` characters of it, and a match of ``_SAFE_CUT``
+    whose letter after the space has arrived (one ending at the buffer's end may only be completed by more)."""
+    buf, more = "", True
+    while True:
+        while more and len(buf) <= piece_chars:
+            nxt = next(pieces, None)
+            more = nxt is not None
+            buf += nxt or ""
+        if len(buf) <= piece_chars:  # the end: the rest is the last piece
+            if buf:
+                yield buf
+            return
+        m = _SAFE_CUT.search(buf, piece_chars)
+        while m is None and more:
+            nxt = next(pieces, None)
+            more = nxt is not None
+            if nxt:
+                searched = len(buf) - 1  # a space at the old end may now have its letter after it
+                buf += nxt
+                m = _SAFE_CUT.search(buf, max(piece_chars, searched))
+        if m is None:  # no safe cut in the rest: encoded whole, as encode_pieces does
+            yield buf
+            return
+        yield buf[:m.start()]
+        buf = buf[m.start():]
+
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedTokenizer:
     """Load a tokenizer.json (or a directory holding one); ``eos_token`` must be in its vocabulary."""

@@ -274,7 +274,7 @@ def read_documents(source: SourceConfig, spans: list[FileSpan], skip_bad: bool, 
         items = iter_token_records(source, files=[s.path for s in spans], vocab_size=vocab_size,
                                    start_file=start_file, start_record=start_record)
     else:
-        items = iter_documents(source, spans=spans, start_file=start_file, start_record=start_record)
+        items = iter_documents(source, spans=spans, start_file=start_file, start_record=start_record, stream=True)
     for item in items:
         if to_skip:
             to_skip -= not isinstance(item, BadRecordError)
@@ -293,7 +293,7 @@ def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
     for item in items:
         batch.append(item)
         if isinstance(item, Document):
-            chars += len(item.text)
+            chars += _BATCH_CHARS if item.stream is not None else len(item.text)
         elif isinstance(item, TokenRecord):
             chars += item.ids.nbytes
         if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
@@ -424,7 +424,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
                                start_record=state["record"], vocab_size=tok.vocab_size)
         stop = False
         for batch in _batches(items):
-            short = [d.text for d in batch if isinstance(d, Document) and len(d.text) <= PIECE_CHARS]
+            short = [d.text for d in batch if isinstance(d, Document) and d.stream is None and len(d.text) <= PIECE_CHARS]
             encoded = iter(tok.encode_batch(short))
             for item in batch:  # in input order, so counts match the saved position exactly
                 if isinstance(item, BadRecordError):
@@ -434,6 +434,8 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
                 doc_pos, fed = (item.file_index, item.next_record - 1), 0
                 if isinstance(item, TokenRecord):  # ids as they are; a stream's pieces hold their own EOS
                     pieces, ends = [item.ids], source.token_rows == "documents"
+                elif item.stream is not None:  # a huge line's text, decoded piece by piece (curation.ingest.jsonstream)
+                    pieces = tok.encode_stream(item.pieces(), piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE)
                 else:
                     pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
                               else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE))

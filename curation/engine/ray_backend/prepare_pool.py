@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayTaskError
 
-from curation.engine.ray_backend.actors import ray_session
+from curation.engine.ray_backend.session import ray_session  # not actors: that imports torch and the engine
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, run_unit
 from curation.io.stop import GracefulStop, StopRequested, check_stop, stop_signal
 from schemas.config import RayConfig

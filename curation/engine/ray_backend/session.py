@@ -1,0 +1,52 @@
+"""The Ray session helper alone: importing it does not import torch, Ray Train or the engine's actors.
+
+``jobs/prepare.py``'s Ray pool (:mod:`curation.engine.ray_backend.prepare_pool`) needs only a Ray session; through
+:mod:`~curation.engine.ray_backend.actors` it imported the scoring workers, torch and Ray Train as well (hundreds of
+MB resident in the job process, for nothing). ``actors`` re-exports :func:`ray_session` from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import ray
+
+__all__ = ["ray_session"]
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, *, num_cpus: int | None = None, include_dashboard: bool = False,
+                need_cpus: int = 1) -> Iterator[bool]:
+    """Ray for the ``with`` block: yields whether a new local instance was started, and shuts that one down.
+
+    ``address=None`` joins the cluster a ``ray job submit`` runs in (``RAY_ADDRESS``; the job's
+    ``--working-dir`` carries the code) and otherwise starts a local instance with
+    ``max(os.cpu_count(), need_cpus)`` CPUs (or ``num_cpus``) whose workers import this checkout;
+    ``"local"`` always starts one; anything else is a cluster address (its nodes need the packages).
+    Already connected (e.g. tests): nothing is started or shut down.
+    """
+    started = _connect(address, num_cpus=num_cpus, include_dashboard=include_dashboard, need_cpus=need_cpus)
+    try:
+        yield started
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bool, need_cpus: int) -> bool:
+    if ray.is_initialized():
+        return False
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address = "auto"
+    if address in (None, "local"):
+        # The actors import this checkout's packages, whatever else is installed (like the jobs do).
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
+                 include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        return True
+    ray.init(address=address, log_to_driver=True, configure_logging=False)
+    return False
