@@ -34,8 +34,10 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("gpu_tests", "scoring_b8", "scoring_b32", "pipeline_only", "scoring_ray", "training_b8", "training_b32",
-         "selection", "main_job")
+# The headline figures first, so that a run cut short by its budget still has them (on the H200 on 2026-11-26
+# the first whole run spent its 470 s before the end and printed nothing: each step is now reported as it ends).
+STEPS = ("scoring_b8", "scoring_b32", "training_b8", "training_b32", "pipeline_only", "selection", "scoring_ray",
+         "gpu_tests", "main_job")
 
 # The GPU shapes of issue 31 (bench_scoring's Llama of 134M parameters; bench_training's of 86.7M with head_dim 64).
 _MODEL = ["--seq-len", "1024", "--hidden", "768", "--layers", "12", "--heads", "12"]
@@ -69,7 +71,7 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
         }
     scoring = [*job("bench_scoring"), "--device", "cuda", *_MODEL, "--range-steps", "9", "--json"]
     training = [*job("bench_training"), "--device", "cuda", "--clock", "wall", "--precision", "amp_bf16", *_MODEL,
-                "--repeats", "1", "--json"]
+                "--repeats", "1", "--episodes", "1", "--json"]  # 2 episodes of τ = 20 steps per policy
     return {
         "gpu_tests": gpu_tests,
         "scoring_b8": [*scoring, "--no-ray", "--batch", "8", "--steps", "90"],
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (tries every step without a GPU)")
     p.add_argument("--skip", default="", help=f"comma-separated steps to leave out, of: {', '.join(STEPS)}")
     p.add_argument("--step-timeout", type=float, default=150.0, help="seconds one step may run")
+    p.add_argument("--budget", type=float, default=345.0,
+                   help="seconds for the whole check: a step gets at most what is left, and is skipped under 15 s")
     p.add_argument("--data", default=None, help="where the benches' demo corpora and outputs go (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     args = p.parse_args(argv)
@@ -198,16 +202,24 @@ def main(argv: list[str] | None = None) -> int:
     cmds = commands(args.tiny, os.path.join(data, "training-data"))
     start = time.perf_counter()
     steps = {}
+    partial = os.path.join(data, "steps.jsonl")  # each step's record as it ends: survives a kill of this process
     for name in STEPS:
         if name in skip:
             continue
-        steps[name] = run_step(name, cmds[name], args.step_timeout)
-        if not args.json:
-            print(f"{name}: rc {steps[name]['rc']}, {steps[name]['seconds']} s", file=sys.stderr, flush=True)
+        left = args.budget - (time.perf_counter() - start)
+        if left < 15:
+            steps[name] = {"seconds": 0.0, "rc": "skipped", "why": f"budget: {left:.0f} s of --budget left"}
+        else:
+            steps[name] = run_step(name, cmds[name], min(args.step_timeout, left))
+        line = json.dumps({"step": name, **steps[name]})
+        with open(partial, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        print(line if args.json else f"{name}: rc {steps[name]['rc']}, {steps[name]['seconds']} s", file=sys.stderr,
+              flush=True)
     report = {"tiny": args.tiny, "seconds": round(time.perf_counter() - start, 1), "headline": headline(steps),
               "steps": steps}
     print(json.dumps(report, indent=None if args.json else 1))
-    return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
+    return 0 if all(s["rc"] == 0 for s in steps.values()) else 1  # a step skipped for the budget fails the check
 
 
 if __name__ == "__main__":

@@ -121,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     cand = _corpus(work, steps_needed * args.batch, args.seq_len, args.vocab, args.seed)
     order = BatchOrder("blocks", steps_needed * args.batch, args.batch)
 
+    precision = worker_precision(device)
+
     def spec(out: str, threads: int | None) -> WorkerSpec:
         return WorkerSpec(candidates=cand, out_dir=out, model=model_cfg, order=order,
                           vocab_size=args.vocab, device=args.device, threads=threads, score_batch_size=args.batch,
-                          needs_proxy=False)
+                          needs_proxy=False, precision=precision)
 
     # --- 1 + 2: in-process worker vs bare forward ------------------------------------------------------
     worker = ScoringWorker(spec(os.path.join(work, "scored"), args.threads), 0)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread on a CPU: CPU time of this process, which other processes on a shared machine do not
     # inflate; otherwise (GPU, several threads) wall-clock time with device synchronisation.
     clock = time.process_time if device.type == "cpu" and args.threads == 1 else time.perf_counter
-    autocast = device.type == "cuda"
+    autocast = precision == "amp_bf16"  # the bare forward at the worker's precision
     t_worker, t_worker_wall, fwd, loss, hloss = 0.0, 0.0, [], [], []  # hloss: decoder + chunked loss
     for u in units:  # worker and baseline interleaved unit by unit, so drifts hit both alike
         _sync(device)
@@ -195,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
                 memory[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
     result = {
-        "device": str(device), "threads": args.threads, "batch": args.batch, "seq_len": args.seq_len,
-        "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+        "device": str(device), "precision": precision, "threads": args.threads, "batch": args.batch,
+        "seq_len": args.seq_len, "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)},
         "steps": args.steps, "tokens": tokens, "clock": clock.__name__,
         "bare_forward_tokens_per_s": tokens / t_forward, "worker_tokens_per_s": tokens / t_worker,
@@ -271,6 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  2 workers {r['tokens_per_s_2_workers']:,.0f} tokens/s → speed-up {r['speedup']:.2f}×, "
               f"scaling efficiency {r['scaling_efficiency']:.0%}")
     return 0
+
+
+def worker_precision(device: torch.device) -> str:
+    """The workers' and the bare forward's precision: ``amp_bf16`` (bf16 autocast) on CUDA, as a trainer runs there.
+
+    Both sides of the ratio run at it. Before, the worker kept :class:`WorkerSpec`'s ``fp32`` default while the
+    forward ran under bf16 autocast: the H200 figures of 2026-11-26 (worker ≈ 150k tokens/s whatever the batch,
+    0.22-0.30 of the forward) timed an fp32 worker against a bf16 forward."""
+    return "amp_bf16" if device.type == "cuda" else "fp32"
 
 
 PIPELINE_GOAL = 5e6  # tokens/s of host work per worker process (0.2 µs per token)

@@ -52,3 +52,18 @@ def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
     assert head["scoring"]["worker_over_forward_b8"] == scoring["worker_over_forward"]
     assert head["selection_over_forward"] == report["steps"]["selection"]["result"]["delta_select_over_forward"]
     assert head["scoring"]["worker_over_forward_b32"] is None and head["main_job_ok"] is None
+    with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:  # each step written as it ended
+        partial = [json.loads(line) for line in f]
+    assert [p.pop("step") for p in partial] == ["scoring_b8", "selection"]
+    assert partial == [report["steps"]["scoring_b8"], report["steps"]["selection"]]
+
+
+def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, capsys):
+    bench = load_job("bench_gpu", "_budget")
+    assert bench.main(["--tiny", "--budget", "10", "--data", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["steps"]) == list(bench.STEPS)
+    assert all(s["rc"] == "skipped" and s["why"].startswith("budget: ") for s in report["steps"].values())
+    assert report["headline"]["scoring"]["worker_over_forward_b8"] is None
+    with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == list(bench.STEPS)

@@ -34,6 +34,16 @@ def test_in_process_part_times_the_loss_directly(capsys):
     lo = out["loss_over_forward"]
     assert lo["full_logits"] > 0 and lo["hidden_chunks"] > 0  # direct timings: never negative
     assert "ray" not in out
+    assert out["precision"] == "fp32"
+
+
+def test_the_worker_runs_at_the_bare_forwards_precision():
+    """bf16 autocast on CUDA for both sides of the ratio (the worker once ran fp32 against a bf16 forward)."""
+    import torch
+
+    bench = load_job("bench_scoring", "_precision")
+    assert bench.worker_precision(torch.device("cuda")) == "amp_bf16"
+    assert bench.worker_precision(torch.device("cpu")) == "fp32"
 
 
 @pytest.mark.ray

@@ -267,7 +267,10 @@ def test_pipelined_scoring_on_cuda_waits_once_per_step_and_equals_the_synchronou
             res = worker.run(WorkUnit(2, 6, "scored", 0), fetch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # torch 2.11 also warns, when the mode is set, that the mode itself "is a prototype feature": not a sync
+    # (seen on the H200 on 2026-11-26, the test's only failure there; host waits were 4 as designed).
+    syncs = [str(w.message) for w in caught
+             if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
     assert worker.stats["host_waits"] - waits == 4 and not syncs, syncs
     scorer = worker.scorers[REFERENCE]  # the synchronous path: the checked losses, copied back at once
     rows = _rows(os.path.join(out, res.name))
