@@ -256,9 +256,7 @@ def _decode(path: str, line_no: int, data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRecordError(
-            path, line_no, f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})"
-        ) from e
+        raise BadRecordError(path, line_no, str(jsonstream.not_utf8(data[e.start], e.start + 1))) from e
 
 
 def _text_of(record: object, source: SourceConfig, path: str, line: int) -> str:
@@ -312,8 +310,10 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: 
                     value = jsonstream.long_line_text(data, source.text_field)
                     if value is not None and not isinstance(value, StreamedText):
                         value = _text_of(value, source, path, idx + 1)  # the record minus its long strings
-                except (LineError, BadRecordError) as e:
-                    value = e if isinstance(e, BadRecordError) else BadRecordError(path, idx + 1, str(e))
+                except LineError as e:
+                    value = BadRecordError(path, idx + 1, str(e))
+                except BadRecordError as e:
+                    value = e
                 if value is not None:
                     yield idx, idx + 1, _rebased(value, base) if isinstance(value, BadRecordError) else value
             continue
@@ -330,9 +330,7 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: 
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:
-                # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
-                where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
-                raise BadRecordError(path, line, f"malformed JSON ({where})") from None
+                raise BadRecordError(path, line, str(jsonstream.malformed_json(e.msg, e.colno))) from None
             del text
             value = _text_of(record, source, path, line)
             del record

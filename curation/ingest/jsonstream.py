@@ -47,16 +47,25 @@ class LineError(ValueError):
     """The line is unusable; ``str(e)`` is the reason as the whole-line path words it (no file/line)."""
 
 
+def not_utf8(byte: int, column: int) -> LineError:
+    """The reason for a line that is not UTF-8 (``column`` 1-based), worded once for both paths."""
+    return LineError(f"not valid UTF-8 (byte 0x{byte:02x} at column {column})")
+
+
+def malformed_json(msg: str, column: int) -> LineError:
+    """The reason for a line json.loads refuses with ``msg`` at ``column`` (1-based), worded once for both paths."""
+    # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
+    where = f"{msg} column {column}" if msg.endswith(" at") else f"{msg} at column {column}"
+    return LineError(f"malformed JSON ({where})")
+
+
 def _utf8_error(e: UnicodeDecodeError, offset: int) -> LineError:
-    return LineError(f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {offset + e.start + 1})")
+    return not_utf8(e.object[e.start], offset + e.start + 1)
 
 
 def _json_error(msg: str, pos: int, newline: int | None = None) -> LineError:
     """json.loads's message; its column counts from the line's final newline (at ``newline``) when past it."""
-    col = pos - newline if newline is not None and pos > newline else pos + 1
-    # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
-    where = f"{msg} column {col}" if msg.endswith(" at") else f"{msg} at column {col}"
-    return LineError(f"malformed JSON ({where})")
+    return malformed_json(msg, pos - newline if newline is not None and pos > newline else pos + 1)
 
 
 def _escape_start(buf: str, k: int) -> bool:

@@ -53,20 +53,7 @@ class LoadedTokenizer:
         always split, so the concatenated ids equal ``encode_batch([text])[0]`` (tested for the trained
         byte-level BPE and GPT-2's tokenizer).
         """
-        group: list[str] = []
-        start = 0
-        while start < len(text):
-            cut = len(text)
-            if len(text) - start > piece_chars:
-                m = _SAFE_CUT.search(text, start + piece_chars)
-                if m is not None:
-                    cut = m.start()
-            group.append(text[start:cut])
-            start = cut
-            if len(group) == at_once or start == len(text):
-                for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
-                    yield np.asarray(enc.ids, dtype=np.int64)
-                group = []
+        return self.encode_stream((text,), piece_chars=piece_chars, at_once=at_once)
 
     def encode_stream(self, pieces: Iterable[str], *, piece_chars: int = PIECE_CHARS, at_once: int = 1,
                       ) -> Iterator[np.ndarray]:
@@ -90,29 +77,30 @@ def _cut_stream(pieces: Iterator[str], piece_chars: int) -> Iterator[str]:
     """The text of ``pieces`` cut where :meth:`LoadedTokenizer.encode_pieces` cuts the whole text. ``buf`` is the text
     from the current cut on: a cut needs more than ``piece_chars`` characters of it, and a match of ``_SAFE_CUT``
     whose letter after the space has arrived (one ending at the buffer's end may only be completed by more)."""
-    buf, more = "", True
+    buf, at, more = "", 0, True  # the text from the current cut on is buf[at:]: a cut moves ``at``, never copies
     while True:
-        while more and len(buf) <= piece_chars:
+        while more and len(buf) - at <= piece_chars:
             nxt = next(pieces, None)
             more = nxt is not None
-            buf += nxt or ""
-        if len(buf) <= piece_chars:  # the end: the rest is the last piece
-            if buf:
-                yield buf
+            if nxt:  # the text so far is short here: dropping what was cut off copies little
+                buf, at = buf[at:] + nxt, 0
+        if len(buf) - at <= piece_chars:  # the end: the rest is the last piece
+            if len(buf) > at:
+                yield buf[at:]
             return
-        m = _SAFE_CUT.search(buf, piece_chars)
+        m = _SAFE_CUT.search(buf, at + piece_chars)
         while m is None and more:
             nxt = next(pieces, None)
             more = nxt is not None
             if nxt:
-                searched = len(buf) - 1  # a space at the old end may now have its letter after it
-                buf += nxt
+                searched = len(buf) - 1 - at  # a space at the old end may now have its letter after it
+                buf, at = buf[at:] + nxt, 0
                 m = _SAFE_CUT.search(buf, max(piece_chars, searched))
         if m is None:  # no safe cut in the rest: encoded whole, as encode_pieces does
-            yield buf
+            yield buf[at:]
             return
-        yield buf[:m.start()]
-        buf = buf[m.start():]
+        yield buf[at:m.start()]
+        at = m.start()
 
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>") -> LoadedTokenizer:
