@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
+from curation.core import losses
 from curation.core.losses import CPU_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS, hidden_token_losses, token_losses
 from curation.engine.plan import REFERENCE, WorkUnit
 from curation.engine.weights import Weights
@@ -133,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     worker.set_weights(REFERENCE, 0, ref)
     model = worker.scorers[REFERENCE].model
     warm = WorkUnit(0, args.range_steps, "scored", 0)
-    worker.run(warm, lambda k, v: ref)  # warm-up (allocations, kernels)
+    worker.run(warm, lambda k, v: ref)  # warm-up (allocations, kernels, the compiled loss on CUDA)
+    autocast = precision == "amp_bf16"  # the bare forward at the worker's precision
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        tok = torch.from_numpy(worker.read_step(0)[0].astype(np.int64)).to(device)  # the timed calls' shapes
+        token_losses(model(input_ids=tok).logits, tok, chunk_elements=args.loss_chunk_elements)
+        hidden_token_losses(model.model(input_ids=tok).last_hidden_state, model.lm_head.weight, tok,
+                            chunk_elements=args.loss_chunk_elements)
     first = args.range_steps
     units = [WorkUnit(a, min(a + args.range_steps, first + args.steps), "scored", 0)
              for a in range(first, first + args.steps, args.range_steps)]
@@ -141,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     # One thread on a CPU: CPU time of this process, which other processes on a shared machine do not
     # inflate; otherwise (GPU, several threads) wall-clock time with device synchronisation.
     clock = time.process_time if device.type == "cpu" and args.threads == 1 else time.perf_counter
-    autocast = precision == "amp_bf16"  # the bare forward at the worker's precision
     t_worker, t_worker_wall, fwd, loss, hloss = 0.0, 0.0, [], [], []  # hloss: decoder + chunked loss
     for u in units:  # worker and baseline interleaved unit by unit, so drifts hit both alike
         _sync(device)
@@ -209,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         "loss_over_forward": {"full_logits": t_loss / t_forward, "hidden_chunks": t_hloss / t_forward,
                               "goal": 0.05},
         "loss_memory": memory,
+        # which per-token loss ran: "compiled" (one pass, scoring on CUDA), "eager" (its compile failed: "error"
+        # says why) or "cross_entropy" (a CPU)
+        "loss_path": ("cross_entropy" if device.type != "cuda" else "eager" if losses._FUSED["fn"] is False
+                      else "compiled"),
+        "loss_path_error": losses._FUSED["error"],
         "forward_median_ms": statistics.median(fwd) * 1e3,
     }
 

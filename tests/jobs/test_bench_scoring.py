@@ -34,7 +34,7 @@ def test_in_process_part_times_the_loss_directly(capsys):
     lo = out["loss_over_forward"]
     assert lo["full_logits"] > 0 and lo["hidden_chunks"] > 0  # direct timings: never negative
     assert "ray" not in out
-    assert out["precision"] == "fp32"
+    assert out["precision"] == "fp32" and out["loss_path"] == "cross_entropy" and out["loss_path_error"] is None
 
 
 def test_the_worker_runs_at_the_bare_forwards_precision():

@@ -294,3 +294,45 @@ def test_autocast_setting():
             assert (x @ x).dtype == torch.float32
     with pytest.raises(ValueError, match="precision must be 'fp32' or 'amp_bf16', got 'bf16'"):
         autocast("bf16", cpu)
+
+
+def test_one_pass_nll_equals_the_cross_entropy_and_the_cpu_keeps_the_cross_entropy_bits():
+    """_nll_rows (compiled for scoring on CUDA) is the cross-entropy as log-sum-exp minus the target's logit; on a
+    CPU, and wherever gradients are on, the losses stay F.cross_entropy's bits (the oracle tests compare bits)."""
+    import torch.nn.functional as F
+
+    from curation.core.losses import _cross_entropy_rows, _nll_rows
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 1000, generator=g) * 4
+    targets = torch.randint(0, 1000, (37,), generator=g)
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    torch.testing.assert_close(_nll_rows(logits, targets), ce, rtol=0, atol=2e-5)
+    by_hand = torch.log(torch.exp(logits.double()).sum(-1)) - logits.double()[torch.arange(37), targets]
+    torch.testing.assert_close(_nll_rows(logits, targets).double(), by_hand, rtol=0, atol=2e-5)
+    low = logits.bfloat16()  # bf16 logits: upcast inside, float32 result
+    assert _nll_rows(low, targets).dtype == torch.float32
+    torch.testing.assert_close(_nll_rows(low, targets), F.cross_entropy(low.float(), targets, reduction="none"),
+                               rtol=0, atol=2e-5)
+    with torch.inference_mode():
+        assert torch.equal(_cross_entropy_rows(logits, targets), ce)  # a CPU: never the compiled path
+
+
+@pytest.mark.gpu
+def test_scoring_on_cuda_runs_the_compiled_one_pass_loss_within_float32_rounding_of_the_cross_entropy():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the compiled per-token loss)")
+    import torch.nn.functional as F
+
+    from curation.core import losses
+
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(300, 32000, generator=g) * 4).cuda().bfloat16()
+    tokens = torch.randint(0, 32000, (3, 100), generator=g).cuda()
+    with torch.inference_mode():
+        got, _ = token_losses(logits.view(3, 100, 32000), tokens)
+    assert losses._FUSED["fn"] not in (None, False), losses._FUSED["error"]  # compiled and used
+    flat_t = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1).reshape(-1)
+    eager = F.cross_entropy(logits.float(), flat_t, reduction="none").view(3, 100)
+    torch.testing.assert_close(got[:, 1:], eager[:, :-1], rtol=0, atol=1e-4)
+    assert float(got[:, 0].abs().max()) == 0
