@@ -9,9 +9,9 @@ of its time is reported, and the others still run); the report holds each step's
 (or the end of its output when it failed) and, under ``headline``, the figures issue 31 asks for:
 
 * ``scoring``: in-process scoring worker ÷ bare forward at b = 8 and b = 32 (L = 1024, hidden 768, 12 layers,
-  90 steps; goal ≥ 0.90); the per-token loss on the logits ÷ forward at b = 32 (timed directly; goal ≤ 0.05; the compiled one-pass loss on CUDA); the worker's
-  host cost (``--pipeline-only``: µs per token, goal ≥ 5M tokens/s); under Ray, 1 worker ÷ in-process (goal
-  ≥ 0.90) and the 1 → 2 workers scaling;
+  90 steps; goal ≥ 0.90); the per-token loss on the logits ÷ forward at b = 32 (timed directly; goal ≤ 0.05;
+  the compiled one-pass loss on CUDA); the worker's host cost (``--pipeline-only``: µs per token, goal ≥ 5M
+  tokens/s); under Ray, 1 worker ÷ in-process (goal ≥ 0.90) and the 1 → 2 workers scaling;
 * ``training``: BLADE ÷ plain step over the pass-count prediction at b = 8 and b = 32 (goal ≤ 1.05), plain step
   ÷ the bare PyTorch loop of the same model (goal ≤ 1.05), host peak RSS and GPU peak BLADE ÷ plain (goal
   ≤ 1.10), with GPU-shaped models (``--heads 12``: head_dim 64);
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     steps = {}
     partial = os.path.join(data, "steps.jsonl")  # each step's record as it ends: survives a kill of this process
+    open(partial, "w", encoding="utf-8").close()  # this run's steps only, when --data is reused
     for name in STEPS:
         if name in skip:
             continue

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     model = worker.scorers[REFERENCE].model
     warm = WorkUnit(0, args.range_steps, "scored", 0)
     worker.run(warm, lambda k, v: ref)  # warm-up (allocations, kernels, the compiled loss on CUDA)
-    autocast = precision == "amp_bf16"  # the bare forward at the worker's precision
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    bf16 = precision == "amp_bf16"  # the bare forward at the worker's precision, in the worker's autocast context
+    with torch.inference_mode(), losses.autocast(precision, device):
         tok = torch.from_numpy(worker.read_step(0)[0].astype(np.int64)).to(device)  # the timed calls' shapes
         token_losses(model(input_ids=tok).logits, tok, chunk_elements=args.loss_chunk_elements)
         hidden_token_losses(model.model(input_ids=tok).last_hidden_state, model.lm_head.weight, tok,
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         t_worker += clock() - start
         t_worker_wall += time.perf_counter() - wall
         batches = [torch.from_numpy(worker.read_step(t)[0].astype(np.int64)).to(device) for t in u.steps]
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.inference_mode(), losses.autocast(precision, device):
             for tok in batches:
                 _sync(device)
                 t0 = clock()
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_total = args.batch * args.seq_len
     rows_chunk = min(rows_total, max(256, chunk // args.vocab // 64 * 64))  # curation.core.losses' GEMM rows
     upcast_rows = max(1, chunk // args.vocab)  # float32 upcast of bf16 logits, per cross-entropy piece
-    logit_bytes = 2 if autocast else 4
+    logit_bytes = 2 if bf16 else 4
     memory = {  # the logits each way holds at once (plus their float32 upcast under bf16), in MiB
         "full_logits_mib": rows_total * args.vocab * (logit_bytes + 4 * (logit_bytes != 4)) / 2**20,
         "hidden_chunk_logits_mib": (rows_chunk * logit_bytes + upcast_rows * 4 * (logit_bytes != 4)) * args.vocab
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if device.type == "cuda":  # measured: peak allocated above the hidden states, each way
         tok = batches[-1]
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.inference_mode(), losses.autocast(precision, device):
             hidden = model.model(input_ids=tok).last_hidden_state
             for name, fn in (("full_logits_peak_mib", lambda: token_losses(model.lm_head(hidden), tok)),
                              ("hidden_chunks_peak_mib", lambda: hidden_token_losses(hidden, model.lm_head.weight, tok))):
@@ -202,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
                 torch.cuda.synchronize()
                 memory[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    loss_path, loss_path_error = losses.scoring_loss_path(device)
     result = {
         "device": str(device), "precision": precision, "threads": args.threads, "batch": args.batch,
-        "seq_len": args.seq_len, "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+        "seq_len": args.seq_len,
+        "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)},
         "steps": args.steps, "tokens": tokens, "clock": clock.__name__,
         "bare_forward_tokens_per_s": tokens / t_forward, "worker_tokens_per_s": tokens / t_worker,
@@ -215,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "loss_over_forward": {"full_logits": t_loss / t_forward, "hidden_chunks": t_hloss / t_forward,
                               "goal": 0.05},
         "loss_memory": memory,
-        # which per-token loss ran: "compiled" (one pass, scoring on CUDA), "eager" (its compile failed: "error"
-        # says why) or "cross_entropy" (a CPU)
-        "loss_path": ("cross_entropy" if device.type != "cuda" else "eager" if losses._FUSED["fn"] is False
-                      else "compiled"),
-        "loss_path_error": losses._FUSED["error"],
+        "loss_path": loss_path, "loss_path_error": loss_path_error,  # the compiled one-pass loss on CUDA?
         "forward_median_ms": statistics.median(fwd) * 1e3,
     }
 

@@ -131,6 +131,15 @@ def _cross_entropy_rows(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
+def scoring_loss_path(device: torch.device) -> tuple[str, str | None]:
+    """Which per-token loss scoring (no gradients) runs on ``device``, and why not the compiled one if it failed:
+    ``("cross_entropy", None)`` off CUDA; on CUDA ``("compiled", None)``, or ``("eager", error)`` once its compile
+    failed."""
+    if device.type != "cuda":
+        return "cross_entropy", None
+    return ("eager", _FUSED["error"]) if _FUSED["fn"] is False else ("compiled", None)
+
+
 def token_losses(
     logits: Tensor,
     tokens: Tensor,

@@ -60,7 +60,10 @@ def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
 
 def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, capsys):
     bench = load_job("bench_gpu", "_budget")
-    assert bench.main(["--tiny", "--budget", "10", "--data", str(tmp_path), "--json"]) == 1
+    args = ["--tiny", "--budget", "10", "--data", str(tmp_path), "--json"]
+    assert bench.main(args) == 1
+    capsys.readouterr()
+    assert bench.main(args) == 1  # a reused --data: steps.jsonl holds this run's steps only
     report = json.loads(capsys.readouterr().out)
     assert list(report["steps"]) == list(bench.STEPS)
     assert all(s["rc"] == "skipped" and s["why"].startswith("budget: ") for s in report["steps"].values())
