@@ -76,7 +76,7 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
         "gpu_tests": gpu_tests,
         "scoring_b8": [*scoring, "--no-ray", "--batch", "8", "--steps", "90"],
         "scoring_b32": [*scoring, "--no-ray", "--batch", "32", "--steps", "90"],
-        "pipeline_only": [*scoring, "--pipeline-only", "--batch", "8", "--steps", "90"],
+        "pipeline_only": [*scoring, "--pipeline-only"],  # b = 8 and 32, 90 steps, median of 3 rounds
         "scoring_ray": [*scoring, "--batch", "8", "--steps", "18", "--ray-steps", "90"],
         "training_b8": [*training, "--batch-size", "8"],
         "training_b32": [*training, "--batch-size", "32"],

@@ -112,9 +112,14 @@ class TokenLossScorer:
         # A sharded (FSDP) reference is trained again later (blade-nosync): the buffers its forward gathers the
         # parameters into must not become inference tensors.
         with torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode():
+            whole = tokens.shape[0] <= bs
             for i in range(0, tokens.shape[0], bs):
-                chunk = tokens[i : i + bs].to(self.device, non_blocking=True)
-                vchunk = None if valid is None else valid[i : i + bs].to(self.device, non_blocking=True)
+                chunk = tokens if whole else tokens[i : i + bs]
+                vchunk = None if valid is None else valid if whole else valid[i : i + bs]
+                if chunk.device != self.device:  # (the copy's dispatch costs as much as a small step's own work)
+                    chunk = chunk.to(self.device, non_blocking=True)
+                if vchunk is not None and vchunk.device != self.device:
+                    vchunk = vchunk.to(self.device, non_blocking=True)
                 out.append(self.forward(chunk, vchunk))
         if len(out) == 1:
             return out[0]

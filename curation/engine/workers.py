@@ -13,11 +13,10 @@ Runs in-process in tests and, unchanged, inside the Ray worker actors of :mod:`c
 from __future__ import annotations
 
 import os
-import queue
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
 from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
+from curation.io.mds import RowBlock
 from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
 from schemas.shards import SCORED, SELECTED
@@ -71,8 +71,12 @@ class BatchOrder:
         """Steps of one ``blocks`` pass."""
         return -(-self.num_samples // self.batch_size)
 
+    @cached_property
+    def _stream(self) -> CandidateStream:
+        return CandidateStream(self.num_samples, self.batch_size, self.seed)
+
     def ids(self, step: int) -> np.ndarray:
-        stream = CandidateStream(self.num_samples, self.batch_size, self.seed)
+        stream = self._stream
         if self.kind == "stream":
             return stream.batch_ids(step)
         if not 0 <= step < self.num_steps:
@@ -173,6 +177,17 @@ class ScoringWorker:
     def read_step(self, step: int) -> tuple[np.ndarray, list[str], np.ndarray]:
         """``(tokens (b, L), sources, sample ids)`` of ``step``; bad records raise :class:`ScoringDataError`."""
         ids = self.order.ids(step)
+        columns = self.candidates.gather(ids)  # the whole step at once; None: row by row, naming a bad record
+        if columns is not None and columns["tokens"].ndim == 2:
+            batch, sources = columns["tokens"], columns["source"]
+        else:
+            batch, sources = self._read_rows(ids, step)
+        if batch.size and int(batch.max()) >= self.model_vocab:  # one reduction per step; the bad row named
+            bad = int(np.argmax((batch >= self.model_vocab).any(axis=1)))
+            check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+        return batch, sources, ids
+
+    def _read_rows(self, ids: np.ndarray, step: int) -> tuple[np.ndarray, list[str]]:
         rows, length = [], None
         for i in ids:
             try:
@@ -185,11 +200,7 @@ class ScoringWorker:
                                        f"({length},)")
             length = tokens.shape[0]
             rows.append((tokens, str(row["source"])))
-        batch = np.stack([t for t, _ in rows])
-        if batch.size and int(batch.max()) >= self.model_vocab:  # one reduction per step; the bad row named
-            bad = int(np.argmax((batch >= self.model_vocab).any(axis=1)))
-            check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
-        return batch, [s for _, s in rows], ids
+        return np.stack([t for t, _ in rows]), [s for _, s in rows]
 
     def _check(self, kind: str, losses: Tensor, ids: np.ndarray, step: int) -> None:
         """Raise :class:`ScoringDataError` naming the record whose ``kind`` loss is not finite (a synchronisation)."""
@@ -215,29 +226,18 @@ class ScoringWorker:
             tokens = tokens.pin_memory()
         return tokens_np, sources, ids, tokens
 
-    def _prefetched(self, steps: range, pool: ThreadPoolExecutor) -> Iterator[tuple[int, Any]]:
-        """``(step, loaded step)`` in order, the next step read and decoded in ``pool`` while the caller
-        scores the current one. A bad record raises when its step is reached, as without prefetching."""
-        it = iter(steps)
-        step = next(it, None)
-        pending = pool.submit(self._load_step, step) if step is not None else None
-        while step is not None:
-            nxt = next(it, None)
-            following = pool.submit(self._load_step, nxt) if nxt is not None else None
-            try:
-                loaded = pending.result()
-            except BaseException:
-                if following is not None:
-                    following.cancel()
-                raise
-            yield step, loaded
-            step, pending = nxt, following
-
     # --- one unit ----------------------------------------------------------------------------
     # A step is *launched* (its device work queued, its results' copy to the host queued behind it) before the
     # previous one is *finished* (the host waits for that step's results alone, checks them, makes its rows):
-    # on a GPU the forward of step t+1 runs while the host turns step t into rows, so neither waits for the
-    # other per step. On a CPU the same code runs synchronously (no pinned buffers, no events): the same values.
+    # on a GPU the forward of step t+1 runs while the host turns step t into rows, writes them and reads step
+    # t+2, so neither waits for the other per step. On a CPU the same code runs synchronously (no pinned
+    # buffers, no events): the same values.
+    #
+    # All of it runs in the calling thread. The host's work per token (reading, decoding, the rows, encoding,
+    # compressing: about 0.1 µs, `jobs/bench_scoring.py --pipeline-only`) is a tenth of a GPU forward's, so the
+    # queued forward hides it. A reader and a writer thread (this worker had them) cost more host time than the
+    # work they moved: each step's two hand-offs and their GIL switches took 150-400 µs of CPU, as much as the
+    # work itself at b = 8, L = 256, and Python holds the GIL for all but zstd and the file writes.
     def _launch(self, unit: WorkUnit, step: int, loaded: tuple[np.ndarray, list[str], np.ndarray, Tensor]
                 ) -> _Launched:
         tokens_np, sources, ids, tokens = loaded
@@ -273,61 +273,51 @@ class ScoringWorker:
         return _Launched(step, tokens_np, sources, ids, host, device, ready)
 
     def _finish(self, unit: WorkUnit, launched: _Launched, counts: dict[str, dict[str, int]],
-                dtype: np.dtype) -> list[dict[str, Any]]:
+                dtype: np.dtype) -> RowBlock:
+        """Step ``launched``'s rows, once its results are on the host (counts per source accumulated)."""
         if launched.ready is not None:
             launched.ready.synchronize()  # this step's results alone; the next step's work stays queued
             self.stats["host_waits"] += 1
         host, step, sources, tokens_np = launched.host, launched.step, launched.sources, launched.tokens_np
         if "finite" in host and not bool(host["finite"]):
             self._check(REFERENCE, launched.device[REFERENCE], launched.ids, step)
-        rows = []
         length = tokens_np.shape[1]
+        tokens = tokens_np.astype(dtype, copy=False)
         if unit.output == "scored":
-            ref_np = host["ref_loss"].numpy()
-            episode = int(unit.ref_version)
-            for i, src in enumerate(sources):
+            for src in sources:
                 c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
                 c["sequences"] += 1
                 c["tokens"] += length
-                rows.append({"tokens": tokens_np[i].astype(dtype, copy=False), "source": src, "ref_loss": ref_np[i],
-                             "episode": episode})
-            return rows
+            return RowBlock({"tokens": tokens, "source": sources, "ref_loss": host["ref_loss"].numpy(),
+                             "episode": int(unit.ref_version)}, len(sources))
         mask_np = host["loss_mask"].numpy()
-        score_np = f16_scores(host["score"].numpy())
-        episode = self.schedule.episode(step) if self.schedule is not None else 0
-        for i, src in enumerate(sources):
+        kept = mask_np.sum(axis=1, dtype=np.int64).tolist()
+        for src, k in zip(sources, kept, strict=True):
             c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
             c["sequences"] += 1
             c["tokens"] += length
-            c["kept_tokens"] += int(mask_np[i].sum())
-            rows.append({"tokens": tokens_np[i].astype(dtype, copy=False), "loss_mask": mask_np[i], "score": score_np[i],
-                         "source": src, "step": int(step), "episode": int(episode)})
-        return rows
+            c["kept_tokens"] += k
+        episode = self.schedule.episode(step) if self.schedule is not None else 0
+        return RowBlock({"tokens": tokens, "loss_mask": mask_np, "score": f16_scores(host["score"].numpy()),
+                         "source": sources, "step": int(step), "episode": int(episode)}, len(sources))
 
-    def rows(
-        self, unit: WorkUnit, counts: dict[str, dict[str, int]], *, pool: ThreadPoolExecutor | None = None
-    ) -> Iterator[list[dict[str, Any]]]:
-        """The rows of a unit's part, one list per step (counts per source are accumulated into ``counts``).
+    def rows(self, unit: WorkUnit, counts: dict[str, dict[str, int]]) -> Iterator[RowBlock]:
+        """The rows of a unit's part, one :class:`~curation.io.mds.RowBlock` per step (iterate one for its rows as
+        dicts; counts per source are accumulated into ``counts``).
 
-        With ``pool``, the next step is read and decoded there while the current one is scored. Step t+1 is
-        launched before step t is finished (see :meth:`_launch`); an error of step t (a non-finite loss) is
-        raised before one of step t+1 (a bad record), as in step order."""
+        Step t+1 is launched before step t is finished (see :meth:`_launch`); an error of step t (a non-finite
+        loss) is raised before one of step t+1 (a bad record), as in step order."""
         dtype = self.candidates[0]["tokens"].dtype
-        loaded_steps = iter(self._prefetched(unit.steps, pool) if pool is not None
-                            else ((t, self._load_step(t)) for t in unit.steps))
         pending: _Launched | None = None
-        while True:
+        for step in (*unit.steps, None):
             try:
-                item = next(loaded_steps, None)
-                launched = self._launch(unit, *item) if item is not None else None
+                launched = self._launch(unit, step, self._load_step(step)) if step is not None else None
             except BaseException:
                 if pending is not None:
                     self._finish(unit, pending, counts, dtype)  # the earlier step's error first
                 raise
             if pending is not None:
                 yield self._finish(unit, pending, counts, dtype)
-            if launched is None:
-                return
             pending = launched
 
     def run(self, unit: WorkUnit, fetch: Callable[[str, int], Weights]) -> PartResult:
@@ -345,13 +335,10 @@ class ScoringWorker:
         spec = SCORED if unit.output == "scored" else SELECTED
         name = f"{self.subdir}/{unit.name}"
         counts: dict[str, dict[str, int]] = {}
-        # Three stages overlap: a reader thread decodes step t+1, this thread scores step t, and a writer
-        # thread compresses and writes the rows of step t−1 (`write_part` consumes them into `<part>.tmp`
-        # and renames it at the end), so a crash mid-unit leaves only a .tmp that the redo replaces.
-        with ThreadPoolExecutor(2, thread_name_prefix=f"worker{self.worker_id}-io") as pool:
-            n = _write_behind(pool, lambda rows: write_part(os.path.join(self.spec.out_dir, name), spec, rows,
-                                                            vocab_size=self.spec.vocab_size),
-                              self.rows(unit, counts, pool=pool))
+        # `write_part` consumes the rows into `<part>.tmp` and renames it once whole: an error mid-unit leaves
+        # only the .tmp, which the redo replaces.
+        n = write_part(os.path.join(self.spec.out_dir, name), spec, self.rows(unit, counts),
+                       vocab_size=self.spec.vocab_size)
         tokens = sum(c["tokens"] for c in counts.values())
         seconds = time.perf_counter() - start
         self.stats["units"] += 1
@@ -375,62 +362,3 @@ class _Launched:
     host: dict[str, Tensor]  # results on the host (on a GPU: pinned buffers, filled once ``ready`` has passed)
     device: dict[str, Tensor]  # the losses on the device, to name a non-finite one
     ready: Any  # torch.cuda.Event on a GPU, else None
-
-
-_DONE = object()
-
-
-class _Aborted(Exception):
-    """Tells the writer thread that producing the rows failed (the part must not be completed)."""
-
-
-def _write_behind(pool: ThreadPoolExecutor, write: Callable[[Iterator[dict[str, Any]]], int],
-                  steps: Iterator[list[dict[str, Any]]]) -> int:
-    """``write(rows)`` in a ``pool`` thread while this thread produces the rows, a list per step; returns what
-    ``write`` returns.
-
-    The steps' lists go through a small queue (a few steps), so the producer runs at most that far ahead. An
-    error while producing is raised here after the writer has stopped *without* completing (its row
-    iterator raises); an error while writing stops the producer and is raised here.
-    """
-    q: queue.Queue[Any] = queue.Queue(maxsize=4)
-
-    def consume() -> Iterator[dict[str, Any]]:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Aborted):
-                raise item
-            yield from item
-
-    writer = pool.submit(write, consume())
-
-    def put(item: Any) -> None:
-        while True:
-            try:
-                q.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                if writer.done():  # the writer failed: raise its error
-                    writer.result()
-                    raise RuntimeError("the part writer stopped early") from None
-
-    try:
-        for rows in steps:
-            put(rows)
-    except BaseException:
-        if not writer.done():
-            try:
-                put(_Aborted())
-            except BaseException:  # noqa: S110 - the writer's own error is secondary to this one
-                pass
-        try:
-            writer.result()
-        except BaseException:  # noqa: S110 - expected: the writer stops on _Aborted
-            pass
-        raise
-    put(_DONE)
-    return writer.result()
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -17,13 +18,36 @@ TINY = ["--device", "cpu", "--vocab", "512", "--hidden", "32", "--intermediate",
 
 def test_pipeline_only_reports_the_host_cost_per_token(capsys):
     bench = load_job("bench_scoring", "_pipeline")
-    assert bench.main([*TINY, "--pipeline-only", "--steps", "4"]) == 0
+    assert bench.main([*TINY, "--pipeline-only", "--steps", "4", "--rounds", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["mode"] == "pipeline-only" and out["tokens"] == 4 * 2 * 32
-    assert out["host_us_per_token"] > 0
-    assert out["tokens_per_s_one_core"] == pytest.approx(1e6 / out["host_us_per_token"])
-    assert out["ok"] == (out["tokens_per_s_one_core"] >= 5e6)
-    assert out["host_waits_per_step"] == 0  # a CPU has no device to wait for
+    assert out["mode"] == "pipeline-only" and len(out["shapes"]) == 1
+    shape = out["shapes"][0]
+    assert (shape["batch"], shape["seq_len"], shape["tokens"]) == (2, 32, 4 * 2 * 32)
+    assert len(shape["host_us_per_token_rounds"]) == 3 and min(shape["host_us_per_token_rounds"]) > 0
+    assert shape["host_us_per_token"] == sorted(shape["host_us_per_token_rounds"])[1]  # the median round
+    assert shape["tokens_per_s_one_core"] == pytest.approx(1e6 / shape["host_us_per_token"])
+    assert out["tokens_per_s_one_core"] == shape["tokens_per_s_one_core"]
+    assert shape["ok"] == out["ok"] == (shape["tokens_per_s_one_core"] >= 5e6)
+    assert shape["host_waits_per_step"] == 0  # a CPU has no device to wait for
+
+
+def test_pipeline_only_runs_the_gpu_shapes_by_default_and_judges_the_worst(monkeypatch):
+    bench = load_job("bench_scoring", "_pipeline_shapes")
+    measured = []
+
+    def fake(args, batch, seq_len, steps):
+        measured.append((batch, seq_len, steps))
+        us = {8: 0.1, 32: 0.3}[batch]
+        return {"batch": batch, "host_us_per_token": us, "tokens_per_s_one_core": 1e6 / us, "ok": 1e6 / us >= 5e6}
+
+    monkeypatch.setattr(bench, "_pipeline_shape", fake)
+    args = argparse.Namespace(batch=None, seq_len=None, steps=None, rounds=3, device="cpu", range_steps=3)
+    out = bench.pipeline_only(args)
+    assert measured == [(8, 1024, 90), (32, 1024, 90)]
+    assert out["host_us_per_token"] == 0.3 and out["ok"] is False  # b = 32 misses 5M tokens/s: the check fails
+    measured.clear()
+    bench.pipeline_only(argparse.Namespace(**{**vars(args), "batch": 32, "seq_len": 512}))
+    assert measured == [(32, 512, 90)]
 
 
 def test_in_process_part_times_the_loss_directly(capsys):

@@ -51,7 +51,7 @@ def setup(engine_demo, tmp_path_factory):
     for step in range(order.num_steps):  # one uninterrupted in-process pass
         unit = WorkUnit(step, step + 1, "selected", 0, 0)
         worker._ensure(unit, lambda k, v: fixed[(k, v)])
-        expected.extend(row for step_rows in worker.rows(unit, {}) for row in step_rows)  # (one list per step)
+        expected.extend(row for block in worker.rows(unit, {}) for row in block)  # (one RowBlock per step)
     return {"dir": d, "cand": cand, "paths": paths, "expected": expected, "n": n}
 
 

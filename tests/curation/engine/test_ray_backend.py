@@ -59,7 +59,7 @@ def _unit_rows(worker, step, fixed):
 
     unit = WorkUnit(step, step + 1, "selected", 0, 0)
     worker._ensure(unit, lambda k, v: fixed[(k, v)])
-    return [row for step_rows in worker.rows(unit, {}) for row in step_rows]  # (one list of rows per step)
+    return [row for block in worker.rows(unit, {}) for row in block]  # (one RowBlock of rows per step)
 
 
 def _engine(setup, out, workers=2, **kw):

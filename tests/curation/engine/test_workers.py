@@ -131,52 +131,35 @@ def test_bad_token_names_the_shard_and_record(engine_demo, tmp_path, weights):
     with pytest.raises(ScoringDataError, match=r"cand: shard part-00001/shard.00000.mds.zstd, record 3 "
                                                r"\(sample 13, step 3\): token id 900 at position 5"):
         worker.run(WorkUnit(3, 5, "selected", 0, 0), lambda k, v: weights[(k, v)])
-    # the bad step after a good one (already handed to the writer thread): the part is not completed
+    # the bad step after a good one (its rows already in the part's .tmp): the part is not completed
     with pytest.raises(ScoringDataError, match="token id 900"):
         worker.run(WorkUnit(2, 4, "selected", 0, 0), lambda k, v: weights[(k, v)])
     assert "steps-000000002-000000004" not in os.listdir(os.path.join(str(tmp_path / "out"), "worker-00"))
 
 
-def test_write_behind_overlaps_and_propagates_errors_from_either_side():
-    from concurrent.futures import ThreadPoolExecutor
+def test_a_step_is_read_whole_and_a_record_it_cannot_read_whole_is_still_named(engine_demo, tmp_path):
+    """read_step decodes a step's records a shard at a time; where that cannot be done (a row of another length)
+    it reads row by row, which names the record."""
+    rows = [{"tokens": np.arange(i, i + 16, dtype=np.uint16) % 500, "source": f"src{i % 3}"} for i in range(20)]
+    rows[17]["tokens"] = rows[17]["tokens"][:15]
+    cand = str(tmp_path / "cand")
+    write_part(os.path.join(cand, "part-00000"), CANDIDATE, rows[:10], vocab_size=1000)
+    write_part(os.path.join(cand, "part-00001"), CANDIDATE, rows[10:], vocab_size=1000)
+    from curation.io.shards import merge_part_indexes
 
-    from curation.engine.workers import _write_behind
-
-    def produce(n, fail_at=None):  # the rows of a step come as a list (here two rows per step)
-        for i in range(0, n, 2):
-            if fail_at is not None and i >= fail_at:
-                raise ValueError("bad row")
-            yield [{"i": i}, {"i": i + 1}]
-
-    with ThreadPoolExecutor(2) as pool:
-        assert _write_behind(pool, lambda rows: [r["i"] for r in rows], produce(1000)) == list(range(1000))
-        done = []
-
-        def write(rows):
-            for r in rows:
-                done.append(r["i"])
-            done.append("completed")  # what write_part's rename would be
-            return len(done)
-
-        with pytest.raises(ValueError, match="bad row"):
-            _write_behind(pool, write, produce(600, fail_at=500))
-        assert "completed" not in done and done == list(range(len(done)))
-
-        def failing_write(rows):
-            for r in rows:
-                if r["i"] == 10:
-                    raise OSError("disk full")
-
-        produced = []
-
-        def counted(n):
-            for i in range(n):
-                produced.append(i)
-                yield [{"i": i}]
-
-        with pytest.raises(OSError, match="disk full"):
-            _write_behind(pool, failing_write, counted(100_000))
-        assert len(produced) < 100  # the producer stopped soon after the writer failed (a queue of a few steps)
+    merge_part_indexes(cand, ["part-00000", "part-00001"])
+    spec = _spec(engine_demo, str(tmp_path / "out"), candidates=cand, vocab=1000, needs_proxy=False)
+    worker = ScoringWorker(dataclasses.replace(spec, order=BatchOrder("stream", 20, 6, seed=3)), 0)
+    ids = worker.order.ids(1)
+    assert len({worker.candidates.locate(i)[0] for i in ids}) == 2  # this step spans both parts
+    tokens, sources, got_ids = worker.read_step(1)
+    assert tokens.dtype == np.uint16 and tokens.shape == (6, 16)
+    assert np.array_equal(tokens, np.stack([rows[i]["tokens"] for i in ids])) and np.array_equal(got_ids, ids)
+    assert sources == [rows[i]["source"] for i in ids]
+    bad = next(t for t in range(20) if 17 in worker.order.ids(t)[1:])  # (rows are held to the first one's length)
+    with pytest.raises(ScoringDataError, match=r"shard part-00001/shard.00000.mds.zstd, record 7 \(sample 17, "
+                                               rf"step {bad}\): sequence of shape \(15,\), expected \(16,\)"):
+        worker.read_step(bad)
 
 
 # ------------------------------------------------------------------------------------------------

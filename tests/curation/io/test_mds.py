@@ -95,3 +95,110 @@ def test_the_sample_decoder_gives_what_streamings_reader_gives(tmp_path, spec):
             else:
                 assert a[k] == b[k]
     assert sample_decoder(["x", "y"], ["ndarray:uint16", "jpeg"], [None, None]) is None  # not ours: streaming's
+
+
+def _block_of(rows):
+    """The rows (all of one length) as a RowBlock, column by column as a scoring worker hands a step over."""
+    from curation.io.mds import RowBlock
+
+    cols = {k: (np.stack([r[k] for r in rows]) if isinstance(rows[0][k], np.ndarray) else [r[k] for r in rows])
+            for k in rows[0]}
+    cols = {k: (np.asarray(v) if k in ("step", "episode") else v) for k, v in cols.items()}
+    return RowBlock(cols, len(rows))
+
+
+@pytest.mark.parametrize("spec", [CANDIDATE, SCORED, SELECTED], ids=lambda s: s.name)
+def test_a_block_of_rows_writes_the_bytes_of_the_rows_one_by_one(tmp_path, spec):
+    from curation.io.mds import RowBlock
+
+    rng = np.random.default_rng(11)
+    steps = []
+    for t in range(7):  # steps of 5 rows, each step one length, shards cut mid-step by the small size limit
+        length = int(rng.integers(1, 300))
+        rows = [{**r, "tokens": r["tokens"][:1].repeat(length)} for r in _samples(spec, 70_000, 5, rng)]
+        for r in rows:
+            r.update({k: np.resize(v, length) for k, v in r.items() if isinstance(v, np.ndarray) and k != "tokens"})
+        steps.append(rows)
+    columns = spec.mds_columns(vocab_size=70_000)
+    flat = [r for rows in steps for r in rows]
+    assert write_mds(str(tmp_path / "rows"), columns, iter(flat), size_limit=1 << 12) == 35
+    blocks = [_block_of(rows) for rows in steps]
+    assert [dict(zip(r, map(str, r.values()))) for b in blocks for r in b] == [  # iterating gives the rows
+        dict(zip(r, map(str, r.values()))) for r in flat]
+    if spec is not CANDIDATE:  # one Python int for every row of a block (the worker's step and episode)
+        blocks[0] = RowBlock({**blocks[0].columns, "episode": int(steps[0][0]["episode"])}, 5)
+        for r in steps[0]:
+            r["episode"] = steps[0][0]["episode"]
+        write_mds(str(tmp_path / "rows"), columns, iter(flat), size_limit=1 << 12)
+    assert write_mds(str(tmp_path / "blocks"), columns, [blocks[0], *flat[5:10], *blocks[2:]],
+                     size_limit=1 << 12) == 35
+    ours = _files(tmp_path / "blocks")
+    assert len(ours) > 3 and ours == _files(tmp_path / "rows")
+
+
+def test_a_block_that_does_not_fit_its_columns_is_refused(tmp_path):
+    from curation.io.mds import RowBlock
+
+    columns = SELECTED.mds_columns(vocab_size=100)
+    good = {"tokens": np.zeros((2, 4), np.uint16), "loss_mask": np.zeros((2, 4), np.uint8),
+            "score": np.zeros((2, 4), np.float16), "source": ["a", "b"], "step": 3, "episode": 0}
+    for change, message in [({"tokens": np.zeros((2, 4), np.int64)}, "column 'tokens': wrong dtype: expected uint16, got int64"),
+                            ({"score": np.zeros(4, np.float16)}, r"needs an array of shape \(2, \.\.\.\), got \(4,\)"),
+                            ({"source": ["a"]}, r"column 'source' \(str\) got 1 values for a block of 2 rows"),
+                            ({"source": ["a", 7]}, r"column 'source' \(str\) got int"),
+                            ({"episode": 2**31}, r"column 'episode' \(int32\): 2147483648 is out of its range"),
+                            ({"step": np.array([1, 2, 3])}, r"column 'step' \(int64\): \(3,\) values"),
+                            ({"episode": np.array([0, 2**40])}, "a value out of its range")]:
+        with pytest.raises(ValueError, match=message):
+            write_mds(str(tmp_path / "x"), columns, [RowBlock({**good, **change}, 2)], size_limit=1 << 20)
+    assert write_mds(str(tmp_path / "ok"), columns, [RowBlock(good, 2)], size_limit=1 << 20) == 2
+
+
+@pytest.mark.parametrize("spec", [CANDIDATE, SCORED, SELECTED], ids=lambda s: s.name)
+def test_a_batch_of_samples_decodes_to_the_rows_stacked(tmp_path, spec):
+    """ShardReader.gather: any samples, from any shards, in the order asked, equal to indexing them one by one."""
+    from curation.io.shards import ShardReader
+
+    rng = np.random.default_rng(3)
+    rows = [{**r, **{k: np.resize(v, 40) for k, v in r.items() if isinstance(v, np.ndarray)}}
+            for r in _samples(spec, 2048, 90, rng)]
+    write_mds(str(tmp_path), spec.mds_columns(vocab_size=2048), iter(rows), size_limit=1 << 11)
+    reader = ShardReader(str(tmp_path))
+    assert len(reader.shards) >= 3
+    for ids in ([5], [89, 0, 44, 44, 3], rng.permutation(90)[:31], np.arange(10, 20)):
+        got = reader.gather(ids)
+        assert got.keys() == rows[0].keys()
+        for k, v in got.items():
+            want = [reader[int(i)][k] for i in ids]
+            if isinstance(v, list):
+                assert v == want
+            else:
+                assert v.dtype == want[0].dtype and v.shape == (len(ids), *np.shape(want[0]))
+                assert np.array_equal(v, np.stack(want))
+    assert reader.gather([3, 90]) is None and reader.gather([-1]) is None and reader.gather([]) is None
+
+
+def test_the_batch_decoder_leaves_what_it_cannot_decode_whole_to_the_rows(tmp_path):
+    """None (decode row by row, which names the record) for rows of different shapes, bytes that are not UTF-8,
+    offsets or sizes past the end, indices past the shard; never values made of the wrong bytes."""
+    import struct
+
+    from curation.io.mds import batch_decoder
+    from curation.io.shards import ShardReader, load_shard_file
+
+    rows = [{"tokens": np.arange(i, i + 6, dtype=np.uint16), "source": "ab"} for i in range(4)]
+    rows[3]["tokens"] = rows[3]["tokens"][:5]
+    write_mds(str(tmp_path), CANDIDATE.mds_columns(vocab_size=100), iter(rows), size_limit=1 << 20)
+    reader = ShardReader(str(tmp_path))
+    shard = reader.shards[0]
+    decode = batch_decoder(shard.column_names, shard.column_encodings, shard.column_sizes)
+    data = load_shard_file(str(tmp_path), shard)
+    assert decode(data, [0, 2])["tokens"].tolist() == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
+    assert decode(data, [0, 3]) is None  # rows of different lengths
+    assert decode(data, [4]) is None and decode(data, [-1]) is None
+    assert decode(data[:-3], [3]) is None  # the last record runs past the end
+    begin = struct.unpack_from("=I", data, 4 + 4 * 1)[0]
+    name_at = begin + 8  # the source's bytes (sizes first, columns in name order)
+    assert decode(data[:name_at] + b"\xff\xfe" + data[name_at + 2:], [1]) is None  # not UTF-8
+    size_too_big = data[:begin] + struct.pack("=I", 1 << 30) + data[begin + 4:]
+    assert decode(size_too_big, [1]) is None and decode(b"", [0]) is None
