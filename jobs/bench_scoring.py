@@ -65,15 +65,17 @@ from schemas.train_config import ModelConfig
 GOAL = 0.90
 
 
-def _corpus(root: str, n: int, length: int, vocab: int, seed: int) -> str:
+def _corpus(root: str, n: int, length: int, vocab: int, seed: int, parts: int = 2) -> str:
+    """``n`` random sequences in ``parts`` parts (one zstd shard each), the first half of source ``a``."""
     rng = np.random.default_rng(seed)
     cand = os.path.join(root, "candidates")
-    half = n // 2
     rows = [{"tokens": rng.integers(0, vocab, length).astype(np.uint16 if vocab <= 65536 else np.uint32),
-             "source": "a" if i < half else "b"} for i in range(n)]
-    write_part(os.path.join(cand, "part-00000"), CANDIDATE, rows[:half], vocab_size=vocab)
-    write_part(os.path.join(cand, "part-00001"), CANDIDATE, rows[half:], vocab_size=vocab)
-    merge_part_indexes(cand, ["part-00000", "part-00001"])
+             "source": "a" if i < n // 2 else "b"} for i in range(n)]
+    cuts = np.linspace(0, n, parts + 1).astype(int)
+    names = [f"part-{p:05d}" for p in range(parts)]
+    for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True):
+        write_part(os.path.join(cand, name), CANDIDATE, rows[a:b], vocab_size=vocab)
+    merge_part_indexes(cand, names)
     return cand
 
 
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps timed in-process (worker and bare forward); default 9 (--pipeline-only: 90)")
     p.add_argument("--rounds", type=int, default=3,
                    help="--pipeline-only: timed rounds per shape (the figure is their median)")
+    p.add_argument("--parts", type=int, default=16,
+                   help="--pipeline-only: parts (zstd shards) of the candidate pool, read in the training stream's "
+                        "random order")
     p.add_argument("--ray-steps", type=int, default=36,
                    help="steps scored in each Ray run after the first unit (start-up, not counted)")
     p.add_argument("--no-ray", action="store_true", help="skip the 1 vs 2 workers part")
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device visible")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    # the decompressed copies of the bench's random shards go to a scratch cache, not the user's
+    os.environ["BLADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_scoring-cache-")
     if args.pipeline_only:
         return _report(pipeline_only(args), args.json)
     args.batch, args.seq_len, args.steps = args.batch or 8, args.seq_len or 256, args.steps or 9
@@ -312,7 +319,9 @@ def _stub_forward(tokens: torch.Tensor, valid: torch.Tensor | None = None) -> to
 def pipeline_only(args: argparse.Namespace) -> dict:
     """The scoring worker's host cost per token, its forward replaced by :func:`_stub_forward`, at each shape.
 
-    Everything else is the worker's own code: reading and decoding the candidate records, staging the tokens,
+    The candidates are read as a trainer's stream reads them: in a seeded random order over a pool of ``--parts``
+    shards (16), more than an in-memory cache of decompressed shards would hold. Everything else is the worker's
+    own code: reading and decoding the candidate records, staging the tokens,
     the results' way back to the host, the rows, encoding, compressing and writing the part. Timed in CPU time
     of the whole process, so the figure is the host work per token on one core, whatever else loads a shared
     machine; each shape is timed ``--rounds`` times (a fresh worker and output each) and the median taken, as
@@ -324,6 +333,7 @@ def pipeline_only(args: argparse.Namespace) -> dict:
     results = [_pipeline_shape(args, batch, seq_len, steps) for batch, seq_len in shapes]
     worst = max(results, key=lambda r: r["host_us_per_token"])
     return {"mode": "pipeline-only", "device": args.device, "steps": steps, "range_steps": args.range_steps,
+            "order": "stream", "parts": args.parts,
             "rounds": args.rounds, "shapes": results, "host_us_per_token": worst["host_us_per_token"],
             "tokens_per_s_one_core": worst["tokens_per_s_one_core"], "goal_tokens_per_s": PIPELINE_GOAL,
             "ok": all(r["ok"] for r in results)}
@@ -338,14 +348,14 @@ def _pipeline_shape(args: argparse.Namespace, batch: int, seq_len: int, steps: i
     ref = Weights.from_state_dict(build_causal_lm(model_cfg))
     n_steps = args.range_steps + steps
     work = tempfile.mkdtemp(prefix="bench_scoring-pipeline-")
-    cand = _corpus(work, n_steps * batch, seq_len, args.vocab, args.seed)
+    cand = _corpus(work, n_steps * batch, seq_len, args.vocab, args.seed, parts=args.parts)
     units = [WorkUnit(a, min(a + args.range_steps, n_steps), "scored", 0)
              for a in range(args.range_steps, n_steps, args.range_steps)]
     tokens = steps * batch * seq_len
     rounds, walls, waits = [], [], 0
     for r in range(max(1, args.rounds)):
         spec = WorkerSpec(candidates=cand, out_dir=os.path.join(work, f"scored-{r}"), model=model_cfg,
-                          order=BatchOrder("blocks", n_steps * batch, batch), vocab_size=args.vocab,
+                          order=BatchOrder("stream", n_steps * batch, batch, seed=args.seed), vocab_size=args.vocab,
                           device=args.device, threads=1, score_batch_size=batch, needs_proxy=False)
         worker = ScoringWorker(spec, 0)
         worker.set_weights(REFERENCE, 0, ref)

@@ -55,6 +55,13 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """The object and decompressed-shard cache of this test session (jobs started by tests inherit it), not the
+    user's ``~/.cache/blade-curation``."""
+    os.environ.setdefault("BLADE_CACHE_DIR", str(tmp_path_factory.mktemp("blade-cache")))
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")

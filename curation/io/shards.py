@@ -21,10 +21,14 @@ directory's manifest is read and checked against its shard spec by :func:`shard_
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
+import mmap
 import os
+import re
 import shutil
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -90,16 +94,42 @@ def load_shard_file(directory: str, shard: Any) -> bytes:
     Raises:
         ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
     """
+    return _with_refetch(directory, shard, _read_shard)
+
+
+def check_shard_file(directory: str, shard: Any) -> None:
+    """:func:`load_shard_file`'s checks of the shard's file alone (a zstd shard's compressed bytes against its
+    recorded size and hash), without decompressing it: what a reader of a decompressed copy checks first.
+
+    Raises:
+        ShardIntegrityError: the file is missing, unreadable or does not match.
+    """
+    _with_refetch(directory, shard, _check_shard)
+
+
+def _with_refetch(directory: str, shard: Any, read: Callable[[str, Any], Any]) -> Any:
     path = shard_file(directory, shard)
     downloaded = not os.path.exists(path) and storage.fetch(path)
     try:
-        return _read_shard(directory, shard)
+        return read(directory, shard)
     except ShardIntegrityError:
         if downloaded or storage.url_of(directory) is None or not os.path.exists(path):
             raise
         os.unlink(path)  # a damaged cached copy: download it once more
         storage.fetch(path)
-        return _read_shard(directory, shard)
+        return read(directory, shard)
+
+
+def _check_shard(directory: str, shard: Any) -> None:
+    raw = shard_file(directory, shard, raw=True)
+    path, info = (raw, shard.raw_data) if os.path.exists(raw) or shard.zip_data is None else (
+        shard_file(directory, shard), shard.zip_data)
+    try:
+        data = _map(path)
+    except OSError as e:
+        where = storage.display(e.filename) if isinstance(e.filename, str) else storage.display(path)
+        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
+    _check_bytes(data, info, storage.display(path))
 
 
 def shard_file(directory: str, shard: Any, *, raw: bool = False) -> str:
@@ -284,18 +314,56 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     return removed
 
 
+def raw_cache_dir() -> str:
+    """Where decompressed shards are kept for random access: ``$BLADE_CACHE_DIR/raw-shards``, one file per shard
+    named by the hash and size its index records (so the same shard is decompressed once per machine, whatever
+    directory, job or process reads it). Safe to delete at any time."""
+    return os.path.join(storage.cache_root(), "raw-shards")
+
+
+_XXH64_HEX = re.compile(r"[0-9a-f]{16}")
+
+
+def _raw_cache_path(shard: Any) -> str | None:
+    """The cache file of a zstd shard whose index records its raw bytes' xxh64 and size, else ``None``. The name is
+    made of those two fields only, checked to be 16 hex digits and an int (the index is untrusted)."""
+    info = shard.raw_data
+    digest = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
+    size = getattr(info, "bytes", None)
+    if shard.zip_data is None or not isinstance(digest, str) or not _XXH64_HEX.fullmatch(digest) \
+            or type(size) is not int or size < 0:
+        return None
+    return os.path.join(raw_cache_dir(), f"{digest}-{size}.mds")
+
+
+def _map(path: str) -> mmap.mmap | bytes:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""  # (an empty file cannot be mapped)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class ShardReader:
-    """Random access to the samples of a local MDS directory, zstd shards decompressed in memory.
+    """Random access to the samples of a local MDS directory.
 
     ``streaming.LocalDataset`` only reads uncompressed shards and ``StreamingDataset`` decompresses to disk
-    through shared memory; this reader needs neither (a small LRU of decompressed shards), so training
-    loaders, tests and workers can index any sample deterministically. Each shard is checked against the
-    hashes in its index when loaded; a damaged one raises :class:`ShardIntegrityError` naming the file and
-    the part to regenerate (``hint``: a function of the shard's path relative to ``path``; default
-    :func:`recovery_hint` from the directory's manifest).
+    through shared memory; this reader needs neither, so training loaders, tests and workers can index any
+    sample deterministically. With ``mapped`` (:func:`open_shards`: pools and datasets, read in any order), a
+    zstd shard is decompressed once into :func:`raw_cache_dir` and memory-mapped: a random order over a pool of
+    many shards (the training stream) reads each sample from the page cache, where an in-memory cache of a few
+    decompressed shards decompressed a whole shard (up to 64 MB) for almost every sample. Without it (parts
+    read once, in order), and for shards whose index records no xxh64 (other writers), shards are decompressed
+    in memory, the last ``cache_shards`` kept.
+
+    Each shard is checked against the hashes in its index when first read by this reader (the shard file, and a
+    cached copy's bytes too);
+    a damaged one raises :class:`ShardIntegrityError` naming the file and the part to regenerate (``hint``: a
+    function of the shard's path relative to ``path``; default :func:`recovery_hint` from the directory's
+    manifest). A cached copy that fails the check is replaced from the shard once.
     """
 
-    def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None):
+    def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None,
+                 mapped: bool = False):
         from streaming.base.format import reader_from_json
 
         storage.fetch(os.path.join(path, "index.json"))  # an object-store directory's shards come when read
@@ -311,16 +379,24 @@ class ShardReader:
                                 if hasattr(s, "column_encodings") else None for s in self.shards]
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._mapped: dict[int, bytes | mmap.mmap] = {}
+        self._map_shards = mapped
         self._cache_shards = cache_shards
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
-    def _shard_bytes(self, i: int) -> bytes:
+    def _shard_bytes(self, i: int) -> bytes | mmap.mmap:
+        if i in self._mapped:
+            return self._mapped[i]
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]
         try:
+            cached = _raw_cache_path(self.shards[i]) if self._map_shards else None
+            if cached is not None:
+                self._mapped[i] = self._cached_copy(i, cached)
+                return self._mapped[i]
             data = load_shard_file(self.path, self.shards[i])
         except ShardIntegrityError as e:
             raise ShardIntegrityError(f"{e}; {self._hint(self._name(i))}") from e
@@ -328,6 +404,32 @@ class ShardReader:
         if len(self._cache) > self._cache_shards:
             self._cache.popitem(last=False)
         return data
+
+    def _cached_copy(self, i: int, cached: str) -> bytes | mmap.mmap:
+        """Shard ``i``'s raw bytes mapped from its cache file, made from the shard (checked) when missing or
+        damaged; a cache that cannot be written (read-only, full disk) leaves the bytes in memory."""
+        shard = self.shards[i]
+        if os.path.exists(cached):
+            check_shard_file(self.path, shard)  # the shard itself, as when it is decompressed (damage is named)
+            try:
+                data = _map(cached)
+                _check_bytes(data, shard.raw_data, cached)
+                return data
+            except (OSError, ShardIntegrityError):
+                with contextlib.suppress(OSError):
+                    os.unlink(cached)  # damaged or unreadable: made again below
+        data = load_shard_file(self.path, shard)  # checked against the index
+        tmp = f"{cached}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, cached)  # whole or absent; another process may replace it with the same bytes
+            return _map(cached)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return data
 
     def _name(self, i: int) -> str:
         shard = self.shards[i]
@@ -403,10 +505,11 @@ class ShardReader:
 
 
 def open_shards(path: str, spec: ShardSpec | str | None = None) -> ShardReader:
-    """A :class:`ShardReader` over an MDS directory, validated against ``spec`` first."""
+    """A :class:`ShardReader` over an MDS directory (a pool or dataset: its shards decompressed once per machine
+    and memory-mapped), validated against ``spec`` first."""
     if spec is not None:
         validate_shard_dir(path, spec)
-    return ShardReader(path)
+    return ShardReader(path, mapped=True)
 
 
 def read_column(path: str, column: str) -> list[Any]:

@@ -18,9 +18,9 @@ TINY = ["--device", "cpu", "--vocab", "512", "--hidden", "32", "--intermediate",
 
 def test_pipeline_only_reports_the_host_cost_per_token(capsys):
     bench = load_job("bench_scoring", "_pipeline")
-    assert bench.main([*TINY, "--pipeline-only", "--steps", "4", "--rounds", "3"]) == 0
+    assert bench.main([*TINY, "--pipeline-only", "--steps", "4", "--rounds", "3", "--parts", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["mode"] == "pipeline-only" and len(out["shapes"]) == 1
+    assert out["mode"] == "pipeline-only" and len(out["shapes"]) == 1 and (out["order"], out["parts"]) == ("stream", 3)
     shape = out["shapes"][0]
     assert (shape["batch"], shape["seq_len"], shape["tokens"]) == (2, 32, 4 * 2 * 32)
     assert len(shape["host_us_per_token_rounds"]) == 3 and min(shape["host_us_per_token_rounds"]) > 0
@@ -41,7 +41,7 @@ def test_pipeline_only_runs_the_gpu_shapes_by_default_and_judges_the_worst(monke
         return {"batch": batch, "host_us_per_token": us, "tokens_per_s_one_core": 1e6 / us, "ok": 1e6 / us >= 5e6}
 
     monkeypatch.setattr(bench, "_pipeline_shape", fake)
-    args = argparse.Namespace(batch=None, seq_len=None, steps=None, rounds=3, device="cpu", range_steps=3)
+    args = argparse.Namespace(batch=None, seq_len=None, steps=None, rounds=3, device="cpu", range_steps=3, parts=16)
     out = bench.pipeline_only(args)
     assert measured == [(8, 1024, 90), (32, 1024, 90)]
     assert out["host_us_per_token"] == 0.3 and out["ok"] is False  # b = 32 misses 5M tokens/s: the check fails

@@ -1,8 +1,10 @@
-"""Part names of step-indexed shard directories: one function for every writer."""
+"""Part names of step-indexed shard directories (one function for every writer); random access to a pool of shards."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
 
 import pytest
 
@@ -28,3 +30,92 @@ def test_engine_units_use_the_writers_part_names(first, stop):
     # an engine's selected part has the name the single-process trainer gives the same steps
     assert WorkUnit(first, stop, "selected").name == part_name(first, stop)
     assert WorkUnit(first, stop, "scored", 0).name == part_name(first, stop)
+
+
+# ------------------------------------------------------------------------------------------------
+# random access: each zstd shard decompressed once into the cache, then memory-mapped
+# ------------------------------------------------------------------------------------------------
+def _pool(root, parts=6, per=30):
+    import numpy as np
+
+    from curation.io.shards import merge_part_indexes, write_part
+    from schemas.shards import CANDIDATE
+
+    rows = [{"tokens": (np.arange(24, dtype=np.uint16) + i) % 1000, "source": f"s{i % 4}"} for i in range(parts * per)]
+    names = [f"part-{p:05d}" for p in range(parts)]
+    for p, name in enumerate(names):
+        write_part(os.path.join(root, name), CANDIDATE, rows[p * per:(p + 1) * per], vocab_size=1000)
+    merge_part_indexes(root, names)
+    return rows
+
+
+def test_a_random_order_over_many_shards_decompresses_each_once_and_reads_the_rest_mapped(tmp_path, monkeypatch):
+    import numpy as np
+
+    from curation.io import shards
+    from curation.io.shards import ShardReader, raw_cache_dir
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
+    rows = _pool(str(tmp_path / "pool"))
+    loads = []
+    real = shards.load_shard_file
+    monkeypatch.setattr(shards, "load_shard_file", lambda d, s: loads.append(s.zip_data.basename) or real(d, s))
+    reader = ShardReader(str(tmp_path / "pool"), mapped=True)
+    order = np.random.default_rng(0).permutation(len(rows))
+    for i in order:  # 6 shards, more than the 4 an in-memory cache holds: each was decompressed ~25 times
+        assert np.array_equal(reader[int(i)]["tokens"], rows[i]["tokens"])
+    assert len(loads) == 6
+    cached = sorted(os.listdir(raw_cache_dir()))
+    assert len(cached) == 6 and all(re.fullmatch(r"[0-9a-f]{16}-\d+\.mds", n) for n in cached)
+    # another reader (another process, another job) maps the cached copies, checked, without decompressing
+    got = ShardReader(str(tmp_path / "pool"), mapped=True).gather(order[:40])
+    assert len(loads) == 6 and got["source"] == [rows[i]["source"] for i in order[:40]]
+    # parts read once in order (a trainer's scored parts) are not copied
+    ShardReader(str(tmp_path / "pool" / "part-00000"))[0]
+    assert len(loads) == 7 and len(os.listdir(raw_cache_dir())) == 6
+
+
+def test_a_damaged_cached_copy_is_made_again_from_the_shard(tmp_path, monkeypatch):
+    import numpy as np
+
+    from curation.io.shards import ShardReader, raw_cache_dir
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
+    rows = _pool(str(tmp_path / "pool"), parts=1)
+    ShardReader(str(tmp_path / "pool"), mapped=True)[0]
+    (name,) = os.listdir(raw_cache_dir())
+    path = os.path.join(raw_cache_dir(), name)
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0xFF  # a flipped byte in the last sample's tokens
+    open(path, "wb").write(bytes(data))
+    assert np.array_equal(ShardReader(str(tmp_path / "pool"), mapped=True)[29]["tokens"], rows[29]["tokens"])
+    assert open(path, "rb").read() != bytes(data)  # replaced
+
+
+def test_a_hostile_hash_in_the_index_names_no_cache_file_and_the_read_fails_named(tmp_path, monkeypatch):
+    import json
+
+    from curation.io.shards import ShardIntegrityError, ShardReader
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
+    _pool(str(tmp_path / "pool"), parts=1)
+    index = tmp_path / "pool" / "part-00000" / "index.json"
+    meta = json.loads(index.read_text())
+    meta["shards"][0]["raw_data"]["hashes"]["xxh64"] = "../../../outside"
+    index.write_text(json.dumps(meta))
+    with pytest.raises(ShardIntegrityError, match=r"part-00000/shard.00000.mds.zstd: corrupt shard .*xxh64 "
+                                                  r"\.\./\.\./\.\./outside"):
+        ShardReader(str(tmp_path / "pool" / "part-00000"), mapped=True)[0]
+    assert not (tmp_path / "outside").exists() and not os.path.exists(tmp_path / "cache" / "raw-shards")
+
+
+def test_a_cache_that_cannot_be_written_still_reads(tmp_path, monkeypatch):
+    import numpy as np
+
+    from curation.io.shards import ShardReader
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").write_text("a file where the cache directory would be")
+    rows = _pool(str(tmp_path / "pool"), parts=2)
+    reader = ShardReader(str(tmp_path / "pool"), mapped=True)
+    assert np.array_equal(reader[45]["tokens"], rows[45]["tokens"]) and reader[3]["source"] == rows[3]["source"]
