@@ -25,9 +25,7 @@ import contextlib
 import json
 import mmap
 import os
-import re
 import shutil
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +38,18 @@ from curation.io import storage
 from curation.io.atomic import atomic_write_text, write_manifest
 from curation.io.mds import SHARD_HASH, RowBlock, batch_decoder, sample_decoder, write_mds
 from curation.io.paths import safe_join
+from curation.io.shard_files import (
+    ShardIntegrityError,
+    check_bytes,
+    check_index_names,
+    check_shard_file,
+    decode_sample,
+    load_shard_file,
+    map_file,
+    raw_cache_dir,
+    raw_cache_path,
+    shard_file,
+)
 from schemas.manifest import Manifest, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
@@ -47,7 +57,7 @@ __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
-    "shard_file", "check_index_names",
+    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -62,132 +72,6 @@ def part_name(first: int, stop: int) -> str:
     """
     return f"{PART_PREFIX}{first:09d}-{stop:09d}"
 
-
-class ShardIntegrityError(ValueError):
-    """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
-
-
-def _check_bytes(data: bytes, info: Any, path: str) -> None:
-    """Compare ``data`` with the size and the hash recorded for it: ``xxh64`` when recorded, else the first
-    algorithm the index names (MDS directories written by others may record another one, or none: then the
-    size is all there is to check)."""
-    from streaming.base.hashing import get_hash
-
-    hashes = getattr(info, "hashes", None) or {}
-    algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
-    expected = hashes.get(algo) if algo is not None else None
-    if len(data) != info.bytes or (expected is not None and get_hash(algo, data) != expected):
-        got, want = (f", {algo} {get_hash(algo, data)}", f", {algo} {expected}") if expected is not None else ("", "")
-        raise ShardIntegrityError(
-            f"{path}: corrupt shard ({len(data)} bytes{got}; its index records {info.bytes} bytes{want})"
-        )
-
-
-def load_shard_file(directory: str, shard: Any) -> bytes:
-    """The raw (decompressed) bytes of one shard (a ``streaming`` shard reader of ``directory``'s index), checked
-    against the sizes and hashes its index records.
-
-    In the cache of an object-store directory, a shard not cached yet is downloaded first, and one whose cached
-    copy fails the check is downloaded again once (a damaged cache); a downloaded copy that fails is damaged in
-    the bucket, and the error names its URL.
-
-    Raises:
-        ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
-    """
-    return _with_refetch(directory, shard, _read_shard)
-
-
-def check_shard_file(directory: str, shard: Any) -> None:
-    """:func:`load_shard_file`'s checks of the shard's file alone (a zstd shard's compressed bytes against its
-    recorded size and hash), without decompressing it: what a reader of a decompressed copy checks first.
-
-    Raises:
-        ShardIntegrityError: the file is missing, unreadable or does not match.
-    """
-    _with_refetch(directory, shard, _check_shard)
-
-
-def _with_refetch(directory: str, shard: Any, read: Callable[[str, Any], Any]) -> Any:
-    path = shard_file(directory, shard)
-    downloaded = not os.path.exists(path) and storage.fetch(path)
-    try:
-        return read(directory, shard)
-    except ShardIntegrityError:
-        if downloaded or storage.url_of(directory) is None or not os.path.exists(path):
-            raise
-        os.unlink(path)  # a damaged cached copy: download it once more
-        storage.fetch(path)
-        return read(directory, shard)
-
-
-def _check_shard(directory: str, shard: Any) -> None:
-    raw = shard_file(directory, shard, raw=True)
-    path, info = (raw, shard.raw_data) if os.path.exists(raw) or shard.zip_data is None else (
-        shard_file(directory, shard), shard.zip_data)
-    try:
-        data = _map(path)
-    except OSError as e:
-        where = storage.display(e.filename) if isinstance(e.filename, str) else storage.display(path)
-        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
-    _check_bytes(data, info, storage.display(path))
-
-
-def shard_file(directory: str, shard: Any, *, raw: bool = False) -> str:
-    """The path of a shard's file (``raw``: its uncompressed one) in ``directory``, from the basename its
-    ``index.json`` records: untrusted, so checked to be a relative path of plain names that stays inside
-    ``directory`` (:func:`curation.io.paths.safe_join`).
-
-    Raises:
-        UnsafeNameError: one line naming the index and the field.
-    """
-    field = "raw_data" if raw or shard.zip_data is None else "zip_data"
-    return safe_join(directory, getattr(shard, field).basename, what=f"{field}.basename",
-                     source_file=storage.display(os.path.join(directory, "index.json")))
-
-
-def check_index_names(directory: str, shards: Sequence[Any]) -> None:
-    """Check every file name the index of ``directory`` records (:func:`shard_file`) before anything is read."""
-    for shard in shards:
-        shard_file(directory, shard, raw=True)
-        if shard.zip_data is not None:
-            shard_file(directory, shard)
-
-
-def _read_shard(directory: str, shard: Any) -> bytes:
-    from streaming.base.compression import decompress
-
-    raw = shard_file(directory, shard, raw=True)
-    try:
-        if os.path.exists(raw) or shard.zip_data is None:
-            with open(raw, "rb") as f:
-                data = f.read()
-        else:
-            zipped = shard_file(directory, shard)
-            with open(zipped, "rb") as f:
-                packed = f.read()
-            _check_bytes(packed, shard.zip_data, storage.display(zipped))
-            try:
-                data = decompress(shard.compression, packed)
-            except Exception as e:  # zstd raises ZstdError, other codecs their own
-                raise ShardIntegrityError(f"{storage.display(zipped)}: corrupt shard: cannot decompress ({e})") from e
-            raw = zipped
-    except OSError as e:
-        where = storage.display(e.filename) if isinstance(e.filename, str) else raw
-        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
-    _check_bytes(data, shard.raw_data, storage.display(raw))
-    return data
-
-
-def decode_sample(shard: Any, data: bytes, local: int,
-                  decode: Callable[[bytes], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by
-    ``decode`` (:func:`curation.io.mds.sample_decoder`) or the shard's reader. Garbage bytes raise numpy, struct or
-    unicode errors (callers name the shard)."""
-    begin, end = _OFFSETS.unpack_from(data, (1 + local) * 4)
-    return (decode or shard.decode_sample)(data[begin:end])
-
-
-_OFFSETS = struct.Struct("=2I")
 
 
 def recovery_hint(directory: str, shard_file: str) -> str:
@@ -314,35 +198,6 @@ def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[
     return removed
 
 
-def raw_cache_dir() -> str:
-    """Where decompressed shards are kept for random access: ``$BLADE_CACHE_DIR/raw-shards``, one file per shard
-    named by the hash and size its index records (so the same shard is decompressed once per machine, whatever
-    directory, job or process reads it). Safe to delete at any time."""
-    return os.path.join(storage.cache_root(), "raw-shards")
-
-
-_XXH64_HEX = re.compile(r"[0-9a-f]{16}")
-
-
-def _raw_cache_path(shard: Any) -> str | None:
-    """The cache file of a zstd shard whose index records its raw bytes' xxh64 and size, else ``None``. The name is
-    made of those two fields only, checked to be 16 hex digits and an int (the index is untrusted)."""
-    info = shard.raw_data
-    digest = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
-    size = getattr(info, "bytes", None)
-    if shard.zip_data is None or not isinstance(digest, str) or not _XXH64_HEX.fullmatch(digest) \
-            or type(size) is not int or size < 0:
-        return None
-    return os.path.join(raw_cache_dir(), f"{digest}-{size}.mds")
-
-
-def _map(path: str) -> mmap.mmap | bytes:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""  # (an empty file cannot be mapped)
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
 class ShardReader:
     """Random access to the samples of a local MDS directory.
 
@@ -393,7 +248,7 @@ class ShardReader:
             self._cache.move_to_end(i)
             return self._cache[i]
         try:
-            cached = _raw_cache_path(self.shards[i]) if self._map_shards else None
+            cached = raw_cache_path(self.shards[i]) if self._map_shards else None
             if cached is not None:
                 self._mapped[i] = self._cached_copy(i, cached)
                 return self._mapped[i]
@@ -412,8 +267,8 @@ class ShardReader:
         if os.path.exists(cached):
             check_shard_file(self.path, shard)  # the shard itself, as when it is decompressed (damage is named)
             try:
-                data = _map(cached)
-                _check_bytes(data, shard.raw_data, cached)
+                data = map_file(cached)
+                check_bytes(data, shard.raw_data, cached)
                 return data
             except (OSError, ShardIntegrityError):
                 with contextlib.suppress(OSError):
@@ -425,7 +280,7 @@ class ShardReader:
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, cached)  # whole or absent; another process may replace it with the same bytes
-            return _map(cached)
+            return map_file(cached)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -1,0 +1,176 @@
+"""Reading shard files: each checked against the sizes and hashes its ``index.json`` records, every name the index
+records checked before it is used, and the per-machine cache of decompressed shards that readers map.
+
+Split from :mod:`curation.io.shards` (which re-exports these names) so that module stays a readable size.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from curation.io import storage
+from curation.io.mds import SHARD_HASH
+from curation.io.paths import safe_join
+
+__all__ = ["ShardIntegrityError", "check_bytes", "load_shard_file", "check_shard_file", "shard_file",
+           "check_index_names", "decode_sample", "raw_cache_dir", "raw_cache_path", "map_file"]
+
+
+class ShardIntegrityError(ValueError):
+    """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
+
+
+def check_bytes(data: bytes, info: Any, path: str) -> None:
+    """Compare ``data`` with the size and the hash recorded for it: ``xxh64`` when recorded, else the first
+    algorithm the index names (MDS directories written by others may record another one, or none: then the
+    size is all there is to check)."""
+    from streaming.base.hashing import get_hash
+
+    hashes = getattr(info, "hashes", None) or {}
+    algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
+    expected = hashes.get(algo) if algo is not None else None
+    if len(data) != info.bytes or (expected is not None and get_hash(algo, data) != expected):
+        got, want = (f", {algo} {get_hash(algo, data)}", f", {algo} {expected}") if expected is not None else ("", "")
+        raise ShardIntegrityError(
+            f"{path}: corrupt shard ({len(data)} bytes{got}; its index records {info.bytes} bytes{want})"
+        )
+
+
+def load_shard_file(directory: str, shard: Any) -> bytes:
+    """The raw (decompressed) bytes of one shard (a ``streaming`` shard reader of ``directory``'s index), checked
+    against the sizes and hashes its index records.
+
+    In the cache of an object-store directory, a shard not cached yet is downloaded first, and one whose cached
+    copy fails the check is downloaded again once (a damaged cache); a downloaded copy that fails is damaged in
+    the bucket, and the error names its URL.
+
+    Raises:
+        ShardIntegrityError: the file is missing or unreadable, fails to decompress, or does not match.
+    """
+    return _with_refetch(directory, shard, _read_shard)
+
+
+def check_shard_file(directory: str, shard: Any) -> None:
+    """:func:`load_shard_file`'s checks of the shard's file alone (a zstd shard's compressed bytes against its
+    recorded size and hash), without decompressing it: what a reader of a decompressed copy checks first.
+
+    Raises:
+        ShardIntegrityError: the file is missing, unreadable or does not match.
+    """
+    _with_refetch(directory, shard, _check_shard)
+
+
+def _with_refetch(directory: str, shard: Any, read: Callable[[str, Any], Any]) -> Any:
+    path = shard_file(directory, shard)
+    downloaded = not os.path.exists(path) and storage.fetch(path)
+    try:
+        return read(directory, shard)
+    except ShardIntegrityError:
+        if downloaded or storage.url_of(directory) is None or not os.path.exists(path):
+            raise
+        os.unlink(path)  # a damaged cached copy: download it once more
+        storage.fetch(path)
+        return read(directory, shard)
+
+
+def _check_shard(directory: str, shard: Any) -> None:
+    raw = shard_file(directory, shard, raw=True)
+    path, info = (raw, shard.raw_data) if os.path.exists(raw) or shard.zip_data is None else (
+        shard_file(directory, shard), shard.zip_data)
+    try:
+        data = map_file(path)
+    except OSError as e:
+        where = storage.display(e.filename) if isinstance(e.filename, str) else storage.display(path)
+        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
+    check_bytes(data, info, storage.display(path))
+
+
+def shard_file(directory: str, shard: Any, *, raw: bool = False) -> str:
+    """The path of a shard's file (``raw``: its uncompressed one) in ``directory``, from the basename its
+    ``index.json`` records: untrusted, so checked to be a relative path of plain names that stays inside
+    ``directory`` (:func:`curation.io.paths.safe_join`).
+
+    Raises:
+        UnsafeNameError: one line naming the index and the field.
+    """
+    field = "raw_data" if raw or shard.zip_data is None else "zip_data"
+    return safe_join(directory, getattr(shard, field).basename, what=f"{field}.basename",
+                     source_file=storage.display(os.path.join(directory, "index.json")))
+
+
+def check_index_names(directory: str, shards: Sequence[Any]) -> None:
+    """Check every file name the index of ``directory`` records (:func:`shard_file`) before anything is read."""
+    for shard in shards:
+        shard_file(directory, shard, raw=True)
+        if shard.zip_data is not None:
+            shard_file(directory, shard)
+
+
+def _read_shard(directory: str, shard: Any) -> bytes:
+    from streaming.base.compression import decompress
+
+    raw = shard_file(directory, shard, raw=True)
+    try:
+        if os.path.exists(raw) or shard.zip_data is None:
+            with open(raw, "rb") as f:
+                data = f.read()
+        else:
+            zipped = shard_file(directory, shard)
+            with open(zipped, "rb") as f:
+                packed = f.read()
+            check_bytes(packed, shard.zip_data, storage.display(zipped))
+            try:
+                data = decompress(shard.compression, packed)
+            except Exception as e:  # zstd raises ZstdError, other codecs their own
+                raise ShardIntegrityError(f"{storage.display(zipped)}: corrupt shard: cannot decompress ({e})") from e
+            raw = zipped
+    except OSError as e:
+        where = storage.display(e.filename) if isinstance(e.filename, str) else raw
+        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
+    check_bytes(data, shard.raw_data, storage.display(raw))
+    return data
+
+
+def decode_sample(shard: Any, data: bytes, local: int,
+                  decode: Callable[[bytes], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Sample ``local`` of a shard whose raw bytes are ``data`` (from :func:`load_shard_file`), decoded by
+    ``decode`` (:func:`curation.io.mds.sample_decoder`) or the shard's reader. Garbage bytes raise numpy, struct or
+    unicode errors (callers name the shard)."""
+    begin, end = _OFFSETS.unpack_from(data, (1 + local) * 4)
+    return (decode or shard.decode_sample)(data[begin:end])
+
+
+_OFFSETS = struct.Struct("=2I")
+
+def raw_cache_dir() -> str:
+    """Where decompressed shards are kept for random access: ``$BLADE_CACHE_DIR/raw-shards``, one file per shard
+    named by the hash and size its index records (so the same shard is decompressed once per machine, whatever
+    directory, job or process reads it). Safe to delete at any time."""
+    return os.path.join(storage.cache_root(), "raw-shards")
+
+
+_XXH64_HEX = re.compile(r"[0-9a-f]{16}")
+
+
+def raw_cache_path(shard: Any) -> str | None:
+    """The cache file of a zstd shard whose index records its raw bytes' xxh64 and size, else ``None``. The name is
+    made of those two fields only, checked to be 16 hex digits and an int (the index is untrusted)."""
+    info = shard.raw_data
+    digest = (getattr(info, "hashes", None) or {}).get(SHARD_HASH)
+    size = getattr(info, "bytes", None)
+    if shard.zip_data is None or not isinstance(digest, str) or not _XXH64_HEX.fullmatch(digest) \
+            or type(size) is not int or size < 0:
+        return None
+    return os.path.join(raw_cache_dir(), f"{digest}-{size}.mds")
+
+
+def map_file(path: str) -> mmap.mmap | bytes:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""  # (an empty file cannot be mapped)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
