@@ -47,7 +47,6 @@ _SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64
 _NDARRAY_DTYPES = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "float16": 18, "uint32": 32, "int32": 33,
                    "float32": 34, "uint64": 64, "int64": 65, "float64": 66}
 _NP_DTYPES = {d: np.dtype(d) for d in _NDARRAY_DTYPES}
-_INT_RANGES = {k: (int(np.iinfo(t).min), int(np.iinfo(t).max)) for k, t in _SCALARS.items() if np.dtype(t).kind in "iu"}
 #: Every encoding this writer supports (``ndarray:<dtype>`` with a fixed dtype and a free shape).
 MDS_ENCODINGS = ("str", *_SCALARS, *(f"ndarray:{d}" for d in _NDARRAY_DTYPES))
 _ZSTD_LEVEL = 3  # streaming's "zstd" = Zstandard(level=3)
@@ -149,18 +148,14 @@ def _encode_block(columns: list[tuple[str, str]], block: RowBlock) -> list[bytes
             head, flat = _ndarray_head(arr.shape[1:]), arr.tobytes()
             pieces += [head, rows_of(flat, len(flat) // n)]
             sizes.append(len(head) + len(flat) // n)
-        elif type(value) is int and encoding in _INT_RANGES:  # one Python int for every row (a step, an episode)
-            low, high = _INT_RANGES[encoding]
-            if not low <= value <= high:
-                raise ValueError(f"column {name!r} ({encoding}): {value} is out of its range")
-            pieces.append(_SCALARS[encoding](value).tobytes())
-        else:
+        else:  # a scalar column: one value for every row (a step, an episode), or the rows' own
             arr = np.asarray(value)
             if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != n):
                 raise ValueError(f"column {name!r} ({encoding}): {arr.shape} values for a block of {n} rows")
             typed = arr.astype(_SCALARS[encoding])
             if arr.dtype.kind in "iub" and typed.dtype.kind in "iu" and not np.array_equal(typed, arr):
-                raise ValueError(f"column {name!r} ({encoding}): a value out of its range")
+                bad = arr if arr.ndim == 0 else arr[typed != arr][0]
+                raise ValueError(f"column {name!r} ({encoding}): {bad} is out of its range")
             pieces.append(typed.tobytes() if arr.ndim == 0 else rows_of(typed.tobytes(), typed.itemsize))
     head = struct.Struct(f"={len(sizes)}I")
     if all(isinstance(size, int) for size in sizes):

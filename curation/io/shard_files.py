@@ -6,11 +6,12 @@ Split from :mod:`curation.io.shards` (which re-exports these names) so that modu
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from curation.io import storage
@@ -79,15 +80,29 @@ def _with_refetch(directory: str, shard: Any, read: Callable[[str, Any], Any]) -
 
 
 def _check_shard(directory: str, shard: Any) -> None:
-    raw = shard_file(directory, shard, raw=True)
-    path, info = (raw, shard.raw_data) if os.path.exists(raw) or shard.zip_data is None else (
-        shard_file(directory, shard), shard.zip_data)
-    try:
+    path, zipped = _stored_file(directory, shard)
+    with _reading(path):
         data = map_file(path)
+    check_bytes(data, shard.zip_data if zipped else shard.raw_data, storage.display(path))
+
+
+def _stored_file(directory: str, shard: Any) -> tuple[str, bool]:
+    """The file a shard is read from, and whether it is the compressed one: the uncompressed file when it is
+    there (or the shard is not compressed), else the compressed one."""
+    raw = shard_file(directory, shard, raw=True)
+    if os.path.exists(raw) or shard.zip_data is None:
+        return raw, False
+    return shard_file(directory, shard), True
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Turn an OSError while reading a shard file into one ShardIntegrityError line naming the file."""
+    try:
+        yield
     except OSError as e:
-        where = storage.display(e.filename) if isinstance(e.filename, str) else storage.display(path)
+        where = storage.display(e.filename if isinstance(e.filename, str) else path)
         raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
-    check_bytes(data, info, storage.display(path))
 
 
 def shard_file(directory: str, shard: Any, *, raw: bool = False) -> str:
@@ -114,25 +129,17 @@ def check_index_names(directory: str, shards: Sequence[Any]) -> None:
 def _read_shard(directory: str, shard: Any) -> bytes:
     from streaming.base.compression import decompress
 
-    raw = shard_file(directory, shard, raw=True)
-    try:
-        if os.path.exists(raw) or shard.zip_data is None:
-            with open(raw, "rb") as f:
-                data = f.read()
-        else:
-            zipped = shard_file(directory, shard)
-            with open(zipped, "rb") as f:
-                packed = f.read()
-            check_bytes(packed, shard.zip_data, storage.display(zipped))
-            try:
-                data = decompress(shard.compression, packed)
-            except Exception as e:  # zstd raises ZstdError, other codecs their own
-                raise ShardIntegrityError(f"{storage.display(zipped)}: corrupt shard: cannot decompress ({e})") from e
-            raw = zipped
-    except OSError as e:
-        where = storage.display(e.filename) if isinstance(e.filename, str) else raw
-        raise ShardIntegrityError(f"{where}: cannot read shard file ({e.strerror or e})") from e
-    check_bytes(data, shard.raw_data, storage.display(raw))
+    path, zipped = _stored_file(directory, shard)
+    with _reading(path), open(path, "rb") as f:
+        data = f.read()
+    where = storage.display(path)
+    if zipped:
+        check_bytes(data, shard.zip_data, where)
+        try:
+            data = decompress(shard.compression, data)
+        except Exception as e:  # zstd raises ZstdError, other codecs their own
+            raise ShardIntegrityError(f"{where}: corrupt shard: cannot decompress ({e})") from e
+    check_bytes(data, shard.raw_data, where)
     return data
 
 
