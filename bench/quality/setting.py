@@ -41,8 +41,10 @@ __all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "DEV_DOCS",
            "PRESETS", "QUICK", "CPU_ESTIMATE_MIN", "data_configs", "dev_source", "document_hashes", "eval_sources", "model_config",
            "run_shape", "forward_flops"]
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..", "shared",
-                      "data")
+#: the shared data, resolved: the configs every run records name the same files from any checkout on the machine, so
+#: a run started in one checkout resumes from another
+SHARED = os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                       "..", "shared", "data"))
 POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
 MAX_EPOCHS = 2  # passes over the base text, at most
 #: the two pools every policy is run on: GSM8K train in the pool (the first design), and the paper's regime

@@ -55,6 +55,17 @@ def test_evaluation_sets_are_disjoint_from_pool_bases_and_validation():
     assert paper == set(pool) - {"gsm8k"} and cfgs["pool-paper"].validation == cfgs["pool"].validation
 
 
+def test_the_configs_name_the_shared_files_by_their_resolved_paths():
+    """A run records its data config; a path through this checkout (``<checkout>/../shared``) would make the same
+    run a mismatch when resumed from another checkout of the project on the machine."""
+    import os
+
+    cfgs = data_configs(Setting(), "/tmp/unused")
+    paths = [p for c in cfgs.values() for src in (*c.sources, *c.validation) for p in src.paths]
+    paths += [p for src in eval_sources(Setting()) for p in src.paths]
+    assert paths and all(p == os.path.realpath(p) and ".." not in p.split(os.sep) for p in paths)
+
+
 @pytest.mark.parametrize("preset", ["cpu", "quick"])
 def test_dev_split_is_disjoint_by_document_hashes(preset):
     """The dev split (every choice is made on it) shares no document with the pool's GSM8K, the validation slice
