@@ -212,15 +212,15 @@ _OFFSETS = struct.Struct("=2I")
 
 
 def batch_decoder(names: Sequence[str], encodings: Sequence[str], sizes: Sequence[int | None]
-                  ) -> Callable[[bytes, Sequence[int]], dict[str, Any] | None] | None:
-    """Like :func:`sample_decoder`, for many samples of one shard at once: ``decode(data, local)`` takes the
-    shard's raw bytes and the samples' indices in it and gives each column for all of them, an ``ndarray``
-    column as one ``(n, *row shape)`` array, a ``str`` column as a list, a scalar column as a 1-D array: the
-    values :func:`sample_decoder` gives, stacked.
+                  ) -> Callable[[Sequence[tuple[Any, int]]], dict[str, Any] | None] | None:
+    """Like :func:`sample_decoder`, for many samples at once: ``decode(samples)`` takes ``(raw shard bytes, index
+    in that shard)`` pairs (of any shards with these columns) and gives each column for all of them, in that
+    order: an ``ndarray`` column as one ``(n, *row shape)`` array, a ``str`` column as a list, a scalar column
+    as a 1-D array; the values :func:`sample_decoder` gives, stacked.
 
-    It gives ``None`` where it cannot decode them in one piece: indices outside the shard, offsets or sizes that
-    do not fit, rows whose ``ndarray`` shapes differ, bytes that are not UTF-8. Decode those row by row (which
-    stacks them, or raises naming the record).
+    It gives ``None`` where it cannot decode them in one piece: indices outside their shard, offsets or sizes
+    that do not fit, rows whose ``ndarray`` shapes differ, bytes that are not UTF-8. Decode those row by row
+    (which stacks them, or raises naming the record).
     """
     if any(e not in MDS_ENCODINGS for e in encodings):
         return None
@@ -228,16 +228,12 @@ def batch_decoder(names: Sequence[str], encodings: Sequence[str], sizes: Sequenc
                 if e != "str" else None, size) for name, e, size in zip(names, encodings, sizes, strict=True)]
     head = struct.Struct(f"={sum(1 for *_, size in columns if not size)}I")
 
-    def decode(data: bytes, local: Sequence[int]) -> dict[str, Any] | None:
-        try:
-            count = _COUNT.unpack_from(data, 0)[0]
-        except struct.error:
-            return None
+    def decode(samples: Sequence[tuple[Any, int]]) -> dict[str, Any] | None:
         pieces: list[list[bytes]] = [[] for _ in columns]
-        for i in local:
-            if not 0 <= i < count:
-                return None
+        for data, i in samples:
             try:
+                if not 0 <= i < _COUNT.unpack_from(data, 0)[0]:
+                    return None
                 begin, end = _OFFSETS.unpack_from(data, 4 + 4 * i)
                 var = iter(head.unpack_from(data, begin))
             except struct.error:

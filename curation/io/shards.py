@@ -230,8 +230,11 @@ class ShardReader:
         check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
                           if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours
-        self._batch_decoders = [batch_decoder(s.column_names, s.column_encodings, s.column_sizes)
-                                if hasattr(s, "column_encodings") else None for s in self.shards]
+        layouts: dict[tuple, Any] = {}  # one decoder per column layout, so a step over many shards decodes at once
+        self._batch_decoders = [
+            layouts.setdefault(key, batch_decoder(*key)) if hasattr(s, "column_encodings") else None
+            for s, key in ((s, (tuple(s.column_names), tuple(s.column_encodings), tuple(s.column_sizes))
+                            if hasattr(s, "column_encodings") else None) for s in self.shards)]
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._mapped: dict[int, bytes | mmap.mmap] = {}
@@ -319,44 +322,23 @@ class ShardReader:
 
     def gather(self, ids: Sequence[int] | np.ndarray) -> dict[str, Any] | None:
         """The samples ``ids`` column by column (see :func:`curation.io.mds.batch_decoder`: an ``ndarray`` column
-        as one ``(len(ids), *row shape)`` array, ``str`` as a list), decoded a shard at a time; the values that
-        indexing each sample gives, stacked.
+        as one ``(len(ids), *row shape)`` array, ``str`` as a list), in one decode whatever shards they are in;
+        the values that indexing each sample gives, stacked.
 
         ``None`` when they cannot be decoded that way (ids out of range, a shard of another writer, rows whose
         shapes differ, bytes that do not decode): index them one by one, which names what is wrong."""
         ids = [int(i) for i in ids]
         if not ids or min(ids) < 0 or max(ids) >= len(self):
             return None
-        groups: dict[int, list[int]] = {}  # shard → local indices, in the order asked for
-        shard_of = []
+        samples, decode = [], None
         for i in ids:
             s = bisect.bisect_right(self._ends, i)
-            groups.setdefault(s, []).append(i - (self._ends[s - 1] if s else 0))
-            shard_of.append(s)
-        parts = []
-        for s, local in groups.items():
-            decode = self._batch_decoders[s]
-            part = decode(self._shard_bytes(s), local) if decode is not None else None
-            if part is None:
-                return None
-            parts.append(part)
-        if len(parts) == 1:
-            return parts[0]
-        # samples from several shards: concatenate the shards' pieces, then put them back in the order asked for
-        rank = {s: k for k, s in enumerate(groups)}
-        where = np.array(sorted(range(len(ids)), key=lambda j: rank[shard_of[j]]))  # concatenation → order asked
-        back = np.empty_like(where)
-        back[where] = np.arange(where.size)
-        out: dict[str, Any] = {}
-        for name, first in parts[0].items():
-            if isinstance(first, list):
-                joined = [x for p in parts for x in p[name]]
-                out[name] = [joined[j] for j in back.tolist()]
-            else:
-                if any(p[name].shape[1:] != first.shape[1:] for p in parts):
-                    return None
-                out[name] = np.concatenate([p[name] for p in parts])[back]
-        return out
+            if decode is not self._batch_decoders[s]:
+                if decode is not None or self._batch_decoders[s] is None:
+                    return None  # shards of other columns (or another writer) in one step: row by row
+                decode = self._batch_decoders[s]
+            samples.append((self._shard_bytes(s), i - (self._ends[s - 1] if s else 0)))
+        return decode(samples)
 
 
 def open_shards(path: str, spec: ShardSpec | str | None = None) -> ShardReader:

@@ -194,12 +194,12 @@ def test_the_batch_decoder_leaves_what_it_cannot_decode_whole_to_the_rows(tmp_pa
     shard = reader.shards[0]
     decode = batch_decoder(shard.column_names, shard.column_encodings, shard.column_sizes)
     data = load_shard_file(str(tmp_path), shard)
-    assert decode(data, [0, 2])["tokens"].tolist() == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
-    assert decode(data, [0, 3]) is None  # rows of different lengths
-    assert decode(data, [4]) is None and decode(data, [-1]) is None
-    assert decode(data[:-3], [3]) is None  # the last record runs past the end
+    assert decode([(data, 0), (data, 2)])["tokens"].tolist() == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
+    assert decode([(data, 0), (data, 3)]) is None  # rows of different lengths
+    assert decode([(data, 4)]) is None and decode([(data, -1)]) is None
+    assert decode([(data[:-3], 3)]) is None  # the last record runs past the end
     begin = struct.unpack_from("=I", data, 4 + 4 * 1)[0]
     name_at = begin + 8  # the source's bytes (sizes first, columns in name order)
-    assert decode(data[:name_at] + b"\xff\xfe" + data[name_at + 2:], [1]) is None  # not UTF-8
+    assert decode([(data[:name_at] + b"\xff\xfe" + data[name_at + 2:], 1)]) is None  # not UTF-8
     size_too_big = data[:begin] + struct.pack("=I", 1 << 30) + data[begin + 4:]
-    assert decode(size_too_big, [1]) is None and decode(b"", [0]) is None
+    assert decode([(size_too_big, 1)]) is None and decode([(b"", 0)]) is None
