@@ -167,7 +167,8 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     """Compare ``cfg`` with the record at ``path``; True when there is an equal record, False when none.
 
     ``ignore`` defaults to the :func:`operational_keys` of ``cfg``'s model; ``name``: how messages name the
-    record (default ``path``). A key the record does not have is equal when ``cfg`` (a model) holds its default
+    record (default ``path``). Two absolute paths of the same existing file are equal (a checkout-relative path and
+    its resolved one). A key the record does not have is equal when ``cfg`` (a model) holds its default
     (:func:`config_diff`). With ``extended`` (a dict), an :func:`extendable_keys` key of ``cfg``'s model raised
     above its recorded value is not a difference: it is added to ``extended`` as ``key → (recorded, raised)``.
 
@@ -186,6 +187,9 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
     if ignore is None:
         ignore = operational_keys(model) if model is not None else set()
     diff = config_diff(old, as_dict(cfg), ignore, model=model)
+    if diff:  # the same existing file named another way (``<checkout>/../shared/x`` and ``/data/x``) is the same input
+        was, now = leaves(old), leaves(as_dict(cfg))
+        diff = [d for d in diff if not _same_file(was.get(k := d.split(":", 1)[0]), now.get(k))]
     if extended is not None and model is not None:
         diff = _extensions(diff, extendable_keys(model), old, as_dict(cfg), extended)
     if diff:
@@ -199,6 +203,16 @@ def check_config_record(path: str, cfg: BaseModel | Mapping[str, Any], ignore: s
             keys,
         )
     return True
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Two recorded values that are absolute paths of one existing file or directory."""
+    if not (isinstance(a, str) and isinstance(b, str) and os.path.isabs(a) and os.path.isabs(b)):
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _leaf(config: Mapping[str, Any], key: str) -> Any:

@@ -80,6 +80,29 @@ def test_config_diff_names_exactly_the_differing_leaf_keys():
     assert config_diff(old, json.loads(json.dumps(old))) == []
 
 
+def test_a_record_naming_the_same_file_another_way_is_equal_and_another_file_is_not(tmp_path):
+    """A run started from one checkout records ``<checkout>/../shared/x``; resumed from another (or with the path
+    resolved) it names the same file differently: the same input, so not a mismatch. Another file, or a path that
+    does not exist, still is."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "checkout").mkdir()
+    data, other = tmp_path / "shared" / "a.jsonl", tmp_path / "shared" / "b.jsonl"
+    data.write_text("{}")
+    other.write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "shared")
+    record = tmp_path / "run" / "config.yaml"
+    record.parent.mkdir()
+    recorded = str(tmp_path / "checkout" / ".." / "shared" / "a.jsonl")
+    record.write_text(yaml.safe_dump({"paths": [recorded], "seed": 0}))
+    for same in (str(data), str(tmp_path / "link" / "a.jsonl")):
+        assert check_config_record(str(record), {"paths": [same], "seed": 0})
+    for changed, key in (({"paths": [str(other)], "seed": 0}, "paths.0"), ({"paths": [recorded], "seed": 1}, "seed"),
+                         ({"paths": [str(tmp_path / "gone.jsonl")], "seed": 0}, "paths.0"),
+                         ({"paths": ["a.jsonl"], "seed": 0}, "paths.0")):  # relative: never taken as the same file
+        with pytest.raises(ConfigMismatch, match=rf"differs in: {key}\)"):
+            check_config_record(str(record), changed)
+
+
 def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
     # prepare's output is the same for any number of workers, on any Ray cluster (tests/curation/engine/
     # test_prepare_pool.py); unit_bytes is not operational (it places the units' cuts)
