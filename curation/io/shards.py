@@ -330,14 +330,16 @@ class ShardReader:
         ids = [int(i) for i in ids]
         if not ids or min(ids) < 0 or max(ids) >= len(self):
             return None
-        samples, decode = [], None
-        for i in ids:
+        samples, decode, data = [], None, {}  # data: each shard's bytes fetched once per call (an in-memory LRU
+        for i in ids:  # of fewer shards than the step spans would otherwise decompress one again and again)
             s = bisect.bisect_right(self._ends, i)
             if decode is not self._batch_decoders[s]:
                 if decode is not None or self._batch_decoders[s] is None:
                     return None  # shards of other columns (or another writer) in one step: row by row
                 decode = self._batch_decoders[s]
-            samples.append((self._shard_bytes(s), i - (self._ends[s - 1] if s else 0)))
+            if s not in data:
+                data[s] = self._shard_bytes(s)
+            samples.append((data[s], i - (self._ends[s - 1] if s else 0)))
         return decode(samples)
 
 

@@ -75,6 +75,24 @@ def test_a_random_order_over_many_shards_decompresses_each_once_and_reads_the_re
     assert len(loads) == 7 and len(os.listdir(raw_cache_dir())) == 6
 
 
+def test_a_step_over_more_shards_than_the_in_memory_cache_reads_each_shard_once(tmp_path, monkeypatch):
+    """gather on a reader without the cache (4 shards in memory): a step whose samples alternate over 6 shards reads
+    each of them once, and gives the samples in the order asked for."""
+    import numpy as np
+
+    from curation.io import shards
+    from curation.io.shards import ShardReader
+
+    rows = _pool(str(tmp_path / "pool"))
+    loads = []
+    real = shards.load_shard_file
+    monkeypatch.setattr(shards, "load_shard_file", lambda d, s: loads.append(s.zip_data.basename) or real(d, s))
+    ids = [p * 30 + k for k in range(3) for p in range(6)]  # shard 0, 1, ..., 5, 0, 1, ...
+    got = ShardReader(str(tmp_path / "pool")).gather(ids)
+    assert len(loads) == 6 and got["source"] == [rows[i]["source"] for i in ids]
+    assert np.array_equal(got["tokens"], np.stack([rows[i]["tokens"] for i in ids]))
+
+
 def test_a_damaged_cached_copy_is_made_again_from_the_shard(tmp_path, monkeypatch):
     import numpy as np
 
