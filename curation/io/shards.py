@@ -230,11 +230,14 @@ class ShardReader:
         check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
                           if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours
-        layouts: dict[tuple, Any] = {}  # one decoder per column layout, so a step over many shards decodes at once
-        self._batch_decoders = [
-            layouts.setdefault(key, batch_decoder(*key)) if hasattr(s, "column_encodings") else None
-            for s, key in ((s, (tuple(s.column_names), tuple(s.column_encodings), tuple(s.column_sizes))
-                            if hasattr(s, "column_encodings") else None) for s in self.shards)]
+        layouts: dict[tuple | None, Any] = {None: None}  # one decoder per column layout (built once), so a step
+        self._batch_decoders = []  # over many shards decodes at once; None: a shard of another writer
+        for s in self.shards:
+            key = (tuple(s.column_names), tuple(s.column_encodings), tuple(s.column_sizes)) \
+                if hasattr(s, "column_encodings") else None
+            if key not in layouts:
+                layouts[key] = batch_decoder(*key)
+            self._batch_decoders.append(layouts[key])
         self._ends = np.cumsum([s.samples for s in self.shards]).tolist()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._mapped: dict[int, bytes | mmap.mmap] = {}
