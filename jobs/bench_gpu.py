@@ -51,7 +51,8 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
     """Each step's command line (after ``python``), at the GPU sizes or, with ``tiny``, at CPU test sizes."""
     py = [sys.executable]
     job = lambda name: [*py, os.path.join(REPO, "jobs", f"{name}.py")]  # noqa: E731
-    gpu_tests = [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *_gpu_test_files()]
+    # 4 processes, a file each at a time (the two training files hold the longest tests)
+    gpu_tests = [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "4", *_gpu_test_files()]
     if tiny:
         scoring = [*job("bench_scoring"), *_TINY_SCORING, "--json"]
         training = [*job("bench_training"), *_TINY_TRAINING, "--data", data, "--json"]
@@ -119,8 +120,9 @@ def run_step(name: str, cmd: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, out, err = "timeout", _text(e.stdout), _text(e.stderr)
     step = {"seconds": round(time.perf_counter() - start, 1), "rc": rc, "command": " ".join(cmd[1:])}
-    if name == "gpu_tests":
-        step["result"] = _pytest_counts(out)
+    if name == "gpu_tests":  # the failing tests by name (the output's tail is mostly warnings)
+        step["result"] = {**_pytest_counts(out),
+                          "failures": [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]}
     elif name != "main_job":
         step["result"] = _last_json(out)
     if rc != 0:

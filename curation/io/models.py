@@ -168,8 +168,13 @@ def cpu_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]
 
 
 def _dedupe_shared(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    # safetensors refuses tensors sharing storage (tied embeddings): clone each one separately.
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
+    """Each tensor as a contiguous CPU tensor of its own: safetensors refuses tensors sharing storage (tied
+    embeddings, views into one buffer). A tensor copied off its device is already its own; one on the CPU is cloned."""
+    out = {}
+    for k, v in sd.items():
+        t = v.detach().to("cpu").contiguous()
+        out[k] = t.clone() if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() else t
+    return out
 
 
 def save_weights(model: nn.Module | Mapping[str, Tensor], path: str, *, metadata: dict[str, str] | None = None) -> str:

@@ -30,7 +30,7 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     assert "--no-ray" not in cmds["scoring_ray"] and int(opt(cmds["scoring_ray"], "--ray-steps")) >= 90
     assert [opt(cmds[n], "--batch-size") for n in ("training_b8", "training_b32")] == ["8", "32"]
     assert opt(cmds["training_b8"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training_b8"]
-    gpu_files = cmds["gpu_tests"][cmds["gpu_tests"].index("no:cacheprovider") + 1:]
+    gpu_files = [a for a in cmds["gpu_tests"] if a.startswith("tests/")]
     assert "tests/curation/engine/test_workers.py" in gpu_files and "tests/jobs/test_bench_gpu.py" not in gpu_files
     with pytest.raises(SystemExit):
         bench.main(["--skip", "scoring,main_job"])
@@ -56,6 +56,20 @@ def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
         partial = [json.loads(line) for line in f]
     assert [p.pop("step") for p in partial] == ["scoring_b8", "selection"]
     assert partial == [report["steps"]["scoring_b8"], report["steps"]["selection"]]
+
+
+def test_the_gpu_tests_step_names_its_failing_tests(tmp_path):
+    """A failing test is named in the step's result (on an H200 the output's tail held only warnings)."""
+    bench = load_job("bench_gpu", "_failures")
+    test = tmp_path / "test_two.py"
+    test.write_text("def test_passes():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+           "-c", os.devnull, str(test)]
+    step = bench.run_step("gpu_tests", cmd, 120)
+    assert step["rc"] == 1
+    assert step["result"]["passed"] == 1 and step["result"]["failed"] == 1
+    [failure] = step["result"]["failures"]
+    assert failure.startswith("FAILED ") and failure.split()[1].endswith("test_two.py::test_fails")
 
 
 def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, capsys):

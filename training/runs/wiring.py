@@ -145,7 +145,7 @@ class TrainRun:
         hf = self.model.model
         ref = None
         if reference and isinstance(self.algorithm, BladeAlgorithm):
-            ref = self.algorithm.reference_state_dict()
+            ref = self.algorithm.reference_state_dict(copy=False)  # finish_run writes it right away
         throughput = self.throughput.summary(self.trainer.state) if self.throughput is not None else None
         return RunOutputs(weights=full_state_dict(hf) if is_sharded(hf) else hf, config=hf.config, reference=ref,
                           stats=self.stats.summary_data() if self.stats is not None else None,

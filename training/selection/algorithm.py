@@ -214,10 +214,11 @@ class BladeAlgorithm(Algorithm):
         self._pending = None
 
     # --- checkpoint state --------------------------------------------------------------------
-    def reference_state_dict(self) -> dict[str, Tensor] | None:
+    def reference_state_dict(self, *, copy: bool = True) -> dict[str, Tensor] | None:
         """The current reference ``w̃``'s weights on the CPU (None before the first refresh, and for
-        full / random, which have no reference; bfloat16 once compacted)."""
-        return (self.reference.weights() or None) if self.reference is not None else None
+        full / random, which have no reference; bfloat16 once compacted); ``copy=False``: without a copy, where they
+        are (see :meth:`InProcessReference.weights`)."""
+        return (self.reference.weights(copy=copy) or None) if self.reference is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         ref = self.reference.state_dict(self.next_step) if self.reference is not None else {

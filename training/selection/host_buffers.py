@@ -41,19 +41,48 @@ class _HostBuffer:
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffer: Tensor | None = None
+        self._registered: int | None = None  # the address pinned with cudaHostRegister (unregistered on release)
 
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
 
+    def _allocate(self, size: int) -> None:
+        """A buffer of ``size`` elements; pinned, it is page-locked with ``cudaHostRegister``, exactly its bytes:
+        ``pin_memory=True`` takes blocks from the caching host allocator, which rounds each up to a power of two
+        (an 86.7M-parameter reference in bfloat16, 165 MB, held 256 MB of pinned host memory on an H200)."""
+        self._release()
+        self._buffer = torch.empty(size, dtype=self.dtype)
+        if self.pin and size:
+            ptr, nbytes = self._buffer.data_ptr(), size * self._buffer.element_size()
+            if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+                self._registered = ptr
+            else:  # e.g. a locked-memory limit: the allocator's pinned block (rounded up) instead
+                self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=True)
+
+    def _release(self) -> None:
+        """Unpin the buffer before its memory can be freed (views of it stay valid, as ordinary host memory)."""
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+    def __del__(self) -> None:
+        try:
+            self._release()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already (the process frees it all)
+            pass
+
     def _fill(self, tensors: list[Tensor]) -> None:
-        """Copy ``tensors`` into the buffer, the first at offset 0 and each right after the previous one."""
+        """Copy ``tensors`` into the buffer, the first at offset 0 and each right after the previous one (on a GPU,
+        each converted to the buffer's dtype there first, so the copy is a DMA of the stored bytes with no
+        host-side temporary)."""
         size = sum(t.numel() for t in tensors)
         if self._buffer is None or self._buffer.numel() != size:
-            self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=self.pin)
+            self._allocate(size)
         offset = 0
         for t in tensors:
-            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t, non_blocking=self.pin)
+            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t.to(self.dtype) if t.is_cuda else t,
+                                                                           non_blocking=self.pin)
             offset += t.numel()
         if self.pin:
             torch.cuda.synchronize()  # the buffer may be read on the host right after
@@ -111,9 +140,12 @@ class CompactReference(_HostBuffer):
         """The parameters by name (views into the buffer, bfloat16), as ``param_distance`` reads a module's."""
         return {n: self._view(n) for n in self._params}
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Tensor]:
         """A state dict of the weights (bfloat16 copies of the floating entries, which ``load_state_dict`` casts
-        back to the module's dtype), safe to keep after the next :meth:`store`."""
+        back to the module's dtype), safe to keep after the next :meth:`store`; ``copy=False``: views into the
+        buffer (and the held non-floating entries), valid until the next :meth:`store`."""
+        if not copy:
+            return {**{n: self._view(n) for n in self._layout}, **self._others}
         return {**{n: self._view(n).clone() for n in self._layout}, **{k: v.clone() for k, v in self._others.items()}}
 
 
