@@ -98,14 +98,18 @@ class GlobalSelection:
         scores: ``(b, L)`` float32 scores of the whole batch.
         valid: ``(b, L)`` bool validity of the whole batch.
         local: this rank's rows of ``mask``.
-        kept: ``Σ α`` of the whole batch (``K``: :meth:`curation.core.step.SelectionStep.kept` knows it beforehand).
+        kept: ``Σ α`` of the whole batch (``K``: :meth:`curation.core.step.SelectionStep.kept` knows it beforehand);
+            computed when read (on a GPU reading it waits for the selection).
     """
 
     mask: Tensor
     scores: Tensor
     valid: Tensor
     local: Tensor
-    kept: int
+
+    @property
+    def kept(self) -> int:
+        return int(self.mask.sum())
 
 
 def select_across_ranks(
@@ -139,8 +143,7 @@ def select_across_ranks(
         n = scores.shape[0]
         mask = torch.cat([select_top_fraction(all_scores[i : i + n], all_valid[i : i + n], gamma)
                           for i in range(0, all_scores.shape[0], n)])
-    return GlobalSelection(mask=mask, scores=all_scores, valid=all_valid, local=mask[ranks.rows(mask.shape[0])],
-                           kept=int(mask.sum()))
+    return GlobalSelection(mask=mask, scores=all_scores, valid=all_valid, local=mask[ranks.rows(mask.shape[0])])
 
 
 def global_rows(local_rows: int, ranks: Ranks) -> int:

@@ -121,14 +121,22 @@ def _cross_entropy_rows(logits: Tensor, targets: Tensor) -> Tensor:
     fused pass moves 2 bytes per logit instead of about 14. Elsewhere (CPU: the bit-exact oracle tests;
     training: gradients) it is ``F.cross_entropy``, unchanged. A compile that fails (no Triton, no C compiler)
     is reported once on stderr and the eager function is used from then on."""
-    if logits.device.type == "cuda" and not torch.is_grad_enabled() and _FUSED["fn"] is not False:
-        try:
-            return _fused_nll()(logits, targets)
-        except Exception as e:  # torch._dynamo / Inductor / Triton errors have no common public base
-            _FUSED["fn"], _FUSED["error"] = False, f"{type(e).__name__}: {e}"
-            print(f"curation.core.losses: the compiled per-token loss failed ({_FUSED['error'][:300]}); using the "
-                  "eager cross-entropy", file=sys.stderr)
-    return F.cross_entropy(logits.float(), targets, reduction="none")
+    fused = _fused_rows(logits, targets)
+    return fused if fused is not None else F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def _fused_rows(logits: Tensor, targets: Tensor) -> Tensor | None:
+    """The compiled one-pass NLL of ``(r, V)`` logits when it applies (CUDA, no gradients, not failed before), else
+    None (the caller runs ``F.cross_entropy``)."""
+    if logits.device.type != "cuda" or torch.is_grad_enabled() or _FUSED["fn"] is False:
+        return None
+    try:
+        return _fused_nll()(logits, targets)
+    except Exception as e:  # torch._dynamo / Inductor / Triton errors have no common public base
+        _FUSED["fn"], _FUSED["error"] = False, f"{type(e).__name__}: {e}"
+        print(f"curation.core.losses: the compiled per-token loss failed ({_FUSED['error'][:300]}); using the "
+              "eager cross-entropy", file=sys.stderr)
+        return None
 
 
 def scoring_loss_path(device: torch.device) -> tuple[str, str | None]:
@@ -188,9 +196,13 @@ def token_losses(
     flat = logits.reshape(b * length, vocab)
     flat_targets = targets.reshape(-1)
     rows = max(1, chunk_elements // max(vocab, 1))
-    if flat.shape[0] <= rows:
+    # Scoring on CUDA: one compiled pass over every row, which holds no float32 copy to bound (chunks of 2^25
+    # logits made 32 calls per step at b = 32 and a 32k vocabulary, each with its guards and launches: the loss
+    # was 0.08 of a forward on an H200); the eager chunks below if the compile failed.
+    nll_all = _fused_rows(flat, flat_targets) if flat.shape[0] > rows else None
+    if nll_all is None and flat.shape[0] <= rows:
         nll_all = _cross_entropy_rows(flat, flat_targets)
-    else:
+    elif nll_all is None:
         nll_all = torch.cat([
             _cross_entropy_rows(chunk, tgt)
             for chunk, tgt in zip(flat.split(rows), flat_targets.split(rows), strict=True)

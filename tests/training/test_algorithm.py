@@ -193,10 +193,15 @@ def test_a_non_finite_proxy_loss_fails_clearly(make_config):
 
     from training.runs.wiring import build_training
 
-    run = build_training(make_config("blade", max_steps=5), callbacks=[Poison()])
+    cfg = make_config("blade", max_steps=5)  # checkpoints every 4 steps: the next one would hold step 3
+    run = build_training(cfg, callbacks=[Poison()])
     with pytest.raises(ValueError, match="step 3: the proxy's token loss is not finite"):
         run.trainer.fit()
     run.trainer.close()
+    # checked once the step's results are read on the host (after its update, not between forward and backward
+    # as a sync there would cost a GPU step), and before the step is recorded or checkpointed
+    assert run.algorithm.last.step == 2
+    assert not [f for f in os.listdir(os.path.join(cfg.output_dir, "checkpoints")) if "ba4" in f]
 
 
 def test_one_precision_setting_reaches_the_reference_scorer(make_config):

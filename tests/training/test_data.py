@@ -157,3 +157,22 @@ def test_a_run_reads_every_candidate_batch_once(make_config, policy):
     reads = _counting(run.algorithm.stream)
     run.fit()
     assert reads == list(range(9)) and run.algorithm.counts["score_steps"] == 9 - cfg.selection.warmup_steps
+
+
+def test_the_trainer_steps_adamw_without_a_closure_and_counts_one_process_time_on_the_host(make_config):
+    """LeanTrainer: no optimizer closure (its ``.item()`` waited for the backward before AdamW was queued) and, in one
+    process, a step's samples and tokens counted without a round trip through the device; the counts a run keeps
+    are those of its rows."""
+    import datetime
+
+    from training.blocks.trainer import LeanTrainer
+    from training.runs.wiring import build_training
+
+    cfg = make_config("full", max_steps=3, eval={"interval": 100}, write_selected=False)
+    run = build_training(cfg)
+    assert isinstance(run.trainer, LeanTrainer) and run.trainer._use_closures() is False
+    dt = datetime.timedelta(seconds=0.25)
+    assert run.trainer._accumulate_time_across_ranks(8.0, 256, dt) == (8, 256, dt)
+    run.fit()
+    ts = run.trainer.state.timestamp
+    assert (int(ts.batch), int(ts.sample)) == (3, 3 * cfg.batch_size)

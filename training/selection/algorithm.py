@@ -172,21 +172,21 @@ class BladeAlgorithm(Algorithm):
         losses, valid = getattr(state.model, "module", state.model).token_losses(state.outputs, batch)
         with self.meters.timed("select", self.device):
             proxy_losses = losses.detach()
-            if not bool(torch.isfinite(proxy_losses[valid]).all()):
-                raise ValueError(
-                    f"step {p.step}: the proxy's token loss is not finite (training diverged?); "
-                    "lower optim.lr or check the model weights"
-                )
-            sel = self.select(p.step, proxy_losses, valid, batch.get("ref_loss"), selecting=p.selecting,
-                              offset=p.rows_done)
-            blocks = p.kept if self.ranks.world_size > 1 else p.kept[len(p.parts) : len(p.parts) + 1]
-            assert sel.kept == sum(blocks), (sel.kept, blocks)
+            # A non-finite loss fails the step in _after_step, once its results are read on the host; until then the
+            # selection sees 0 there (on a GPU its own check is a device assertion that would end the process).
+            finite = torch.isfinite(proxy_losses) | ~valid
+            sel = self.select(p.step, torch.where(finite, proxy_losses, 0.0), valid, batch.get("ref_loss"),
+                              selecting=p.selecting, offset=p.rows_done)
             batch["loss_mask"] = sel.local
             rows = slice(p.rows_done, p.rows_done + sel.mask.shape[0])  # the selection block's rows of the batch
+            # Device tensors, read on the host after the step (_after_step): a read here would make the host wait
+            # for the forward and the selection before queueing the backward (on a GPU, host work between a sync
+            # and the next kernel launch adds to the step).
             p.parts.append({
-                "tokens": p.full["tokens"][rows].detach().cpu().numpy(), "mask": sel.mask.cpu().numpy(),
-                "valid": sel.valid.cpu().numpy(), "scores": sel.scores.cpu().numpy(),
-                "sources": list(p.full["source"][rows]), "sample_ids": p.full["sample_id"][rows].cpu().numpy(),
+                "tokens": p.full["tokens"][rows], "mask": sel.mask, "valid": sel.valid, "scores": sel.scores,
+                "sources": list(p.full["source"][rows]), "sample_ids": p.full["sample_id"][rows],
+                "finite": finite.all(),
+                "kept": p.kept if self.ranks.world_size > 1 else p.kept[len(p.parts) : len(p.parts) + 1],
             })
             p.rows_done += proxy_losses.shape[0]
 
@@ -194,9 +194,16 @@ class BladeAlgorithm(Algorithm):
     def _after_step(self, state: State) -> None:
         p = self._pending
         assert p is not None and p.parts, "BATCH_END without a selection"
+        if not all(bool(part["finite"]) for part in p.parts):  # before anything of the step is recorded or saved
+            raise ValueError(
+                f"step {p.step}: the proxy's token loss is not finite (training diverged?); "
+                "lower optim.lr or check the model weights"
+            )
+        for part in p.parts:
+            assert int(part["mask"].sum()) == sum(part["kept"]), (int(part["mask"].sum()), part["kept"])
 
         def joined(key: str) -> np.ndarray:
-            return np.concatenate([part[key] for part in p.parts])
+            return np.concatenate([part[key].detach().cpu().numpy() for part in p.parts])
 
         rec = SelectionRecord(
             step=p.step, episode=p.episode, ref_version=p.ref_version, tokens=joined("tokens"), mask=joined("mask"),

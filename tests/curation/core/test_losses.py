@@ -336,3 +336,6 @@ def test_scoring_on_cuda_runs_the_compiled_one_pass_loss_within_float32_rounding
     eager = F.cross_entropy(logits.float(), flat_t, reduction="none").view(3, 100)
     torch.testing.assert_close(got[:, 1:], eager[:, :-1], rtol=0, atol=1e-4)
     assert float(got[:, 0].abs().max()) == 0
+    with torch.inference_mode():  # more rows than a chunk holds: one compiled pass over all of them, the same values
+        whole, _ = token_losses(logits.view(3, 100, 32000), tokens, chunk_elements=32000 * 50)
+    assert torch.equal(whole, got)
