@@ -36,7 +36,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The headline figures first, so that a run cut short by its budget still has them (on the H200 on 2026-11-26
 # the first whole run spent its 470 s before the end and printed nothing: each step is now reported as it ends).
-STEPS = ("scoring_b8", "scoring_b32", "training_b8", "training_b32", "pipeline_only", "selection", "scoring_ray",
+# "prepare" first: the demo corpora the training benches and the main job read (on a fresh machine, preparing them
+# inside the first training step made it run out of its time on the H200 on 2026-11-27).
+STEPS = ("prepare", "scoring_b8", "scoring_b32", "training_b8", "training_b32", "pipeline_only", "selection", "scoring_ray",
          "gpu_tests", "main_job")
 
 # The GPU shapes of issue 31 (bench_scoring's Llama of 134M parameters; bench_training's of 86.7M with head_dim 64).
@@ -51,12 +53,18 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
     """Each step's command line (after ``python``), at the GPU sizes or, with ``tiny``, at CPU test sizes."""
     py = [sys.executable]
     job = lambda name: [*py, os.path.join(REPO, "jobs", f"{name}.py")]  # noqa: E731
-    # 4 processes, a file each at a time (the two training files hold the longest tests)
-    gpu_tests = [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "4", *_gpu_test_files()]
+    # 4 processes, a file each at a time (the two training files hold the longest tests); short tracebacks, which
+    # the step's result keeps
+    gpu_tests = [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "4", "--tb=short",
+                 *_gpu_test_files()]
+    prepare = [*py, "-c", "import runpy, sys; ensure = runpy.run_path(sys.argv[1])['_ensure_data']\n"
+               "for path, seq_len in zip(sys.argv[2::2], sys.argv[3::2]): ensure(path, int(seq_len))",
+               os.path.join(REPO, "jobs", "bench_training.py")]
     if tiny:
         scoring = [*job("bench_scoring"), *_TINY_SCORING, "--json"]
         training = [*job("bench_training"), *_TINY_TRAINING, "--data", data, "--json"]
         return {
+            "prepare": [*prepare, data, "32"],
             "gpu_tests": gpu_tests,
             "scoring_b8": [*scoring, "--no-ray", "--batch", "2", "--steps", "2"],
             "scoring_b32": [*scoring, "--no-ray", "--batch", "4", "--steps", "2"],
@@ -73,7 +81,9 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
     scoring = [*job("bench_scoring"), "--device", "cuda", *_MODEL, "--range-steps", "9", "--json"]
     training = [*job("bench_training"), "--device", "cuda", "--clock", "wall", "--precision", "amp_bf16", *_MODEL,
                 "--repeats", "1", "--episodes", "1", "--json"]  # 2 episodes of τ = 20 steps per policy
-    return {
+    return {  # the training benches' corpus (L = 1024) and the main job's (the demo's, L = 128)
+        "prepare": [*prepare, os.path.join("runs", "demo", "data-L1024"), "1024", os.path.join("runs", "demo", "data"),
+                    "128"],
         "gpu_tests": gpu_tests,
         "scoring_b8": [*scoring, "--no-ray", "--batch", "8", "--steps", "90"],
         "scoring_b32": [*scoring, "--no-ray", "--batch", "32", "--steps", "90"],
@@ -112,7 +122,8 @@ def _last_json(text: str) -> dict | None:
 
 
 def run_step(name: str, cmd: list[str], timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # COLUMNS: pytest's summary lines keep each failure's message instead of cutting it at 80 columns
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "240"}
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -120,10 +131,12 @@ def run_step(name: str, cmd: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, out, err = "timeout", _text(e.stdout), _text(e.stderr)
     step = {"seconds": round(time.perf_counter() - start, 1), "rc": rc, "command": " ".join(cmd[1:])}
-    if name == "gpu_tests":  # the failing tests by name (the output's tail is mostly warnings)
+    if name == "gpu_tests":  # the failing tests by name, and their tracebacks (the output's tail is mostly warnings)
+        at = out.find("= FAILURES =")
         step["result"] = {**_pytest_counts(out),
-                          "failures": [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]}
-    elif name != "main_job":
+                          "failures": [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))],
+                          "tracebacks": out[max(at - 30, 0):][:6000] if at >= 0 else ""}
+    elif name not in ("main_job", "prepare"):
         step["result"] = _last_json(out)
     if rc != 0:
         step["tail"] = (out + err)[-1500:]

@@ -29,6 +29,8 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     assert all(int(opt(cmds[n], "--steps")) >= 90 for n in ("scoring_b8", "scoring_b32"))
     assert "--no-ray" not in cmds["scoring_ray"] and int(opt(cmds["scoring_ray"], "--ray-steps")) >= 90
     assert [opt(cmds[n], "--batch-size") for n in ("training_b8", "training_b32")] == ["8", "32"]
+    assert bench.STEPS[0] == "prepare" and cmds["prepare"][-4:] == [os.path.join("runs", "demo", "data-L1024"), "1024",
+                                                                    os.path.join("runs", "demo", "data"), "128"]
     assert opt(cmds["training_b8"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training_b8"]
     gpu_files = [a for a in cmds["gpu_tests"] if a.startswith("tests/")]
     assert "tests/curation/engine/test_workers.py" in gpu_files and "tests/jobs/test_bench_gpu.py" not in gpu_files
@@ -70,6 +72,8 @@ def test_the_gpu_tests_step_names_its_failing_tests(tmp_path):
     assert step["result"]["passed"] == 1 and step["result"]["failed"] == 1
     [failure] = step["result"]["failures"]
     assert failure.startswith("FAILED ") and failure.split()[1].endswith("test_two.py::test_fails")
+    assert failure.endswith("assert 1 == 2")  # the message too (COLUMNS: not cut at 80 columns)
+    assert "= FAILURES =" in step["result"]["tracebacks"] and "def test_fails" in step["result"]["tracebacks"]
 
 
 def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -145,7 +146,8 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     # episode cut short by max_steps stays float32 for a run extended from the checkpoint; seen at 12 on an H200)
     common = dict(max_steps=11, device="cuda", eval={"interval": 100})
     cfg = make_config("blade", "compact", **common)
-    on = train(cfg)
+    with _deterministic():
+        on = train(cfg)
     compact = on["run"].algorithm.reference.compact
     assert compact.holds  # after the last episode's scoring
     # pinned exactly (cudaHostRegister), not a block of the caching host allocator rounded up to a power of two
@@ -153,7 +155,8 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     parked = on["run"].algorithm.reference.workspace  # the refresh module kept for the next refresh, without memory
     assert parked.model is not None and all(t.numel() == 0 for t in parked.model.parameters())
     off_cfg = make_config("blade", "on-device", selection={"offload_reference": False}, **common)
-    off = train(off_cfg)
+    with _deterministic():
+        off = train(off_cfg)
     assert not off["run"].algorithm.reference.compact.holds
     ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
     assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
@@ -166,6 +169,18 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     assert len(dist["compact"]) == len(dist["fp32"]) == 11 - 2  # every selecting step (W = 2)
     # ‖u − w̃‖ against the bfloat16-rounded w̃: close to the float32 one, not equal
     assert np.allclose(dist["compact"], dist["fp32"], rtol=1e-2)
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """Deterministic CUDA kernels for runs compared mask for mask: the embedding's backward otherwise accumulates with
+    atomics, so two identical runs may round a loss differently and flip a token at the top-γ boundary."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def _tensors(state: dict) -> list[torch.Tensor]:
@@ -283,14 +298,16 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     # episode cut short by max_steps stays float32 for a run extended from the checkpoint; seen at 12 on an H200)
     common = dict(max_steps=11, device="cuda", eval={"interval": 100})  # refreshes at steps 2, 5, 8, 11
     cfg = make_config("blade-nosync", "offload", **common)
-    on = train(cfg)
+    with _deterministic():
+        on = train(cfg)
     ref = on["run"].algorithm.reference  # after the last episode's scoring: offloaded
     assert ref.optimizer_at is OptimizerAt.HOST and ref.optimizer_host._buffer.is_pinned()
     assert not ref.workspace.optimizer.state and ref.where is Where.HOST  # kept, emptied
     state = ref.optimizer_state()
     assert state["state"] and all(t.device.type == "cpu" for t in _tensors(state))
     off_cfg = make_config("blade-nosync", "on-device", selection={"offload_reference": False}, **common)
-    off = train(off_cfg)
+    with _deterministic():
+        off = train(off_cfg)
     kept = off["run"].algorithm.reference
     assert not kept.optimizer_host.holds and kept.optimizer_host.nbytes == 0
     assert any(t.is_cuda for t in _tensors(kept.optimizer_state()))
