@@ -30,6 +30,7 @@ from torch import Tensor
 from curation.core.selection import select_top_fraction
 
 __all__ = [
+    "all_ranks_true",
     "SCOPES",
     "Ranks",
     "GlobalSelection",
@@ -71,6 +72,16 @@ def current_ranks() -> Ranks:
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size())
     return Ranks()
+
+
+def all_ranks_true(flag: Tensor, ranks: Ranks) -> bool:
+    """Whether a boolean scalar ``flag`` is true on every rank: one ``all_reduce`` (MIN, on ``flag``'s device), so
+    every rank takes the same branch; with one rank, ``flag`` itself."""
+    if ranks.world_size == 1:
+        return bool(flag)
+    t = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def gather_rows(local: Tensor, ranks: Ranks) -> Tensor:

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -21,7 +22,12 @@ from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import demo_model_config
 from training.runs.single import train
-from training.selection.host_buffers import CompactReference, HostOptimizerState
+from training.selection.host_buffers import (
+    REGISTER_MIN_BYTES,
+    CompactReference,
+    HostOptimizerState,
+    page_aligned,
+)
 from training.selection.reference import OptimizerAt, Where
 
 
@@ -76,6 +82,22 @@ def test_compact_reference_reuses_its_buffer_and_copies_out():
     store.clear()
     assert not store.holds and store.nbytes == 2 * 60  # forgotten, still allocated
 
+
+
+def test_a_page_aligned_buffer_has_pages_of_its_own_and_outlives_its_owner_in_its_views():
+    """What a pinned buffer of REGISTER_MIN_BYTES or more is registered on (cudaHostRegister pins whole pages: a heap
+    block sharing a page with another registered buffer would fail to register)."""
+    t = page_aligned(3 * mmap.PAGESIZE // 4 + 1, torch.float32)  # 3 pages and 4 bytes: 4 pages mapped
+    assert t.dtype == torch.float32 and t.shape == (3 * mmap.PAGESIZE // 4 + 1,) and t.is_contiguous()
+    assert t.data_ptr() % mmap.PAGESIZE == 0
+    u = page_aligned(10, torch.bfloat16)
+    a, b = t.data_ptr(), u.data_ptr()
+    assert b >= a + 4 * mmap.PAGESIZE or a >= b + mmap.PAGESIZE  # no page shared with the other buffer
+    t.fill_(2.0)
+    view = t[5:9]
+    del t
+    assert torch.equal(view, torch.full((4,), 2.0))  # the mapping lives as long as a view of it
+    assert page_aligned(0, torch.float32).numel() == 0
 
 
 def test_the_final_save_reads_the_compact_reference_without_a_copy_and_writes_each_tensor_once(tmp_path):
@@ -150,8 +172,15 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
         on = train(cfg)
     compact = on["run"].algorithm.reference.compact
     assert compact.holds  # after the last episode's scoring
-    # pinned exactly (cudaHostRegister), not a block of the caching host allocator rounded up to a power of two
-    assert compact._buffer.is_pinned() and compact._registered == compact._buffer.data_ptr()
+    # pinned; this tiny model's buffer (under REGISTER_MIN_BYTES) is a block of the caching host allocator
+    assert compact._buffer.is_pinned() and compact.nbytes < REGISTER_MIN_BYTES and compact._registered is None
+    big = CompactReference()  # a reference of 1.5 MB: its own pages, registered exactly, unpinned on release
+    big.store(nn.Linear(768, 1024, bias=False).cuda(), version=0)
+    ptr = big._buffer.data_ptr()
+    assert big._registered == ptr and big._buffer.is_pinned() and ptr % mmap.PAGESIZE == 0
+    assert big.nbytes == 768 * 1024 * 2
+    big._release()
+    assert big._registered is None and not big._buffer.is_pinned()
     parked = on["run"].algorithm.reference.workspace  # the refresh module kept for the next refresh, without memory
     assert parked.model is not None and all(t.numel() == 0 for t in parked.model.parameters())
     off_cfg = make_config("blade", "on-device", selection={"offload_reference": False}, **common)

@@ -34,7 +34,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import Tensor, nn
 
-from curation.core.distributed import global_rows
+from curation.core.distributed import all_ranks_true, global_rows
 from curation.core.losses import target_valid
 from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
 from curation.core.schedule import WARMUP_EPISODE, Schedule
@@ -194,7 +194,9 @@ class BladeAlgorithm(Algorithm):
     def _after_step(self, state: State) -> None:
         p = self._pending
         assert p is not None and p.parts, "BATCH_END without a selection"
-        if not all(bool(part["finite"]) for part in p.parts):  # before anything of the step is recorded or saved
+        # Before anything of the step is recorded or saved, and on every rank at once (data-parallel: a NaN on one
+        # rank has reached every rank's weights through the gradient all-reduce)
+        if not all_ranks_true(torch.stack([part["finite"] for part in p.parts]).all(), self.ranks):
             raise ValueError(
                 f"step {p.step}: the proxy's token loss is not finite (training diverged?); "
                 "lower optim.lr or check the model weights"

@@ -21,6 +21,8 @@ in one reused pinned host buffer, and the next refresh copies it back (non-block
 from __future__ import annotations
 
 import copy
+import ctypes
+import mmap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,33 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["CompactReference", "HostOptimizerState"]
+
+
+#: Pinned buffers from this size on are registered exactly (page-aligned pages of their own); smaller ones are blocks
+#: of the caching host allocator, whose rounding up costs at most this much.
+REGISTER_MIN_BYTES = 1 << 20
+
+
+def page_aligned(size: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised 1-d tensor of ``size`` elements on pages of its own (an anonymous memory mapping, released
+    when the last view of it goes)."""
+    nbytes = size * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    return torch.frombuffer(mmap.mmap(-1, pages), dtype=torch.uint8, count=nbytes).view(dtype)
+
+
+def _clear_cuda_error() -> None:
+    """Clear CUDA's last error after a failed runtime call (the next kernel launch's check would report it):
+    ``cudaGetLastError`` of the process's CUDA runtime, found among its mapped libraries; best effort."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            libraries = {line.split()[-1] for line in f if "libcudart" in line}
+        for library in libraries:
+            ctypes.CDLL(library).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 class _HostBuffer:
@@ -48,21 +77,31 @@ class _HostBuffer:
         return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
 
     def _allocate(self, size: int) -> None:
-        """A buffer of ``size`` elements; pinned, it is page-locked with ``cudaHostRegister``, exactly its bytes:
-        ``pin_memory=True`` takes blocks from the caching host allocator, which rounds each up to a power of two
-        (an 86.7M-parameter reference in bfloat16, 165 MB, held 256 MB of pinned host memory on an H200)."""
+        """A buffer of ``size`` elements. Pinned, a buffer of :data:`REGISTER_MIN_BYTES` or more is page-locked with
+        ``cudaHostRegister``, exactly its pages: ``pin_memory=True`` takes blocks from the caching host allocator,
+        which rounds each up to a power of two (an 86.7M-parameter reference in bfloat16, 165 MB, held 256 MB of
+        pinned host memory on an H200). The pages are the buffer's own (an anonymous mapping, :func:`page_aligned`):
+        a heap block could share a page with another registered buffer, whose registration then fails and leaves
+        CUDA's last error for the next kernel launch to report, or pin unrelated tensors."""
         self._release()
-        self._buffer = torch.empty(size, dtype=self.dtype)
-        if self.pin and size:
-            ptr, nbytes = self._buffer.data_ptr(), size * self._buffer.element_size()
-            if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
-                self._registered = ptr
-            else:  # e.g. a locked-memory limit: the allocator's pinned block (rounded up) instead
-                self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=True)
+        nbytes = size * torch.empty(0, dtype=self.dtype).element_size()
+        if not self.pin or nbytes < REGISTER_MIN_BYTES:
+            self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=self.pin and size > 0)
+            return
+        self._buffer = page_aligned(size, self.dtype)
+        ptr = self._buffer.data_ptr()
+        if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+            self._registered = ptr
+        else:  # not expected on pages of its own: the allocator's pinned block (rounded up) instead
+            _clear_cuda_error()
+            self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=True)
 
     def _release(self) -> None:
-        """Unpin the buffer before its memory can be freed (views of it stay valid, as ordinary host memory)."""
+        """Unpin the buffer before its memory can be freed (views of it stay valid, as ordinary host memory), once no
+        copy from or to it is in flight (the caching host allocator tracked that with events; these pages are not
+        its)."""
         if self._registered is not None:
+            torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from curation.core.distributed import Ranks, global_rows, normalised_loss, select_across_ranks
+from curation.core.distributed import Ranks, all_ranks_true, global_rows, normalised_loss, select_across_ranks
 
 B, L, V, GAMMA = 6, 5, 11, 0.45
 
@@ -60,8 +60,10 @@ def main() -> None:
                            rows_total=global_rows(len(range(B)[rows]), ranks))
     loss.backward()
     grad = torch.cat([p.grad.flatten() for p in ddp.module.parameters()])
-    torch.save({"global": res["global"].__dict__, "rank": res["rank"].__dict__, "warm": warm.__dict__,
-                "grad": grad}, f"{out}/rank{rank}.pt")
+    # a flag false on rank 1 only is false on every rank; true on both, true
+    agree = [all_ranks_true(torch.tensor(rank == 0), ranks), all_ranks_true(torch.tensor(True), ranks)]
+    fields = {name: {**s.__dict__, "kept": s.kept} for name, s in (*res.items(), ("warm", warm))}
+    torch.save({**fields, "grad": grad, "agree": agree}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 

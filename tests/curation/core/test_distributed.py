@@ -86,6 +86,7 @@ def test_two_gloo_ranks_select_like_one_process_and_average_to_its_gradient(tmp_
         assert res["rank"]["kept"] == sum(kept_per_block(valid, W.GAMMA, 3))
         # warm-up: every valid token, whole batch
         assert torch.equal(res["warm"]["mask"], valid) and torch.equal(res["warm"]["local"], valid[rows])
+        assert res["agree"] == [False, True]  # all_ranks_true: false on rank 1 only is false on both ranks
 
     # The DDP-averaged gradient of the globally normalised loss is the single-process gradient of the batch.
     m = W.model()
