@@ -181,6 +181,8 @@ def headline(steps: dict[str, dict]) -> dict:
             "pipeline_tokens_per_s_one_core": get("pipeline_only", "tokens_per_s_one_core"),
             "ray_over_in_process": get("scoring_ray", "ray", "ray_over_in_process"),
             "ray_scaling_efficiency": get("scoring_ray", "ray", "scaling_efficiency"),
+            # one Ray worker's time per unit: asking for it, scoring it, waiting for the coordinator's record
+            "ray_1_worker_ms_per_unit": get("scoring_ray", "ray", "runs", "1", "workers", "0"),
             "goals": {"worker_over_forward": 0.90, "loss_over_forward": 0.05, "pipeline_tokens_per_s": 5e6,
                       "ray_over_in_process": 0.90},
         },

@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 with RayEngine(engine_work, pool) as engine:
                     engine.pids  # noqa: B018 - waits until every worker has loaded its model
                     runs[n] = _timed_ray_run(engine, ref)
+                runs[n]["workers"] = _ray_worker_times(engine.worker_results)
         steady = {n: r["steady_tokens_per_s"] for n, r in runs.items()}
         result["ray"] = {"steps": args.ray_steps, "runs": runs, "tokens_per_s_1_worker": steady[1],
                          "tokens_per_s_2_workers": steady[2], "speedup": steady[2] / steady[1],
@@ -388,6 +389,19 @@ def _report(result: dict, as_json: bool) -> int:
               f"core (goal >= {PIPELINE_GOAL:,.0f}: {'ok' if r['ok'] else 'MISSED'}); wall-clock "
               f"{r['wall_tokens_per_s']:,.0f} tokens/s")
     return 0
+
+
+def _ray_worker_times(results: dict[int, dict]) -> dict:
+    """Per worker, where a unit's time went under Ray (ms per unit): asking for it (``wait``), scoring and writing it
+    (``run``, the in-process worker's work), waiting for the coordinator's record of it (``report``); and the
+    worker process's niceness (the driver's, unless the cluster lowers its workers' priority)."""
+    out = {}
+    for wid, r in sorted(results.items()):
+        units = max(int(r.get("units", 0)), 1)
+        out[str(wid)] = {"units": r.get("units", 0), "niceness": r.get("niceness"),
+                         **{f"{k}_ms_per_unit": r[f"{k}_s"] / units * 1e3 for k in ("wait", "run", "report")
+                            if f"{k}_s" in r}}
+    return out
 
 
 def _timed_ray_run(engine, ref: Weights) -> dict:

@@ -25,6 +25,13 @@ class Coordinator:
     handed out in step order. A worker asking again while it still holds a unit gets the same unit back:
     that is a worker restarted by Ray redoing the unit it crashed in (counted in :attr:`redone`).
 
+    A worker does not wait for its report: it asks for its next unit *releasing* the one it has just written
+    (``next_unit(worker, released=name)``) while the report (:meth:`complete`) is still on its way, so the
+    coordinator's recording (index, manifest, an upload to a bucket) overlaps the next unit's scoring. A released
+    unit is *reporting*: neither pending nor held, until its report arrives, in either order. A worker that
+    (re)starts says so (:meth:`worker_started`): a report of its still missing then may have died with the old
+    process, so those units go back to pending (redone), and a report that still comes for one is ignored.
+
     Args:
         units: all units of the run (any order).
         done: names of units already finished (resume).
@@ -42,6 +49,7 @@ class Coordinator:
             raise ValueError(f"finished parts {sorted(unknown)[:3]} are not units of this plan")
         self.done: set[str] = set(done)
         self.assigned: dict[int, str] = {}
+        self.reporting: dict[str, int] = {}  # unit → the worker whose report of it is on its way
         self.published: set[tuple[str, int]] = set()
         self.lookahead = lookahead
         self.trainer_step = 0
@@ -75,12 +83,19 @@ class Coordinator:
         return self.lookahead is None or unit.stop <= self.trainer_step + self.lookahead
 
     def pending(self) -> list[WorkUnit]:
-        """Units neither finished nor held by a worker, in step order."""
-        held = set(self.assigned.values())
+        """Units neither finished nor held by a worker nor reported, in step order."""
+        held = set(self.assigned.values()) | set(self.reporting)
         return [u for u in self.units if u.name not in self.done and u.name not in held]
 
-    def next_unit(self, worker: int) -> tuple[str, WorkUnit | None]:
-        """``("work", unit)``, ``("wait", None)`` (nothing ready yet) or ``("stop", None)``."""
+    def next_unit(self, worker: int, released: str | None = None) -> tuple[str, WorkUnit | None]:
+        """``("work", unit)``, ``("wait", None)`` (nothing ready yet) or ``("stop", None)``.
+
+        Args:
+            worker: the asking worker.
+            released: the unit the worker has just written, its report on the way (see the class)."""
+        if released is not None and self.assigned.get(worker) == released:
+            del self.assigned[worker]
+            self.reporting[released] = worker
         if self.failed is not None or self.stopped:
             return "stop", None
         if worker in self.assigned:
@@ -98,11 +113,26 @@ class Coordinator:
                 break  # later units are further ahead still
         return "wait", None
 
-    def complete(self, worker: int, name: str) -> WorkUnit:
-        held = self.assigned.get(worker)
-        if held != name:
-            raise ValueError(f"worker {worker} reports {name} finished but holds {held}")
-        del self.assigned[worker]
+    def worker_started(self, worker: int) -> None:
+        """``worker`` (re)started: its reports still on their way are taken as lost (the units go back to pending)."""
+        for name in [n for n, w in self.reporting.items() if w == worker]:
+            del self.reporting[name]
+            self.redone += 1
+
+    def complete(self, worker: int, name: str) -> WorkUnit | None:
+        """Record that ``worker`` wrote unit ``name``; the unit, or ``None`` for the late report of a unit given back
+        to pending when its worker restarted (ignored: the unit is redone).
+
+        Raises:
+            ValueError: the unit is finished, or held or reported by another worker."""
+        if self.reporting.get(name) == worker:
+            del self.reporting[name]
+        elif self.assigned.get(worker) == name:
+            del self.assigned[worker]
+        elif name in self.by_name and any(u.name == name for u in self.pending()):
+            return None
+        else:
+            raise ValueError(f"worker {worker} reports {name} finished but holds {self.assigned.get(worker)}")
         self.done.add(name)
         return self.by_name[name]
 
@@ -122,5 +152,6 @@ class Coordinator:
     def progress(self) -> dict[str, Any]:
         return {
             "units_done": len(self.done), "units_total": len(self.units), "working": dict(self.assigned),
+            "reporting": len(self.reporting),
             "trainer_step": self.trainer_step, "redone": self.redone, "failed": self.failed,
         }

@@ -300,8 +300,9 @@ class EngineState:
 
     # --- workers and trainer -------------------------------------------------------------------
     def complete(self, worker: int, result: PartResult) -> None:
-        """A worker wrote its unit's part: record it and count it."""
-        self.core.complete(worker, result.unit)
+        """A worker wrote its unit's part: record it and count it (not the late report of a unit being redone)."""
+        if self.core.complete(worker, result.unit) is None:
+            return
         self.ledger.record(result)
         self.stats.add(result)
         self.prune()

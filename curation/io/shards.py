@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 import json
 import mmap
 import os
@@ -142,29 +143,57 @@ def write_part(
     return n
 
 
+#: (merged directory, part) → (a digest of its bytes, its shards rebased on the merged directory): an output's index is
+#: merged after each new part without parsing and checking every earlier part's index again (thousands of parts
+#: made each merge, and a long run, quadratic); keyed by content, so a rewritten index is always read anew
+_PART_SHARDS: OrderedDict[tuple[str, str], tuple[bytes, list[dict[str, Any]]]] = OrderedDict()
+_PART_SHARDS_MAX = 16384
+_PART_SHARDS_LOCK = threading.Lock()
+
+
+def _part_shards(root: str, part: str, index_path: str) -> list[dict[str, Any]]:
+    """The shard entries of one part's index, their file names relative to ``root`` (checked to stay in the part)."""
+    with open(index_path, "rb") as f:
+        raw = f.read()
+    digest = hashlib.blake2b(raw, digest_size=16).digest()
+    where = (os.path.abspath(root), part)  # rebased on root: the same part merged into another root is another entry
+    with _PART_SHARDS_LOCK:
+        hit = _PART_SHARDS.get(where)
+        if hit is not None and hit[0] == digest:
+            _PART_SHARDS.move_to_end(where)
+            return hit[1]
+    index = json.loads(raw)
+    shards = []
+    for shard in index["shards"]:
+        shard = dict(shard)
+        for key in ("raw_data", "zip_data"):
+            if shard.get(key):
+                name = safe_join(os.path.join(root, part), shard[key].get("basename"), what=f"{key}.basename",
+                                 source_file=storage.display(index_path))
+                shard[key] = {**shard[key], "basename": os.path.relpath(name, root).replace(os.sep, "/")}
+        shards.append(shard)
+    with _PART_SHARDS_LOCK:
+        _PART_SHARDS[where] = (digest, shards)
+        _PART_SHARDS.move_to_end(where)
+        while len(_PART_SHARDS) > _PART_SHARDS_MAX:
+            _PART_SHARDS.popitem(last=False)
+    return shards
+
+
 def merge_part_indexes(root: str, parts: Sequence[str]) -> int:
     """Write ``root/index.json`` listing the shards of ``parts`` (relative dirs), in order.
 
-    Parts without an ``index.json`` (empty parts) are skipped. Returns the number of samples listed.
+    Parts without an ``index.json`` (empty parts) are skipped. Returns the number of samples listed. A part's
+    index is parsed and checked once per process while its bytes stay the same (:data:`_PART_SHARDS`).
     """
     shards: list[dict[str, Any]] = []
-    total = 0
     manifest = storage.display(Manifest.path_in(root))
     for part in parts:
         index_path = os.path.join(safe_join(root, part, what="part", source_file=manifest), "index.json")
         if not storage.fetch(index_path):  # a part another machine wrote into an object-store directory: fetched
             continue
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-        for shard in index["shards"]:
-            shard = dict(shard)
-            for key in ("raw_data", "zip_data"):
-                if shard.get(key):
-                    name = safe_join(os.path.join(root, part), shard[key].get("basename"), what=f"{key}.basename",
-                                     source_file=storage.display(index_path))
-                    shard[key] = {**shard[key], "basename": os.path.relpath(name, root).replace(os.sep, "/")}
-            shards.append(shard)
-            total += shard["samples"]
+        shards.extend(_part_shards(root, part, index_path))
+    total = sum(shard["samples"] for shard in shards)
     atomic_write_text(os.path.join(root, "index.json"), json.dumps({"version": 2, "shards": shards}, indent=1))
     storage.publish(os.path.join(root, "index.json"))
     return total

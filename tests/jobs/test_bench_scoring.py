@@ -82,7 +82,13 @@ def test_ray_part_runs_one_then_two_workers():
     assert set(ray["runs"]) == {"1", "2"}
     for run in ray["runs"].values():
         assert run["steady_tokens_per_s"] > 0 and run["startup_s"] >= 0
-        assert set(run) == {"startup_s", "whole_run_tokens_per_s", "steady_tokens_per_s", "steady_tokens"}
+        assert set(run) == {"startup_s", "whole_run_tokens_per_s", "steady_tokens_per_s", "steady_tokens", "workers"}
+    for n, run in ray["runs"].items():  # where each worker's time went, per unit
+        assert len(run["workers"]) == int(n) and sum(w["units"] for w in run["workers"].values()) >= 3
+        for w in run["workers"].values():
+            assert set(w) == {"units", "niceness", "wait_ms_per_unit", "run_ms_per_unit", "report_ms_per_unit"}
+            assert w["niceness"] == os.nice(0)  # the local instance runs its workers at the driver's priority
+            assert min(w["wait_ms_per_unit"], w["run_ms_per_unit"], w["report_ms_per_unit"]) >= 0
     assert ray["speedup"] == pytest.approx(ray["tokens_per_s_2_workers"] / ray["tokens_per_s_1_worker"])
     assert ray["scaling_efficiency"] == pytest.approx(ray["speedup"] / 2)
     assert ray["ray_over_in_process"] > 0

@@ -13,7 +13,8 @@ the driver (a job, or the trainer's process) holds a :class:`RayEngine` inside :
 * **Scoring workers** (``num_gpus=1`` when the cluster has GPUs, else CPU with ``threads`` each): a loop
   ``serve()`` asks the coordinator for the next unit, fetches the weights of a version only when it
   changes (``ray.get`` of the registry's reference, never weights inside a call), runs the plain
-  :class:`~curation.engine.workers.ScoringWorker`, and reports the written part. A worker killed mid-unit is
+  :class:`~curation.engine.workers.ScoringWorker`, and reports the written part without waiting (it asks for
+  its next unit at once; the coordinator records the part while that unit is scored). A worker killed mid-unit is
   restarted by Ray (``max_restarts``) and its ``serve()`` call retried (``max_task_retries``); the
   coordinator hands the restarted worker the unit it held, so the unit is redone exactly once and its
   leftover ``.tmp`` replaced. Bad data is reported with shard and record; the coordinator then stops
@@ -141,9 +142,14 @@ class _CoordinatorActor:
         self.state.start()
         self._notify()
 
-    async def next_unit(self, worker: int) -> dict[str, Any] | None:
+    async def next_unit(self, worker: int, released: str | None = None, started: bool = False) -> dict[str, Any] | None:
+        """The worker's next unit and the handles of the weights it needs (``None``: stop); waits for one to be
+        ready. ``released``: the unit the worker has just written (its report is on the way); ``started``: the
+        worker's first call since it (re)started (see :class:`~curation.engine.coordinator.Coordinator`)."""
+        if started:
+            self.state.core.worker_started(worker)
         while True:
-            status, unit = self.state.core.next_unit(worker)
+            status, unit = self.state.core.next_unit(worker, released)
             if status == "stop":
                 return None
             if status == "work":
@@ -218,11 +224,31 @@ class _WorkerActor:
         return os.getpid()
 
     def serve(self, coordinator: Any) -> dict[str, Any]:
+        """Score units until the coordinator has none left; the worker's stats, with where the time went:
+        ``wait_s`` (asking for a unit, waiting for one to be ready), ``run_s`` (scoring and writing, weights
+        fetches included) and ``report_s`` (waiting for the coordinator to have recorded a part).
+
+        A written part's report is not waited for: the request for the next unit, releasing the written one, is
+        sent first and the report after it, so the coordinator can hand out the next unit before it records the
+        part (index, manifest, an upload to a bucket) while the worker scores. One report is on its way at a
+        time: it is waited for before the next one is sent, and before returning."""
         wid = self.worker.worker_id
+        times = {"wait_s": 0.0, "run_s": 0.0, "report_s": 0.0}
+        report, result, released, started = None, None, None, True
         while True:
-            job = ray.get(coordinator.next_unit.remote(wid))
+            t0 = time.perf_counter()
+            ask = coordinator.next_unit.remote(wid, released, started)
+            if result is not None:
+                report = coordinator.complete.remote(wid, result)
+            job = ray.get(ask)
+            t1 = time.perf_counter()
+            times["wait_s"] += t1 - t0
+            started = False
             if job is None:
-                return {**self.worker.stats, "restarted": self.restarted}
+                if report is not None:
+                    ray.get(report)
+                times["report_s"] += time.perf_counter() - t1
+                return {**self.worker.stats, **times, "restarted": self.restarted, "niceness": os.nice(0)}
             unit = WorkUnit.from_dict(job["unit"])
             refs = job["weights"]
             try:
@@ -231,7 +257,12 @@ class _WorkerActor:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
                 ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}"))
                 raise
-            ray.get(coordinator.complete.remote(wid, result))
+            t2 = time.perf_counter()
+            times["run_s"] += t2 - t1
+            if report is not None:  # the previous part's record (its error, if any, raised here)
+                ray.get(report)
+            released = unit.name
+            times["report_s"] += time.perf_counter() - t2
 
 
 class _RefreshActor:

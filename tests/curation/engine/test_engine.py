@@ -257,3 +257,50 @@ def test_extension_gaps_name_the_snapshots_a_shorter_run_never_published():
     for old in (8, 9, 10):
         assert over.extension_gaps(old, 2) == ["u^(7) for the overlapped refresh 2"]
     assert over.extension_gaps(7, 2) == [] and over.extension_gaps(11, 2) == []
+
+
+def test_a_worker_asks_for_its_next_unit_while_its_report_is_on_the_way():
+    """Released units are neither pending nor held; the report may come before or after the next request."""
+    c = Coordinator(_units(), lookahead=None)
+    for v in range(3):
+        c.publish(REFERENCE, v)
+    _, u0 = c.next_unit(0)
+    _, u1 = c.next_unit(0, released=u0.name)  # the report of u0 has not arrived yet
+    assert u1.first == u0.stop and c.reporting == {u0.name: 0} and c.assigned == {0: u1.name}
+    assert u0 not in c.pending() and c.redone == 0
+    _, u2 = c.next_unit(1)
+    assert u2.first == u1.stop  # u0 is not handed out again
+    assert c.complete(0, u0.name) == u0 and c.reporting == {} and u0.name in c.done
+    assert c.complete(0, u1.name) == u1  # report first ...
+    _, u3 = c.next_unit(0, released=u1.name)  # ... then the request releasing it: nothing left to release
+    assert c.assigned == {0: u3.name, 1: u2.name} and c.reporting == {} and c.redone == 0
+    with pytest.raises(ValueError, match="holds"):
+        c.complete(1, u3.name)  # held by worker 0
+    with pytest.raises(ValueError, match="holds"):
+        c.complete(0, u0.name)  # finished already
+    assert c.progress()["reporting"] == 0
+
+
+def test_a_restarted_worker_gives_back_the_unit_whose_report_may_have_died_with_it():
+    c = Coordinator(_units(), lookahead=None)
+    for v in range(3):
+        c.publish(REFERENCE, v)
+    _, u0 = c.next_unit(0)
+    _, u1 = c.next_unit(0, released=u0.name)  # report of u0 on its way, u1 being scored: the worker dies
+    c.worker_started(0)  # its serve() retried in the new process
+    assert c.reporting == {} and c.redone == 1 and c.pending()[0] == u0
+    assert c.next_unit(0) == ("work", u1) and c.redone == 2  # the unit it held, redone
+    _, again = c.next_unit(1)
+    assert again == u0  # the unit whose report was lost goes to the next asking worker
+    with pytest.raises(ValueError, match="holds"):
+        c.complete(0, u0.name)  # the old report arriving now: u0 is held by worker 1
+    assert c.complete(1, u0.name) == u0
+    c.worker_started(1)  # a first start: nothing of its on the way
+    assert c.redone == 2 and c.assigned == {0: u1.name}
+    c3 = Coordinator(_units(), lookahead=None)
+    c3.publish(REFERENCE, 0)
+    _, w0 = c3.next_unit(0)
+    c3.next_unit(0, released=w0.name)
+    c3.worker_started(0)
+    assert c3.complete(0, w0.name) is None and w0.name not in c3.done  # late report of a pending unit: ignored
+    assert c3.pending()[0] == w0

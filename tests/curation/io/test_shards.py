@@ -137,3 +137,35 @@ def test_a_cache_that_cannot_be_written_still_reads(tmp_path, monkeypatch):
     rows = _pool(str(tmp_path / "pool"), parts=2)
     reader = ShardReader(str(tmp_path / "pool"), mapped=True)
     assert np.array_equal(reader[45]["tokens"], rows[45]["tokens"]) and reader[3]["source"] == rows[3]["source"]
+
+
+def test_merging_again_reads_a_rewritten_part_index_and_checks_it(tmp_path):
+    """Each part's index is parsed once per process (a long run merges after every part), keyed by its bytes: an
+    index rewritten in place, even to the same size within the file clock's tick, is read and checked anew."""
+    import json
+
+    from curation.io.paths import UnsafeNameError
+    from curation.io.shards import merge_part_indexes
+
+    root = str(tmp_path / "pool")
+    _pool(root, parts=3, per=4)
+    names = [f"part-{p:05d}" for p in range(3)]
+    merged = json.load(open(os.path.join(root, "index.json")))
+    assert [s["zip_data"]["basename"].split("/")[0] for s in merged["shards"]] == names
+    path = os.path.join(root, names[1], "index.json")
+    index = json.load(open(path))
+    old_hash = index["shards"][0]["zip_data"]["hashes"]["xxh64"]
+    new_hash = old_hash[::-1] if old_hash[::-1] != old_hash else "0" * len(old_hash)
+    index["shards"][0]["zip_data"]["hashes"]["xxh64"] = new_hash  # same size
+    size = os.path.getsize(path)
+    with open(path, "w") as f:
+        json.dump(index, f)
+    merge_part_indexes(root, names)
+    merged = json.load(open(os.path.join(root, "index.json")))
+    assert merged["shards"][1]["zip_data"]["hashes"]["xxh64"] == new_hash
+    assert merged["shards"][0]["zip_data"]["hashes"]["xxh64"] != new_hash or size != os.path.getsize(path)
+    index["shards"][0]["zip_data"]["basename"] = "../part-00000/shard.00000.mds.zstd"  # leaves its part
+    with open(path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(UnsafeNameError, match=r"part-00001/index\.json: zip_data\.basename"):
+        merge_part_indexes(root, names)
