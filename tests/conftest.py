@@ -194,11 +194,16 @@ def tiny_train(engine_demo):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray instance for one test module (tests using it carry the ``ray`` marker)."""
+    """A local Ray instance for one test module (tests using it carry the ``ray`` marker); its workers at the test
+    process's priority, as :func:`~curation.engine.ray_backend.session.ray_session` starts them."""
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the actors import this checkout
+    from curation.engine.ray_backend.session import WORKER_NICENESS
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(WORKER_NICENESS, "0")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the actors import this checkout
     try:
         yield ray
     finally:
