@@ -199,10 +199,9 @@ def token_losses(
     # Scoring on CUDA: one compiled pass over every row, which holds no float32 copy to bound (chunks of 2^25
     # logits made 32 calls per step at b = 32 and a 32k vocabulary, each with its guards and launches: the loss
     # was 0.08 of a forward on an H200); the eager chunks below if the compile failed.
-    nll_all = _fused_rows(flat, flat_targets) if flat.shape[0] > rows else None
-    if nll_all is None and flat.shape[0] <= rows:
+    if flat.shape[0] <= rows:
         nll_all = _cross_entropy_rows(flat, flat_targets)
-    elif nll_all is None:
+    elif (nll_all := _fused_rows(flat, flat_targets)) is None:
         nll_all = torch.cat([
             _cross_entropy_rows(chunk, tgt)
             for chunk, tgt in zip(flat.split(rows), flat_targets.split(rows), strict=True)

@@ -41,7 +41,7 @@ REGISTER_MIN_BYTES = 1 << 20
 def page_aligned(size: int, dtype: torch.dtype) -> Tensor:
     """An uninitialised 1-d tensor of ``size`` elements on pages of its own (an anonymous memory mapping, released
     when the last view of it goes)."""
-    nbytes = size * torch.empty(0, dtype=dtype).element_size()
+    nbytes = size * dtype.itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -84,7 +84,7 @@ class _HostBuffer:
         a heap block could share a page with another registered buffer, whose registration then fails and leaves
         CUDA's last error for the next kernel launch to report, or pin unrelated tensors."""
         self._release()
-        nbytes = size * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = size * self.dtype.itemsize
         if not self.pin or nbytes < REGISTER_MIN_BYTES:
             self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=self.pin and size > 0)
             return
