@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from bench.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
-from bench.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training
+from bench.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training, same_training
 from bench.quality.setting import (
     MAX_EPOCHS,
     POLICIES,
@@ -260,21 +260,29 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
                     **cand)
         r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": _dev_curve(r, ev, res, "blade", cand),
                         "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
+    _choose(r, r.sweep, "sweep_budget")
+    r.best = dict(next(c["setting"] for c in r.sweep if c["chosen"]))
+    # RHO-1's reference trains with the refresh's η_w and batch (ref_lr, refresh_batch_size): the length sweep runs
+    # with BLADE's chosen setting, as the main stage's rho1 runs do, so that its chosen run is their seed 0
     for n in s.rho1_sweep:
         cand = {"rho1_steps": n}
         res = t.run(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
                     rho1_steps=n)
-        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", cand),
-                             "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, cand).as_dict()})
-    for rows, attr in ((r.sweep, "sweep_budget"), (r.rho1_sweep, "rho1_budget")):
-        chosen, budget, losses = sweep_choice([c["curve"] for c in rows])
-        setattr(r, attr, budget)
-        for c, v in zip(rows, losses, strict=True):
-            c["dev_at_budget"] = v
-            c["chosen"] = c is rows[chosen]
-    r.best = {**next(c["setting"] for c in r.sweep if c["chosen"]),
-              "rho1_steps": next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])}
+        sel = {**r.best, **cand}
+        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", sel),
+                             "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, sel).as_dict()})
+    _choose(r, r.rho1_sweep, "rho1_budget")
+    r.best["rho1_steps"] = next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])
     print(f"[sweep] chosen at equal compute on the dev split: {r.best}", flush=True)
+
+
+def _choose(r: Runs, rows: list[dict[str, Any]], budget_attr: str) -> None:
+    """Mark the candidate of one family with the lowest dev loss at the cheapest candidate's FLOPs as chosen."""
+    chosen, budget, losses = sweep_choice([c["curve"] for c in rows])
+    setattr(r, budget_attr, budget)
+    for c, v in zip(rows, losses, strict=True):
+        c["dev_at_budget"] = v
+        c["chosen"] = c is rows[chosen]
 
 
 def _reuse_policies(s: Setting, setting: str) -> tuple[str, ...]:
@@ -290,7 +298,8 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
     s, shape = r.s, run_shape(r.s)
     r.eq_steps = {p: equal_compute_steps(shape, p, s.steps, r.best) for p in POLICIES}
     snaps = _curve_steps(s.curve_interval, s.steps)
-    # the chosen sweep runs are the first setting's seed-0 runs of blade and rho1 (same config and seed)
+    # a chosen sweep run is the first setting's seed-0 run of its policy when it trained exactly as that run would
+    # (same data, model, schedule, selection and seed; its name, snapshots and progress output aside)
     chosen = {"blade": next(c["run"] for c in r.sweep if c["chosen"]),
               "rho1": next(c["run"] for c in r.rho1_sweep if c["chosen"])}
     for setting in SETTINGS:
@@ -301,11 +310,15 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
             main["full"].append(t.run(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
                                       steps=max(full_snaps), snapshots=full_snaps))
             for p in POLICIES[1:]:
+                kw = dict(policy=p, seed=seed, mcfg=_start(r), data=data, snapshots=snaps,
+                          write_selected=seed < s.reuse_seeds and p in reused)
                 if p in chosen and seed == 0 and setting == SETTINGS[0]:
-                    main[p].append(chosen[p])
-                    continue
-                main[p].append(t.run(f"{pre}{p}-seed{seed}", policy=p, seed=seed, mcfg=_start(r), data=data,
-                                     snapshots=snaps, write_selected=seed < s.reuse_seeds and p in reused))
+                    own = t.config(f"{pre}{p}-seed{seed}", **{k: v for k, v in kw.items() if k != "snapshots"})
+                    if same_training(chosen[p]["config"], own.model_dump(mode="json")):
+                        main[p].append(chosen[p])
+                        continue
+                    print(f"[main] {p}-seed0: the chosen sweep run trained otherwise; training it", flush=True)
+                main[p].append(t.run(f"{pre}{p}-seed{seed}", **kw))
 
 
 def target_extra_steps(s: Setting, selections: list[float], base: float, per_step: float) -> int:

@@ -26,11 +26,11 @@ from curation.io.models import build_causal_lm, save_weights
 from curation.io.outdir import ConfigMismatch, check_config_record
 from schemas.config import SourceConfig
 from schemas.manifest import sha256_file
-from schemas.records import operational_keys
+from schemas.records import config_diff, operational_keys
 from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig
 from training.runs.single import replay, train
 
-__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "run_training", "run_replay", "Evaluator", "final_val"]
+__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
 
 REUSED: list[str] = []  # runs of this invocation taken from an earlier one
 
@@ -72,9 +72,11 @@ class SaveAtSteps(Callback):
             save_weights(state.model.model, os.path.join(self.directory, f"step{n}.safetensors"))
 
 
-# selection keys a policy does not read (a finished full/random run stays valid when the refresh setting changes)
-_UNUSED_BY = {p: ("refresh_steps", "ref_lr", "lam", "ref_weight_decay", "ref_grad_clip", "refresh_batch_size",
-                  "refresh_candidate_batches", "rho1_steps", "reference_weights") for p in ("full", "random")}
+# selection keys a policy does not read (a finished full/random run stays valid when the refresh setting changes;
+# rho1's static reference trains with the refresh's η_w and batch but not its K or λ; blade never reads rho1_steps)
+_UNUSED_BY = {**{p: ("refresh_steps", "ref_lr", "lam", "ref_weight_decay", "ref_grad_clip", "refresh_batch_size",
+                     "refresh_candidate_batches", "rho1_steps", "reference_weights") for p in ("full", "random")},
+              "rho1": ("refresh_steps", "lam"), "blade": ("rho1_steps",), "blade-nosync": ("rho1_steps",)}
 #: Settings a run may change and still resume (progress bars, checkpoint retention): train()/replay() ignore them too.
 _OPERATIONAL = operational_keys(TrainConfig) | operational_keys(ReplayConfig)
 
@@ -101,22 +103,37 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "selection": {k: v for k, v in sel.items() if k not in unused}}
 
 
-def _cached(result_path: str, config: dict[str, Any]) -> bool:
-    """Whether a finished run's result can be reused: it exists and was made with the same settings.
+def same_training(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two recorded run configs train the same model on the same tokens: equal but for where the run is
+    written, its snapshots, what the policy does not read and operational settings (progress output,
+    checkpoint retention)."""
+    ignore = {"output_dir", "snapshots", *_OPERATIONAL}
+    return not config_diff(_effective(a), _effective(b), ignore=ignore)
 
-    A run directory left by a different setting (e.g. after the refresh sweep chose differently) is
-    removed so that the run starts afresh instead of resuming someone else's checkpoints."""
+
+def _newer(path: str, than: str) -> bool:
+    return os.path.exists(path) and os.path.exists(than) and os.path.getmtime(path) > os.path.getmtime(than)
+
+
+def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> bool:
+    """Whether a finished run's result can be reused: it exists, was made with the same settings, and none of
+    its ``inputs`` (files it read, e.g. the manifest of replayed shards) was written again since.
+
+    A run directory left by a different setting (e.g. after the refresh sweep chose differently) or made from
+    inputs written since is removed so that the run starts afresh instead of resuming someone else's
+    checkpoints."""
     run_dir = os.path.dirname(result_path)
+    saved = os.path.join(run_dir, "config.yaml")
+    remade = [p for p in inputs if _newer(p, result_path if os.path.exists(result_path) else saved)]
     if os.path.exists(result_path):
         with open(result_path) as f:
-            if _effective(json.load(f).get("config", {})) == _effective(config):
+            if _effective(json.load(f).get("config", {})) == _effective(config) and not remade:
                 REUSED.append(os.path.basename(run_dir))
                 return True
-        print(f"[run] {os.path.basename(run_dir)}: settings changed since the recorded run; training it again",
-              flush=True)
+        why = f"{remade[0]} was written again" if remade else "settings changed"
+        print(f"[run] {os.path.basename(run_dir)}: {why} since the recorded run; training it again", flush=True)
     if os.path.isdir(run_dir):
-        saved = os.path.join(run_dir, "config.yaml")
-        stale = os.path.exists(result_path)
+        stale = os.path.exists(result_path) or bool(remade)
         if not stale and os.path.exists(saved):  # an unfinished run resumes only with the same config
             try:
                 check_config_record(saved, {k: v for k, v in config.items() if k != "snapshots"},
@@ -128,11 +145,12 @@ def _cached(result_path: str, config: dict[str, Any]) -> bool:
     return False
 
 
-def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit) -> dict[str, Any]:
+def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit,
+         inputs: tuple[str, ...] = ()) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     if snapshots:
         config["snapshots"] = sorted(snapshots)
-    if _cached(result_path, config):
+    if _cached(result_path, config, inputs):
         with open(result_path) as f:
             return json.load(f)
     timer = StepTimer()
@@ -171,7 +189,8 @@ def run_replay(cfg: ReplayConfig, result_path: str, *, snapshots: tuple[int, ...
         out = replay(cfg, callbacks=callbacks)
         return {"final_weights": out["final_weights"], "validation": out["validation"]}
 
-    return _run(cfg, result_path, snapshots, fit)
+    # shards selected again since (a proxy run retrained) make the replay stale even under the same settings
+    return _run(cfg, result_path, snapshots, fit, inputs=(os.path.join(cfg.selected, "manifest.json"),))
 
 
 def final_val(res: dict[str, Any], at: int | None = None) -> float:

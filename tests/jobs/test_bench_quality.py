@@ -77,6 +77,12 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
         assert all(row["curve"][0] == [0.0, pytest.approx(res["dev_split"]["base_loss"])] for row in rows)
     assert res["best_refresh"]["rho1_steps"] == next(x["setting"]["rho1_steps"] for x in sweep
                                                      if x["policy"] == "rho1" and x["chosen"])
+    # RHO-1's reference trains with BLADE's chosen η_w and batch, in the sweep as in the main stage
+    for n in (x["setting"]["rho1_steps"] for x in sweep if x["policy"] == "rho1"):
+        sel = json.loads((out / "runs" / f"sweep-rho1-{n}" / "result.json").read_text())["config"]["selection"]
+        assert (sel["ref_lr"], sel["refresh_batch_size"]) == (res["best_refresh"]["ref_lr"],
+                                                               res["best_refresh"]["refresh_batch_size"])
+    assert "trained otherwise" not in proc.stdout  # so its chosen run is the main stage's seed 0
     for role in ("proxy", "target"):
         b = res["bases"][role]
         assert b["tokens_per_parameter"] == pytest.approx(b["tokens"] / b["parameters"]) and b["curve"]
@@ -152,3 +158,33 @@ def test_unfinished_run_of_other_settings_is_not_resumed(tmp_path):
     assert run_dir.exists()  # same settings: left for train() to resume from its checkpoints
     assert not bq._cached(str(run_dir / "result.json"), {"selection": {"policy": "rho1", "refresh_batch_size": 16}})
     assert not run_dir.exists()
+
+
+def test_a_replay_of_shards_made_again_since_is_trained_again(tmp_path, capsys):
+    import time
+
+    bq = _bench_module()
+    selected = tmp_path / "runs" / "rho1-seed0" / "selected"
+    selected.mkdir(parents=True)
+    manifest = selected / "manifest.json"
+    manifest.write_text("{}")
+    replay = {"selected": str(selected), "max_steps": None}
+    run_dir = tmp_path / "runs" / "target-replay-rho1-seed0"
+    _write_run(run_dir, replay)
+    inputs = (str(manifest),)
+    old = time.time() - 100
+    os.utime(manifest, (old, old))
+    assert bq._cached(str(run_dir / "result.json"), replay, inputs)  # the shards predate the replay
+    manifest.write_text("{}")  # the proxy run was trained again: its shards are new
+    assert not bq._cached(str(run_dir / "result.json"), replay, inputs)
+    assert not run_dir.exists()
+    assert f"{manifest} was written again since the recorded run" in capsys.readouterr().out
+    # an unfinished replay of older shards does not resume either
+    import yaml
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(replay))
+    os.utime(run_dir / "config.yaml", (old, old))
+    assert not bq._cached(str(run_dir / "result.json"), replay, inputs)
+    assert not run_dir.exists()
+

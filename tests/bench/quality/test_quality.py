@@ -154,3 +154,25 @@ def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
     assert _effective(old) == _effective(cfg)
     changed = {**old, "batch_size": old["batch_size"] * 2}
     assert _effective(changed) != _effective(cfg)
+
+
+def test_same_training_sets_aside_only_what_does_not_change_the_run():
+    from bench.quality.runs import same_training
+    from schemas.train_config import TrainConfig
+
+    cfg = TrainConfig.demo_default().model_dump(mode="json")
+    rho1 = {**cfg, "selection": {**cfg["selection"], "policy": "rho1", "rho1_steps": 400, "ref_lr": 3e-3,
+                                 "refresh_batch_size": 8, "refresh_steps": 30, "lam": 0.25}}
+    # a sweep run under another name, with snapshots, quiet: the same training
+    sweep = {**rho1, "output_dir": "/o/runs/sweep-rho1-400", "snapshots": [500, 1000], "progress_bar": False}
+    assert same_training(sweep, {**rho1, "output_dir": "/o/runs/rho1-seed0"})
+    # rho1 does not read BLADE's K or λ ...
+    assert same_training(sweep, {**rho1, "selection": {**rho1["selection"], "refresh_steps": 10, "lam": 0.0}})
+    # ... but its reference trains with the refresh's η_w and batch, and the length, seed and steps count
+    for key, value in (("ref_lr", 1e-3), ("refresh_batch_size", 4), ("rho1_steps", 200), ("seed", 1)):
+        assert not same_training(sweep, {**rho1, "selection": {**rho1["selection"], key: value}}), key
+    assert not same_training(sweep, {**rho1, "max_steps": rho1["max_steps"] + 1})
+    assert not same_training(sweep, {**rho1, "write_selected": not rho1["write_selected"]})
+    blade = {**rho1, "selection": {**rho1["selection"], "policy": "blade"}}
+    assert same_training(blade, {**blade, "selection": {**blade["selection"], "rho1_steps": 100}})
+    assert not same_training(blade, {**blade, "selection": {**blade["selection"], "lam": 0.0}})
