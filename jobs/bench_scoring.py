@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                                      gpus=None if args.device == "cuda" else 0)
                 with RayEngine(engine_work, pool) as engine:
                     engine.pids  # noqa: B018 - waits until every worker has loaded its model
-                    runs[n] = _timed_ray_run(engine, ref)
-                runs[n]["workers"] = _ray_worker_times(engine.worker_results)
-        steady = {n: r["steady_tokens_per_s"] for n, r in runs.items()}
+                    runs[str(n)] = _timed_ray_run(engine, ref)
+                runs[str(n)]["workers"] = _ray_worker_times(engine.worker_results)
+        steady = {int(n): r["steady_tokens_per_s"] for n, r in runs.items()}
         result["ray"] = {"steps": args.ray_steps, "runs": runs, "tokens_per_s_1_worker": steady[1],
                          "tokens_per_s_2_workers": steady[2], "speedup": steady[2] / steady[1],
                          "scaling_efficiency": steady[2] / (2 * steady[1]),
@@ -284,17 +284,29 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; measured peak {mem['full_logits_peak_mib']:.1f} vs {mem['hidden_chunks_peak_mib']:.1f} MiB"
              if "full_logits_peak_mib" in mem else ""))
     if "ray" in result:
-        r = result["ray"]
-        one = r["runs"][1]
-        print(f"Ray, {r['threads_per_worker']} thread(s) per worker on {r['cpu_count']} CPUs "
-              f"(1-min load average {r['load_average_1min']:.1f}), wall-clock, steady state after the first unit:")
-        print(f"  1 worker {r['tokens_per_s_1_worker']:,.0f} tokens/s = {r['ray_over_in_process']:.3f} × the in-process "
-              f"worker's {result['worker_wall_tokens_per_s']:,.0f} (goal >= {GOAL:.2f}); start-up (weights from the "
-              f"object store + first unit) {one['startup_s']:.2f}s, whole run with it {one['whole_run_tokens_per_s']:,.0f} "
-              f"tokens/s")
-        print(f"  2 workers {r['tokens_per_s_2_workers']:,.0f} tokens/s → speed-up {r['speedup']:.2f}×, "
-              f"scaling efficiency {r['scaling_efficiency']:.0%}")
+        print("\n".join(ray_text(result)))
     return 0
+
+
+def ray_text(result: dict) -> list[str]:
+    """The Ray part's lines of the text report (``result`` as printed with ``--json``: runs keyed "1" and "2")."""
+    r = result["ray"]
+    one = r["runs"]["1"]
+    lines = [f"Ray, {r['threads_per_worker']} thread(s) per worker on {r['cpu_count']} CPUs "
+             f"(1-min load average {r['load_average_1min']:.1f}), wall-clock, steady state after the first unit:",
+             f"  1 worker {r['tokens_per_s_1_worker']:,.0f} tokens/s = {r['ray_over_in_process']:.3f} × the in-process "
+             f"worker's {result['worker_wall_tokens_per_s']:,.0f} (goal >= {GOAL:.2f}); start-up (weights from the "
+             f"object store + first unit) {one['startup_s']:.2f}s, whole run with it {one['whole_run_tokens_per_s']:,.0f} "
+             f"tokens/s",
+             f"  2 workers {r['tokens_per_s_2_workers']:,.0f} tokens/s → speed-up {r['speedup']:.2f}×, "
+             f"scaling efficiency {r['scaling_efficiency']:.0%}"]
+    for n, run in sorted(r["runs"].items()):
+        for wid, t in run["workers"].items():
+            times = ", ".join(f"{k} {t[f'{k}_ms_per_unit']:.1f}" for k in ("wait", "run", "report")
+                              if f"{k}_ms_per_unit" in t)
+            lines.append(f"  {n} worker(s), worker {wid}: {t['units']} units, ms per unit: {times} "
+                         f"(niceness {t['niceness']})")
+    return lines
 
 
 def worker_precision(device: torch.device) -> str:

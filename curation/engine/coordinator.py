@@ -129,7 +129,7 @@ class Coordinator:
             del self.reporting[name]
         elif self.assigned.get(worker) == name:
             del self.assigned[worker]
-        elif name in self.by_name and any(u.name == name for u in self.pending()):
+        elif any(u.name == name for u in self.pending()):
             return None
         else:
             raise ValueError(f"worker {worker} reports {name} finished but holds {self.assigned.get(worker)}")

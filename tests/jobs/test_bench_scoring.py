@@ -92,3 +92,9 @@ def test_ray_part_runs_one_then_two_workers():
     assert ray["speedup"] == pytest.approx(ray["tokens_per_s_2_workers"] / ray["tokens_per_s_1_worker"])
     assert ray["scaling_efficiency"] == pytest.approx(ray["speedup"] / 2)
     assert ray["ray_over_in_process"] > 0
+    # the text report shows the same per-unit times (one line per worker of each run)
+    lines = load_job("bench_scoring").ray_text(out)
+    one = ray["runs"]["1"]["workers"]["0"]
+    assert f"  1 worker(s), worker 0: {one['units']} units, ms per unit: wait {one['wait_ms_per_unit']:.1f}, " \
+           f"run {one['run_ms_per_unit']:.1f}, report {one['report_ms_per_unit']:.1f} (niceness {os.nice(0)})" in lines
+    assert len([x for x in lines if " worker(s), worker " in x]) == 3
