@@ -54,10 +54,10 @@ def check_reference(val_losses: Sequence[float], weights: Iterable[Tensor], *, v
     losses = [float(v) for v in val_losses]
     if any(not math.isfinite(v) for v in losses):
         raise DivergenceError(f"the reference diverged in a refresh: its validation loss became {losses[-1]}; {fix}")
-    for w in weights:
-        w = w.to_local() if hasattr(w, "to_local") else w  # (a sharded weight: this rank's shard)
-        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
-            raise DivergenceError(f"the reference diverged in a refresh: its weights are no longer finite; {fix}")
+    local = [w.to_local() if hasattr(w, "to_local") else w for w in weights]  # (a sharded weight: this rank's shard)
+    finite = [torch.isfinite(w).all() for w in local if w.is_floating_point() and w.numel()]
+    if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):  # one read for all weights
+        raise DivergenceError(f"the reference diverged in a refresh: its weights are no longer finite; {fix}")
     if len(losses) < 2:
         return
     first, last, worst = losses[0], losses[-1], max(losses[1:])

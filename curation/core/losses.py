@@ -318,12 +318,19 @@ class TokenBatch:
     mask: Tensor | None = None
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        """Return a copy with every tensor moved to ``device``."""
-        return TokenBatch(
-            self.tokens.to(device),
-            None if self.valid is None else self.valid.to(device),
-            None if self.mask is None else self.mask.to(device),
-        )
+        """Return a copy with every tensor moved to ``device``. To a CUDA device, a host tensor is staged in pinned
+        memory and copied asynchronously: a copy from pageable memory would make the host wait until the device
+        has finished everything queued before it."""
+        device = torch.device(device)
+
+        def move(t: Tensor | None) -> Tensor | None:
+            if t is None or t.device == device:
+                return t
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return TokenBatch(move(self.tokens), move(self.valid), move(self.mask))
 
 
 def as_token_batch(batch: Any) -> TokenBatch:

@@ -300,9 +300,11 @@ def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBat
 
 
 def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
+    # whether every position is real, asked where the batch is (on the host, before its copy: no device read)
+    padded = batch.valid is not None and not bool(batch.valid.all())
     batch = batch.to(device)
     with autocast(precision, device):
-        logits = model_logits(model, batch.tokens, batch.valid)
+        logits = model_logits(model, batch.tokens, batch.valid if padded else None)
     losses, valid = token_losses(logits, batch.tokens, batch.valid)
     if use_mask and batch.mask is not None:
         alpha = batch.mask
@@ -313,6 +315,16 @@ def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use
         alpha = alpha & valid if alpha.dtype == torch.bool else alpha.float() * valid
         return masked_mean(losses, alpha)
     return masked_mean(losses, valid)
+
+
+def _read_logged(result: RefreshResult, logged: dict[str, list[Tensor]], device: torch.device) -> None:
+    """Fill ``result``'s per-step lists from the device tensors the steps left, in one device→host read."""
+    flat = [t.detach().to(device=device, dtype=torch.float32).reshape(()) for ts in logged.values() for t in ts]
+    values = torch.stack(flat).tolist() if flat else []
+    i = 0
+    for name, ts in logged.items():
+        getattr(result, name).extend(values[i:i + len(ts)])
+        i += len(ts)
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -401,6 +413,9 @@ def refresh_reference(
     result = RefreshResult(model=ref, optimizer_state={})
     val_it = iter(val_batches)
     cand_it = iter(cand_batches) if (cand_batches is not None and lam != 0) else None
+    # the per-step figures stay on the device until the last step: the host never waits for a step to finish
+    # (on a GPU it queues step k+1 while step k runs), and reads them all at once at the end
+    logged: dict[str, list[Tensor]] = {"val_losses": [], "objectives": [], "grad_norms": [], "train_losses": []}
     with torch.inference_mode(False), torch.enable_grad():
         for step in range(steps):
             vb = _next_batch(val_it, "val_batches", step, steps)
@@ -411,15 +426,16 @@ def refresh_reference(
                 cb = _next_batch(cand_it, "cand_batches", step, steps)
                 l_train = _mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
                 objective = l_val + lam * l_train
-                result.train_losses.append(float(l_train.detach()))
+                logged["train_losses"].append(l_train.detach())
             objective.backward()
             # max_norm=inf measures the total norm without clipping
             norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip or float("inf"))
             opt.step()
-            result.val_losses.append(float(l_val.detach()))
-            result.objectives.append(float(objective.detach()))
-            result.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))  # sharded: Σ ranks
+            logged["val_losses"].append(l_val.detach())
+            logged["objectives"].append(objective.detach())
+            logged["grad_norms"].append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: Σ ranks
     opt.zero_grad(set_to_none=True)
+    _read_logged(result, logged, device)
     if steps:  # a diverged reference stops the run (one line naming selection.ref_lr), not scores on silently
         check_reference(result.val_losses, params, vocab_size=_vocab_size(ref), lr=settings.lr)
     ref.eval()

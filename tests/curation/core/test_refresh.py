@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from curation.core.losses import TokenBatch, model_logits, token_losses
 from curation.core.refresh import RefreshSettings, RefreshStart, refresh_reference, train_static_reference
 from curation.core.selection import masked_mean
 from curation.core.stats import param_distance
+from tests.conftest import REPO
 
 VOCAB = 32
 SEQ = 24
@@ -375,3 +378,68 @@ def test_bf16_refresh_on_cuda_tracks_the_float32_refresh():
     b = refresh_reference(proxy, val_stream(0), cand_stream(1), settings(5, precision="amp_bf16"))
     assert b.objectives != a.objectives  # bf16 really ran
     assert max(abs(x - y) / max(abs(x), 1.0) for x, y in zip(a.objectives, b.objectives, strict=True)) < 3e-2
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of a tensor's value into Python (``float``, ``bool``, ``int``, ``.item()``, ``.tolist()``)
+    made outside torch itself, by the file that made them: on a GPU each is a host–device synchronisation. (AdamW's
+    own reads of its step counts are left out: those tensors live on the host.)"""
+
+    READS = {"__float__", "__bool__", "__int__", "__index__", "item", "tolist"}
+
+    def __init__(self):
+        super().__init__()
+        self.by_file: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            caller = sys._getframe(1).f_code.co_filename
+            if f"{os.sep}torch{os.sep}" not in caller:
+                self.by_file[caller] = self.by_file.get(caller, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_a_refresh_reads_its_figures_from_the_device_once_not_per_step(lam):
+    """The host never waits for a refresh step: the K steps' losses and norms are read at the end, in one read, and
+    the divergence check reads every weight's finiteness at once, so a GPU can queue step k+1 while step k runs."""
+    proxy = tiny_llama(0)
+    reads = {}
+    for k in (2, 6):
+        with _HostReads() as mode:
+            res = refresh_reference(proxy, val_stream(0), cand_stream(1), settings(k, lam=lam))
+        reads[k] = mode.by_file
+        assert len(res.val_losses) == len(res.objectives) == len(res.grad_norms) == k
+        assert len(res.train_losses) == (k if lam else 0)
+    assert reads[2] == reads[6]  # not one more per step
+    ours = {os.path.relpath(f, REPO): n for f, n in reads[6].items()}
+    assert ours == {"curation/core/refresh.py": 1, "curation/core/divergence.py": 1}
+    # the figures are the steps' own: recomputed one step at a time from the same start
+    one = refresh_reference(proxy, val_stream(0), cand_stream(1), settings(1, lam=lam))
+    assert one.val_losses[0] == res.val_losses[0] and one.grad_norms[0] == res.grad_norms[0]
+    assert one.objectives[0] == pytest.approx(mean_loss(proxy, next(val_stream(0))) + lam * (
+        one.train_losses[0] if lam else 0.0))
+
+
+@pytest.mark.gpu
+def test_a_refresh_on_cuda_synchronises_as_often_for_any_k():
+    """The device-side count of the test above: CUDA's own sync detector sees no more synchronisations for K = 6
+    than for K = 2 (the steps never wait for the host, nor the host for them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.set_sync_debug_mode)")
+    import warnings
+
+    proxy = tiny_llama(0).cuda()
+    refresh_reference(proxy, val_stream(0), cand_stream(1), settings(1))  # warm-up: lazy inits, kernel loads
+    syncs = {}
+    for k in (2, 6):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                refresh_reference(proxy, val_stream(0), cand_stream(1), settings(k))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = [f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+        syncs[k] = {x: where.count(x) for x in where}
+    assert syncs[2] == syncs[6], syncs  # where each synchronisation was made, for K = 2 and K = 6
