@@ -51,7 +51,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--episodes", type=int, default=2, help="measured episodes (one more runs first, unmeasured)")
     p.add_argument("--repeats", type=int, default=2, help="runs per policy, alternating full / blade")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (not measured)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[16],
+                   help="b; several (e.g. 8 32) run one after the other in each policy's process (one start-up each), "
+                   "and the JSON holds one report per b under by_batch")
     p.add_argument("--refresh-batch-size", type=int, default=None, help="rb (default b/4)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=None,
@@ -111,7 +113,18 @@ def _vocab(data_dir: str) -> int:
     return int(Manifest.load(os.path.join(data_dir, "candidates")).vocab_size)
 
 
+def _at_batch(args: argparse.Namespace, b: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "batch_size": b})
+
+
 def worker(args: argparse.Namespace) -> dict:
+    """Train one policy at each batch size in turn, in this process; per batch size, what :func:`worker_run` reports
+    (its peak RSS: this process's so far, the batch sizes run in ascending order)."""
+    return {str(b): (bare if args.worker == "bare" else worker_run)(_at_batch(args, b))
+            for b in sorted(set(args.batch_size))}
+
+
+def worker_run(args: argparse.Namespace) -> dict:
     """Train one policy; report each measured episode's mean step time and phase timers, and peak RSS."""
     from composer.core import Callback
 
@@ -256,17 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _args(argv)
     if args.worker:
-        result = bare(args) if args.worker == "bare" else worker(args)
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f)
+            json.dump(worker(args), f)
         return 0
+    args.batch_size = sorted(set(args.batch_size))  # ascending: each b's peak RSS is at most the next one's
     _ensure_data(args.data, args.seq_len)
     t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {"full": [], "blade": [], "bare": []}
     for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit every run alike
         for policy in ("full", "blade") if args.no_bare else ("full", "blade", "bare"):
             runs[policy].append(_run_worker(args, policy, argv))
-    report(args, runs["full"], runs["blade"], time.perf_counter() - t0, bares=runs["bare"])
+    seconds = time.perf_counter() - t0
+    results = {str(b): report(_at_batch(args, b), *([r[str(b)] for r in runs[p]] for p in ("full", "blade")), seconds,
+                              bares=[r[str(b)] for r in runs["bare"]])
+               for b in args.batch_size}
+    if args.json:  # one b: its report as it is; several: each under by_batch
+        [one] = results.values() if len(results) == 1 else [{"batch_sizes": args.batch_size, "by_batch": results}]
+        print(json.dumps(one))
     return 0
 
 
@@ -276,7 +295,8 @@ def _fastest(results: list[dict]) -> dict:
 
 
 def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], seconds: float, *,
-           bares: list[dict] | None = None) -> None:
+           bares: list[dict] | None = None) -> dict:
+    """Print one batch size's text report; returns its JSON object."""
     b, tau, k, rb = args.batch_size, args.tau, args.refresh_steps, blades[0]["refresh_batch_size"]
     plain, blade = _fastest(plains), _fastest(blades)
     t_plain, t_blade = plain["step_seconds"], blade["step_seconds"]
@@ -346,10 +366,9 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
               f"its peak RSS {bare_rss:.0f} MB")
         if bares[0].get("peak_gpu_mb") is not None and "peak_gpu_mb" in result:
             result["peak_gpu_mb"]["bare"] = max(r["peak_gpu_mb"] for r in bares)
-    print(f"  {seconds:.0f} s for {len(plains) + len(blades) + len(bares or [])} runs; command: python jobs/bench_training.py "
-          + " ".join(sys.argv[1:]))
-    if args.json:
-        print(json.dumps(result))
+    print(f"  {seconds:.0f} s for {len(plains) + len(blades) + len(bares or [])} runs (every batch size); command: "
+          "python jobs/bench_training.py " + " ".join(sys.argv[1:]))
+    return result
 
 
 def _span(values: list[float]) -> str:

@@ -20,7 +20,7 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     def opt(cmd, name):
         return cmd[cmd.index(name) + 1]
 
-    for name in ("scoring_b8", "scoring_b32", "pipeline_only", "scoring_ray", "training_b8", "training_b32"):
+    for name in ("scoring_b8", "scoring_b32", "pipeline_only", "scoring_ray", "training"):
         cmd = cmds[name]
         assert opt(cmd, "--device") == "cuda" and "--json" in cmd, name
         assert (opt(cmd, "--seq-len"), opt(cmd, "--hidden"), opt(cmd, "--layers"), opt(cmd, "--heads")) == \
@@ -28,10 +28,11 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     assert [opt(cmds[n], "--batch") for n in ("scoring_b8", "scoring_b32")] == ["8", "32"]
     assert all(int(opt(cmds[n], "--steps")) >= 90 for n in ("scoring_b8", "scoring_b32"))
     assert "--no-ray" not in cmds["scoring_ray"] and int(opt(cmds["scoring_ray"], "--ray-steps")) >= 90
-    assert [opt(cmds[n], "--batch-size") for n in ("training_b8", "training_b32")] == ["8", "32"]
+    b = cmds["training"].index("--batch-size")
+    assert cmds["training"][b + 1:b + 3] == ["8", "32"]  # both sizes in one invocation (3 process starts, not 6)
     assert bench.STEPS[0] == "prepare" and cmds["prepare"][-4:] == [os.path.join("runs", "demo", "data-L1024"), "1024",
                                                                     os.path.join("runs", "demo", "data"), "128"]
-    assert opt(cmds["training_b8"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training_b8"]
+    assert opt(cmds["training"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training"]
     gpu_files = [a for a in cmds["gpu_tests"] if a.startswith("tests/")]
     assert "tests/curation/engine/test_workers.py" in gpu_files and "tests/jobs/test_bench_gpu.py" not in gpu_files
     with pytest.raises(SystemExit):
@@ -88,3 +89,13 @@ def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, 
     assert report["headline"]["scoring"]["worker_over_forward_b8"] is None
     with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:
         assert [json.loads(line)["step"] for line in f] == list(bench.STEPS)
+
+
+def test_the_headline_reads_both_batch_sizes_of_the_one_training_step():
+    bench = load_job("bench_gpu", "_headline")
+    by = {b: {"blade_over_plain": r, "predicted": 1.5, "plain_over_bare": 1.1, "peak_rss_ratio": m, "peak_gpu_mem_ratio": 1.0}
+          for b, r, m in (("8", 1.65, 1.2), ("32", 1.53, 1.08))}
+    head = bench.headline({"training": {"rc": 0, "result": {"batch_sizes": [8, 32], "by_batch": by}}})["training"]
+    assert head["blade_over_predicted_b8"] == pytest.approx(1.1) and head["blade_over_predicted_b32"] == pytest.approx(1.02)
+    assert (head["blade_over_plain_b8"], head["peak_rss_ratio_b32"]) == (1.65, 1.08)
+    assert bench.headline({"training": {"rc": 1, "result": None}})["training"]["blade_over_predicted_b8"] is None

@@ -1,0 +1,34 @@
+"""jobs/bench_training.py at tiny sizes on a CPU: several batch sizes in one invocation, one report each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_two_batch_sizes_run_in_each_policys_process_and_report_each(tmp_path):
+    data = tmp_path / "data"
+    cmd = [sys.executable, os.path.join(REPO, "jobs", "bench_training.py"), "--device", "cpu", "--seq-len", "32",
+           "--hidden", "32", "--layers", "1", "--heads", "2", "--tau", "4", "--refresh-steps", "2", "--episodes", "1",
+           "--repeats", "1", "--warmup", "2", "--data", str(data), "--batch-size", "8", "4", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batch_sizes"] == [4, 8] and set(out["by_batch"]) == {"4", "8"}
+    for b, r in out["by_batch"].items():
+        assert r["batch_size"] == int(b) and r["refresh_batch_size"] == int(b) // 4
+        # the pass-count prediction at this b: 1 + 1/3 + (K/τ)·(2·rb/b)
+        assert r["predicted"] == pytest.approx(1 + 1 / 3 + (2 / 4) * (2 * (int(b) // 4) / int(b)))
+        assert r["blade_over_plain"] == pytest.approx(r["blade_step_ms"] / r["plain_step_ms"])
+        assert r["plain_over_bare"] == pytest.approx(r["plain_step_ms"] / r["bare_step_ms"])
+    # one process per policy ran both sizes, smaller first: its peak RSS so far can only grow
+    rss = out["by_batch"]
+    assert all(rss["4"]["peak_rss_mb"][p] <= rss["8"]["peak_rss_mb"][p] for p in ("plain", "blade", "bare"))
+    assert proc.stdout.count("BLADE training benchmark:") == 2 and "b = 4," in proc.stdout and "b = 8," in proc.stdout
