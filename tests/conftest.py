@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -13,6 +14,28 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # bench/ (the experiments) is not installed: the tests import it from the checkout
     sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@contextlib.contextmanager
+def cuda_syncs():
+    """``with cuda_syncs() as where:`` the ``file:line`` (relative to the checkout) of every synchronising CUDA
+    call made inside, from CUDA's own sync detector (``torch.cuda.set_sync_debug_mode("warn")``). torch 2.11 also
+    warns, when the mode is set, that the mode "is a prototype feature": that warning is not a synchronisation
+    (seen on the H200 on 2026-11-26 and 2026-11-27) and is left out."""
+    import warnings
+
+    import torch
+
+    where: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield where
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where.extend(f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught
+                 if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
 
 
 @pytest.fixture

@@ -325,7 +325,8 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
         pytest.skip("needs a CUDA device (the offload path moves the optimizer state off the GPU)")
     # 11 steps: the last episode (τ = 3 from step 8) is whole, so its reference is compacted once scored (an
     # episode cut short by max_steps stays float32 for a run extended from the checkpoint; seen at 12 on an H200)
-    common = dict(max_steps=11, device="cuda", eval={"interval": 100})  # refreshes at steps 2, 5, 8, 11
+    # refreshes at steps 2, 5 and 8 (none at 11: no episode follows it; the CPU run of this config counts 3 too)
+    common = dict(max_steps=11, device="cuda", eval={"interval": 100})
     cfg = make_config("blade-nosync", "offload", **common)
     with _deterministic():
         on = train(cfg)
@@ -340,7 +341,7 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     kept = off["run"].algorithm.reference
     assert not kept.optimizer_host.holds and kept.optimizer_host.nbytes == 0
     assert any(t.is_cuda for t in _tensors(kept.optimizer_state()))
-    assert on["run"].algorithm.counts["refreshes"] == off["run"].algorithm.counts["refreshes"] == 4
+    assert on["run"].algorithm.counts["refreshes"] == off["run"].algorithm.counts["refreshes"] == 3
     ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
     assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     # The same values are expected bit for bit (the CPU test above asserts it); the float32 tolerance only

@@ -67,7 +67,7 @@ def test_the_configs_name_the_shared_files_by_their_resolved_paths():
 
 
 @pytest.mark.parametrize("preset", ["cpu", "quick"])
-def test_dev_split_is_disjoint_by_document_hashes(preset):
+def test_dev_split_is_disjoint_by_document_hashes(preset, shared_data):  # reads the texts of ../shared/data
     """The dev split (every choice is made on it) shares no document with the pool's GSM8K, the validation slice
     the references train on, or any evaluation set, compared by the hashes of the texts actually read."""
     from bench.quality.setting import DEV_DOCS, dev_source, document_hashes
@@ -82,6 +82,7 @@ def test_dev_split_is_disjoint_by_document_hashes(preset):
     for other in [gsm_pool, cfgs["pool"].validation[0], *eval_sources(s)]:
         assert not dev_h & document_hashes(other), other.name
     assert document_hashes(gsm_pool) & document_hashes(gsm_pool)  # the check can see an overlap
+
 
 @pytest.mark.slow
 def test_full_snapshot_equals_a_shorter_run(make_config, tmp_path):

@@ -16,7 +16,7 @@ from curation.core.losses import TokenBatch, model_logits, token_losses
 from curation.core.refresh import RefreshSettings, RefreshStart, refresh_reference, train_static_reference
 from curation.core.selection import masked_mean
 from curation.core.stats import param_distance
-from tests.conftest import REPO
+from tests.conftest import REPO, cuda_syncs
 
 VOCAB = 32
 SEQ = 24
@@ -427,19 +427,11 @@ def test_a_refresh_on_cuda_synchronises_as_often_for_any_k():
     than for K = 2 (the steps never wait for the host, nor the host for them)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.set_sync_debug_mode)")
-    import warnings
-
     proxy = tiny_llama(0).cuda()
     refresh_reference(proxy, val_stream(0), cand_stream(1), settings(1))  # warm-up: lazy inits, kernel loads
     syncs = {}
     for k in (2, 6):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                refresh_reference(proxy, val_stream(0), cand_stream(1), settings(k))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        where = [f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+        with cuda_syncs() as where:
+            refresh_reference(proxy, val_stream(0), cand_stream(1), settings(k))
         syncs[k] = {x: where.count(x) for x in where}
     assert syncs[2] == syncs[6], syncs  # where each synchronisation was made, for K = 2 and K = 6

@@ -25,6 +25,7 @@ from curation.io.models import build_causal_lm
 from curation.io.shards import ShardReader, open_shards, write_part
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig, demo_model_config
+from tests.conftest import cuda_syncs
 
 B = 8
 SCHED = Schedule(2, 4, 14)
@@ -235,25 +236,14 @@ def _cuda_worker(engine_demo, out, **kw):
 @pytest.mark.gpu
 def test_pipelined_scoring_on_cuda_waits_once_per_step_and_equals_the_synchronous_path(engine_demo, tmp_path, weights):
     """Designed bound: one host wait per step (an event: that step's results alone) and no synchronising call."""
-    import warnings
-
     out = str(tmp_path / "scored")
     worker = _cuda_worker(engine_demo, out, needs_proxy=False)
     fetch = lambda k, v: weights[(k, v)]  # noqa: E731
     worker.run(WorkUnit(0, 2, "scored", 0), fetch)  # warm-up: weights on the device, kernels, pinned blocks
     waits = worker.stats["host_waits"]
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")  # every synchronising CUDA call warns
-        try:
-            res = worker.run(WorkUnit(2, 6, "scored", 0), fetch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # torch 2.11 also warns, when the mode is set, that the mode itself "is a prototype feature": not a sync
-    # (seen on the H200 on 2026-11-26, the test's only failure there; host waits were 4 as designed).
-    syncs = [str(w.message) for w in caught
-             if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
+    with cuda_syncs() as syncs:  # every synchronising CUDA call
+        res = worker.run(WorkUnit(2, 6, "scored", 0), fetch)
     assert worker.stats["host_waits"] - waits == 4 and not syncs, syncs
     scorer = worker.scorers[REFERENCE]  # the synchronous path: the checked losses, copied back at once
     rows = _rows(os.path.join(out, res.name))
