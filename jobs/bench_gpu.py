@@ -5,7 +5,8 @@
     python jobs/bench_gpu.py --skip main_job,gpu_tests --json
 
 Every step is a subprocess of this checkout's benchmark or job with ``--json`` (so a step that crashes or runs out
-of its time is reported, and the others still run); the report holds each step's seconds, exit status, its JSON
+of its time is reported, and the others still run), the timed ones one at a time, then the three whose figures
+are not wall-clock times side by side (:data:`TOGETHER`); the report holds each step's seconds, exit status, its JSON
 (or the end of its output when it failed) and, under ``headline``, the figures issue 31 asks for:
 
 * ``scoring``: in-process scoring worker ÷ bare forward at b = 8 and b = 32 (L = 1024, hidden 768, 12 layers,
@@ -31,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +42,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # inside the first training step made it run out of its time on the H200 on 2026-11-27).
 # b = 8 and 32 of the training bench in one invocation (each policy's process runs both: 3 process starts, not 6;
 # on the H200 the two invocations took 89 + 102 s, most of it start-up, for 43 steps per policy and size).
-STEPS = ("prepare", "scoring_b8", "scoring_b32", "training", "pipeline_only", "selection", "scoring_ray", "gpu_tests",
+STEPS = ("prepare", "scoring_b8", "scoring_b32", "training", "selection", "scoring_ray", "pipeline_only", "gpu_tests",
          "main_job")
+# Run side by side at the end, none of them a wall-clock figure: the host cost per token is CPU time of one
+# process, the tests and the main job report pass/fail (and seconds, for information). One after the other they
+# took 16 + 46 + 50 s of the H200's 6 minutes on 2026-11-27, which the whole check overran.
+TOGETHER = ("pipeline_only", "gpu_tests", "main_job")
 
 # The GPU shapes of issue 31 (bench_scoring's Llama of 134M parameters; bench_training's of 86.7M with head_dim 64).
 _MODEL = ["--seq-len", "1024", "--hidden", "768", "--layers", "12", "--heads", "12"]
@@ -95,6 +101,13 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
                       "--hidden", "768", "--intermediate", "2048", "--layers", "12", "--heads", "12", "--json"],
         "main_job": [*job("curate_and_train"), "--set", f"train.output_dir={data}/main-job"],
     }
+
+
+def stages(skip: set[str] = frozenset()) -> list[tuple[str, ...]]:
+    """The steps not in ``skip``, in the order they run: one at a time, then :data:`TOGETHER` side by side."""
+    alone = [(n,) for n in STEPS if n not in TOGETHER and n not in skip]
+    together = tuple(n for n in TOGETHER if n not in skip)
+    return alone + ([together] if together else [])
 
 
 def _gpu_test_files() -> list[str]:
@@ -229,19 +242,30 @@ def main(argv: list[str] | None = None) -> int:
     steps = {}
     partial = os.path.join(data, "steps.jsonl")  # each step's record as it ends: survives a kill of this process
     open(partial, "w", encoding="utf-8").close()  # this run's steps only, when --data is reused
-    for name in STEPS:
-        if name in skip:
-            continue
+    lock = threading.Lock()
+
+    def record(name: str, step: dict) -> None:
+        with lock:
+            steps[name] = step
+            line = json.dumps({"step": name, **step})
+            with open(partial, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+            print(line if args.json else f"{name}: rc {step['rc']}, {step['seconds']} s", file=sys.stderr, flush=True)
+
+    for stage in stages(skip):
         left = args.budget - (time.perf_counter() - start)
         if left < 15:
-            steps[name] = {"seconds": 0.0, "rc": "skipped", "why": f"budget: {left:.0f} s of --budget left"}
-        else:
-            steps[name] = run_step(name, cmds[name], min(args.step_timeout, left))
-        line = json.dumps({"step": name, **steps[name]})
-        with open(partial, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-        print(line if args.json else f"{name}: rc {steps[name]['rc']}, {steps[name]['seconds']} s", file=sys.stderr,
-              flush=True)
+            for name in stage:
+                record(name, {"seconds": 0.0, "rc": "skipped", "why": f"budget: {left:.0f} s of --budget left"})
+            continue
+        timeout = min(args.step_timeout, left)
+        threads = [threading.Thread(target=lambda n, t: record(n, run_step(n, cmds[n], t)), args=(name, timeout))
+                   for name in stage]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    steps = {name: steps[name] for name in STEPS if name in steps}  # in STEPS' order, whatever ended first
     report = {"tiny": args.tiny, "seconds": round(time.perf_counter() - start, 1), "headline": headline(steps),
               "steps": steps}
     print(json.dumps(report, indent=None if args.json else 1))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -99,3 +100,23 @@ def test_the_headline_reads_both_batch_sizes_of_the_one_training_step():
     assert head["blade_over_predicted_b8"] == pytest.approx(1.1) and head["blade_over_predicted_b32"] == pytest.approx(1.02)
     assert (head["blade_over_plain_b8"], head["peak_rss_ratio_b32"]) == (1.65, 1.08)
     assert bench.headline({"training": {"rc": 1, "result": None}})["training"]["blade_over_predicted_b8"] is None
+
+
+def test_the_untimed_steps_run_side_by_side_at_the_end(tmp_path, monkeypatch, capsys):
+    """pipeline_only (CPU time), the gpu tests and the main job (pass/fail) start together, after every wall-clock
+    step; the report keeps STEPS' order whichever ends first."""
+    bench = load_job("bench_gpu", "_together")
+    assert bench.stages() == [(n,) for n in bench.STEPS[:-3]] + [("pipeline_only", "gpu_tests", "main_job")]
+    assert bench.stages({"gpu_tests", "training"})[-2:] == [("scoring_ray",), ("pipeline_only", "main_job")]
+    started, barrier = [], threading.Barrier(3, timeout=30)
+
+    def fake(name, cmd, timeout):
+        started.append(name)
+        barrier.wait()  # returns only once all three have started: run one after the other, it would time out
+        return {"seconds": 0.0, "rc": 0, "command": name, "result": {"ok": name}}
+
+    monkeypatch.setattr(bench, "run_step", fake)
+    alone = ",".join(n for n in bench.STEPS if n not in bench.TOGETHER)
+    assert bench.main(["--tiny", "--skip", alone, "--data", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["steps"]) == ["pipeline_only", "gpu_tests", "main_job"] and set(started) == set(report["steps"])
