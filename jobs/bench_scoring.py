@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "bare_forward_tokens_per_s": tokens / t_forward, "worker_tokens_per_s": tokens / t_worker,
         "worker_over_forward": ratio, "goal": GOAL, "ok": ratio >= GOAL,
         "worker_wall_tokens_per_s": tokens / t_worker_wall,
+        "worker_ms_per_unit": t_worker_wall / len(units) * 1e3,  # wall-clock, as a Ray worker's unit is timed
         "worker_seconds": {"total": t_worker, "forward": t_forward, "loss_full_logits": t_loss,
                            "loss_hidden_chunks": t_hloss},
         "loss_over_forward": {"full_logits": t_loss / t_forward, "hidden_chunks": t_hloss / t_forward,
@@ -304,8 +305,11 @@ def ray_text(result: dict) -> list[str]:
         for wid, t in run["workers"].items():
             times = ", ".join(f"{k} {t[f'{k}_ms_per_unit']:.1f}" for k in ("wait", "run", "report")
                               if f"{k}_ms_per_unit" in t)
+            steady = t.get("run_ms_median_after_first")
             lines.append(f"  {n} worker(s), worker {wid}: {t['units']} units, ms per unit: {times} "
-                         f"(niceness {t['niceness']})")
+                         f"(niceness {t['niceness']})" + (f"; run of a unit after the first: median {steady:.1f} "
+                                                          f"(in-process {result['worker_ms_per_unit']:.1f})"
+                                                          if steady is not None else ""))
     return lines
 
 
@@ -405,14 +409,19 @@ def _report(result: dict, as_json: bool) -> int:
 
 def _ray_worker_times(results: dict[int, dict]) -> dict:
     """Per worker, where a unit's time went under Ray (ms per unit): asking for it (``wait``), scoring and writing it
-    (``run``, the in-process worker's work), waiting for the coordinator's record of it (``report``); and the
-    worker process's niceness (the driver's, unless the cluster lowers its workers' priority)."""
+    (``run``, the in-process worker's work), waiting for the coordinator's record of it (``report``); the first
+    unit's ``run`` (weights fetched, first kernels) and the median of the others' (to set against the in-process
+    worker's ``worker_ms_per_unit``); and the worker process's niceness (the driver's, unless the cluster lowers its
+    workers' priority)."""
     out = {}
     for wid, r in sorted(results.items()):
         units = max(int(r.get("units", 0)), 1)
+        runs = r.get("unit_run_s") or []
         out[str(wid)] = {"units": r.get("units", 0), "niceness": r.get("niceness"),
                          **{f"{k}_ms_per_unit": r[f"{k}_s"] / units * 1e3 for k in ("wait", "run", "report")
-                            if f"{k}_s" in r}}
+                            if f"{k}_s" in r},
+                         "run_ms_first_unit": runs[0] * 1e3 if runs else None,
+                         "run_ms_median_after_first": statistics.median(runs[1:]) * 1e3 if len(runs) > 1 else None}
     return out
 
 

@@ -86,9 +86,14 @@ def test_ray_part_runs_one_then_two_workers():
     for n, run in ray["runs"].items():  # where each worker's time went, per unit
         assert len(run["workers"]) == int(n) and sum(w["units"] for w in run["workers"].values()) >= 3
         for w in run["workers"].values():
-            assert set(w) == {"units", "niceness", "wait_ms_per_unit", "run_ms_per_unit", "report_ms_per_unit"}
+            assert set(w) == {"units", "niceness", "wait_ms_per_unit", "run_ms_per_unit", "report_ms_per_unit",
+                              "run_ms_first_unit", "run_ms_median_after_first"}
             assert w["niceness"] == os.nice(0)  # the local instance runs its workers at the driver's priority
             assert min(w["wait_ms_per_unit"], w["run_ms_per_unit"], w["report_ms_per_unit"]) >= 0
+            if w["units"] > 1:  # the units' own times are parts of the total: the first, and the others' median
+                rest = w["run_ms_per_unit"] * w["units"] - w["run_ms_first_unit"]
+                assert 0 < w["run_ms_median_after_first"] <= rest + 1e-6 and w["run_ms_first_unit"] > 0
+    assert ray["runs"]["1"]["workers"]["0"]["units"] > 1 and out["worker_ms_per_unit"] > 0
     assert ray["speedup"] == pytest.approx(ray["tokens_per_s_2_workers"] / ray["tokens_per_s_1_worker"])
     assert ray["scaling_efficiency"] == pytest.approx(ray["speedup"] / 2)
     assert ray["ray_over_in_process"] > 0
@@ -96,5 +101,7 @@ def test_ray_part_runs_one_then_two_workers():
     lines = load_job("bench_scoring").ray_text(out)
     one = ray["runs"]["1"]["workers"]["0"]
     assert f"  1 worker(s), worker 0: {one['units']} units, ms per unit: wait {one['wait_ms_per_unit']:.1f}, " \
-           f"run {one['run_ms_per_unit']:.1f}, report {one['report_ms_per_unit']:.1f} (niceness {os.nice(0)})" in lines
+           f"run {one['run_ms_per_unit']:.1f}, report {one['report_ms_per_unit']:.1f} (niceness {os.nice(0)}); run of a " \
+           f"unit after the first: median {one['run_ms_median_after_first']:.1f} (in-process " \
+           f"{out['worker_ms_per_unit']:.1f})" in lines
     assert len([x for x in lines if " worker(s), worker " in x]) == 3

@@ -226,7 +226,8 @@ class _WorkerActor:
     def serve(self, coordinator: Any) -> dict[str, Any]:
         """Score units until the coordinator has none left; the worker's stats, with where the time went:
         ``wait_s`` (asking for a unit, waiting for one to be ready), ``run_s`` (scoring and writing, weights
-        fetches included) and ``report_s`` (waiting for the coordinator to have recorded a part).
+        fetches included; ``unit_run_s``: each unit's) and ``report_s`` (waiting for the coordinator to have
+        recorded a part).
 
         A written part's report is not waited for: the request for the next unit, releasing the written one, is
         sent first and the report after it, so the coordinator can hand out the next unit before it records the
@@ -234,6 +235,7 @@ class _WorkerActor:
         time: it is waited for before the next one is sent, and before returning."""
         wid = self.worker.worker_id
         times = {"wait_s": 0.0, "run_s": 0.0, "report_s": 0.0}
+        unit_run_s: list[float] = []
         report, result, released, started = None, None, None, True
         while True:
             t0 = time.perf_counter()
@@ -248,7 +250,8 @@ class _WorkerActor:
                 if report is not None:
                     ray.get(report)
                 times["report_s"] += time.perf_counter() - t1
-                return {**self.worker.stats, **times, "restarted": self.restarted, "niceness": os.nice(0)}
+                return {**self.worker.stats, **times, "unit_run_s": unit_run_s, "restarted": self.restarted,
+                        "niceness": os.nice(0)}
             unit = WorkUnit.from_dict(job["unit"])
             refs = job["weights"]
             try:
@@ -259,6 +262,7 @@ class _WorkerActor:
                 raise
             t2 = time.perf_counter()
             times["run_s"] += t2 - t1
+            unit_run_s.append(t2 - t1)
             if report is not None:  # the previous part's record (its error, if any, raised here)
                 ray.get(report)
             released = unit.name
