@@ -210,6 +210,9 @@ def headline(steps: dict[str, dict]) -> dict:
             "blade_over_plain_b32": training(1, "blade_over_plain"),
             "plain_over_bare_b8": training(0, "plain_over_bare"),
             "plain_over_bare_b32": training(1, "plain_over_bare"),
+            # each refresh's wall-clock ms (the first with one-off allocations) against K steps of 2·rb rows
+            "refresh_ms_b8": training(0, "refresh_ms"),
+            "refresh_ms_b32": training(1, "refresh_ms"),
             "peak_rss_ratio_b32": training(1, "peak_rss_ratio"),
             "peak_gpu_mem_ratio_b32": training(1, "peak_gpu_mem_ratio"),
             "goals": {"blade_over_predicted": 1.05, "plain_over_bare": 1.05, "peak_rss_ratio": 1.10,

@@ -64,6 +64,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="cpu: process CPU time (robust to other load on a shared machine); wall: elapsed time")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--no-bare", action="store_true", help="skip the bare PyTorch loop of the same model")
+    p.add_argument("--profile-refresh", metavar="DIR", default=None,
+                   help="profile BLADE's second refresh at each batch size (torch.profiler: CPU, and CUDA on a GPU) "
+                        "into DIR/refresh-b<b>.txt, its operators by self time (the profiler's overhead then counts in "
+                        "the first measured episode: profile in a run of its own, not in one whose ratios you report)")
     p.add_argument("--worker", choices=["full", "blade", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -155,6 +159,7 @@ def worker_run(args: argparse.Namespace) -> dict:
         # BLADE's phase timers synchronise around each phase (its breakdown); the plain step runs as in production
         run = build_training(cfg, callbacks=[episode_clock],
                              meters=Meters(clock=clock, sync_cuda=args.worker != "full"))
+        refresh_ms = _time_refreshes(run, args) if args.worker == "blade" else []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         run.trainer.fit()
@@ -183,7 +188,49 @@ def worker_run(args: argparse.Namespace) -> dict:
         "params": sum(p.numel() for p in run.model.parameters()),
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
+        "refresh_ms": refresh_ms,
     }
+
+
+def _time_refreshes(run, args: argparse.Namespace) -> list[float]:
+    """Time each of BLADE's refreshes (wall clock, synchronised on a GPU) into the returned list as they happen, and,
+    with ``--profile-refresh``, profile the second one (the first carries one-off allocations and kernel loads)."""
+    import torch
+
+    reference, times = run.algorithm.reference, []
+    plain = reference.refresh
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def refresh(*a, **k):
+        profile = args.profile_refresh is not None and len(times) == 1
+        sync()
+        start = time.perf_counter()
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+            with torch_profile(activities=acts) as prof:
+                plain(*a, **k)
+                sync()
+        else:
+            plain(*a, **k)
+            sync()
+        times.append((time.perf_counter() - start) * 1e3)
+        if profile:
+            os.makedirs(args.profile_refresh, exist_ok=True)
+            table = prof.key_averages()
+            with open(os.path.join(args.profile_refresh, f"refresh-b{args.batch_size}.txt"), "w", encoding="utf-8") as f:
+                f.write(f"refresh {len(times)} at b = {args.batch_size}: {times[-1]:.1f} ms wall (profiled)\n")
+                for key in ("self_cpu_time_total", *(["self_device_time_total"] if cuda else [])):
+                    f.write(f"\n--- by {key}\n" + table.table(sort_by=key, row_limit=30) + "\n")
+
+    reference.refresh = refresh
+    return times
 
 
 def bare(args: argparse.Namespace) -> dict:
@@ -333,6 +380,9 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
     print(f"  paper setting K/τ = 0.3: {'yes' if abs(k / tau - 0.3) < 1e-9 else 'no'}; {measured:.3f}× vs the "
           f"paper's measured {PAPER_RATIO}× ({'at or below' if measured <= PAPER_RATIO else 'ABOVE'}); "
           "docs/DESIGN.md goal ≤ 1.5×")
+    if blades[0].get("refresh_ms"):
+        print("  each refresh (wall clock, ms; the first with one-off allocations): "
+              + ", ".join(f"{t:.1f}" for t in blades[0]["refresh_ms"]))
     p_rss, b_rss = max(r["peak_rss_mb"] for r in plains), max(r["peak_rss_mb"] for r in blades)
     pmb = plains[0]["params"] * 4 / 2**20
     print(f"  peak RSS (separate processes): plain {p_rss:.0f} MB, BLADE {b_rss:.0f} MB, ratio {b_rss / p_rss:.3f} "
@@ -348,6 +398,9 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
         "pinned_host_mb": {"plain": plains[0].get("pinned_host_mb"), "blade": blades[0].get("pinned_host_mb")},
         "goal_blade_over_plain": 1.5, "goal_peak_ratio": 1.1,
+        # each refresh's wall-clock ms in the first BLADE run (the first carries one-off allocations): a refresh's
+        # cost apart from its amortisation, to set against K × a step of 2·rb rows
+        "refresh_ms": blades[0].get("refresh_ms"),
     }
     if plains[0].get("peak_gpu_mb") is not None:
         p_gpu = max(r["peak_gpu_mb"] for r in plains)

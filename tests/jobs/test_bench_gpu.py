@@ -94,11 +94,12 @@ def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, 
 
 def test_the_headline_reads_both_batch_sizes_of_the_one_training_step():
     bench = load_job("bench_gpu", "_headline")
-    by = {b: {"blade_over_plain": r, "predicted": 1.5, "plain_over_bare": 1.1, "peak_rss_ratio": m, "peak_gpu_mem_ratio": 1.0}
-          for b, r, m in (("8", 1.65, 1.2), ("32", 1.53, 1.08))}
+    by = {b: {"blade_over_plain": r, "predicted": 1.5, "plain_over_bare": 1.1, "peak_rss_ratio": m, "peak_gpu_mem_ratio": 1.0,
+              "refresh_ms": [float(b), 2.0]} for b, r, m in (("8", 1.65, 1.2), ("32", 1.53, 1.08))}
     head = bench.headline({"training": {"rc": 0, "result": {"batch_sizes": [8, 32], "by_batch": by}}})["training"]
     assert head["blade_over_predicted_b8"] == pytest.approx(1.1) and head["blade_over_predicted_b32"] == pytest.approx(1.02)
     assert (head["blade_over_plain_b8"], head["peak_rss_ratio_b32"]) == (1.65, 1.08)
+    assert (head["refresh_ms_b8"], head["refresh_ms_b32"]) == ([8.0, 2.0], [32.0, 2.0])
     assert bench.headline({"training": {"rc": 1, "result": None}})["training"]["blade_over_predicted_b8"] is None
 
 

@@ -17,7 +17,8 @@ def test_two_batch_sizes_run_in_each_policys_process_and_report_each(tmp_path):
     data = tmp_path / "data"
     cmd = [sys.executable, os.path.join(REPO, "jobs", "bench_training.py"), "--device", "cpu", "--seq-len", "32",
            "--hidden", "32", "--layers", "1", "--heads", "2", "--tau", "4", "--refresh-steps", "2", "--episodes", "1",
-           "--repeats", "1", "--warmup", "2", "--data", str(data), "--batch-size", "8", "4", "--json"]
+           "--repeats", "1", "--warmup", "2", "--data", str(data), "--batch-size", "8", "4", "--json",
+           "--profile-refresh", str(tmp_path / "prof")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -28,6 +29,11 @@ def test_two_batch_sizes_run_in_each_policys_process_and_report_each(tmp_path):
         assert r["predicted"] == pytest.approx(1 + 1 / 3 + (2 / 4) * (2 * (int(b) // 4) / int(b)))
         assert r["blade_over_plain"] == pytest.approx(r["blade_step_ms"] / r["plain_step_ms"])
         assert r["plain_over_bare"] == pytest.approx(r["plain_step_ms"] / r["bare_step_ms"])
+        # 10 steps (2 warm-up + 2 episodes of τ = 4): refreshes at steps 2 and 6, each timed; the second profiled
+        assert len(r["refresh_ms"]) == 2 and min(r["refresh_ms"]) > 0
+        table = (tmp_path / "prof" / f"refresh-b{b}.txt").read_text()
+        assert table.startswith(f"refresh 2 at b = {b}: {r['refresh_ms'][1]:.1f} ms wall (profiled)")
+        assert "--- by self_cpu_time_total" in table and "aten::mm" in table  # the refresh's matrix products
     # one process per policy ran both sizes, smaller first: its peak RSS so far can only grow
     rss = out["by_batch"]
     assert all(rss["4"]["peak_rss_mb"][p] <= rss["8"]["peak_rss_mb"][p] for p in ("plain", "blade", "bare"))
