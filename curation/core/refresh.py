@@ -71,6 +71,11 @@ class RefreshSettings:
         rho1_steps: steps of RHO-1's static reference.
         batch_size: rows per validation and per candidate batch of a refresh step.
         precision: ``fp32`` / ``amp_bf16`` of the refresh's forward passes (bf16 autocast on CUDA; float32 on a CPU).
+        joint_forward: a refresh step's validation and candidate rows in one forward (stacked, when their lengths
+            match) instead of two; ``None``: on a GPU only. The losses are the same sums over the same rows; a GPU
+            runs a small refresh batch at the host's pace (on an H200 a refresh cost about the same at rb = 2 and
+            rb = 8, ~0.6 s for K = 6), so one forward fewer per step is a third less host work. On a CPU the
+            forwards are compute-bound and stay separate (bit for bit as before).
 
     Raises:
         ValueError: a step count that is not an int >= 0, ``lr <= 0``, ``lam < 0`` or ``grad_clip < 0``.
@@ -87,6 +92,7 @@ class RefreshSettings:
     rho1_steps: int = 0
     batch_size: int = 4
     precision: str = "fp32"
+    joint_forward: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("refresh_steps", "rho1_steps"):
@@ -299,22 +305,54 @@ def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBat
         raise ValueError(f"{what} ran out after {step} of {steps} refresh steps") from None
 
 
-def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
+def _forward_losses(model: nn.Module, batch: TokenBatch, device: torch.device, *, precision: str
+                    ) -> tuple[Tensor, Tensor, TokenBatch]:
+    """Per-position losses and valid targets of ``batch`` (and the batch on ``device``)."""
     # whether every position is real, asked where the batch is (on the host, before its copy: no device read)
     padded = batch.valid is not None and not bool(batch.valid.all())
     batch = batch.to(device)
     with autocast(precision, device):
         logits = model_logits(model, batch.tokens, batch.valid if padded else None)
     losses, valid = token_losses(logits, batch.tokens, batch.valid)
-    if use_mask and batch.mask is not None:
-        alpha = batch.mask
-        if alpha.shape != valid.shape:
-            raise ValueError(
-                f"candidate mask has shape {tuple(alpha.shape)}, tokens have {tuple(valid.shape)}"
-            )
-        alpha = alpha & valid if alpha.dtype == torch.bool else alpha.float() * valid
-        return masked_mean(losses, alpha)
-    return masked_mean(losses, valid)
+    return losses, valid, batch
+
+
+def _masked_loss(losses: Tensor, valid: Tensor, mask: Tensor | None) -> Tensor:
+    """The mean loss over the valid targets, weighted by the selection ``mask`` (α) when given."""
+    if mask is None:
+        return masked_mean(losses, valid)
+    if mask.shape != valid.shape:
+        raise ValueError(f"candidate mask has shape {tuple(mask.shape)}, tokens have {tuple(valid.shape)}")
+    alpha = mask & valid if mask.dtype == torch.bool else mask.float() * valid
+    return masked_mean(losses, alpha)
+
+
+def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
+    losses, valid, batch = _forward_losses(model, batch, device, precision=precision)
+    return _masked_loss(losses, valid, batch.mask if use_mask else None)
+
+
+def _joint_losses(model: nn.Module, val: TokenBatch, cand: TokenBatch, device: torch.device, *, precision: str
+                  ) -> tuple[Tensor, Tensor] | None:
+    """``L_val`` and ``L_train(α)`` from one forward over the validation rows and the candidate rows stacked
+    (:attr:`RefreshSettings.joint_forward`); ``None`` when they cannot be stacked (different lengths).
+
+    Every row's losses are its own (causal attention, each row masked alone), so both means are over the same
+    terms as two separate forwards; only the order in which a GPU sums them may differ."""
+    if val.tokens.shape[1] != cand.tokens.shape[1] or (cand.mask is not None and cand.mask.shape != cand.tokens.shape):
+        return None  # (a mask of the wrong shape: the separate forwards' error names it)
+    n = val.tokens.shape[0]
+    valid = None
+    if val.valid is not None or cand.valid is not None:
+        valid = torch.cat([b.valid if b.valid is not None else torch.ones_like(b.tokens, dtype=torch.bool)
+                           for b in (val, cand)])
+    mask = None
+    if cand.mask is not None:  # the validation rows' part is not read; it only lets one copy carry both
+        mask = torch.cat([torch.zeros_like(val.tokens, dtype=cand.mask.dtype), cand.mask])
+    both = TokenBatch(torch.cat([val.tokens, cand.tokens]), valid, mask)
+    losses, valid, both = _forward_losses(model, both, device, precision=precision)
+    return (_masked_loss(losses[:n], valid[:n], None),
+            _masked_loss(losses[n:], valid[n:], None if both.mask is None else both.mask[n:]))
 
 
 def _read_logged(result: RefreshResult, logged: dict[str, list[Tensor]], device: torch.device) -> None:
@@ -416,15 +454,21 @@ def refresh_reference(
     # the per-step figures stay on the device until the last step: the host never waits for a step to finish
     # (on a GPU it queues step k+1 while step k runs), and reads them all at once at the end
     logged: dict[str, list[Tensor]] = {"val_losses": [], "objectives": [], "grad_norms": [], "train_losses": []}
+    joint = device.type == "cuda" if settings.joint_forward is None else settings.joint_forward
     with torch.inference_mode(False), torch.enable_grad():
         for step in range(steps):
             vb = _next_batch(val_it, "val_batches", step, steps)
             opt.zero_grad(set_to_none=True)
-            l_val = _mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
+            cb = _next_batch(cand_it, "cand_batches", step, steps) if cand_it is not None else None
+            pair = _joint_losses(ref, vb, cb, device, precision=settings.precision) if joint and cb is not None else None
+            if pair is not None:
+                l_val, l_train = pair
+            else:
+                l_val = _mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
+                if cb is not None:
+                    l_train = _mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
             objective = l_val
-            if cand_it is not None:
-                cb = _next_batch(cand_it, "cand_batches", step, steps)
-                l_train = _mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
+            if cb is not None:
                 objective = l_val + lam * l_train
                 logged["train_losses"].append(l_train.detach())
             objective.backward()

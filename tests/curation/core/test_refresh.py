@@ -435,3 +435,48 @@ def test_a_refresh_on_cuda_synchronises_as_often_for_any_k():
             refresh_reference(proxy, val_stream(0), cand_stream(1), settings(k))
         syncs[k] = {x: where.count(x) for x in where}
     assert syncs[2] == syncs[6], syncs  # where each synchronisation was made, for K = 2 and K = 6
+
+
+def _padded_cand_stream(seed: int, *, float_mask: bool = False):
+    """Candidate batches whose last row is padded at its end, with a boolean or a float selection."""
+    for b in cand_stream(seed):
+        valid = torch.ones_like(b.tokens, dtype=torch.bool)
+        valid[-1, SEQ // 2:] = False
+        yield TokenBatch(b.tokens, valid, b.mask.float() * 0.5 if float_mask else b.mask)
+
+
+@pytest.mark.parametrize("cands", ["plain", "padded", "float-mask"])
+def test_one_forward_over_validation_and_candidate_rows_trains_the_same_reference(cands):
+    """joint_forward (the default on a GPU, driven here on the CPU): the stacked rows' losses are the separate
+    forwards' own, so the K steps' figures and the trained weights agree to float32 rounding; by default a CPU
+    keeps the separate forwards bit for bit."""
+    stream = {"plain": lambda: cand_stream(1), "padded": lambda: _padded_cand_stream(1),
+              "float-mask": lambda: _padded_cand_stream(1, float_mask=True)}[cands]
+    proxy = tiny_llama(0)
+    runs = {mode: refresh_reference(proxy, val_stream(0), stream(), settings(3, lam=0.5, joint_forward=mode))
+            for mode in (None, False, True)}
+    default, apart, joint = runs[None], runs[False], runs[True]
+    assert default.val_losses == apart.val_losses and default.train_losses == apart.train_losses
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), apart.state_dict().values(), strict=True))
+    for name in ("val_losses", "train_losses", "objectives", "grad_norms"):
+        assert getattr(joint, name) == pytest.approx(getattr(apart, name), rel=1e-5, abs=1e-6), name
+    assert joint.val_losses[0] == pytest.approx(mean_loss(proxy, next(val_stream(0))), rel=1e-6)  # step 1 at w_0
+    moved = [(a - b).abs().max().item() for a, b in zip(joint.state_dict().values(), apart.state_dict().values(),
+                                                        strict=True)]
+    assert max(moved) < 1e-5  # the same steps: at most float32 rounding apart
+
+
+def test_rows_of_another_length_or_a_misshapen_mask_fall_back_to_separate_forwards():
+    """Stacking needs one length: a candidate batch of another length is scored on its own, and a mask of the wrong
+    shape gets the separate path's error naming both shapes."""
+    proxy = tiny_llama(0)
+    longer = (TokenBatch(torch.cat([b.tokens, b.tokens[:, :4]], 1), None, torch.cat([b.mask, b.mask[:, :4]], 1))
+              for b in cand_stream(1))
+    joint = refresh_reference(proxy, val_stream(0), longer, settings(2, lam=0.5, joint_forward=True))
+    longer = (TokenBatch(torch.cat([b.tokens, b.tokens[:, :4]], 1), None, torch.cat([b.mask, b.mask[:, :4]], 1))
+              for b in cand_stream(1))
+    apart = refresh_reference(proxy, val_stream(0), longer, settings(2, lam=0.5, joint_forward=False))
+    assert joint.val_losses == apart.val_losses and joint.train_losses == apart.train_losses  # the same path
+    bad = (TokenBatch(b.tokens, None, b.mask[:, :-1]) for b in cand_stream(1))
+    with pytest.raises(ValueError, match=r"candidate mask has shape \(4, 23\), tokens have \(4, 24\)"):
+        refresh_reference(proxy, val_stream(0), bad, settings(1, joint_forward=True))
