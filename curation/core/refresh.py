@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from curation.core.divergence import check_reference
-from curation.core.losses import TokenBatch, as_token_batch, autocast, model_logits, token_losses
-from curation.core.selection import masked_mean
+from curation.core.losses import TokenBatch, as_token_batch
+from curation.core.refresh_losses import joint_losses, mean_loss
 
 if TYPE_CHECKING:  # (types only: the core imports nothing of schemas at run time)
     from schemas.train_config import SelectionConfig
@@ -305,56 +305,6 @@ def _next_batch(it: Iterator[Any], what: str, step: int, steps: int) -> TokenBat
         raise ValueError(f"{what} ran out after {step} of {steps} refresh steps") from None
 
 
-def _forward_losses(model: nn.Module, batch: TokenBatch, device: torch.device, *, precision: str
-                    ) -> tuple[Tensor, Tensor, TokenBatch]:
-    """Per-position losses and valid targets of ``batch`` (and the batch on ``device``)."""
-    # whether every position is real, asked where the batch is (on the host, before its copy: no device read)
-    padded = batch.valid is not None and not bool(batch.valid.all())
-    batch = batch.to(device)
-    with autocast(precision, device):
-        logits = model_logits(model, batch.tokens, batch.valid if padded else None)
-    losses, valid = token_losses(logits, batch.tokens, batch.valid)
-    return losses, valid, batch
-
-
-def _masked_loss(losses: Tensor, valid: Tensor, mask: Tensor | None) -> Tensor:
-    """The mean loss over the valid targets, weighted by the selection ``mask`` (α) when given."""
-    if mask is None:
-        return masked_mean(losses, valid)
-    if mask.shape != valid.shape:
-        raise ValueError(f"candidate mask has shape {tuple(mask.shape)}, tokens have {tuple(valid.shape)}")
-    alpha = mask & valid if mask.dtype == torch.bool else mask.float() * valid
-    return masked_mean(losses, alpha)
-
-
-def _mean_loss(model: nn.Module, batch: TokenBatch, device: torch.device, *, use_mask: bool, precision: str) -> Tensor:
-    losses, valid, batch = _forward_losses(model, batch, device, precision=precision)
-    return _masked_loss(losses, valid, batch.mask if use_mask else None)
-
-
-def _joint_losses(model: nn.Module, val: TokenBatch, cand: TokenBatch, device: torch.device, *, precision: str
-                  ) -> tuple[Tensor, Tensor] | None:
-    """``L_val`` and ``L_train(α)`` from one forward over the validation rows and the candidate rows stacked
-    (:attr:`RefreshSettings.joint_forward`); ``None`` when they cannot be stacked (different lengths).
-
-    Every row's losses are its own (causal attention, each row masked alone), so both means are over the same
-    terms as two separate forwards; only the order in which a GPU sums them may differ."""
-    if val.tokens.shape[1] != cand.tokens.shape[1] or (cand.mask is not None and cand.mask.shape != cand.tokens.shape):
-        return None  # (a mask of the wrong shape: the separate forwards' error names it)
-    n = val.tokens.shape[0]
-    valid = None
-    if val.valid is not None or cand.valid is not None:
-        valid = torch.cat([b.valid if b.valid is not None else torch.ones_like(b.tokens, dtype=torch.bool)
-                           for b in (val, cand)])
-    mask = None
-    if cand.mask is not None:  # the validation rows' part is not read; it only lets one copy carry both
-        mask = torch.cat([torch.zeros_like(val.tokens, dtype=cand.mask.dtype), cand.mask])
-    both = TokenBatch(torch.cat([val.tokens, cand.tokens]), valid, mask)
-    losses, valid, both = _forward_losses(model, both, device, precision=precision)
-    return (_masked_loss(losses[:n], valid[:n], None),
-            _masked_loss(losses[n:], valid[n:], None if both.mask is None else both.mask[n:]))
-
-
 def _read_logged(result: RefreshResult, logged: dict[str, list[Tensor]], device: torch.device) -> None:
     """Fill ``result``'s per-step lists from the device tensors the steps left, in one device→host read."""
     flat = [t.detach().to(device=device, dtype=torch.float32).reshape(()) for ts in logged.values() for t in ts]
@@ -460,13 +410,13 @@ def refresh_reference(
             vb = _next_batch(val_it, "val_batches", step, steps)
             opt.zero_grad(set_to_none=True)
             cb = _next_batch(cand_it, "cand_batches", step, steps) if cand_it is not None else None
-            pair = _joint_losses(ref, vb, cb, device, precision=settings.precision) if joint and cb is not None else None
+            pair = joint_losses(ref, vb, cb, device, precision=settings.precision) if joint and cb is not None else None
             if pair is not None:
                 l_val, l_train = pair
             else:
-                l_val = _mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
+                l_val = mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
                 if cb is not None:
-                    l_train = _mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
+                    l_train = mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
             objective = l_val
             if cb is not None:
                 objective = l_val + lam * l_train
