@@ -95,7 +95,7 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
         "scoring_b8": [*scoring, "--no-ray", "--batch", "8", "--steps", "90"],
         "scoring_b32": [*scoring, "--no-ray", "--batch", "32", "--steps", "90"],
         "pipeline_only": [*scoring, "--pipeline-only"],  # b = 8 and 32, 90 steps, median of 3 rounds
-        "scoring_ray": [*scoring, "--batch", "8", "--steps", "18", "--ray-steps", "90"],
+        "scoring_ray": [*scoring, "--batch", "8", "--steps", "45", "--ray-steps", "90"],  # in-process: 5 units
         "training": [*training, "--batch-size", "8", "32"],
         "selection": [*job("bench_selection"), "--device", "cuda", "--dtype", "bfloat16", "--seq-len", "1024",
                       "--hidden", "768", "--intermediate", "2048", "--layers", "12", "--heads", "12", "--json"],

@@ -22,15 +22,15 @@ class Coordinator:
 
     A unit is *ready* when the weights it needs are published and, with a trainer, when it ends no more
     than ``lookahead`` steps after the step the trainer is about to take (back-pressure). Units are
-    handed out in step order. A worker asking again while it still holds a unit gets the same unit back:
-    that is a worker restarted by Ray redoing the unit it crashed in (counted in :attr:`redone`).
+    handed out in step order, one per request.
 
-    A worker does not wait for its report: it asks for its next unit *releasing* the one it has just written
-    (``next_unit(worker, released=name)``) while the report (:meth:`complete`) is still on its way, so the
-    coordinator's recording (index, manifest, an upload to a bucket) overlaps the next unit's scoring. A released
-    unit is *reporting*: neither pending nor held, until its report arrives, in either order. A worker that
-    (re)starts says so (:meth:`worker_started`): a report of its still missing then may have died with the old
-    process, so those units go back to pending (redone), and a report that still comes for one is ignored.
+    A worker asks for its next unit *ahead*, while it still scores the one it holds, so the answer is there when
+    that one is written: a worker holds the units handed to it until their reports (:meth:`complete`) arrive,
+    the one it scores and the one asked ahead (and, for a moment, one whose report is on its way). A worker that
+    (re)starts says so (:meth:`worker_started`): every unit it held goes back to pending, since its report may
+    have died with the old process, and a report that still comes for one is ignored. The units it had begun are
+    counted in :attr:`redone`: a worker asks ahead as it begins a unit, so a request marks the units the worker
+    holds as begun, and the one handed out by the request as not yet.
 
     Args:
         units: all units of the run (any order).
@@ -48,8 +48,8 @@ class Coordinator:
         if unknown:
             raise ValueError(f"finished parts {sorted(unknown)[:3]} are not units of this plan")
         self.done: set[str] = set(done)
-        self.assigned: dict[int, str] = {}
-        self.reporting: dict[str, int] = {}  # unit → the worker whose report of it is on its way
+        self.held: dict[int, list[str]] = {}  # worker → the units handed to it and not reported, in hand-out order
+        self.begun: set[str] = set()  # held units their worker has begun (see the class)
         self.published: set[tuple[str, int]] = set()
         self.lookahead = lookahead
         self.trainer_step = 0
@@ -83,30 +83,22 @@ class Coordinator:
         return self.lookahead is None or unit.stop <= self.trainer_step + self.lookahead
 
     def pending(self) -> list[WorkUnit]:
-        """Units neither finished nor held by a worker nor reported, in step order."""
-        held = set(self.assigned.values()) | set(self.reporting)
+        """Units neither finished nor held by a worker, in step order."""
+        held = {name for names in self.held.values() for name in names}
         return [u for u in self.units if u.name not in self.done and u.name not in held]
 
-    def next_unit(self, worker: int, released: str | None = None) -> tuple[str, WorkUnit | None]:
-        """``("work", unit)``, ``("wait", None)`` (nothing ready yet) or ``("stop", None)``.
-
-        Args:
-            worker: the asking worker.
-            released: the unit the worker has just written, its report on the way (see the class)."""
-        if released is not None and self.assigned.get(worker) == released:
-            del self.assigned[worker]
-            self.reporting[released] = worker
+    def next_unit(self, worker: int) -> tuple[str, WorkUnit | None]:
+        """``("work", unit)``: a unit more for ``worker`` to hold; ``("wait", None)`` (nothing ready yet) or
+        ``("stop", None)``. The units ``worker`` holds are begun from now on."""
+        self.begun.update(self.held.get(worker, ()))
         if self.failed is not None or self.stopped:
             return "stop", None
-        if worker in self.assigned:
-            self.redone += 1
-            return "work", self.by_name[self.assigned[worker]]
         pending = self.pending()
         if not pending:
             return "stop", None
         for unit in pending:
             if self.ready(unit):
-                self.assigned[worker] = unit.name
+                self.held.setdefault(worker, []).append(unit.name)
                 self.handed_out += 1
                 return "work", unit
             if self.lookahead is not None and unit.stop > self.trainer_step + self.lookahead:
@@ -114,25 +106,28 @@ class Coordinator:
         return "wait", None
 
     def worker_started(self, worker: int) -> None:
-        """``worker`` (re)started: its reports still on their way are taken as lost (the units go back to pending)."""
-        for name in [n for n, w in self.reporting.items() if w == worker]:
-            del self.reporting[name]
-            self.redone += 1
+        """``worker`` (re)started: the units it held go back to pending, their reports taken as lost; those it had
+        begun count as redone."""
+        names = self.held.pop(worker, [])
+        self.redone += sum(name in self.begun for name in names)
+        self.begun.difference_update(names)
 
     def complete(self, worker: int, name: str) -> WorkUnit | None:
         """Record that ``worker`` wrote unit ``name``; the unit, or ``None`` for the late report of a unit given back
         to pending when its worker restarted (ignored: the unit is redone).
 
         Raises:
-            ValueError: the unit is finished, or held or reported by another worker."""
-        if self.reporting.get(name) == worker:
-            del self.reporting[name]
-        elif self.assigned.get(worker) == name:
-            del self.assigned[worker]
+            ValueError: the unit is finished, or held by another worker."""
+        mine = self.held.get(worker, [])
+        if name in mine:
+            mine.remove(name)
+            self.begun.discard(name)
+            if not mine:
+                del self.held[worker]
         elif any(u.name == name for u in self.pending()):
             return None
         else:
-            raise ValueError(f"worker {worker} reports {name} finished but holds {self.assigned.get(worker)}")
+            raise ValueError(f"worker {worker} reports {name} finished but holds {mine or None}")
         self.done.add(name)
         return self.by_name[name]
 
@@ -151,7 +146,7 @@ class Coordinator:
 
     def progress(self) -> dict[str, Any]:
         return {
-            "units_done": len(self.done), "units_total": len(self.units), "working": dict(self.assigned),
-            "reporting": len(self.reporting),
+            "units_done": len(self.done), "units_total": len(self.units),
+            "working": {w: list(names) for w, names in self.held.items()},
             "trainer_step": self.trainer_step, "redone": self.redone, "failed": self.failed,
         }

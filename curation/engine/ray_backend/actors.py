@@ -13,11 +13,11 @@ the driver (a job, or the trainer's process) holds a :class:`RayEngine` inside :
 * **Scoring workers** (``num_gpus=1`` when the cluster has GPUs, else CPU with ``threads`` each): a loop
   ``serve()`` asks the coordinator for the next unit, fetches the weights of a version only when it
   changes (``ray.get`` of the registry's reference, never weights inside a call), runs the plain
-  :class:`~curation.engine.workers.ScoringWorker`, and reports the written part without waiting (it asks for
-  its next unit at once; the coordinator records the part while that unit is scored). A worker killed mid-unit is
-  restarted by Ray (``max_restarts``) and its ``serve()`` call retried (``max_task_retries``); the
-  coordinator hands the restarted worker the unit it held, so the unit is redone exactly once and its
-  leftover ``.tmp`` replaced. Bad data is reported with shard and record; the coordinator then stops
+  :class:`~curation.engine.workers.ScoringWorker`, and reports the written part without waiting (the coordinator
+  records it while the next unit is scored). It asks for its next unit *ahead*, before scoring the one in hand,
+  so no round trip separates two units. A worker killed mid-unit is restarted by Ray (``max_restarts``) and its
+  ``serve()`` call retried (``max_task_retries``); the units it held go back to pending, so each is redone once
+  and its leftover ``.tmp`` replaced. Bad data is reported with shard and record; the coordinator then stops
   every worker and the driver raises :class:`~curation.engine.plan.EngineError` with that message.
 * **Refresh actor** (a GPU when one is left): :class:`~curation.engine.refresh_runner.RefreshRunner`; a new reference is
   the return value of its task, so it lands in the object store once and is registered by reference.
@@ -142,14 +142,14 @@ class _CoordinatorActor:
         self.state.start()
         self._notify()
 
-    async def next_unit(self, worker: int, released: str | None = None, started: bool = False) -> dict[str, Any] | None:
-        """The worker's next unit and the handles of the weights it needs (``None``: stop); waits for one to be
-        ready. ``released``: the unit the worker has just written (its report is on the way); ``started``: the
-        worker's first call since it (re)started (see :class:`~curation.engine.coordinator.Coordinator`)."""
+    async def next_unit(self, worker: int, started: bool = False) -> dict[str, Any] | None:
+        """A unit more for the worker and the handles of the weights it needs (``None``: stop); waits for one to be
+        ready. ``started``: the worker's first call since it (re)started (see
+        :class:`~curation.engine.coordinator.Coordinator`)."""
         if started:
             self.state.core.worker_started(worker)
         while True:
-            status, unit = self.state.core.next_unit(worker, released)
+            status, unit = self.state.core.next_unit(worker)
             if status == "stop":
                 return None
             if status == "work":
@@ -225,35 +225,27 @@ class _WorkerActor:
 
     def serve(self, coordinator: Any) -> dict[str, Any]:
         """Score units until the coordinator has none left; the worker's stats, with where the time went:
-        ``wait_s`` (asking for a unit, waiting for one to be ready), ``run_s`` (scoring and writing, weights
-        fetches included; ``unit_run_s``: each unit's) and ``report_s`` (waiting for the coordinator to have
-        recorded a part).
+        ``wait_s`` (waiting for the next unit's answer once a unit is written), ``run_s`` (scoring and writing,
+        weights fetches included; ``unit_run_s``: each unit's) and ``report_s`` (waiting for the coordinator to
+        have recorded a part).
 
-        A written part's report is not waited for: the request for the next unit, releasing the written one, is
-        sent first and the report after it, so the coordinator can hand out the next unit before it records the
-        part (index, manifest, an upload to a bucket) while the worker scores. One report is on its way at a
-        time: it is waited for before the next one is sent, and before returning."""
+        The next unit is asked for *ahead*, before the one in hand is scored, so its answer (a round trip to the
+        coordinator, which may wait for weights or the trainer) arrives while this one runs. A written part's
+        report is not waited for: the coordinator records it (index, manifest, an upload to a bucket) while the
+        next unit is scored. One report is on its way at a time: it is waited for before the next one is sent, and
+        before returning."""
         wid = self.worker.worker_id
         times = {"wait_s": 0.0, "run_s": 0.0, "report_s": 0.0}
         unit_run_s: list[float] = []
-        report, result, released, started = None, None, None, True
-        while True:
-            t0 = time.perf_counter()
-            ask = coordinator.next_unit.remote(wid, released, started)
-            if result is not None:
-                report = coordinator.complete.remote(wid, result)
-            job = ray.get(ask)
-            t1 = time.perf_counter()
-            times["wait_s"] += t1 - t0
-            started = False
-            if job is None:
-                if report is not None:
-                    ray.get(report)
-                times["report_s"] += time.perf_counter() - t1
-                return {**self.worker.stats, **times, "unit_run_s": unit_run_s, "restarted": self.restarted,
-                        "niceness": os.nice(0)}
+        report = None
+        t0 = time.perf_counter()
+        job = ray.get(coordinator.next_unit.remote(wid, True))
+        times["wait_s"] += time.perf_counter() - t0
+        while job is not None:
+            ask = coordinator.next_unit.remote(wid)  # the unit after this one, answered while this one runs
             unit = WorkUnit.from_dict(job["unit"])
             refs = job["weights"]
+            t1 = time.perf_counter()
             try:
                 result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
             except Exception as e:
@@ -265,8 +257,17 @@ class _WorkerActor:
             unit_run_s.append(t2 - t1)
             if report is not None:  # the previous part's record (its error, if any, raised here)
                 ray.get(report)
-            released = unit.name
-            times["report_s"] += time.perf_counter() - t2
+            report = coordinator.complete.remote(wid, result)
+            t3 = time.perf_counter()
+            times["report_s"] += t3 - t2
+            job = ray.get(ask)
+            times["wait_s"] += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        if report is not None:
+            ray.get(report)
+        times["report_s"] += time.perf_counter() - t4
+        return {**self.worker.stats, **times, "unit_run_s": unit_run_s, "restarted": self.restarted,
+                "niceness": os.nice(0)}
 
 
 class _RefreshActor:

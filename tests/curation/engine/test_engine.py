@@ -104,19 +104,22 @@ def test_coordinator_waits_for_weights_and_respects_the_lookahead():
     assert (REFERENCE, 0) not in c.needed() and (REFERENCE, 2) in c.needed()
 
 
-def test_coordinator_hands_a_restarted_worker_its_unit_again_then_stops():
+def test_a_restarted_worker_gives_back_what_it_held_and_the_units_are_redone_then_it_stops():
     c = Coordinator(_units(), lookahead=None)
     for v in range(3):
         c.publish(REFERENCE, v)
     _, u = c.next_unit(0)
-    again = c.next_unit(0)  # the worker died in `u` and came back
-    assert again == ("work", u) and c.redone == 1
+    _, ahead = c.next_unit(0)  # asked ahead while `u` is scored
+    assert ahead.first == u.stop and c.held == {0: [u.name, ahead.name]} and c.pending()[0].first == ahead.stop
     with pytest.raises(ValueError, match="holds"):
         c.complete(1, u.name)
+    c.worker_started(0)  # the worker died in `u` and came back: both go back to pending, `u` counted as redone
+    assert c.held == {} and c.begun == set() and c.redone == 1 and c.pending()[:2] == [u, ahead]
+    assert c.next_unit(0) == ("work", u)
     c.complete(0, u.name)
     while (nxt := c.next_unit(0))[0] == "work":
         c.complete(0, nxt[1].name)
-    assert nxt == ("stop", None) and c.finished()
+    assert nxt == ("stop", None) and c.finished() and c.held == {} and c.begun == set() and c.redone == 1
     c2 = Coordinator(_units(), done=[_units()[0].name])
     c2.fail("worker 1: bad record")
     assert c2.next_unit(0) == ("stop", None) and c2.progress()["failed"] == "worker 1: bad record"
@@ -259,26 +262,26 @@ def test_extension_gaps_name_the_snapshots_a_shorter_run_never_published():
     assert over.extension_gaps(7, 2) == [] and over.extension_gaps(11, 2) == []
 
 
-def test_a_worker_asks_for_its_next_unit_while_its_report_is_on_the_way():
-    """Released units are neither pending nor held; the report may come before or after the next request."""
+def test_a_worker_asks_ahead_and_its_reports_come_in_any_order():
+    """A worker holds the unit it scores and the one asked ahead; reports arrive after the next request."""
     c = Coordinator(_units(), lookahead=None)
     for v in range(3):
         c.publish(REFERENCE, v)
     _, u0 = c.next_unit(0)
-    _, u1 = c.next_unit(0, released=u0.name)  # the report of u0 has not arrived yet
-    assert u1.first == u0.stop and c.reporting == {u0.name: 0} and c.assigned == {0: u1.name}
-    assert u0 not in c.pending() and c.redone == 0
+    _, u1 = c.next_unit(0)  # asked ahead: u0 is being scored
     _, u2 = c.next_unit(1)
-    assert u2.first == u1.stop  # u0 is not handed out again
-    assert c.complete(0, u0.name) == u0 and c.reporting == {} and u0.name in c.done
-    assert c.complete(0, u1.name) == u1  # report first ...
-    _, u3 = c.next_unit(0, released=u1.name)  # ... then the request releasing it: nothing left to release
-    assert c.assigned == {0: u3.name, 1: u2.name} and c.reporting == {} and c.redone == 0
+    assert (u1.first, u2.first) == (u0.stop, u1.stop)  # handed out in step order, each once
+    _, u3 = c.next_unit(0)  # u0 written, its report on the way, u1 being scored: the next one asked ahead
+    assert c.held == {0: [u0.name, u1.name, u3.name], 1: [u2.name]} and c.progress()["working"][0][0] == u0.name
+    assert c.begun == {u0.name, u1.name}  # u3 is not begun before worker 0's next request, u2 before worker 1's
+    assert u0 not in c.pending() and c.pending()[0].first == u3.stop and c.redone == 0
+    assert c.complete(0, u1.name) == u1 and c.complete(0, u0.name) == u0  # in either order
+    assert c.held == {0: [u3.name], 1: [u2.name]} and {u0.name, u1.name} <= c.done
     with pytest.raises(ValueError, match="holds"):
         c.complete(1, u3.name)  # held by worker 0
     with pytest.raises(ValueError, match="holds"):
         c.complete(0, u0.name)  # finished already
-    assert c.progress()["reporting"] == 0
+    assert c.complete(1, u2.name) == u2 and c.held == {0: [u3.name]}
 
 
 def test_a_restarted_worker_gives_back_the_unit_whose_report_may_have_died_with_it():
@@ -286,21 +289,22 @@ def test_a_restarted_worker_gives_back_the_unit_whose_report_may_have_died_with_
     for v in range(3):
         c.publish(REFERENCE, v)
     _, u0 = c.next_unit(0)
-    _, u1 = c.next_unit(0, released=u0.name)  # report of u0 on its way, u1 being scored: the worker dies
+    _, u1 = c.next_unit(0)  # asked ahead as u0 began
+    _, u2 = c.next_unit(0)  # asked ahead as u1 began (u0 written, its report on the way): the worker dies in u1
     c.worker_started(0)  # its serve() retried in the new process
-    assert c.reporting == {} and c.redone == 1 and c.pending()[0] == u0
-    assert c.next_unit(0) == ("work", u1) and c.redone == 2  # the unit it held, redone
+    assert c.held == {} and c.redone == 2 and c.pending()[:3] == [u0, u1, u2]  # u0 and u1 redone, u2 not
+    assert c.next_unit(0) == ("work", u0)  # the new process starts over from the lowest unit
     _, again = c.next_unit(1)
-    assert again == u0  # the unit whose report was lost goes to the next asking worker
+    assert again == u1  # the other given-back unit goes to the next asking worker
     with pytest.raises(ValueError, match="holds"):
-        c.complete(0, u0.name)  # the old report arriving now: u0 is held by worker 1
-    assert c.complete(1, u0.name) == u0
-    c.worker_started(1)  # a first start: nothing of its on the way
-    assert c.redone == 2 and c.assigned == {0: u1.name}
+        c.complete(0, u1.name)  # the old report arriving now: u1 is held by worker 1
+    assert c.complete(1, u1.name) == u1
+    c.worker_started(1)  # a first start: nothing of its held
+    assert c.redone == 2 and c.held == {0: [u0.name]}
     c3 = Coordinator(_units(), lookahead=None)
     c3.publish(REFERENCE, 0)
     _, w0 = c3.next_unit(0)
-    c3.next_unit(0, released=w0.name)
+    c3.next_unit(0)
     c3.worker_started(0)
     assert c3.complete(0, w0.name) is None and w0.name not in c3.done  # late report of a pending unit: ignored
     assert c3.pending()[0] == w0
