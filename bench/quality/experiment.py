@@ -65,7 +65,14 @@ STAGES = ("data", "bases", "sweep", "main", "reuse")
 
 class StageClock:
     """Wall and process-CPU seconds per stage, added up over the invocations that ran it
-    (``out/stage_times.json``, flushed every 30 s so a killed piece keeps most of its time)."""
+    (``out/stage_times.json``, flushed every :attr:`PERIOD` s so a killed piece keeps most of its time).
+
+    Time the process spent stopped (``SIGSTOP``, e.g. paused while a shared machine runs something else) is not
+    the stage's: the monotonic clock counts it, so a flush that comes more than :attr:`STOPPED_AFTER` seconds after
+    the previous one counts its interval beyond one period as ``stopped`` (kept beside ``wall``, not in it)."""
+
+    PERIOD = 30.0
+    STOPPED_AFTER = 90.0  # three periods late: only a stopped (or suspended) process is that late
 
     def __init__(self, out: str):
         self.path = os.path.join(out, "stage_times.json")
@@ -73,15 +80,19 @@ class StageClock:
         self._lock = threading.Lock()
         self._open: tuple[str, float, float] | None = None
 
-    def _flush(self, final: bool = False) -> None:
+    def _flush(self, final: bool = False, now: float | None = None) -> None:
         with self._lock:
             if self._open is None:
                 return
             name, t0, c0 = self._open
-            now, cpu = time.perf_counter(), time.process_time()
+            now, cpu = time.perf_counter() if now is None else now, time.process_time()
             entry = self.times.setdefault(name, {"wall": 0.0, "cpu": 0.0, "pieces": 0})
-            entry["wall"] += now - t0
+            gap = now - t0
+            stopped = gap - self.PERIOD if gap > self.STOPPED_AFTER else 0.0
+            entry["wall"] += gap - stopped
             entry["cpu"] += cpu - c0
+            if stopped:
+                entry["stopped"] = entry.get("stopped", 0.0) + stopped
             if final:
                 entry["pieces"] += 1
                 self._open = None
@@ -99,7 +110,7 @@ class StageClock:
                 self._stop = stop
 
                 def tick():
-                    while not stop.wait(30):
+                    while not stop.wait(clock.PERIOD):
                         clock._flush()
 
                 self._thread = threading.Thread(target=tick, daemon=True)

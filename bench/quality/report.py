@@ -175,12 +175,14 @@ def answers(r: dict[str, Any]) -> list[str]:
 
 def _stage_table(r: dict[str, Any]) -> list[str]:
     st, est = r.get("stage_times") or {}, r.get("estimate_minutes") or {}
-    rows = ["| stage | wall (min) | process CPU (min) | pieces | planned, CPU preset (min) |", "|---|---|---|---|---|"]
-    rows += [f"| {k} | {v['wall'] / 60:.1f} | {v['cpu'] / 60:.1f} | {v['pieces']} | {est.get(k, '')} |"
-             for k, v in st.items()]
+    rows = ["| stage | wall (min) | process CPU (min) | pieces | planned, CPU preset (min) | stopped, not counted (min) |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| {k} | {v['wall'] / 60:.1f} | {v['cpu'] / 60:.1f} | {v['pieces']} | {est.get(k, '')} | "
+             f"{v.get('stopped', 0) / 60:.1f} |" for k, v in st.items()]
     if st:
         rows.append(f"| **total** | {sum(v['wall'] for v in st.values()) / 60:.1f} | "
-                    f"{sum(v['cpu'] for v in st.values()) / 60:.1f} | | {sum(est.values())} |")
+                    f"{sum(v['cpu'] for v in st.values()) / 60:.1f} | | {sum(est.values())} | "
+                    f"{sum(v.get('stopped', 0) for v in st.values()) / 60:.1f} |")
     return rows
 
 

@@ -177,3 +177,25 @@ def test_same_training_sets_aside_only_what_does_not_change_the_run():
     blade = {**rho1, "selection": {**rho1["selection"], "policy": "blade"}}
     assert same_training(blade, {**blade, "selection": {**blade["selection"], "rho1_steps": 100}})
     assert not same_training(blade, {**blade, "selection": {**blade["selection"], "lam": 0.0}})
+
+
+def test_the_stage_clock_leaves_out_the_time_a_stopped_process_spent(tmp_path):
+    """A flush more than three periods after the previous one (the process was SIGSTOPped) counts one period of
+    that interval as the stage's wall and the rest as `stopped`; the totals add up over pieces and survive a reload."""
+    import json
+
+    from bench.quality.experiment import StageClock
+
+    clock = StageClock(str(tmp_path))
+    clock._open = ("sweep", 100.0, 0.0)
+    clock._flush(now=130.0)  # on time: 30 s
+    clock._flush(now=1130.0)  # 1,000 s later: stopped for 970 of them
+    clock._flush(final=True, now=1140.0)
+    entry = json.loads((tmp_path / "stage_times.json").read_text())["sweep"]
+    assert entry["wall"] == pytest.approx(30 + 30 + 10) and entry["stopped"] == pytest.approx(970)
+    assert entry["pieces"] == 1
+    again = StageClock(str(tmp_path))  # the next piece: late by 90 s exactly is not yet stopped
+    again._open = ("sweep", 0.0, 0.0)
+    again._flush(final=True, now=90.0)
+    entry = json.loads((tmp_path / "stage_times.json").read_text())["sweep"]
+    assert entry["wall"] == pytest.approx(160) and entry["stopped"] == pytest.approx(970) and entry["pieces"] == 2
