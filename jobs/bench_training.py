@@ -55,6 +55,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="b; several (e.g. 8 32) run one after the other in each policy's process (one start-up each), "
                    "and the JSON holds one report per b under by_batch")
     p.add_argument("--refresh-batch-size", type=int, default=None, help="rb (default b/4)")
+    p.add_argument("--refresh-joint-forward", choices=["auto", "on", "off"], default="auto",
+                   help="selection.refresh_joint_forward: a refresh step's validation and candidate rows in one "
+                        "forward (auto: on a GPU only)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the demo's hidden/16, head_dim 16; GPU-shaped models: head_dim 64)")
@@ -96,7 +99,8 @@ def _config(args: argparse.Namespace, policy: str, out_dir: str):
         checkpoint={"interval": 10**9, "keep": 1, "resume": False},
     )
     data["selection"].update(warmup_steps=args.warmup, tau=args.tau, refresh_steps=args.refresh_steps,
-                             refresh_batch_size=args.refresh_batch_size)
+                             refresh_batch_size=args.refresh_batch_size,
+                             refresh_joint_forward={"auto": None, "on": True, "off": False}[args.refresh_joint_forward])
     return TrainConfig.model_validate(data)
 
 
@@ -225,7 +229,9 @@ def _time_refreshes(run, args: argparse.Namespace) -> list[float]:
             os.makedirs(args.profile_refresh, exist_ok=True)
             table = prof.key_averages()
             with open(os.path.join(args.profile_refresh, f"refresh-b{args.batch_size}.txt"), "w", encoding="utf-8") as f:
-                f.write(f"refresh {len(times)} at b = {args.batch_size}: {times[-1]:.1f} ms wall (profiled)\n")
+                attention = sum(e.count for e in table if e.key == "aten::scaled_dot_product_attention")
+                f.write(f"refresh {len(times)} at b = {args.batch_size}: {times[-1]:.1f} ms wall (profiled); "
+                        f"aten::scaled_dot_product_attention × {attention} (one per layer and forward)\n")
                 for key in ("self_cpu_time_total", *(["self_device_time_total"] if cuda else [])):
                     f.write(f"\n--- by {key}\n" + table.table(sort_by=key, row_limit=30) + "\n")
 
@@ -393,7 +399,8 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         "plain_step_ms": t_plain * 1e3, "blade_step_ms": t_blade * 1e3,
         "breakdown": {name: m for name, m, _ in rows}, "peak_rss_ratio": b_rss / p_rss,
         "peak_rss_mb": {"plain": p_rss, "blade": b_rss}, "params": plains[0]["params"],
-        "heads": args.heads, "tau": tau,
+        "heads": args.heads, "tau": tau, "refresh_joint_forward": args.refresh_joint_forward == "on" or (
+            args.refresh_joint_forward == "auto" and args.device == "cuda"),
         "refresh_steps": k, "refresh_batch_size": rb, "batch_size": b, "seq_len": args.seq_len,
         "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
         "pinned_host_mb": {"plain": plains[0].get("pinned_host_mb"), "blade": blades[0].get("pinned_host_mb")},

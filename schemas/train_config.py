@@ -168,6 +168,11 @@ class SelectionConfig(StrictModel):
     offload_reference: bool = Field(
         True, description="keep the reference on CPU between refreshes (it only scores right after a refresh)"
     )
+    refresh_joint_forward: bool | None = Field(
+        None, description="a refresh step's validation and candidate rows in one forward, stacked (the same losses, "
+        "one forward fewer per step: a GPU runs small refresh batches at the host's pace; the stacked rows' "
+        "activations are held at once); None = on a GPU only"
+    )
     scope: Literal["global", "rank"] = Field(
         "global", description="with parallel.workers > 1: top-γ over the global candidate batch (Δ gathered from "
         "every rank; equals the single-process selection) or over each rank's b/N rows (no collective needed "

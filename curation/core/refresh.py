@@ -75,7 +75,7 @@ class RefreshSettings:
             match) instead of two; ``None``: on a GPU only. The losses are the same sums over the same rows; a GPU
             runs a small refresh batch at the host's pace (on an H200 a refresh cost about the same at rb = 2 and
             rb = 8, ~0.6 s for K = 6), so one forward fewer per step is a third less host work. On a CPU the
-            forwards are compute-bound and stay separate (bit for bit as before).
+            forwards are compute-bound and stay separate (bit for bit as before). ``selection.refresh_joint_forward``.
 
     Raises:
         ValueError: a step count that is not an int >= 0, ``lr <= 0``, ``lam < 0`` or ``grad_clip < 0``.
@@ -112,7 +112,8 @@ class RefreshSettings:
         config (``TrainConfig.ref_lr``, ``TrainConfig.refresh_batch_size``, ``precision``)."""
         return cls(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam, lr=lr,
                    weight_decay=selection.ref_weight_decay, grad_clip=selection.ref_grad_clip,
-                   rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision)
+                   rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision,
+                   joint_forward=selection.refresh_joint_forward)
 
 
 @dataclass

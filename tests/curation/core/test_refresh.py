@@ -480,3 +480,18 @@ def test_rows_of_another_length_or_a_misshapen_mask_fall_back_to_separate_forwar
     bad = (TokenBatch(b.tokens, None, b.mask[:, :-1]) for b in cand_stream(1))
     with pytest.raises(ValueError, match=r"candidate mask has shape \(4, 23\), tokens have \(4, 24\)"):
         refresh_reference(proxy, val_stream(0), bad, settings(1, joint_forward=True))
+
+
+def test_the_joint_forward_is_a_selection_setting_of_the_run():
+    """`selection.refresh_joint_forward` reaches the settings every refresh of a run is built from (the trainer's
+    reference, the engine's refresh actor, the oracle loop); strict: a non-boolean is refused naming the setting."""
+    from pydantic import ValidationError
+
+    from schemas.train_config import SelectionConfig
+
+    for value in (None, True, False):
+        sel = SelectionConfig(refresh_joint_forward=value)
+        assert RefreshSettings.of(sel, lr=1e-3, batch_size=2, precision="fp32").joint_forward is value
+    assert SelectionConfig().refresh_joint_forward is None  # on a GPU only
+    with pytest.raises(ValidationError, match="refresh_joint_forward"):
+        SelectionConfig(refresh_joint_forward="sometimes")
