@@ -219,6 +219,7 @@ def headline(steps: dict[str, dict]) -> dict:
                       "peak_gpu_mem_ratio": 1.10},
         },
         "selection_over_forward": get("selection", "delta_select_over_forward"),
+        "selection_queued_over_forward": get("selection", "queued_delta_select_over_forward"),  # device time
         "gpu_tests": r.get("gpu_tests") or None,
         "main_job_ok": steps["main_job"]["rc"] == 0 if "main_job" in steps else None,
         "main_job_seconds": steps["main_job"]["seconds"] if "main_job" in steps else None,

@@ -55,6 +55,7 @@ def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
     assert scoring["batch"] == 2 and scoring["device"] == "cpu"
     assert head["scoring"]["worker_over_forward_b8"] == scoring["worker_over_forward"]
     assert head["selection_over_forward"] == report["steps"]["selection"]["result"]["delta_select_over_forward"]
+    assert head["selection_queued_over_forward"] is None  # device time of queued calls: on a GPU only
     assert head["scoring"]["worker_over_forward_b32"] is None and head["main_job_ok"] is None
     with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:  # each step written as it ended
         partial = [json.loads(line) for line in f]
