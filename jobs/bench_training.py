@@ -136,6 +136,7 @@ def worker_run(args: argparse.Namespace) -> dict:
     """Train one policy; report each measured episode's mean step time and phase timers, and peak RSS."""
     from composer.core import Callback
 
+    from curation.core.refresh import joint_forward_on
     from training.blocks.meters import Meters
     from training.runs.wiring import build_training
 
@@ -193,6 +194,8 @@ def worker_run(args: argparse.Namespace) -> dict:
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
         "refresh_ms": refresh_ms,
+        "refresh_joint_forward": joint_forward_on(cfg.selection.refresh_joint_forward,
+                                                  next(run.model.parameters()).device),
     }
 
 
@@ -399,8 +402,7 @@ def report(args: argparse.Namespace, plains: list[dict], blades: list[dict], sec
         "plain_step_ms": t_plain * 1e3, "blade_step_ms": t_blade * 1e3,
         "breakdown": {name: m for name, m, _ in rows}, "peak_rss_ratio": b_rss / p_rss,
         "peak_rss_mb": {"plain": p_rss, "blade": b_rss}, "params": plains[0]["params"],
-        "heads": args.heads, "tau": tau, "refresh_joint_forward": args.refresh_joint_forward == "on" or (
-            args.refresh_joint_forward == "auto" and args.device == "cuda"),
+        "heads": args.heads, "tau": tau, "refresh_joint_forward": blades[0]["refresh_joint_forward"],
         "refresh_steps": k, "refresh_batch_size": rb, "batch_size": b, "seq_len": args.seq_len,
         "precision": args.precision, "device": args.device, "threads": blades[0]["threads"], "clock": args.clock,
         "pinned_host_mb": {"plain": plains[0].get("pinned_host_mb"), "blade": blades[0].get("pinned_host_mb")},

@@ -130,10 +130,7 @@ def blade_loop(
     schedule = Schedule(selection.warmup_steps, selection.tau, steps)
     stream = CandidateStream(candidates.shape[0], batch_size, seed)
     rb = refresh_batch_size or selection.refresh_batch_size or max(1, batch_size // 4)
-    ref_settings = RefreshSettings(seed=selection.seed, refresh_steps=selection.refresh_steps, lam=selection.lam,
-                                   lr=selection.ref_lr or optim.lr, weight_decay=selection.ref_weight_decay,
-                                   grad_clip=selection.ref_grad_clip, rho1_steps=selection.rho1_steps, batch_size=rb,
-                                   joint_forward=selection.refresh_joint_forward)
+    ref_settings = RefreshSettings.of(selection, lr=selection.ref_lr or optim.lr, batch_size=rb, precision="fp32")
     val = _ValidationBatches(validation, rb, selection.seed)
     recent: deque[tuple[Tensor, Tensor]] = deque(maxlen=selection.refresh_candidate_batches)
 

@@ -50,6 +50,7 @@ __all__ = [
     "RefreshStart",
     "RefreshWorkspace",
     "copy_buffers",
+    "joint_forward_on",
     "refresh_reference",
     "train_static_reference",
 ]
@@ -114,6 +115,12 @@ class RefreshSettings:
                    weight_decay=selection.ref_weight_decay, grad_clip=selection.ref_grad_clip,
                    rho1_steps=selection.rho1_steps, batch_size=batch_size, precision=precision,
                    joint_forward=selection.refresh_joint_forward)
+
+
+def joint_forward_on(setting: bool | None, device: torch.device) -> bool:
+    """Whether a refresh on ``device`` runs its steps' validation and candidate rows in one forward
+    (:attr:`RefreshSettings.joint_forward`; ``None``: on a GPU only)."""
+    return device.type == "cuda" if setting is None else setting
 
 
 @dataclass
@@ -405,7 +412,7 @@ def refresh_reference(
     # the per-step figures stay on the device until the last step: the host never waits for a step to finish
     # (on a GPU it queues step k+1 while step k runs), and reads them all at once at the end
     logged: dict[str, list[Tensor]] = {"val_losses": [], "objectives": [], "grad_norms": [], "train_losses": []}
-    joint = device.type == "cuda" if settings.joint_forward is None else settings.joint_forward
+    joint = joint_forward_on(settings.joint_forward, device)
     with torch.inference_mode(False), torch.enable_grad():
         for step in range(steps):
             vb = _next_batch(val_it, "val_batches", step, steps)

@@ -13,7 +13,13 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from curation.core.losses import TokenBatch, model_logits, token_losses
-from curation.core.refresh import RefreshSettings, RefreshStart, refresh_reference, train_static_reference
+from curation.core.refresh import (
+    RefreshSettings,
+    RefreshStart,
+    joint_forward_on,
+    refresh_reference,
+    train_static_reference,
+)
 from curation.core.selection import masked_mean
 from curation.core.stats import param_distance
 from tests.conftest import REPO, cuda_syncs
@@ -493,5 +499,7 @@ def test_the_joint_forward_is_a_selection_setting_of_the_run():
         sel = SelectionConfig(refresh_joint_forward=value)
         assert RefreshSettings.of(sel, lr=1e-3, batch_size=2, precision="fp32").joint_forward is value
     assert SelectionConfig().refresh_joint_forward is None  # on a GPU only
+    assert [joint_forward_on(None, torch.device(d)) for d in ("cpu", "cuda")] == [False, True]
+    assert [joint_forward_on(v, torch.device("cpu")) for v in (True, False)] == [True, False]
     with pytest.raises(ValidationError, match="refresh_joint_forward"):
         SelectionConfig(refresh_joint_forward="sometimes")
