@@ -333,7 +333,8 @@ def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, pres
     results.update(preset=preset, stage_times=clock.times)
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                else f"{platform.processor() or platform.machine()}, {s.threads} CPU threads")
+                else f"{platform.processor() or platform.machine()}, {s.all_threads} CPU threads"
+                + (f", {s.parallel_runs} runs at a time of {s.threads} thread(s) each" if s.parallel_runs > 1 else ""))
     reading_path = os.path.join(out, "READING.md")
     reading = open(reading_path, encoding="utf-8").read() if os.path.exists(reading_path) else ""
     path = os.path.join(out, "RESULTS.md")

@@ -30,7 +30,7 @@ from schemas.records import config_diff, operational_keys
 from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig
 from training.runs.single import replay, train
 
-__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
+__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "lookup", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
 
 REUSED: list[str] = []  # runs of this invocation taken from an earlier one
 
@@ -145,14 +145,32 @@ def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = 
     return False
 
 
-def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit,
-         inputs: tuple[str, ...] = ()) -> dict[str, Any]:
+def _record(cfg: TrainConfig | ReplayConfig, snapshots: tuple[int, ...]) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     if snapshots:
         config["snapshots"] = sorted(snapshots)
-    if _cached(result_path, config, inputs):
+    return config
+
+
+def _inputs(cfg: TrainConfig | ReplayConfig) -> tuple[str, ...]:
+    # shards selected again since (a proxy run retrained) make a replay stale even under the same settings
+    return (os.path.join(cfg.selected, "manifest.json"),) if isinstance(cfg, ReplayConfig) else ()
+
+
+def lookup(cfg: TrainConfig | ReplayConfig, result_path: str, *, snapshots: tuple[int, ...] = ()) -> dict[str, Any] | None:
+    """The recorded result of a finished run with the same settings, or None when the run is still to train (a
+    stale run directory is removed first, an unfinished one with the same settings is left to resume)."""
+    if _cached(result_path, _record(cfg, snapshots), _inputs(cfg)):
         with open(result_path) as f:
             return json.load(f)
+    return None
+
+
+def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit) -> dict[str, Any]:
+    config = _record(cfg, snapshots)
+    found = lookup(cfg, result_path, snapshots=snapshots)
+    if found is not None:
+        return found
     timer = StepTimer()
     snap_dir = os.path.join(cfg.output_dir, "snapshots")
     callbacks = [timer] + ([SaveAtSteps(sorted(snapshots), snap_dir)] if snapshots else [])
@@ -160,7 +178,8 @@ def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int
     res = fit(callbacks)
     res.update(name=os.path.basename(cfg.output_dir), config=config,
                step_seconds=timer.seconds / max(timer.steps, 1),
-               run_seconds={"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "steps": timer.steps},
+               run_seconds={"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "steps": timer.steps,
+                            "pid": os.getpid()},
                snapshots={str(n): os.path.join(snap_dir, f"step{n}.safetensors") for n in sorted(snapshots)})
     missing = [p for p in res["snapshots"].values() if not os.path.isfile(p)]
     if missing:  # a resumed run whose snapshot step was before the checkpoint it resumed from
@@ -189,8 +208,7 @@ def run_replay(cfg: ReplayConfig, result_path: str, *, snapshots: tuple[int, ...
         out = replay(cfg, callbacks=callbacks)
         return {"final_weights": out["final_weights"], "validation": out["validation"]}
 
-    # shards selected again since (a proxy run retrained) make the replay stale even under the same settings
-    return _run(cfg, result_path, snapshots, fit, inputs=(os.path.join(cfg.selected, "manifest.json"),))
+    return _run(cfg, result_path, snapshots, fit)
 
 
 def final_val(res: dict[str, Any], at: int | None = None) -> float:
