@@ -281,10 +281,17 @@ def dev_split(s: Setting) -> dict[str, Any]:
 
 
 def analyse(r: Runs) -> dict[str, Any]:
-    """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them)."""
-    s, out = r.s, r.out
+    """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them).
+    The models are scored first, ``parallel_runs`` at a time (:meth:`Evaluator.prefetch`)."""
+    s = r.s
+    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
+    ev.prefetch(lambda: _analyse(r, ev))
+    return _analyse(r, ev)
+
+
+def _analyse(r: Runs, ev: Evaluator) -> dict[str, Any]:
+    s = r.s
     shape, tshape = run_shape(s), run_shape(s, target=True)
-    ev = Evaluator(out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
     small, big = model_config(s), model_config(s, target=True)
     base_ev = ev("base-proxy", small, r.bases["proxy"]["final_weights"])
     tbase = ev("base-target", big, r.bases["target"]["final_weights"])

@@ -232,7 +232,7 @@ class _Trainer:
         cfg = ReplayConfig(
             selected=selected, validation=self.r.data["pool"].dirs["validation"], tokenizer=self.r.tokenizer,
             model=mcfg, optim=OptimConfig(lr=s.target_lr),
-            eval=EvalConfig(interval=s.eval_interval, batch_size=32, max_batches=s.eval_batches),
+            eval=EvalConfig(interval=s.target_eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
             checkpoint=CheckpointConfig(interval=min(s.steps, s.checkpoint_interval or s.steps), keep=1),
             output_dir=os.path.join(self.r.out, "runs", name), batch_size=s.batch, epochs=1, threads=s.threads,
             precision=s.precision, progress_bar=False,
@@ -289,13 +289,15 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
     """BLADE's refresh settings and RHO-1's reference lengths, each chosen at equal compute on the dev split."""
     s, shape = r.s, run_shape(r.s)
     snaps = _curve_steps(s.curve_interval, s.steps)
-    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
+    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
     dev = dev_source(s)
     r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
     done = t.run_all([t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True,
                             snapshots=snaps, **cand) for i, cand in enumerate(s.sweep)])
-    for cand, res in zip(s.sweep, done, strict=True):
-        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": _dev_curve(r, ev, res, "blade", cand),
+    curves = lambda: [_dev_curve(r, ev, res, "blade", cand) for cand, res in zip(s.sweep, done, strict=True)]  # noqa: E731
+    ev.prefetch(curves)
+    for cand, res, curve in zip(s.sweep, done, curves(), strict=True):
+        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": curve,
                         "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
     _choose(r, r.sweep, "sweep_budget")
     r.best = dict(next(c["setting"] for c in r.sweep if c["chosen"]))
@@ -303,10 +305,12 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
     # with BLADE's chosen setting, as the main stage's rho1 runs do, so that its chosen run is their seed 0
     done = t.run_all([t.job(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True,
                             snapshots=snaps, rho1_steps=n) for n in s.rho1_sweep])
-    for n, res in zip(s.rho1_sweep, done, strict=True):
+    sels = [{**r.best, "rho1_steps": n} for n in s.rho1_sweep]
+    curves = lambda: [_dev_curve(r, ev, res, "rho1", sel) for sel, res in zip(sels, done, strict=True)]  # noqa: E731
+    ev.prefetch(curves)
+    for n, res, sel, curve in zip(s.rho1_sweep, done, sels, curves(), strict=True):
         cand = {"rho1_steps": n}
-        sel = {**r.best, **cand}
-        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", sel),
+        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": curve,
                              "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, sel).as_dict()})
     _choose(r, r.rho1_sweep, "rho1_budget")
     r.best["rho1_steps"] = next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])
@@ -391,7 +395,7 @@ def _stage_reuse(r: Runs, t: _Trainer) -> None:
         for seed in range(s.reuse_seeds):
             jobs.append(t.job(
                 f"{pre}target-full-seed{seed}", policy="full", seed=seed, mcfg=start, data=data, steps=r.target_steps,
-                lr=s.target_lr, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
+                lr=s.target_lr, eval_interval=s.target_eval_interval, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
             for p in _reuse_policies(s, setting):
                 selected = r.main[setting][p][seed]["summary"]["selected_dir"]
                 jobs.append(t.replay_job(f"{pre}target-replay-{p}-seed{seed}", selected, start,

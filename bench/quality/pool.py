@@ -9,28 +9,23 @@ config at 100 and 300 steps, the difference; two 1-thread runs side by side do n
 this machine's 2 cores).
 
 :func:`run_jobs` runs a stage's independent runs ``parallel_runs`` at a time, each in a process of its own
-(``spawn``: nothing of the parent's torch state is shared) with the threads its config names, and returns their
-results in the order given; finished runs are taken from their records without starting a process. A run's
-result does not depend on what runs beside it (its config fixes its threads, data order and seeds), so one run
-at a time gives the same numbers bit for bit (``tests/jobs/test_bench_quality.py``). Workers end with the
-parent (``PR_SET_PDEATHSIG`` on Linux): a killed benchmark leaves no run training into a directory that the next
-invocation resumes.
+(``bench.quality.procs``) with the threads its config names, and returns their results in the order given;
+finished runs are taken from their records without starting a process. A run's result does not depend on what
+runs beside it (its config fixes its threads, data order and seeds), so one run at a time gives the same numbers
+bit for bit (``tests/jobs/test_bench_quality.py``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing
-import signal
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from bench.quality.procs import process_pool
 from bench.quality.runs import lookup, run_replay, run_training
 from schemas.train_config import ReplayConfig, TrainConfig
 
@@ -56,14 +51,6 @@ def _run(job: Job) -> dict[str, Any]:
 def _in_worker(kind: str, cfg: dict[str, Any], result_path: str, snapshots: tuple[int, ...]) -> dict[str, Any]:
     schema = ReplayConfig if kind == "replay" else TrainConfig
     return _run(Job("", schema.model_validate(cfg), result_path, snapshots))
-
-
-def _end_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # pragma: no cover - no prctl: the worker outlives a killed parent
-            pass
 
 
 def run_jobs(jobs: list[Job], parallel_runs: int, report: Callable[[Job, dict[str, Any], float], None]) -> list[dict[str, Any]]:
@@ -92,8 +79,7 @@ def run_jobs(jobs: list[Job], parallel_runs: int, report: Callable[[Job, dict[st
         finally:
             torch.set_num_threads(threads)  # a run sets its own; the stage's evaluation uses the parent's
         return [results[i] for i in range(len(jobs))]
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=slots, mp_context=ctx, initializer=_end_with_parent) as pool:
+    with process_pool(slots) as pool:
         started: dict[Future, tuple[int, float]] = {}
         for i in todo:
             job = jobs[i]

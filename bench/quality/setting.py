@@ -146,6 +146,9 @@ class Setting:
     smooth_window: int = 3  # snapshots averaged (centred) before reading "reaches" and break-even R
     target_lr: float = 1e-3
     target_curve_interval: int = 500
+    # the target runs' in-run validation (printed only: their curves are the snapshots' scores on the evaluation
+    # sets); None = eval_interval
+    target_eval_interval: int | None = 500
     # target `full` beyond `steps` (None: to the equal total compute of the costliest selection, base charged, at
     # the second-smallest R; the smallest R's point beyond that compares with full's last snapshot, a bound)
     target_extra_steps: int | None = None
@@ -198,7 +201,7 @@ QUICK = Setting(
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
            {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),
     rho1_sweep=(2, 3), reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1",), reuse_seeds=2,
-    target_curve_interval=4, eval_docs=40, checkpoint_interval=6,
+    target_curve_interval=4, target_eval_interval=8, eval_docs=40, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
