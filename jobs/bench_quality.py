@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, a few minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--steps", type=int, default=None, help="override the proxy steps per run")
+    ap.add_argument("--parallel-runs", type=int, default=None, metavar="N",
+                    help="training runs at a time in the sweep, main and reuse stages (default: the preset's; each "
+                    "run keeps the preset's threads, so any N gives the same results)")
     ap.add_argument("--until", default=None, help="train the stages up to this one (data, bases, sweep, main, reuse), "
                     "then stop without evaluating: a piece of a run resumed by the next invocation")
     args = ap.parse_args(argv)
@@ -47,10 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, seeds=args.seeds)
     if args.steps:
         s = replace(s, steps=args.steps)
+    if args.parallel_runs is not None:
+        if args.parallel_runs < 1:
+            ap.error(f"--parallel-runs must be at least 1, got {args.parallel_runs}")
+        s = replace(s, parallel_runs=args.parallel_runs)
     from bench.quality.analysis import run_benchmark
 
     command = "python jobs/bench_quality.py" + (" --quick" if args.quick else f" --preset {args.preset}") + \
         (f" --seeds {args.seeds}" if args.seeds else "") + (f" --steps {args.steps}" if args.steps else "") + \
+        (f" --parallel-runs {args.parallel_runs}" if args.parallel_runs is not None else "") + \
         f" --out {args.out}"
     report = run_benchmark(s, args.out, until=args.until, command=command,
                            preset="quick" if args.quick else args.preset)

@@ -281,10 +281,17 @@ def dev_split(s: Setting) -> dict[str, Any]:
 
 
 def analyse(r: Runs) -> dict[str, Any]:
-    """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them)."""
-    s, out = r.s, r.out
+    """Evaluate every run and compare; returns the JSON-ready results (``bench.quality.report`` renders them).
+    The models are scored first, ``parallel_runs`` at a time (:meth:`Evaluator.prefetch`)."""
+    s = r.s
+    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
+    ev.prefetch(lambda: _analyse(r, ev))
+    return _analyse(r, ev)
+
+
+def _analyse(r: Runs, ev: Evaluator) -> dict[str, Any]:
+    s = r.s
     shape, tshape = run_shape(s), run_shape(s, target=True)
-    ev = Evaluator(out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
     small, big = model_config(s), model_config(s, target=True)
     base_ev = ev("base-proxy", small, r.bases["proxy"]["final_weights"])
     tbase = ev("base-target", big, r.bases["target"]["final_weights"])
@@ -333,7 +340,8 @@ def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, pres
     results.update(preset=preset, stage_times=clock.times)
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                else f"{platform.processor() or platform.machine()}, {s.threads} CPU threads")
+                else f"{platform.processor() or platform.machine()}, {s.all_threads} CPU threads"
+                + (f", {s.parallel_runs} runs at a time of {s.threads} thread(s) each" if s.parallel_runs > 1 else ""))
     reading_path = os.path.join(out, "READING.md")
     reading = open(reading_path, encoding="utf-8").read() if os.path.exists(reading_path) else ""
     path = os.path.join(out, "RESULTS.md")

@@ -30,7 +30,8 @@ from typing import Any
 import yaml
 
 from bench.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
-from bench.quality.runs import REUSED, Evaluator, final_val, run_replay, run_training, same_training
+from bench.quality.pool import Job, run_jobs
+from bench.quality.runs import REUSED, Evaluator, final_val, same_training
 from bench.quality.setting import (
     MAX_EPOCHS,
     POLICIES,
@@ -63,6 +64,13 @@ __all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "swe
 STAGES = ("data", "bases", "sweep", "main", "reuse")
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its ended child processes (a stage's parallel runs: their CPU counts
+    once their pool has closed, at the stage's end)."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 class StageClock:
     """Wall and process-CPU seconds per stage, added up over the invocations that ran it
     (``out/stage_times.json``, flushed every :attr:`PERIOD` s so a killed piece keeps most of its time).
@@ -85,7 +93,7 @@ class StageClock:
             if self._open is None:
                 return
             name, t0, c0 = self._open
-            now, cpu = time.perf_counter() if now is None else now, time.process_time()
+            now, cpu = time.perf_counter() if now is None else now, _cpu()
             entry = self.times.setdefault(name, {"wall": 0.0, "cpu": 0.0, "pieces": 0})
             gap = now - t0
             stopped = gap - self.PERIOD if gap > self.STOPPED_AFTER else 0.0
@@ -105,7 +113,7 @@ class StageClock:
 
         class _Stage:
             def __enter__(self):
-                clock._open = (name, time.perf_counter(), time.process_time())
+                clock._open = (name, time.perf_counter(), _cpu())
                 stop = threading.Event()
                 self._stop = stop
 
@@ -167,6 +175,12 @@ def _curve_steps(interval: int, last: int) -> set[int]:
     return set(range(interval, last + 1, interval)) | {last}
 
 
+# relative time per step, to start a stage's longest runs first: a target step ≈ 3 proxy steps at 1 thread (322
+# against 110 ms), a refresh adds ≈ 0.6 of a step at K/τ = 0.3, RHO-1's reference trains once
+_COST = {"full": 1.0, "random": 0.9, "rho1": 1.2, "blade": 1.6, "blade-nosync": 1.6}
+_TARGET_COST = 3.0
+
+
 class _Trainer:
     """Builds the configs of the benchmark's runs and runs them (one place for the shared settings)."""
 
@@ -175,7 +189,8 @@ class _Trainer:
 
     def config(self, name: str, *, policy: str, seed: int, mcfg: ModelConfig, data: str = "pool",
                steps: int | None = None, batch: int | None = None, lr: float | None = None,
-               eval_interval: int | None = None, write_selected: bool = False, **sel: Any) -> TrainConfig:
+               eval_interval: int | None = None, write_selected: bool = False, threads: int | None = None,
+               **sel: Any) -> TrainConfig:
         s, dirs = self.s, self.r.data
         sel = {**dict(policy=policy, gamma=s.gamma, warmup_steps=s.warmup, tau=s.tau, rho1_steps=s.rho1_steps,
                       seed=seed), **self.r.best, **sel}
@@ -187,32 +202,43 @@ class _Trainer:
             eval=EvalConfig(interval=eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
             checkpoint=CheckpointConfig(interval=min(n, s.checkpoint_interval or n), keep=1),
             output_dir=os.path.join(self.r.out, "runs", name), batch_size=batch or s.batch, max_steps=n, seed=seed,
-            threads=s.threads, precision=s.precision, progress_bar=False, plots=False, write_selected=write_selected,
+            threads=threads or s.threads, precision=s.precision, progress_bar=False, plots=False,
+            write_selected=write_selected,
             distance_interval=max(1, s.tau // 10),
         )
 
-    def run(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        res = run_training(self.config(name, **kw), os.path.join(self.r.out, "runs", name, "result.json"),
-                           snapshots=tuple(sorted(snapshots)))
-        print(f"[run] {name}: val {final_val(res):.3f}, {res['step_seconds'] * 1e3:.0f} ms/step "
-              f"({time.perf_counter() - t0:.0f}s)", flush=True)
-        return res
+    def job(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> Job:
+        cfg = self.config(name, **kw)
+        target = cfg.model.hf_config["hidden_size"] == self.s.target_hidden and self.s.target_hidden != self.s.hidden
+        cost = cfg.max_steps * (_TARGET_COST if target else 1.0) * _COST[cfg.selection.policy]
+        return Job(name, cfg, os.path.join(self.r.out, "runs", name, "result.json"), tuple(sorted(snapshots)), cost)
 
-    def replay(self, name: str, selected: str, mcfg: ModelConfig, snapshots: set[int]) -> dict[str, Any]:
+    def run(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> dict[str, Any]:
+        """One run, in this process."""
+        return run_jobs([self.job(name, snapshots, **kw)], 1, self.report)[0]
+
+    def run_all(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        """Independent runs, ``parallel_runs`` at a time; their results in the order of ``jobs``."""
+        return run_jobs(jobs, self.s.parallel_runs, self.report)
+
+    @staticmethod
+    def report(job: Job, res: dict[str, Any], seconds: float) -> None:
+        speed = "" if isinstance(job.cfg, ReplayConfig) else f", {res['step_seconds'] * 1e3:.0f} ms/step"
+        print(f"[run] {job.name}: val {final_val(res):.3f}{speed} ({f'{seconds:.0f}s' if seconds else 'recorded'})",
+              flush=True)
+
+    def replay_job(self, name: str, selected: str, mcfg: ModelConfig, snapshots: set[int]) -> Job:
         s = self.s
         cfg = ReplayConfig(
             selected=selected, validation=self.r.data["pool"].dirs["validation"], tokenizer=self.r.tokenizer,
             model=mcfg, optim=OptimConfig(lr=s.target_lr),
-            eval=EvalConfig(interval=s.eval_interval, batch_size=32, max_batches=s.eval_batches),
+            eval=EvalConfig(interval=s.target_eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
             checkpoint=CheckpointConfig(interval=min(s.steps, s.checkpoint_interval or s.steps), keep=1),
             output_dir=os.path.join(self.r.out, "runs", name), batch_size=s.batch, epochs=1, threads=s.threads,
             precision=s.precision, progress_bar=False,
         )
-        t0 = time.perf_counter()
-        res = run_replay(cfg, os.path.join(self.r.out, "runs", name, "result.json"), snapshots=tuple(sorted(snapshots)))
-        print(f"[run] {name}: val {final_val(res):.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
-        return res
+        return Job(name, cfg, os.path.join(self.r.out, "runs", name, "result.json"), tuple(sorted(snapshots)),
+                   s.steps * _TARGET_COST)
 
 
 def _stage_data(r: Runs) -> None:
@@ -237,7 +263,7 @@ def _stage_bases(r: Runs, t: _Trainer) -> None:
             raise ValueError(f"the {role} base at {tpp} tokens per parameter needs {epochs:.2f} passes over the base "
                              f"text ({sequences} sequences), more than MAX_EPOCHS = {MAX_EPOCHS}")
         res = t.run(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
-                    lr=s.base_lr, eval_interval=s.base_eval_interval)
+                    lr=s.base_lr, eval_interval=s.base_eval_interval, threads=s.base_threads)
         tokens = steps * s.base_batch * s.seq_len
         r.bases[role] = {**res, "parameters": params, "tokens": tokens, "tokens_per_parameter": tokens / params,
                          "epochs": epochs, "unique_tokens": sequences * s.seq_len,
@@ -263,24 +289,28 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
     """BLADE's refresh settings and RHO-1's reference lengths, each chosen at equal compute on the dev split."""
     s, shape = r.s, run_shape(r.s)
     snaps = _curve_steps(s.curve_interval, s.steps)
-    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len)
+    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
     dev = dev_source(s)
     r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
-    for i, cand in enumerate(s.sweep):
-        res = t.run(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
-                    **cand)
-        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": _dev_curve(r, ev, res, "blade", cand),
+    done = t.run_all([t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True,
+                            snapshots=snaps, **cand) for i, cand in enumerate(s.sweep)])
+    curves = lambda: [_dev_curve(r, ev, res, "blade", cand) for cand, res in zip(s.sweep, done, strict=True)]  # noqa: E731
+    ev.prefetch(curves)
+    for cand, res, curve in zip(s.sweep, done, curves(), strict=True):
+        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": curve,
                         "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
     _choose(r, r.sweep, "sweep_budget")
     r.best = dict(next(c["setting"] for c in r.sweep if c["chosen"]))
     # RHO-1's reference trains with the refresh's η_w and batch (ref_lr, refresh_batch_size): the length sweep runs
     # with BLADE's chosen setting, as the main stage's rho1 runs do, so that its chosen run is their seed 0
-    for n in s.rho1_sweep:
+    done = t.run_all([t.job(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True,
+                            snapshots=snaps, rho1_steps=n) for n in s.rho1_sweep])
+    sels = [{**r.best, "rho1_steps": n} for n in s.rho1_sweep]
+    curves = lambda: [_dev_curve(r, ev, res, "rho1", sel) for sel, res in zip(sels, done, strict=True)]  # noqa: E731
+    ev.prefetch(curves)
+    for n, res, sel, curve in zip(s.rho1_sweep, done, sels, curves(), strict=True):
         cand = {"rho1_steps": n}
-        res = t.run(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True, snapshots=snaps,
-                    rho1_steps=n)
-        sel = {**r.best, **cand}
-        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": _dev_curve(r, ev, res, "rho1", sel),
+        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": curve,
                              "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, sel).as_dict()})
     _choose(r, r.rho1_sweep, "rho1_budget")
     r.best["rho1_steps"] = next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])
@@ -313,23 +343,31 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
     # (same data, model, schedule, selection and seed; its name, snapshots and progress output aside)
     chosen = {"blade": next(c["run"] for c in r.sweep if c["chosen"]),
               "rho1": next(c["run"] for c in r.rho1_sweep if c["chosen"])}
+    slots: list[tuple[str, str, dict[str, Any] | int]] = []  # (setting, policy, a result or an index into jobs)
+    jobs: list[Job] = []
     for setting in SETTINGS:
         data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting), _reuse_policies(s, setting)
-        main = r.main[setting] = {p: [] for p in POLICIES}
         for seed in range(s.seeds):
             full_snaps = snaps | set(r.eq_steps.values())
-            main["full"].append(t.run(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
-                                      steps=max(full_snaps), snapshots=full_snaps))
+            slots.append((setting, "full", len(jobs)))
+            jobs.append(t.job(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
+                              steps=max(full_snaps), snapshots=full_snaps))
             for p in POLICIES[1:]:
                 kw = dict(policy=p, seed=seed, mcfg=_start(r), data=data, snapshots=snaps,
                           write_selected=seed < s.reuse_seeds and p in reused)
                 if p in chosen and seed == 0 and setting == SETTINGS[0]:
                     own = t.config(f"{pre}{p}-seed{seed}", **{k: v for k, v in kw.items() if k != "snapshots"})
                     if same_training(chosen[p]["config"], own.model_dump(mode="json")):
-                        main[p].append(chosen[p])
+                        slots.append((setting, p, chosen[p]))
                         continue
                     print(f"[main] {p}-seed0: the chosen sweep run trained otherwise; training it", flush=True)
-                main[p].append(t.run(f"{pre}{p}-seed{seed}", **kw))
+                slots.append((setting, p, len(jobs)))
+                jobs.append(t.job(f"{pre}{p}-seed{seed}", **kw))
+    done = t.run_all(jobs)
+    for setting in SETTINGS:
+        r.main[setting] = {p: [] for p in POLICIES}
+    for setting, p, res in slots:  # seeds in order within each (setting, policy)
+        r.main[setting][p].append(done[res] if isinstance(res, int) else res)
 
 
 def target_extra_steps(s: Setting, selections: list[float], base: float, per_step: float) -> int:
@@ -351,17 +389,24 @@ def _stage_reuse(r: Runs, t: _Trainer) -> None:
     extra = target_extra_steps(s, sels, r.bases["proxy"]["flops"], per_step)
     r.target_steps = s.steps + extra  # snapshots every target_curve_interval steps and at the end
     start = _start(r, "target")
+    jobs: list[Job] = []
     for setting in SETTINGS:
         data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting)
-        entry = r.reuse[setting] = {"full": [], "replays": {p: [] for p in _reuse_policies(s, setting)}}
         for seed in range(s.reuse_seeds):
-            entry["full"].append(t.run(
+            jobs.append(t.job(
                 f"{pre}target-full-seed{seed}", policy="full", seed=seed, mcfg=start, data=data, steps=r.target_steps,
-                lr=s.target_lr, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
-            for p in entry["replays"]:
+                lr=s.target_lr, eval_interval=s.target_eval_interval, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
+            for p in _reuse_policies(s, setting):
                 selected = r.main[setting][p][seed]["summary"]["selected_dir"]
-                entry["replays"][p].append(t.replay(f"{pre}target-replay-{p}-seed{seed}", selected, start,
-                                                    _curve_steps(s.target_curve_interval, s.steps)))
+                jobs.append(t.replay_job(f"{pre}target-replay-{p}-seed{seed}", selected, start,
+                                         _curve_steps(s.target_curve_interval, s.steps)))
+    done = iter(t.run_all(jobs))
+    for setting in SETTINGS:  # the jobs' order
+        entry = r.reuse[setting] = {"full": [], "replays": {p: [] for p in _reuse_policies(s, setting)}}
+        for _seed in range(s.reuse_seeds):
+            entry["full"].append(next(done))
+            for p in entry["replays"]:
+                entry["replays"][p].append(next(done))
 
 
 def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
@@ -371,7 +416,7 @@ def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
     REUSED.clear()  # counted per invocation
     import torch
 
-    torch.set_num_threads(s.threads)
+    torch.set_num_threads(s.all_threads)
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
     runs, clock = Runs(s=s, out=out), StageClock(out)
     trainer = _Trainer(runs)

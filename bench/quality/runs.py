@@ -14,11 +14,16 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import as_completed
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from composer.core import Callback
 
+from bench.quality.procs import process_pool
 from curation.evaluation.heldout import DocScores, read_set, score_documents
 from curation.ingest.tokenizer import load_tokenizer
 from curation.io.atomic import atomic_write_text
@@ -30,7 +35,7 @@ from schemas.records import config_diff, operational_keys
 from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig
 from training.runs.single import replay, train
 
-__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
+__all__ = ["REUSED", "StepTimer", "SaveAtSteps", "lookup", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
 
 REUSED: list[str] = []  # runs of this invocation taken from an earlier one
 
@@ -145,14 +150,32 @@ def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = 
     return False
 
 
-def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit,
-         inputs: tuple[str, ...] = ()) -> dict[str, Any]:
+def _record(cfg: TrainConfig | ReplayConfig, snapshots: tuple[int, ...]) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     if snapshots:
         config["snapshots"] = sorted(snapshots)
-    if _cached(result_path, config, inputs):
+    return config
+
+
+def _inputs(cfg: TrainConfig | ReplayConfig) -> tuple[str, ...]:
+    # shards selected again since (a proxy run retrained) make a replay stale even under the same settings
+    return (os.path.join(cfg.selected, "manifest.json"),) if isinstance(cfg, ReplayConfig) else ()
+
+
+def lookup(cfg: TrainConfig | ReplayConfig, result_path: str, *, snapshots: tuple[int, ...] = ()) -> dict[str, Any] | None:
+    """The recorded result of a finished run with the same settings, or None when the run is still to train (a
+    stale run directory is removed first, an unfinished one with the same settings is left to resume)."""
+    if _cached(result_path, _record(cfg, snapshots), _inputs(cfg)):
         with open(result_path) as f:
             return json.load(f)
+    return None
+
+
+def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit) -> dict[str, Any]:
+    config = _record(cfg, snapshots)
+    found = lookup(cfg, result_path, snapshots=snapshots)
+    if found is not None:
+        return found
     timer = StepTimer()
     snap_dir = os.path.join(cfg.output_dir, "snapshots")
     callbacks = [timer] + ([SaveAtSteps(sorted(snapshots), snap_dir)] if snapshots else [])
@@ -160,7 +183,8 @@ def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int
     res = fit(callbacks)
     res.update(name=os.path.basename(cfg.output_dir), config=config,
                step_seconds=timer.seconds / max(timer.steps, 1),
-               run_seconds={"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "steps": timer.steps},
+               run_seconds={"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "steps": timer.steps,
+                            "pid": os.getpid()},
                snapshots={str(n): os.path.join(snap_dir, f"step{n}.safetensors") for n in sorted(snapshots)})
     missing = [p for p in res["snapshots"].values() if not os.path.isfile(p)]
     if missing:  # a resumed run whose snapshot step was before the checkpoint it resumed from
@@ -189,8 +213,7 @@ def run_replay(cfg: ReplayConfig, result_path: str, *, snapshots: tuple[int, ...
         out = replay(cfg, callbacks=callbacks)
         return {"final_weights": out["final_weights"], "validation": out["validation"]}
 
-    # shards selected again since (a proxy run retrained) make the replay stale even under the same settings
-    return _run(cfg, result_path, snapshots, fit, inputs=(os.path.join(cfg.selected, "manifest.json"),))
+    return _run(cfg, result_path, snapshots, fit)
 
 
 def final_val(res: dict[str, Any], at: int | None = None) -> float:
@@ -201,37 +224,95 @@ def final_val(res: dict[str, Any], at: int | None = None) -> float:
     return curve[-1]["loss"]
 
 
+def _score(mcfg: ModelConfig, weights: str, tok, texts: list[str], max_len: int, device: str) -> dict[str, list]:
+    model = build_causal_lm(mcfg.model_copy(update={"weights": weights})).to(device).eval()
+    return score_documents(model, tok, texts, max_len=max_len, batch_size=32).to_json()
+
+
+def _score_in_worker(mcfg: ModelConfig, weights: str, tokenizer: str, sources: dict[str, SourceConfig],
+                     max_len: int, threads: int, device: str) -> dict[str, dict[str, list]]:
+    torch.set_num_threads(threads)
+    tok = load_tokenizer(tokenizer)
+    return {skey: _score(mcfg, weights, tok, read_set(src), max_len, device) for skey, src in sources.items()}
+
+
 class Evaluator:
     """Whole-document token loss of a model on evaluation sets, cached in ``out/eval_cache.json`` by run name,
-    weights hash and set (a retrained run or a changed set is evaluated again)."""
+    weights hash and set (a retrained run or a changed set is evaluated again). It scores with ``threads`` torch
+    threads, in this process or, through :meth:`prefetch`, ``parallel`` models at a time in processes of their
+    own (the same threads: the same numbers)."""
 
-    def __init__(self, out: str, tokenizer: str, sources: list[SourceConfig], *, max_len: int):
+    def __init__(self, out: str, tokenizer: str, sources: list[SourceConfig], *, max_len: int, threads: int = 0,
+                 parallel: int = 1):
         self.sources, self.max_len = {s.name: s for s in sources}, max_len
-        self.tok = load_tokenizer(tokenizer)
+        self.tokenizer, self.tok = tokenizer, load_tokenizer(tokenizer)
+        self.threads, self.parallel = threads or torch.get_num_threads(), parallel
         self.texts: dict[str, list[str]] = {}
         self.documents: dict[str, int] = {}  # documents per set
         self.path = os.path.join(out, "eval_cache.json")
         self.cache = json.load(open(self.path)) if os.path.exists(self.path) else {}
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # while planning (prefetch): key → (model config, weights, {set key: source}) of the scores still missing
+        self._plan: dict[str, tuple[ModelConfig, str, dict[str, SourceConfig]]] | None = None
+
+    def _texts(self, src: SourceConfig) -> list[str]:
+        if src.name not in self.texts:
+            self.texts[src.name] = read_set(src)
+        return self.texts[src.name]
 
     def __call__(self, name: str, mcfg: ModelConfig, weights: str, *, sets: tuple[str, ...] | None = None,
                  extra: tuple[SourceConfig, ...] = ()) -> dict[str, DocScores]:
         """Scores of ``weights`` on ``sets`` (default: every evaluation set) and the ``extra`` sources."""
         key = f"{name}@{sha256_file(weights)[:16]}"
         entry = self.cache.setdefault(key, {})
-        model = None
         out = {}
         chosen = [self.sources[n] for n in sets] if sets is not None else list(self.sources.values())
         for src in [*chosen, *extra]:
             skey = f"{src.name}@{sha256_file(src.paths[0])[:8]}:{src.skip_documents}:{src.max_documents}:{self.max_len}"
+            if skey not in entry and self._plan is not None:  # a placeholder of the right size, never cached
+                self._plan.setdefault(key, (mcfg, weights, {}))[2][skey] = src
+                n = len(self._texts(src))
+                out[src.name] = DocScores(np.ones(n), np.ones(n, dtype=np.int64))
+                continue
             if skey not in entry:
-                if model is None:
-                    model = build_causal_lm(mcfg.model_copy(update={"weights": weights})).to(self.device).eval()
-                if src.name not in self.texts:
-                    self.texts[src.name] = read_set(src)
-                entry[skey] = score_documents(model, self.tok, self.texts[src.name], max_len=self.max_len,
-                                              batch_size=32).to_json()
+                with _threads(self.threads):
+                    entry[skey] = _score(mcfg, weights, self.tok, self._texts(src), self.max_len, self.device)
                 atomic_write_text(self.path, json.dumps(self.cache))
             out[src.name] = DocScores.from_json(entry[skey])
             self.documents[src.name] = len(out[src.name].sums)
         return out
+
+    def prefetch(self, uses: Callable[[], Any]) -> None:
+        """Score ahead, ``parallel`` models at a time, what ``uses()`` asks of this evaluator: ``uses`` runs once
+        with the missing scores answered by placeholders (its result is dropped), then the models it asked for
+        are scored in worker processes and cached, so that calling it again finds them all. Should ``uses`` fail
+        on a placeholder, what it asked for until then is scored, and the rest when it is called again."""
+        if self.parallel <= 1:
+            return
+        self._plan = {}
+        try:
+            uses()
+        except Exception as e:  # noqa: BLE001 - a placeholder it could not use: the rest is scored later, in order
+            print(f"[evaluate] planning stopped at {type(e).__name__}: {e}; the rest is scored in this process",
+                  flush=True)
+        finally:
+            plan, self._plan = self._plan, None
+        if not plan:
+            return
+        with process_pool(min(self.parallel, len(plan))) as pool:
+            futures = {pool.submit(_score_in_worker, mcfg, weights, self.tokenizer, srcs, self.max_len, self.threads,
+                                   self.device): key
+                       for key, (mcfg, weights, srcs) in plan.items()}
+            for fut in as_completed(futures):
+                self.cache.setdefault(futures[fut], {}).update(fut.result())
+                atomic_write_text(self.path, json.dumps(self.cache))
+
+
+@contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

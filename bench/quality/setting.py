@@ -146,13 +146,27 @@ class Setting:
     smooth_window: int = 3  # snapshots averaged (centred) before reading "reaches" and break-even R
     target_lr: float = 1e-3
     target_curve_interval: int = 500
+    # the target runs' in-run validation (printed only: their curves are the snapshots' scores on the evaluation
+    # sets); None = eval_interval
+    target_eval_interval: int | None = 500
     # target `full` beyond `steps` (None: to the equal total compute of the costliest selection, base charged, at
     # the second-smallest R; the smallest R's point beyond that compares with full's last snapshot, a bound)
     target_extra_steps: int | None = None
     eval_docs: int | None = None  # cap on the documents of every evaluation set (None = the sizes above)
-    threads: int = 2
+    # torch threads of each training run; the sweep, main and reuse stages train `parallel_runs` runs at a time
+    # (bench.quality.pool: on 2 cores two 1-thread runs do ≈ 1.4-1.6× the work of one 2-thread run), the two
+    # bases one after the other with `base_threads` each (the target's base is the longest run: two at a time
+    # would leave it alone on one core); the evaluation uses all_threads
+    threads: int = 1
+    parallel_runs: int = 2
+    base_threads: int = 2
     precision: str = "fp32"
     checkpoint_interval: int | None = 500  # None = only at the end of a run
+
+    @property
+    def all_threads(self) -> int:
+        """The threads the benchmark uses at once (the parallel runs' or a base's): the evaluation's."""
+        return max(self.threads * self.parallel_runs, self.base_threads)
 
 
 CPU = Setting()
@@ -175,7 +189,8 @@ GPU = Setting(
     base_tokens_per_parameter=20.0, target_base_tokens_per_parameter=10.0,
     sweep=tuple({**c, "refresh_steps": c["refresh_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
                 for c in CPU.sweep),
-    rho1_sweep=(200, 400, 800), target_curve_interval=500, threads=16, precision="amp_bf16", checkpoint_interval=1000,
+    rho1_sweep=(200, 400, 800), target_curve_interval=500, threads=16, parallel_runs=1, base_threads=16,
+    precision="amp_bf16", checkpoint_interval=1000,
 )
 QUICK = Setting(
     doc_scale=0.02, pool_doc_cap=30, base_doc_cap=60, skip_sources=("openintro", "hott", "novels", "folktales"),
@@ -186,7 +201,7 @@ QUICK = Setting(
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
            {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),
     rho1_sweep=(2, 3), reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1",), reuse_seeds=2,
-    target_curve_interval=4, eval_docs=40, checkpoint_interval=6,
+    target_curve_interval=4, target_eval_interval=8, eval_docs=40, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 

@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+from hashlib import sha256
 
 import pytest
 
@@ -101,11 +103,33 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     assert model.config.vocab_size == len(tok)
-    # rerun with the same --out skips every finished run and reproduces the table
-    again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
-                           capture_output=True, text=True, timeout=1700, cwd=tmp_path)
-    assert again.returncode == 0
-    assert json.loads((out / "results.json").read_text())["settings"]["paper"]["eval"] == res["settings"]["paper"]["eval"]
+    # the runs trained and were scored two at a time (in processes of their own); two of them trained and scored
+    # again one at a time, in the benchmark's process, give the same weights and scores bit for bit, and every
+    # other run is reused
+    main_runs = [out / "runs" / f"{pre}{p}-seed{k}" for pre in ("", "paper-") for p in ("full", "random", "blade-nosync")
+                 for k in range(2)]
+    pids = {json.loads((d / "result.json").read_text())["run_seconds"]["pid"] for d in main_runs}
+    assert len(pids) == 2 and "2 runs at a time of 1 thread(s) each" in md  # the main stage's two workers
+    retrained = ("full-seed1", "paper-blade-nosync-seed0")
+    weights = {n: sha256((out / "runs" / n / "final" / "model.safetensors").read_bytes()).hexdigest() for n in retrained}
+    for n in retrained:
+        shutil.rmtree(out / "runs" / n)
+    # their scores too: scored again in this process (one thread), they equal the workers' scores
+    cache = json.loads((out / "eval_cache.json").read_text())
+    dropped = [k for k in cache if k.startswith(tuple(f"{n}@" for n in retrained))]
+    assert len(dropped) >= 4
+    (out / "eval_cache.json").write_text(json.dumps({k: v for k, v in cache.items() if k not in dropped}))
+    again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out),
+                            "--parallel-runs", "1"], capture_output=True, text=True, timeout=1700, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert weights == {n: sha256((out / "runs" / n / "final" / "model.safetensors").read_bytes()).hexdigest()
+                       for n in retrained}
+    trained = [line.split(":")[0].removeprefix("[run] ") for line in again.stdout.splitlines()
+               if line.startswith("[run] ") and not line.endswith("(recorded)")]
+    assert sorted(trained) == sorted(retrained)
+    for name, st in json.loads((out / "results.json").read_text())["settings"].items():
+        assert st["eval"] == res["settings"][name]["eval"]
+        assert st["eval_equal_compute_full"] == res["settings"][name]["eval_equal_compute_full"]
     # every stage is timed, the evaluation too, added up over the invocations that ran it
     assert list(res["stage_times"]) == ["data", "bases", "sweep", "main", "reuse", "evaluate"]
     assert res["stage_times"]["evaluate"]["pieces"] == 1 and "| evaluate |" in md

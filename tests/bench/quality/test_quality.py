@@ -199,3 +199,47 @@ def test_the_stage_clock_leaves_out_the_time_a_stopped_process_spent(tmp_path):
     again._flush(final=True, now=90.0)
     entry = json.loads((tmp_path / "stage_times.json").read_text())["sweep"]
     assert entry["wall"] == pytest.approx(160) and entry["stopped"] == pytest.approx(970) and entry["pieces"] == 2
+
+
+def test_prefetched_scores_equal_the_scores_of_this_process(make_config, tmp_path, capsys):
+    """Evaluator.prefetch scores what its user asks for in worker processes, two models at a time: the same numbers
+    bit for bit as scoring in this process; the user's first pass sees placeholders; a user that fails on one
+    still gets what it asked for until then."""
+    import json
+
+    import numpy as np
+
+    from bench.quality.runs import Evaluator
+    from curation.io.models import build_causal_lm, save_weights
+    from schemas.config import SourceConfig
+
+    cfg = make_config("full", name="ev")
+    weights = str(tmp_path / "w.safetensors")
+    save_weights(build_causal_lm(cfg.model), weights)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: " + "the cat sat on the mat. " * (i + 1)}) + "\n"
+                            for i in range(9)))
+    src = SourceConfig(name="docs", paths=[str(docs)])
+
+    def evaluator(out: str, parallel: int) -> Evaluator:
+        (tmp_path / out).mkdir()
+        return Evaluator(str(tmp_path / out), cfg.data.tokenizer, [src], max_len=32, threads=1, parallel=parallel)
+
+    here = evaluator("here", 1)("m", cfg.model, weights)["docs"]
+    ahead = evaluator("ahead", 2)
+    seen = []
+
+    def uses():
+        seen.append(ahead("m", cfg.model, weights)["docs"])
+        seen.append(ahead("m-again", cfg.model, weights)["docs"])
+        raise RuntimeError("a placeholder it could not use")
+
+    ahead.prefetch(uses)
+    assert "planning stopped at RuntimeError: a placeholder it could not use" in capsys.readouterr().out
+    assert [s.mean for s in seen] == [1.0, 1.0] and all(len(s.sums) == 9 for s in seen)  # placeholders
+    cached = json.loads((tmp_path / "ahead" / "eval_cache.json").read_text())
+    assert sorted(k.split("@")[0] for k in cached) == ["m", "m-again"]  # both scored, in workers
+    for name in ("m", "m-again"):
+        got = ahead(name, cfg.model, weights)["docs"]
+        assert np.array_equal(got.sums, here.sums) and np.array_equal(got.counts, here.counts)
+    assert here.mean > 1.5  # real scores of an untrained model, not the placeholder
