@@ -106,7 +106,7 @@ class Setting:
     # bases: pretrained from scratch on the general base slices for this many tokens per parameter (the run
     # stops with an error if that would take more than MAX_EPOCHS passes over the base text)
     base_tokens_per_parameter: float = 30.0
-    target_base_tokens_per_parameter: float = 10.5
+    target_base_tokens_per_parameter: float = 10.0
     base_batch: int = 16
     base_lr: float = 2e-3
     base_eval_interval: int = 250
@@ -170,16 +170,17 @@ class Setting:
 
 
 CPU = Setting()
-#: The CPU preset's planned wall minutes per stage on the shared 2-core machine, from the previous preset's
-#: stage table (bases 44, sweep 10, main 82, reuse 22, evaluate 14 min) scaled by the work: data ≈ 35M tokens to
-#: tokenize (the --quick run: 32 s of CPU for 1.9M); bases: the 1.86M-parameter target at 10.5 tokens/parameter
-#: (9.5k steps of 16 × 128, ≈ 0.34 s each) + the proxy at 30 (4.8k steps, ≈ 0.07 s); sweep: 9 blade + 3 rho1
-#: runs of 2,000 steps (≈ 190 s and 140 s) + their dev scores; main: 2 settings × 15 runs (≈ 14 min per seed
-#: uncontended; blade seed 0 of the first is the chosen sweep run); reuse: 3 seeds × (full ≈ 2,670 + 4 replays ×
-#: 2,000 target steps) + 3 seeds × (full + 2 replays), ≈ 0.15 s per target step; evaluate: ≈ 2.4× the previous
-#: preset's scored snapshots. Total 360 min (6.0 h) on an idle machine: at the budget's edge; the lever if it runs
-#: over is the sweep's horizon (1,000-step candidates: ≈ −14 min).
-CPU_ESTIMATE_MIN = {"data": 10, "bases": 63, "sweep": 38, "main": 88, "reuse": 127, "evaluate": 34}
+#: The CPU preset's planned wall minutes per stage on an idle 2-core machine, from the previous preset's run
+#: (docs/results: one 2-thread run at a time, 718 min recorded on a shared machine) and runs of its models timed
+#: alone: data ≈ 35M tokens to tokenize (79 s recorded); bases one at a time at 2 threads: the 1.86M-parameter target
+#: at 10 tokens/parameter (9.1k steps of 16 × 128, ≈ 0.34 s each) + the proxy at 30 (4.8k steps, ≈ 0.07 s); sweep,
+#: main and reuse two 1-thread runs at a time, ≈ 110 and 322 ms of CPU per proxy and target step (≈ 55 and 161 ms
+#: of the machine): sweep 9 blade + 3 rho1 runs of 2,000 steps and their dev scores, main 2 settings × 15 runs less
+#: the 2 chosen sweep runs, reuse 3 seeds × (full ≈ 2,584 + 4 replays × 2,000 target steps) + 3 seeds × (full + 2
+#: replays); evaluate: the previous run's 62 min in one 2-thread process, prefetched by two 1-thread ones (÷ 1.4).
+#: Total 354 min (5.9 h): at the budget's edge; the lever if it runs over is the sweep's horizon (1,000-step
+#: candidates: ≈ −12 min).
+CPU_ESTIMATE_MIN = {"data": 2, "bases": 62, "sweep": 45, "main": 71, "reuse": 130, "evaluate": 44}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
 # over the base text.
