@@ -2,8 +2,9 @@
 
 1. ``data``: the pool (+ target validation; trains the tokenizer), the paper setting's pool (no GSM8K train)
    and the base text (+ base validation);
-2. ``bases``: the proxy's and the target's base models, pretrained from scratch on the general base text for a
-   set number of tokens per parameter (at most ``MAX_EPOCHS`` passes);
+2. ``bases``: the proxy's base model, pretrained from scratch on the general base text for a set number of tokens
+   per parameter (at most ``MAX_EPOCHS`` passes); the target's, likewise, trains in the ``sweep`` stage beside the
+   BLADE candidates (it is needed only from ``reuse`` on, and alone it would leave one core idle);
 3. ``sweep``: blade (seed 0) with each refresh setting and rho1 (seed 0) with each reference length; in each
    family the one with the lowest *dev* loss at equal compute (the cheapest candidate's FLOPs) is chosen;
 4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed,
@@ -213,10 +214,6 @@ class _Trainer:
         cost = cfg.max_steps * (_TARGET_COST if target else 1.0) * _COST[cfg.selection.policy]
         return Job(name, cfg, os.path.join(self.r.out, "runs", name, "result.json"), tuple(sorted(snapshots)), cost)
 
-    def run(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> dict[str, Any]:
-        """One run, in this process."""
-        return run_jobs([self.job(name, snapshots, **kw)], 1, self.report)[0]
-
     def run_all(self, jobs: list[Job]) -> list[dict[str, Any]]:
         """Independent runs, ``parallel_runs`` at a time; their results in the order of ``jobs``."""
         return run_jobs(jobs, self.s.parallel_runs, self.report)
@@ -251,23 +248,33 @@ def _stage_data(r: Runs) -> None:
     r.tokenizer = r.data["pool"].tokenizer.path
 
 
-def _stage_bases(r: Runs, t: _Trainer) -> None:
+def _base_job(r: Runs, t: _Trainer, role: str) -> tuple[Job, dict[str, Any]]:
+    """The proxy's or the target's base pretraining run on the general text, and what its record adds."""
     s = r.s
     sequences = r.data["base"].manifests["candidates"].totals().sequences
-    for role, tpp in (("proxy", s.base_tokens_per_parameter), ("target", s.target_base_tokens_per_parameter)):
-        mcfg = model_config(s, target=role == "target")
-        params = count_parameters(mcfg)
-        steps = math.ceil(tpp * params / (s.base_batch * s.seq_len))
-        epochs = steps * s.base_batch / sequences
-        if epochs > MAX_EPOCHS:
-            raise ValueError(f"the {role} base at {tpp} tokens per parameter needs {epochs:.2f} passes over the base "
-                             f"text ({sequences} sequences), more than MAX_EPOCHS = {MAX_EPOCHS}")
-        res = t.run(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
-                    lr=s.base_lr, eval_interval=s.base_eval_interval, threads=s.base_threads)
-        tokens = steps * s.base_batch * s.seq_len
-        r.bases[role] = {**res, "parameters": params, "tokens": tokens, "tokens_per_parameter": tokens / params,
-                         "epochs": epochs, "unique_tokens": sequences * s.seq_len,
-                         "flops": base_flops(forward_flops(s, target=role == "target"), tokens)}
+    tpp = s.base_tokens_per_parameter if role == "proxy" else s.target_base_tokens_per_parameter
+    mcfg = model_config(s, target=role == "target")
+    params = count_parameters(mcfg)
+    steps = math.ceil(tpp * params / (s.base_batch * s.seq_len))
+    epochs = steps * s.base_batch / sequences
+    if epochs > MAX_EPOCHS:
+        raise ValueError(f"the {role} base at {tpp} tokens per parameter needs {epochs:.2f} passes over the base "
+                         f"text ({sequences} sequences), more than MAX_EPOCHS = {MAX_EPOCHS}")
+    # the proxy's base trains alone, with base_threads; the target's beside the sweep's runs, with theirs (whatever
+    # parallel_runs is, so that the result does not depend on it)
+    threads = s.base_threads if role == "proxy" else s.threads
+    job = t.job(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
+                lr=s.base_lr, eval_interval=s.base_eval_interval, threads=threads)
+    tokens = steps * s.base_batch * s.seq_len
+    return job, {"parameters": params, "tokens": tokens, "tokens_per_parameter": tokens / params, "epochs": epochs,
+                 "unique_tokens": sequences * s.seq_len,
+                 "flops": base_flops(forward_flops(s, target=role == "target"), tokens)}
+
+
+def _stage_bases(r: Runs, t: _Trainer) -> None:
+    """The proxy's base, which the sweep starts from (the target's base trains in the sweep stage, beside it)."""
+    job, meta = _base_job(r, t, "proxy")
+    r.bases["proxy"] = {**t.run_all([job])[0], **meta}  # alone: trained in this process
 
 
 def _start(r: Runs, role: str = "proxy") -> ModelConfig:
@@ -292,8 +299,13 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
     ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
     dev = dev_source(s)
     r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
-    done = t.run_all([t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True,
-                            snapshots=snaps, **cand) for i, cand in enumerate(s.sweep)])
+    # the target's base, needed only from the reuse stage on, trains beside the BLADE candidates: started first
+    # (the longest run), it fills one slot while they take turns in the other
+    tjob, tmeta = _base_job(r, t, "target")
+    tres, *done = t.run_all([tjob, *(t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r),
+                                           write_selected=True, snapshots=snaps, **cand)
+                                     for i, cand in enumerate(s.sweep))])
+    r.bases["target"] = {**tres, **tmeta}
     curves = lambda: [_dev_curve(r, ev, res, "blade", cand) for cand, res in zip(s.sweep, done, strict=True)]  # noqa: E731
     ev.prefetch(curves)
     for cand, res, curve in zip(s.sweep, done, curves(), strict=True):
