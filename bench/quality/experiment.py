@@ -220,7 +220,8 @@ class _Trainer:
 
     @staticmethod
     def report(job: Job, res: dict[str, Any], seconds: float) -> None:
-        speed = "" if isinstance(job.cfg, ReplayConfig) else f", {res['step_seconds'] * 1e3:.0f} ms/step"
+        speed = "" if isinstance(job.cfg, ReplayConfig) else \
+            f", {res['step_seconds'] * 1e3:.0f} ms/step ({res.get('step_clock', 'process CPU')})"
         print(f"[run] {job.name}: val {final_val(res):.3f}{speed} ({f'{seconds:.0f}s' if seconds else 'recorded'})",
               flush=True)
 

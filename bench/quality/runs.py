@@ -47,6 +47,7 @@ class StepTimer(Callback):
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
+        self.clock = "wall" if self.cuda else "process CPU"  # of all the run's threads: 2 threads count twice
         self.seconds, self.steps, self._t0 = 0.0, 0, None
 
     def _now(self) -> float:
@@ -182,7 +183,7 @@ def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int
     t0, c0 = time.perf_counter(), time.process_time()
     res = fit(callbacks)
     res.update(name=os.path.basename(cfg.output_dir), config=config,
-               step_seconds=timer.seconds / max(timer.steps, 1),
+               step_seconds=timer.seconds / max(timer.steps, 1), step_clock=timer.clock,
                run_seconds={"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "steps": timer.steps,
                             "pid": os.getpid()},
                snapshots={str(n): os.path.join(snap_dir, f"step{n}.safetensors") for n in sorted(snapshots)})

@@ -85,6 +85,8 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
         assert (sel["ref_lr"], sel["refresh_batch_size"]) == (res["best_refresh"]["ref_lr"],
                                                                res["best_refresh"]["refresh_batch_size"])
     assert "trained otherwise" not in proc.stdout  # so its chosen run is the main stage's seed 0
+    clock = json.loads((out / "runs" / "full-seed0" / "result.json").read_text())["step_clock"]
+    assert clock in ("process CPU", "wall") and f"ms/step ({clock})" in proc.stdout
     for role in ("proxy", "target"):
         b = res["bases"][role]
         assert b["tokens_per_parameter"] == pytest.approx(b["tokens"] / b["parameters"]) and b["curve"]
@@ -219,3 +221,24 @@ def test_a_replay_of_shards_made_again_since_is_trained_again(tmp_path, capsys):
     assert not bq._cached(str(run_dir / "result.json"), replay, inputs)
     assert not run_dir.exists()
 
+
+
+def test_the_step_timer_names_its_clock_and_a_cpu_run_does_not_count_waiting(monkeypatch):
+    """On a CPU the steps are timed in process CPU time (all threads: a 2-thread run counts twice), which the run
+    line and result.json name; a wait inside a step is not counted. With CUDA, wall time (so the wait counts)."""
+    import time
+
+    import torch
+
+    from bench.quality.runs import StepTimer
+
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        timer = StepTimer()
+        timer.before_dataloader(None, None)
+        time.sleep(0.3)
+        timer.batch_end(None, None)
+        assert timer.steps == 1
+        assert timer.clock == ("wall" if cuda else "process CPU")
+        assert (timer.seconds >= 0.3) if cuda else (timer.seconds < 0.1)
