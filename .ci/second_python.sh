@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # CI's second stage: the newest other interpreter of the supported range (pyproject's requires-python) found
-# on this machine gets its own virtualenv (build/ci/py3.X, git-ignored, reused by the next run: pip brings
-# it up to date; rm -rf build/ci for a fresh one), README's install, the fast suite (`python -m pytest`)
-# and the jobs' end-to-end smoke (.ci/smoke.sh). Without such an interpreter it says so and succeeds.
+# on this machine gets its own virtualenv, README's install, the fast suite (`python -m pytest`) and the jobs'
+# end-to-end smoke (.ci/smoke.sh). Without such an interpreter it says so and succeeds.
+# The virtualenv lives outside the checkout, in ${BLADE_CI_VENVS:-~/.cache/blade-curation/ci}/py3.X, so that
+# the next CI, in a fresh clone too, reuses it (pip brings it up to date and points the editable install at
+# this checkout; unpacking torch again took 368 s of a 578-s stage); a lock keeps two CIs from sharing it at
+# once, and one whose first install did not finish (no .ci-installed in it) is made again. rm -rf that folder
+# for a fresh one.
 # Interpreters are looked up as python3.X on PATH (run once: a pyenv shim of a version that is not
 # selected fails), then under `pyenv root`/versions/3.X*/bin.
 set -euo pipefail
@@ -39,14 +43,22 @@ if [ -z "$PY" ]; then
     exit 0
 fi
 
-VENV=build/ci/py$VERSION
+VENVS=${BLADE_CI_VENVS:-$HOME/.cache/blade-curation/ci}
+VENV=$VENVS/py$VERSION
+mkdir -p "$VENVS"
+exec 9>"$VENV.lock"
+flock 9  # held until this script exits
 echo "ci: second interpreter $PY ($("$PY" --version 2>&1)) → $VENV"
 t=$SECONDS
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ ! -x "$VENV/bin/python" ] || [ ! -e "$VENV/.ci-installed" ]; then
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+fi
 "$VENV/bin/python" -m pip install -e ".[dev,eval,tensorboard,mlflow,wandb]"
+touch "$VENV/.ci-installed"
 install=$((SECONDS - t)); t=$SECONDS
 "$VENV/bin/python" -m pytest
 fast=$((SECONDS - t)); t=$SECONDS
-PATH="$PWD/$VENV/bin:$PATH" .ci/smoke.sh "$PWD/$VENV/bin/python"
+PATH="$VENV/bin:$PATH" .ci/smoke.sh "$VENV/bin/python"
 smoke=$((SECONDS - t))
 echo "ci: python $VERSION: install ${install} s, fast suite ${fast} s, smoke ${smoke} s"
