@@ -24,14 +24,15 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+#: The names of bench/quality/setting.py's PRESETS, here so that --help answers before torch loads (a test keeps them
+#: equal).
+PRESET_NAMES = ("cpu", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.quality.setting import PRESETS, QUICK, SHARED
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("runs", "quality"), help="output directory")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="cpu (default) or gpu (one H100-class GPU)")
+    ap.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="cpu (default) or gpu (one H100-class GPU)")
     ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, a few minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--steps", type=int, default=None, help="override the proxy steps per run")
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", default=None, help="train the stages up to this one (data, bases, sweep, main, reuse), "
                     "then stop without evaluating: a piece of a run resumed by the next invocation")
     args = ap.parse_args(argv)
+    # Imported after the arguments are parsed (bench.quality imports torch): --help answers at once.
+    from bench.quality.setting import PRESETS, QUICK, SHARED
+
     if not os.path.isdir(SHARED):
         print(f"error: the quality benchmark reads real text from {os.path.abspath(SHARED)}, which is absent",
               file=sys.stderr)

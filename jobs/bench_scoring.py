@@ -46,27 +46,25 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # the functions import torch and the project when they run: --help answers at once
+    import torch
 
-from curation.core import losses
-from curation.core.losses import CPU_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS, hidden_token_losses, token_losses
-from curation.engine.plan import REFERENCE, WorkUnit
-from curation.engine.weights import Weights
-from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
-from curation.io.models import build_causal_lm
-from curation.io.shards import merge_part_indexes, write_part
-from schemas.shards import CANDIDATE
-from schemas.train_config import ModelConfig
+    from curation.engine.weights import Weights
 
 GOAL = 0.90
 
 
 def _corpus(root: str, n: int, length: int, vocab: int, seed: int, parts: int = 2) -> str:
     """``n`` random sequences in ``parts`` parts (one zstd shard each), the first half of source ``a``."""
+    import numpy as np
+
+    from curation.io.shards import merge_part_indexes, write_part
+    from schemas.shards import CANDIDATE
+
     rng = np.random.default_rng(seed)
     cand = os.path.join(root, "candidates")
     rows = [{"tokens": rng.integers(0, vocab, length).astype(np.uint16 if vocab <= 65536 else np.uint32),
@@ -80,6 +78,8 @@ def _corpus(root: str, n: int, length: int, vocab: int, seed: int, parts: int = 
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -114,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    # Imported after the arguments are parsed (torch takes seconds): --help answers at once.
+    import numpy as np
+    import torch
+
+    from curation.core import losses
+    from curation.core.losses import (
+        CPU_CHUNK_ELEMENTS,
+        DEFAULT_CHUNK_ELEMENTS,
+        hidden_token_losses,
+        token_losses,
+    )
+    from curation.engine.plan import REFERENCE, WorkUnit
+    from curation.engine.weights import Weights
+    from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+    from curation.io.models import build_causal_lm
+    from schemas.train_config import ModelConfig
+
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible")
     torch.set_num_threads(args.threads)
@@ -330,6 +347,8 @@ PIPELINE_SHAPES = ((8, 1024), (32, 1024))
 
 def _stub_forward(tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The losses' shape, dtype and device from one elementwise pass over the tokens: a forward of negligible cost."""
+    import torch
+
     return tokens.to(torch.float32).mul_(1e-4)
 
 
@@ -357,6 +376,14 @@ def pipeline_only(args: argparse.Namespace) -> dict:
 
 
 def _pipeline_shape(args: argparse.Namespace, batch: int, seq_len: int, steps: int) -> dict:
+    import torch
+
+    from curation.engine.plan import REFERENCE, WorkUnit
+    from curation.engine.weights import Weights
+    from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+    from curation.io.models import build_causal_lm
+    from schemas.train_config import ModelConfig
+
     device = torch.device(args.device)
     model_cfg = ModelConfig(hf_config={  # built but never run (the stub replaces its forward): small
         "model_type": "llama", "vocab_size": args.vocab, "hidden_size": 16, "intermediate_size": 32,
@@ -430,6 +457,8 @@ def _timed_ray_run(engine, ref: Weights) -> dict:
 
     Steady state: the tokens recorded after the first recorded unit, over the time from that unit to the
     last one; start-up: from publishing to the first recorded unit."""
+    from curation.engine.plan import REFERENCE
+
     start = time.perf_counter()
     engine.publish_weights(REFERENCE, 0, ref)  # units become ready
     marks = []  # (time, tokens recorded) at each change

@@ -28,19 +28,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from curation.core.losses import token_losses
-from curation.core.selection import excess_loss, select_top_fraction
+if TYPE_CHECKING:
+    import torch
 
 GOAL = 0.02
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
+    import torch
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -61,6 +61,8 @@ def _queued_seconds(fn: Callable[[], object], calls: int, device: torch.device) 
     """On a GPU, the device time per call of ``calls`` calls queued back to back (CUDA events around them): what a
     call costs a pipeline whose host runs ahead of the device, as a training step's does, where a call timed alone
     also pays its launches' latency. ``None`` elsewhere."""
+    import torch
+
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma", type=float, default=0.6)
     p.add_argument("--repeats", type=int, default=5, help="timed forward passes (median)")
     p.add_argument("--select-repeats", type=int, default=101, help="timed Δ + selection runs (median)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
@@ -93,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="selection path: auto (the device's default), on (kthvalue + host reads), off (sync-free)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
+    # Imported after the arguments are parsed (torch and transformers take seconds): --help answers at once.
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from curation.core.losses import token_losses
+    from curation.core.selection import excess_loss, select_top_fraction
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     cfg = LlamaConfig(

@@ -20,17 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-import torch  # noqa: E402
-
-from curation.evaluation.harness import run_harness  # noqa: E402 (imports lm_eval only when called)
-from curation.evaluation.heldout import (
-    EvalError,
-    evaluate_models,
-    export_hf,
-    load_model,
-    resolve_models,
-    results_markdown,
-)
 from curation.io.atomic import atomic_write_text  # noqa: E402
 from curation.io.cli import parse_job_config  # noqa: E402
 from schemas.eval_config import EvaluateConfig  # noqa: E402
@@ -39,6 +28,19 @@ from schemas.eval_config import EvaluateConfig  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_job_config(EvaluateConfig, description=__doc__.splitlines()[0],
                               default=EvaluateConfig.demo_default, argv=argv)
+    # Imported after the config is parsed (torch and transformers take seconds): --help and bad settings answer at once.
+    import torch
+
+    from curation.evaluation.harness import run_harness  # (imports lm_eval only when called)
+    from curation.evaluation.heldout import (
+        EvalError,
+        evaluate_models,
+        export_hf,
+        load_model,
+        resolve_models,
+        results_markdown,
+    )
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
