@@ -110,22 +110,24 @@ class Document:
             raise BadRecordError(self.file, self.line, f"changed while it was read ({e})") from None
 
 
-def resolve_paths(source: SourceConfig) -> list[str]:
+def resolve_paths(source: SourceConfig, *, skip_missing: bool = False) -> list[str]:
     """Expand the source's paths/globs into a sorted, deduplicated file list.
 
     Raises:
-        BadRecordError: a pattern matches nothing (names the pattern and the source).
+        BadRecordError: a pattern matches nothing (names the pattern and the source); ``skip_missing``: it is
+            skipped instead (a path that is a directory is still refused).
     """
     files: set[str] = set()
     for pattern in source.paths:
         if glob.has_magic(pattern):
             matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-            if not matched:
+            if not matched and not skip_missing:
                 raise BadRecordError(pattern, 0, f"no file matches this pattern (source '{source.name}')")
             files.update(matched)
-        else:
-            if not os.path.exists(pattern):
+        elif not os.path.exists(pattern):
+            if not skip_missing:
                 raise BadRecordError(pattern, 0, f"no such file (source '{source.name}')")
+        else:
             if os.path.isdir(pattern):
                 raise BadRecordError(pattern, 0, f"is a directory; give files or a glob (source '{source.name}')")
             files.add(pattern)

@@ -23,7 +23,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from curation.ingest.corpus import BadRecordError, FileSpan, resolve_paths
+from curation.ingest.corpus import BadRecordError, FileSpan
 from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.units import (
     RECORD_NAME,
@@ -168,41 +168,42 @@ class ShardGroup:
     def check_inputs(self) -> None:
         """For a finished group: refuse a rerun when an input its units read has changed since (the group would
         otherwise be reported complete with the counts and text of the old input). A file that is gone is not
-        checked (its prepared data stays usable); a record naming a file its source does not resolve to is refused.
+        checked (its prepared data stays usable); a record naming a file its source does not resolve to is refused
+        (:meth:`recorded_units`).
 
         Raises:
             ValueError: naming the changed file and the directory.
         """
         if self.legacy:
             return
-        resolvable = {}
-        for source in self.sources:
-            try:
-                resolvable[source.name] = set(resolve_token_inputs(source) if source.pre_tokenized
-                                              else resolve_paths(source))
-            except BadRecordError:  # an input is gone: what is left is checked below
-                resolvable[source.name] = None
         for unit in self.recorded_units():
-            record = self.record(unit)
-            files = resolvable[unit.source.name]
-            for span in unit.spans:
-                if files is not None and span.path not in files:
-                    raise ValueError(f"{unit.record_path}: spans names {span.path!r:.120}, not a file of source "
-                                     f"{unit.source.name!r}; refused: restore the file or delete the directory")
-            changed = unit.changed_input(record.inputs, missing_ok=True)
+            changed = unit.changed_input(self.record(unit).inputs, missing_ok=True)
             if changed is not None:
                 raise ValueError(f"{changed}: changed since {self.out} was prepared from it (its size, mtime and "
                                  f"content hash differ from {unit.record_path}); restore the file, or prepare the "
                                  "changed input into a new output_dir")
 
     def recorded_units(self) -> list[WorkUnit]:
-        """The units of a finished group, rebuilt from their records (no input is read)."""
+        """The units of a finished group, rebuilt from their records (no input is read).
+
+        A record is untrusted (it may come from a bucket), and a damaged part is regenerated from the files its
+        spans name: every span must name one of its source's inputs as they resolve now. When a path of the source
+        is gone, the others are resolved (``skip_missing``), and a span may also name a file that is gone (there is
+        nothing to read); with every path there, only a file they resolve to.
+
+        Raises:
+            ValueError: a span names another file (one line naming the record and the file).
+        """
         units = []
         for si, source in enumerate(self.sources):
             folder = self._folder(source)
+            inputs: tuple[set[str], bool] | None = None
             for entry, index in self._record_files(folder):
                 path = safe_join(folder, entry, what="unit record", source_file=folder)
                 record = check_record(UnitRecord.load(path), path, source.name, index)
+                inputs = inputs or _current_inputs(source)
+                for span in record.spans:
+                    _check_span(span, inputs, path, source.name)
                 spans = tuple(FileSpan(p, start, stop) for p, start, stop in record.spans)
                 units.append(WorkUnit(self.out, si, source, record.unit, spans, 0))
                 self.records[(source.name, record.unit)] = record
@@ -312,3 +313,25 @@ class ShardGroup:
     def _write_index(self) -> None:
         """The root ``index.json``: the shards of the manifest's parts, in its order."""
         merge_part_indexes(self.out, [s.name for s in self.manifest.shards if s.samples > 0])
+
+
+def _current_inputs(source: SourceConfig) -> tuple[set[str], bool]:
+    """The source's inputs now, and whether one of its paths is gone (then those that are left)."""
+    try:
+        return set(resolve_token_inputs(source)), False
+    except BadRecordError:
+        return set(resolve_token_inputs(source, skip_missing=True)), True
+
+
+def _check_span(span: list, inputs: tuple[set[str], bool], record: str, source: str) -> None:
+    """Refuse a record's span (``[file, start, stop]``) naming a file that is not one of the source's current
+    inputs (:func:`_current_inputs`); when a path of the source is gone, the span's file may be gone too."""
+    if len(span) != 3:
+        raise ValueError(f"{record}: spans holds {span!r:.120}, not [file, start, stop]; refused: restore the file "
+                         "or delete the directory")
+    files, gone = inputs
+    file = span[0]
+    if isinstance(file, str) and (file in files or (gone and not os.path.lexists(file))):
+        return
+    raise ValueError(f"{record}: spans names {file!r:.120}, not a file of source {source!r}; refused: restore the "
+                     "file or delete the directory")

@@ -42,7 +42,7 @@ from typing import Protocol
 
 from tqdm import tqdm
 
-from curation.ingest.corpus import BadRecordError, Document, FileSpan, resolve_paths
+from curation.ingest.corpus import BadRecordError, Document, FileSpan
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
 from curation.ingest.token_sources import resolve_token_inputs
@@ -224,14 +224,13 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
 def _files(source: SourceConfig, skip_bad: bool) -> tuple[list[str], list[BadRecordError]]:
     """The source's files (a pre-tokenized source's inputs: files, or MDS dataset directories), and (with
     ``skip_bad``) one bad record per pattern that matches nothing."""
-    resolve = resolve_token_inputs if source.pre_tokenized else resolve_paths
     if not skip_bad:
-        return resolve(source), []
+        return resolve_token_inputs(source), []
     files: list[str] = []
     missing: list[BadRecordError] = []
     for pattern in source.paths:  # a missing path is one bad record, the others still count
         try:
-            files.extend(resolve(source.model_copy(update={"paths": [pattern]})))
+            files.extend(resolve_token_inputs(source.model_copy(update={"paths": [pattern]})))
         except BadRecordError as e:
             missing.append(e)
     return sorted(set(files)), missing

@@ -58,24 +58,29 @@ class TokenRecord:
 # ------------------------------------------------------------------------------------------------
 # inputs
 # ------------------------------------------------------------------------------------------------
-def resolve_token_inputs(source: SourceConfig) -> list[str]:
-    """The inputs of a pre-tokenized source, sorted: MDS dataset directories (``format: mds``), else files.
+def resolve_token_inputs(source: SourceConfig, *, skip_missing: bool = False) -> list[str]:
+    """The inputs of any source, sorted: MDS dataset directories (``format: mds``), else files
+    (:func:`~curation.ingest.corpus.resolve_paths`). The one resolver of a source's inputs: what ``prepare``
+    reads, and what a unit record's spans are checked against.
 
     Raises:
-        BadRecordError: a pattern matches nothing, or a path is no MDS dataset (naming it and the source).
+        BadRecordError: a pattern matches nothing, or a path is no MDS dataset (naming it and the source);
+            ``skip_missing``: a pattern that matches nothing, or a path that does not exist, is skipped instead.
     """
     if source.format != "mds":
-        return resolve_paths(source)
+        return resolve_paths(source, skip_missing=skip_missing)
     dirs: set[str] = set()
     for pattern in source.paths:
         if glob.has_magic(pattern):
             matched = [_dataset_dir(p) for p in glob.glob(pattern, recursive=True)]
-            if not any(matched):
+            if not any(matched) and not skip_missing:
                 raise BadRecordError(pattern, 0, f"no MDS dataset (a directory holding an index.json) matches this "
                                                  f"pattern (source '{source.name}')")
             dirs.update(d for d in matched if d)
             continue
         if not os.path.exists(pattern):
+            if skip_missing:
+                continue
             raise BadRecordError(pattern, 0, f"no such directory (source '{source.name}')")
         found = _dataset_dir(pattern)
         if found is None:

@@ -121,6 +121,23 @@ def test_empty_file_and_unreadable_path(tmp_path):
         locked.chmod(0o644)
 
 
+def test_skip_missing_resolves_what_is_left_and_still_refuses_a_directory(tmp_path):
+    """``skip_missing`` (a finished prepare's unit records checked after an input was deleted): a path that is gone
+    and a glob that matches nothing add no file instead of raising; a directory is still refused."""
+    for name in ("a", "b"):
+        _jsonl(tmp_path / f"{name}.jsonl", [{"text": name}])
+    paths = [str(tmp_path / "a.jsonl"), str(tmp_path / "gone.jsonl"), str(tmp_path / "*.parquet"),
+             str(tmp_path / "b*.jsonl")]
+    src = SourceConfig(name="s", paths=paths)
+    with pytest.raises(BadRecordError, match=r"gone\.jsonl: no such file \(source 's'\)"):
+        resolve_paths(src)
+    assert resolve_paths(src, skip_missing=True) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert resolve_paths(src.model_copy(update={"paths": paths[1:3]}), skip_missing=True) == []
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(BadRecordError, match="is a directory"):
+        resolve_paths(src.model_copy(update={"paths": [str(tmp_path / "dir.jsonl")]}), skip_missing=True)
+
+
 def test_unreadable_directory_entry(tmp_path):
     d = tmp_path / "dir.jsonl"
     d.mkdir()

@@ -15,6 +15,7 @@ import curation.ingest.prepare as prep
 import curation.ingest.units as units
 from curation.ingest.corpus import BadRecordError
 from curation.ingest.packing import pack_documents
+from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.tokenizer import train_bpe_tokenizer
 from curation.io.shards import read_column
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
@@ -305,6 +306,24 @@ def test_bad_inputs_are_one_line_naming_what_to_fix(tmp_path, tok, c4):
         with pytest.raises(BadRecordError) as e:
             prep.prepare(_cfg(tmp_path / f"o{i}", tok, [src]))
         assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
+
+
+def test_resolving_inputs_with_skip_missing(tmp_path):
+    """The one resolver of every source's inputs: an MDS source's dataset directories, any other's files
+    (``resolve_paths``); ``skip_missing`` skips a dataset or file that is gone instead of raising."""
+    for name in ("d1", "d2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index.json").write_text("{}")
+    paths = [str(tmp_path / "d1"), str(tmp_path / "gone"), str(tmp_path / "x*"), str(tmp_path / "d2" / "index.json")]
+    mds = SourceConfig(name="s", format="mds", paths=paths)
+    with pytest.raises(BadRecordError, match=r"gone: no such directory \(source 's'\)"):
+        resolve_token_inputs(mds)
+    assert resolve_token_inputs(mds, skip_missing=True) == [str(tmp_path / "d1"), str(tmp_path / "d2")]
+    (tmp_path / "f.txt").write_text("x")
+    text = SourceConfig(name="t", paths=[str(tmp_path / "f.txt"), str(tmp_path / "gone.txt")])
+    with pytest.raises(BadRecordError, match=r"gone\.txt: no such file \(source 't'\)"):
+        resolve_token_inputs(text)
+    assert resolve_token_inputs(text, skip_missing=True) == [str(tmp_path / "f.txt")]
 
 
 def write_foundry_mds_text(out):
