@@ -300,7 +300,7 @@ def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
         body = json.dumps(dict(sorted(table.items())), indent=1).encode()
         if rel not in remote or remote[rel].etag != hashlib.md5(body, usedforsecurity=False).hexdigest():
             write_object(f"{prefix}/{rel}", body)
-    gone = [r for r in remote if r not in files and r not in tables and r.split("/", 1)[0] not in _LOCAL_ONLY]
+    gone = [r for r in remote if r not in files and r not in tables and not _local_only(r)]  # (never a lock, at any depth)
     if delete and gone:
         delete_many(prefix, gone)
     return sent
