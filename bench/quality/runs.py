@@ -29,6 +29,7 @@ from curation.ingest.tokenizer import load_tokenizer
 from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, save_weights
 from curation.io.outdir import ConfigMismatch, check_config_record
+from curation.io.paths import inside
 from schemas.config import SourceConfig
 from schemas.manifest import sha256_file
 from schemas.records import config_diff, operational_keys
@@ -121,23 +122,57 @@ def _newer(path: str, than: str) -> bool:
     return os.path.exists(path) and os.path.exists(than) and os.path.getmtime(path) > os.path.getmtime(than)
 
 
-def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> bool:
-    """Whether a finished run's result can be reused: it exists, was made with the same settings, and none of
-    its ``inputs`` (files it read, e.g. the manifest of replayed shards) was written again since.
+def _checked_paths(result_path: str, record: dict[str, Any]) -> str | None:
+    """Why the paths a recorded result names cannot be used, or None: ``result.json`` is read back (untrusted), and
+    each path it names (``final_weights``, ``final_reference``, every snapshot, ``summary.selected_dir``) must
+    resolve (symbolic links followed) inside its own run directory, the one holding ``result.json``."""
+    run_dir = os.path.dirname(os.path.abspath(result_path))
+    summary = record.get("summary")
+    snapshots = record.get("snapshots")
+    named = [("final_weights", record.get("final_weights")), ("final_reference", record.get("final_reference")),
+             *((f"snapshots.{k}", v) for k, v in (snapshots.items() if isinstance(snapshots, dict) else ())),
+             ("summary.selected_dir", summary.get("selected_dir") if isinstance(summary, dict) else None)]
+    if snapshots is not None and not isinstance(snapshots, dict):
+        named.append(("snapshots", snapshots))
+    for key, path in named:
+        if path is None:
+            continue
+        if not isinstance(path, str) or not path or not inside(run_dir, path):
+            return f"{result_path}: {key} {path!r:.120} is not a path inside {run_dir}; refused"
+    return None
 
-    A run directory left by a different setting (e.g. after the refresh sweep chose differently) or made from
-    inputs written since is removed so that the run starts afresh instead of resuming someone else's
-    checkpoints."""
+
+def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> bool:
+    """Whether a finished run's result can be reused (:func:`_reusable`)."""
+    return _reusable(result_path, config, inputs) is not None
+
+
+def _reusable(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """A finished run's recorded result when it can be reused, else None: it exists, was made with the same
+    settings, names no path outside its run directory (:func:`_checked_paths`), and none of its ``inputs`` (files
+    it read, e.g. the manifest of replayed shards) was written again since.
+
+    A run directory left by a different setting (e.g. after the refresh sweep chose differently), made from
+    inputs written since or whose record names paths elsewhere is removed so that the run starts afresh instead
+    of resuming someone else's checkpoints."""
     run_dir = os.path.dirname(result_path)
     saved = os.path.join(run_dir, "config.yaml")
     remade = [p for p in inputs if _newer(p, result_path if os.path.exists(result_path) else saved)]
     if os.path.exists(result_path):
         with open(result_path) as f:
-            if _effective(json.load(f).get("config", {})) == _effective(config) and not remade:
-                REUSED.append(os.path.basename(run_dir))
-                return True
-        why = f"{remade[0]} was written again" if remade else "settings changed"
-        print(f"[run] {os.path.basename(run_dir)}: {why} since the recorded run; training it again", flush=True)
+            record = json.load(f)
+        record = record if isinstance(record, dict) else {}
+        same = _effective(record.get("config", {})) == _effective(config)
+        refused = _checked_paths(result_path, record) if same and not remade else None
+        if same and not remade and refused is None:
+            REUSED.append(os.path.basename(run_dir))
+            return record
+        if refused:
+            why = f"{refused}, not reused"
+        else:
+            why = f"{remade[0]} was written again" if remade else "settings changed"
+            why += " since the recorded run"
+        print(f"[run] {os.path.basename(run_dir)}: {why}; training it again", flush=True)
     if os.path.isdir(run_dir):
         stale = os.path.exists(result_path) or bool(remade)
         if not stale and os.path.exists(saved):  # an unfinished run resumes only with the same config
@@ -148,7 +183,7 @@ def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = 
                 stale = True
         if stale:
             shutil.rmtree(run_dir)
-    return False
+    return None
 
 
 def _record(cfg: TrainConfig | ReplayConfig, snapshots: tuple[int, ...]) -> dict[str, Any]:
@@ -166,10 +201,7 @@ def _inputs(cfg: TrainConfig | ReplayConfig) -> tuple[str, ...]:
 def lookup(cfg: TrainConfig | ReplayConfig, result_path: str, *, snapshots: tuple[int, ...] = ()) -> dict[str, Any] | None:
     """The recorded result of a finished run with the same settings, or None when the run is still to train (a
     stale run directory is removed first, an unfinished one with the same settings is left to resume)."""
-    if _cached(result_path, _record(cfg, snapshots), _inputs(cfg)):
-        with open(result_path) as f:
-            return json.load(f)
-    return None
+    return _reusable(result_path, _record(cfg, snapshots), _inputs(cfg))
 
 
 def _run(cfg: TrainConfig | ReplayConfig, result_path: str, snapshots: tuple[int, ...], fit) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, load_weights, resolve_device
+from curation.io.paths import UnsafeNameError
 from curation.io.shards import open_shards
 from schemas.train_config import ModelConfig, SelectionConfig
 
@@ -192,11 +193,19 @@ class RefreshRunner:
 
 
 def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:
-    """The logs of every reference version computed so far (this run and the runs it resumed)."""
+    """The logs of every reference version computed so far (this run and the runs it resumed).
+
+    Raises:
+        UnsafeNameError: a ``reference-*.json`` in ``engine_dir`` is a symbolic link (this module writes none: it
+            could have the report read a file outside the run); one line naming it, nothing read through it.
+    """
     import glob
 
     logs = []
     for path in sorted(glob.glob(os.path.join(engine_dir, "reference-*.json"))):
+        if os.path.islink(path):
+            raise UnsafeNameError(f"{path}: a symbolic link (to {os.readlink(path)!r:.120}), not a reference log "
+                                  "written by the run; refused (nothing was read through it): delete it")
         with open(path, encoding="utf-8") as f:
             logs.append(json.load(f))
     return sorted(logs, key=lambda r: r["version"])

@@ -47,7 +47,19 @@ __all__ = [
 
 #: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
 SYMLINKS = ".symlinks.json"
-_LOCAL_ONLY = {".lock"}  # never uploaded, never deleted by a pull
+_LOCAL_ONLY = {".lock"}  # the run's lock (curation.io.outdir.LOCK_NAME): never uploaded, downloaded or deleted
+_TEMPORARY = (".tmp-", ".dl-")  # a file being written (atomic_write_text, download): renamed into place when done
+
+
+def _local_only(rel: str) -> bool:
+    """Whether ``rel`` (an object key or a path under a synced directory, ``/``-separated) is local to this machine:
+    any component is the lock file or a temporary file (``.tmp-*``, ``.dl-*``), or lies in a ``*.tmp`` folder (a
+    part being written). A sync never uploads, downloads nor deletes one: downloading the bucket's lock object over
+    the local ``.lock`` would replace the inode a process holds its ``flock`` on (another process could then take
+    the lock), and a temporary is renamed, or removed, by the process writing it."""
+    parts = rel.split("/")
+    return (any(p in _LOCAL_ONLY or p.startswith(_TEMPORARY) for p in parts)
+            or any(p.endswith(".tmp") for p in parts[:-1]))
 
 
 def cache_root() -> str:
@@ -132,14 +144,17 @@ def _order(rel: str) -> int:
 
 
 def _walk(root: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Files (rel → path) and symbolic links (rel → target) under ``root``; temporary files left out."""
+    """Files (rel → path) and symbolic links (rel → target) under ``root``; the lock and temporary files left out
+    (:func:`_local_only`)."""
     files, links = {}, {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
+        here = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        here = "" if here == "." else f"{here}/"
+        dirnames[:] = [d for d in dirnames if not _local_only(f"{here}{d}/")]
         for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
             path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if name in _LOCAL_ONLY or name == SYMLINKS or name.startswith((".tmp-", ".dl-")):
+            rel = f"{here}{name}"
+            if name == SYMLINKS or _local_only(rel):
                 continue
             if os.path.islink(path):
                 links[rel] = os.readlink(path)
@@ -189,11 +204,13 @@ def remove(path: str) -> None:
 def pull(root: str) -> list[str]:
     """Make the cache directory ``root`` equal to its bucket prefix: download objects the cache lacks or holds
     differently (ETag ≠ MD5 of the cached file), delete cached files the bucket does not have (the local lock
-    file and temporary files excepted), restore symbolic links. Returns the files downloaded (relative)."""
+    file and temporary files excepted), restore symbolic links. The bucket's lock object and temporary objects
+    (:func:`_local_only`) are never downloaded, nor a link made in their place. Returns the files downloaded
+    (relative)."""
     url = url_of(root)
     if url is None:
         return []
-    remote = list_objects(url)
+    remote = {rel: info for rel, info in list_objects(url).items() if not _local_only(rel)}
     files, links = _walk(root) if os.path.isdir(root) else ({}, {})
     for rel, path in {**files, **{r: os.path.join(root, r) for r in links}}.items():
         if rel not in remote:
@@ -216,6 +233,8 @@ def pull(root: str) -> list[str]:
         base = os.path.join(root, *rel.split("/")[:-1])
         for name, target in _link_table(f"{url}/{rel}", stored.body if stored else b"{}").items():
             link = safe_key(base, name, what="link name", source_file=f"{url}/{rel}")
+            if _local_only(f"{rel.rpartition('/')[0]}/{name}".lstrip("/")):
+                continue  # (push never records one: the lock or a temporary file is not replaced by a link)
             # The target: a relative path of plain names from the link's folder (Composer's latest-rank0.pt →
             # ep0-ba8-rank0.pt), never absolute or up through '..', and inside the cache directory once resolved.
             check_relative(target, what=f"target of link {name!r}", source_file=f"{url}/{rel}", loose=True)
@@ -247,7 +266,7 @@ def push_all(root: str) -> str | None:
     if url is None:
         return None
     pushed = push(root)
-    held = {k: o for k, o in list_objects(url).items() if k not in _LOCAL_ONLY}  # (the run's lock object: not an output)
+    held = {k: o for k, o in list_objects(url).items() if not _local_only(k)}  # (the run's lock object: not an output)
     size = sum(o.size for o in held.values())
     return (f"uploaded {len(pushed)} file{'s' if len(pushed) != 1 else ''} to {url}; it holds {len(held)} objects "
             f"({size / 2**20:.1f} MiB)")
@@ -281,7 +300,7 @@ def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
         body = json.dumps(dict(sorted(table.items())), indent=1).encode()
         if rel not in remote or remote[rel].etag != hashlib.md5(body, usedforsecurity=False).hexdigest():
             write_object(f"{prefix}/{rel}", body)
-    gone = [r for r in remote if r not in files and r not in tables and r.split("/", 1)[0] not in _LOCAL_ONLY]
+    gone = [r for r in remote if r not in files and r not in tables and not _local_only(r)]  # (never a lock, at any depth)
     if delete and gone:
         delete_many(prefix, gone)
     return sent

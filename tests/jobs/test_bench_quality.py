@@ -242,3 +242,44 @@ def test_the_step_timer_names_its_clock_and_a_cpu_run_does_not_count_waiting(mon
         assert timer.steps == 1
         assert timer.clock == ("wall" if cuda else "process CPU")
         assert (timer.seconds >= 0.3) if cuda else (timer.seconds < 0.1)
+
+
+@pytest.mark.parametrize("key", ["final_weights", "final_reference", "snapshots", "selected_dir", "link"])
+def test_a_result_naming_paths_outside_its_run_is_not_reused(tmp_path, capsys, monkeypatch, key):
+    """``result.json`` is read back as untrusted: the weights, reference, snapshots and selected shards it names must
+    lie inside its own run directory; a record naming a path elsewhere (or a link leading there) is not reused: one
+    line names result.json and the key, and the run is trained again (its directory removed, as for changed
+    settings)."""
+    bq = _bench_module()
+    config = {"max_steps": 300, "selection": {"policy": "blade", "ref_lr": 1e-3, "refresh_batch_size": None}}
+    monkeypatch.setattr(bq, "_record", lambda cfg, snapshots: config)  # (lookup's run config, without a TrainConfig)
+    monkeypatch.setattr(bq, "_inputs", lambda cfg: ())
+    run_dir = tmp_path / "runs" / "blade-seed0"
+    result = str(run_dir / "result.json")
+    good = {"config": config, "final_weights": str(run_dir / "final" / "model.safetensors"),
+            "final_reference": str(run_dir / "final" / "reference.safetensors"),
+            "snapshots": {"4": str(run_dir / "snapshots" / "step4.safetensors")},
+            "summary": {"selected_dir": str(run_dir / "selected")}}
+    _write_run(run_dir, config)
+    (run_dir / "result.json").write_text(json.dumps(good))
+    assert bq.lookup(None, result) == good
+    (tmp_path / "elsewhere").mkdir()
+    outside = str(tmp_path / "elsewhere" / "model.safetensors")
+    tampered = json.loads(json.dumps(good))
+    if key == "snapshots":
+        tampered["snapshots"]["4"] = outside
+    elif key == "selected_dir":
+        outside = tampered["summary"]["selected_dir"] = str(run_dir / ".." / ".." / "elsewhere")
+    elif key == "link":  # a path inside, but through a link leading out
+        os.symlink(tmp_path / "elsewhere", run_dir / "final")
+        outside = good["final_weights"]
+    else:
+        tampered[key] = outside
+    (run_dir / "result.json").write_text(json.dumps(tampered))
+    reused = list(bq.REUSED)
+    capsys.readouterr()
+    assert bq.lookup(None, result) is None
+    assert bq.REUSED == reused and not run_dir.exists() and (tmp_path / "elsewhere").is_dir()
+    shown = {"snapshots": "snapshots.4", "selected_dir": "summary.selected_dir", "link": "final_weights"}.get(key, key)
+    assert capsys.readouterr().out == (f"[run] blade-seed0: {result}: {shown} {outside!r} is not a path inside "
+                                       f"{run_dir}; refused, not reused; training it again\n")

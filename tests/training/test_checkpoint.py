@@ -126,3 +126,28 @@ def test_a_latest_link_to_a_link_leading_outside_is_refused(tmp_path):
     os.symlink("ep0-ba2-rank0.pt", folder / "latest-rank0.pt")
     with pytest.raises(ValueError, match="is not a checkpoint file beside it"):
         resume_checkpoint(str(folder))
+
+
+@pytest.mark.parametrize("latest", [False, True])
+def test_a_checkpoint_file_that_is_a_link_is_never_loaded(tmp_path, latest):
+    """An ``ep*-rank0.pt`` read back from disk that is a symbolic link (Composer writes none) could lead outside the
+    run: it is skipped with a warning naming it, as a damaged one, and the previous intact checkpoint resumed."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (tmp_path / "other").mkdir()
+    ok = folder / "ep0-ba2-rank0.pt"
+    torch.save({"state": {"w": torch.ones(2)}}, ok)
+    outside = tmp_path / "other" / "ep0-ba8-rank0.pt"
+    torch.save({"state": {"w": torch.zeros(2)}}, outside)  # intact: the old reader resumed from it
+    link = folder / "ep0-ba8-rank0.pt"
+    if latest:  # a link beside it (inside the folder: latest-rank0.pt's own check lets it pass)
+        os.symlink(ok.name, link)
+        os.symlink(link.name, folder / "latest-rank0.pt")
+    else:  # no latest-rank0.pt (a kill while Composer re-linked it): the newest file would be resumed from
+        os.symlink(outside, link)
+    with pytest.warns(UserWarning) as warned:
+        assert resume_checkpoint(str(folder)) == str(ok)
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert f"{link}: refused: a symbolic link" in message or f"checkpoint {link} is refused: a symbolic link" in message
+    assert f"resuming from the {'previous' if latest else 'newest'} intact checkpoint {ok}" in message

@@ -38,6 +38,7 @@ from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord,
 from curation.core.stats import SourceCounts as BatchCounts
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
+from curation.io.paths import safe_join
 from curation.io.shards import PART_PREFIX, ShardReader, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
@@ -111,7 +112,7 @@ class SelectedShardWriter(Callback):
                 "resume from; use a new output_dir or delete this one"
             )
         # (Same config, no checkpoint: a run killed before its first checkpoint; its parts are redone below.)
-        damaged = [p for r in self.manifest.shards if (p := verify_part(os.path.join(self.out_dir, r.name)))]
+        damaged = [p for r in self.manifest.shards if (p := verify_part(self._recorded_part(r.name)))]
         if damaged:  # their masks come from steps already trained: only retraining would rewrite them
             raise ValueError(
                 f"{self.out_dir}: selected-token parts recorded by the checkpoint are missing or damaged "
@@ -153,7 +154,7 @@ class SelectedShardWriter(Callback):
         stop = int(last.state["stop_step"])
         if stop % self.flush_every == 0 or stop >= self.max_steps:
             return
-        reader = ShardReader(os.path.join(self.out_dir, last.name))
+        reader = ShardReader(self._recorded_part(last.name))
         for i in range(len(reader)):
             row = reader[i]
             self._append(row["tokens"].astype(self.dtype), row["loss_mask"].astype(np.uint8),
@@ -163,6 +164,13 @@ class SelectedShardWriter(Callback):
             left = self.manifest.counts(src).model_dump()
             self.manifest.sources[src] = SourceCounts(**{k: v - getattr(c, k) for k, v in left.items()})
         self.manifest.complete = False
+
+    def _recorded_part(self, name: str) -> str:
+        """The directory of a part the checkpoint's manifest names: the name is read back (untrusted), so it is
+        checked and resolved (:func:`curation.io.paths.safe_join`: no ``..``, no absolute path, no symbolic link
+        leading out of ``out_dir``) before the part is read, kept or rewritten."""
+        return safe_join(self.out_dir, name, what="selected part",
+                         source_file=f"{storage.display(self.out_dir)} (the manifest recorded in the checkpoint)")
 
     # --- rows --------------------------------------------------------------------------------
     def _append(self, tokens: np.ndarray, mask: np.ndarray, score: np.ndarray, source: str, step: int,

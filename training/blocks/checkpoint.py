@@ -184,12 +184,22 @@ def checkpoint_files(folder: str) -> list[str]:
     return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
 
 
+def _link_refusal(path: str) -> str | None:
+    """Why the checkpoint file at ``path`` is refused for being a symbolic link (Composer writes none: one could
+    have the run read a file outside it), or None."""
+    if not os.path.islink(path):
+        return None
+    return (f"refused: a symbolic link (to {os.readlink(path)!r:.120}), not a checkpoint file (it could lead outside "
+            "the run; nothing was read through it)")
+
+
 def resume_checkpoint(folder: str) -> str | None:
     """The checkpoint a rerun resumes from: ``latest-rank0.pt`` when intact, else the newest intact one.
 
     A damaged latest checkpoint (a full disk or a kill while Composer wrote it) or one whose content is
-    refused (a pickled object that would run code, a foreign file: :func:`checkpoint_damage`) falls back to
-    the previous intact checkpoint with a warning naming both; the steps after it are redone exactly.
+    refused (a pickled object that would run code, a foreign file: :func:`checkpoint_damage`; a checkpoint name
+    that is a symbolic link, which could lead outside the run and is never read) falls back to the previous
+    intact checkpoint with a warning naming both; the steps after it are redone exactly.
 
     Composer writes a checkpoint in place, then removes the ``latest-rank0.pt`` link and links it anew: a job
     killed in between (a second SIGTERM, a SIGKILL) leaves checkpoint files and no link. The newest intact file
@@ -204,19 +214,21 @@ def resume_checkpoint(folder: str) -> str | None:
     newest = None
     check_link(latest)
     if os.path.lexists(latest):
-        damage = checkpoint_damage(latest)
+        # (check_link: the link's target is a checkpoint name beside it)
+        target = os.path.join(folder, os.path.basename(os.readlink(latest))) if os.path.islink(latest) else latest
+        damage = (_link_refusal(target) if target != latest else None) or checkpoint_damage(latest)
         if damage is None:
             return latest
-        newest = os.path.realpath(latest)
+        newest = target
         bad = [f"{newest}: {damage}"]
         why = f"the latest checkpoint {newest} is {damage}"
     else:
         bad = []
         why = f"{latest} is missing (the job was stopped while it saved a checkpoint)"
     for path in checkpoint_files(folder):
-        if os.path.realpath(path) == newest:
+        if path == newest:
             continue
-        damage = checkpoint_damage(path)
+        damage = _link_refusal(path) or checkpoint_damage(path)
         if damage is None:
             if newest is not None:
                 also = f"; skipped as well: {'; '.join(bad[1:])}" if len(bad) > 1 else ""

@@ -96,6 +96,49 @@ def test_push_pull_mirror_files_and_links(s3):
     assert not storage.fetch(f"{root}/nothing/here.json")
 
 
+def test_pull_never_replaces_the_held_lock_nor_syncs_temporary_files(s3):
+    """The bucket's lock object is not downloaded over the local ``.lock`` (a new inode would free the ``flock``
+    held on the old one), at the top or deeper; temporary objects (``.tmp-*``, ``.dl-*``, ``*.tmp/`` folders) are
+    not downloaded, and the local ones are neither deleted by a pull nor uploaded by a push."""
+    import fcntl
+
+    root = storage.local_path(s3.url("run"))
+    for key in (".lock", "ck/.lock", ".tmp-manifest.json", "ck/.dl-x1y2", "steps-0-4.tmp/index.json",
+                ".tmp-dir/a.bin"):
+        objects.write_object(s3.url(f"run/{key}"), b"bucket")
+    objects.write_object(s3.url("run/data.bin"), b"data")
+    objects.write_object(s3.url("run/ck/.symlinks.json"), json.dumps({".lock": "ep0-ba4-rank0.pt"}).encode())
+    _write(f"{root}/.lock", b"held")
+    _write(f"{root}/.tmp-local/half.bin", b"being written")
+    _write(f"{root}/.dl-local", b"being downloaded")
+    with open(f"{root}/.lock", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        inode = os.stat(f"{root}/.lock").st_ino
+        assert storage.pull(root) == ["data.bin"]
+        assert os.stat(f"{root}/.lock").st_ino == inode and open(f"{root}/.lock", "rb").read() == b"held"
+    for key in ("ck/.lock", ".tmp-manifest.json", "ck/.dl-x1y2", "steps-0-4.tmp", ".tmp-dir"):
+        assert not os.path.lexists(f"{root}/{key}"), key
+    assert open(f"{root}/.tmp-local/half.bin", "rb").read() == b"being written"  # not deleted: not the bucket's
+    assert open(f"{root}/.dl-local", "rb").read() == b"being downloaded"
+    storage.push(root)
+    assert not any(k.startswith((".tmp-local", ".dl-local")) for k in objects.list_objects(s3.url("run")))
+
+
+def test_push_with_delete_leaves_lock_and_temporary_objects_at_any_depth(s3):
+    """``push(delete=True)`` deletes the objects whose file is gone, never a lock object or a temporary one, at the
+    top of the prefix or deeper (a job's lock in a sub-directory, a part being written by another machine)."""
+    root = storage.local_path(s3.url("run"))
+    kept = [".lock", "ck/.lock", "ck/.tmp-manifest.json", "ck/.dl-x1y2", "ck/steps-0-4.tmp/index.json",
+            "eval/.lock"]
+    for key in [*kept, "ck/ep0-ba4-rank0.pt", "gone.json"]:
+        objects.write_object(s3.url(f"run/{key}"), b"bucket")
+    _write(f"{root}/ck/ep0-ba8-rank0.pt", b"eight")
+    assert storage.push(root, delete=True) == ["ck/ep0-ba8-rank0.pt"]
+    assert sorted(objects.list_objects(s3.url("run"))) == sorted([*kept, "ck/ep0-ba8-rank0.pt"])
+    storage.push(root, "ck", delete=True)  # a sub-directory's keys are relative to it: the same rule
+    assert sorted(objects.list_objects(s3.url("run"))) == sorted([*kept, "ck/ep0-ba8-rank0.pt"])
+
+
 def _part(path: str, n: int = 40) -> list[np.ndarray]:
     rows = [np.arange(i, i + 16, dtype=np.uint16) for i in range(n)]
     write_part(path, CANDIDATE, ({"tokens": r, "source": "s"} for r in rows), vocab_size=512, size_limit=1 << 9)
