@@ -3,8 +3,9 @@
 1. ``data``: the pool (+ target validation; trains the tokenizer), the paper setting's pool (no GSM8K train)
    and the base text (+ base validation);
 2. ``bases``: the proxy's base model, pretrained from scratch on the general base text for a set number of tokens
-   per parameter (at most ``MAX_EPOCHS`` passes); the target's, likewise, trains in the ``sweep`` stage beside the
-   BLADE candidates (it is needed only from ``reuse`` on, and alone it would leave one core idle);
+   per parameter (at most ``MAX_EPOCHS`` passes); the target's, likewise, trains in the ``main`` stage beside its
+   runs (it is needed only from ``reuse`` on; alone it would leave one core idle, and beside the sweep's few runs
+   it outlasted them);
 3. ``sweep``: blade (seed 0) with each refresh setting and rho1 (seed 0) with each reference length; in each
    family the one with the lowest *dev* loss at equal compute (the cheapest candidate's FLOPs) is chosen;
 4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed,
@@ -261,7 +262,7 @@ def _base_job(r: Runs, t: _Trainer, role: str) -> tuple[Job, dict[str, Any]]:
     if epochs > MAX_EPOCHS:
         raise ValueError(f"the {role} base at {tpp} tokens per parameter needs {epochs:.2f} passes over the base "
                          f"text ({sequences} sequences), more than MAX_EPOCHS = {MAX_EPOCHS}")
-    # the proxy's base trains alone, with base_threads; the target's beside the sweep's runs, with theirs (whatever
+    # the proxy's base trains alone, with base_threads; the target's beside the main runs, with theirs (whatever
     # parallel_runs is, so that the result does not depend on it)
     threads = s.base_threads if role == "proxy" else s.threads
     job = t.job(f"base-{role}", policy="full", seed=0, data="base", mcfg=mcfg, steps=steps, batch=s.base_batch,
@@ -273,7 +274,7 @@ def _base_job(r: Runs, t: _Trainer, role: str) -> tuple[Job, dict[str, Any]]:
 
 
 def _stage_bases(r: Runs, t: _Trainer) -> None:
-    """The proxy's base, which the sweep starts from (the target's base trains in the sweep stage, beside it)."""
+    """The proxy's base, which the sweep starts from (the target's base trains in the main stage, beside its runs)."""
     job, meta = _base_job(r, t, "proxy")
     r.bases["proxy"] = {**t.run_all([job])[0], **meta}  # alone: trained in this process
 
@@ -300,13 +301,8 @@ def _stage_sweep(r: Runs, t: _Trainer) -> None:
     ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
     dev = dev_source(s)
     r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
-    # the target's base, needed only from the reuse stage on, trains beside the BLADE candidates: started first
-    # (the longest run), it fills one slot while they take turns in the other
-    tjob, tmeta = _base_job(r, t, "target")
-    tres, *done = t.run_all([tjob, *(t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r),
-                                           write_selected=True, snapshots=snaps, **cand)
-                                     for i, cand in enumerate(s.sweep))])
-    r.bases["target"] = {**tres, **tmeta}
+    done = t.run_all([t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True,
+                            snapshots=snaps, **cand) for i, cand in enumerate(s.sweep)])
     curves = lambda: [_dev_curve(r, ev, res, "blade", cand) for cand, res in zip(s.sweep, done, strict=True)]  # noqa: E731
     ev.prefetch(curves)
     for cand, res, curve in zip(s.sweep, done, curves(), strict=True):
@@ -376,7 +372,11 @@ def _stage_main(r: Runs, t: _Trainer) -> None:
                     print(f"[main] {p}-seed0: the chosen sweep run trained otherwise; training it", flush=True)
                 slots.append((setting, p, len(jobs)))
                 jobs.append(t.job(f"{pre}{p}-seed{seed}", **kw))
-    done = t.run_all(jobs)
+    # the target's base, needed only from the reuse stage on, trains beside these runs: started first (the longest
+    # run), it fills one slot while the main runs take turns in the other, then both
+    tjob, tmeta = _base_job(r, t, "target")
+    tres, *done = t.run_all([tjob, *jobs])
+    r.bases["target"] = {**tres, **tmeta}
     for setting in SETTINGS:
         r.main[setting] = {p: [] for p in POLICIES}
     for setting, p, res in slots:  # seeds in order within each (setting, policy)

@@ -155,7 +155,7 @@ class Setting:
     eval_docs: int | None = None  # cap on the documents of every evaluation set (None = the sizes above)
     # torch threads of each training run; the sweep, main and reuse stages train `parallel_runs` runs at a time
     # (bench.quality.pool: on 2 cores two 1-thread runs do ≈ 1.4-1.6× the work of one 2-thread run); the proxy's
-    # base trains alone first with `base_threads` (the sweep starts from it), the target's base in the sweep
+    # base trains alone first with `base_threads` (the sweep starts from it), the target's base in the main
     # stage as one of its runs (with `threads`); the evaluation uses all_threads
     threads: int = 1
     parallel_runs: int = 2
@@ -170,18 +170,16 @@ class Setting:
 
 
 CPU = Setting()
-#: The CPU preset's planned wall minutes per stage on an idle 2-core machine, from the stages of its last run
-#: (v6: data 1.2, bases 10.5, sweep 79.4, main 84.4 of which ≈ 9 beside other work, reuse
-#: 35 of 127 planned when its machine was replaced) and runs of its models timed alone: data ≈ 35M tokens to
-#: tokenize; bases: the proxy alone at 2 threads (4.8k steps of 16 × 128 at 30 tokens/parameter, ≈ 0.087 s each);
-#: sweep, main and reuse two 1-thread runs at a time, ≈ 110 and 322 ms of CPU per proxy and target step (≈ 55 and
-#: 161 ms of the machine): sweep 9 blade + 3 rho1 runs of 2,000 steps and their dev scores, beside the target's
-#: base (1.86M parameters at 10 tokens/parameter: 9.1k steps, ≈ 49 min on one core); main 2 settings × 15 runs
-#: less the 2 chosen sweep runs; reuse 3 seeds × (full ≈ 2,584 + 4 replays × 2,000 target steps) + 3 seeds ×
-#: (full + 2 replays); evaluate: 62 min of one 2-thread process, prefetched by two 1-thread ones (÷ 1.4).
-#: Total 339 min (5.65 h) of the 360 allowed; the lever if it runs over is the sweep's horizon (1,000-step
-#: candidates: ≈ −12 min).
-CPU_ESTIMATE_MIN = {"data": 2, "bases": 11, "sweep": 80, "main": 75, "reuse": 127, "evaluate": 44}
+#: The CPU preset's planned wall minutes per stage on an idle 2-core machine, from the stages of its last runs and
+#: runs of its models timed alone: data ≈ 35M tokens to tokenize (v7: 0.7 min); bases: the proxy alone at 2 threads
+#: (4.8k steps of 16 × 128 at 30 tokens/parameter; v6 10.5 min, v7 9.2); sweep, main and reuse two 1-thread runs at a
+#: time, ≈ 100-110 and 322-360 ms of CPU per proxy and target step: sweep 9 blade runs of 2,000 steps (≈ 3.6 min each
+#: in v7), 3 rho1 and their dev scores; main 2 settings × 15 runs less the 2 chosen sweep runs (v6: 75 min on an idle
+#: machine) beside the target's base (1.86M parameters at 10 tokens/parameter: 9.1k steps, ≈ 55 min on one core:
+#: + 28); reuse 3 seeds × (full ≈ 2,584 + 4 replays × 2,000 target steps) + 3 seeds × (full + 2 replays); evaluate:
+#: 62 min of one 2-thread process, prefetched by two 1-thread ones (÷ 1.4). Total 326 min (5.4 h) of the 360 allowed;
+#: the lever if it runs over is the sweep's horizon (1,000-step candidates: ≈ −12 min).
+CPU_ESTIMATE_MIN = {"data": 2, "bases": 10, "sweep": 40, "main": 103, "reuse": 127, "evaluate": 44}
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
 # over the base text.
