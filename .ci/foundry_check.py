@@ -29,7 +29,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOUNDRY = "llm-foundry==0.22.0"
-ROWS = 8  # the demo's batch size: the loader's batches are the trainer's steps
+ROWS = 8  # rows per loader batch (the demo trains 16 a step; any size reads the same rows): a batch is a step
 
 
 def _ensure_venv(venv: str) -> str:
