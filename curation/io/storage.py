@@ -38,6 +38,7 @@ from curation.io.objects import (
     upload,
     write_object,
 )
+from curation.io.outdir import LOCK_NAME
 from curation.io.paths import UnsafeNameError, check_relative, inside, safe_key
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
 
 #: A synced directory's symbolic links (Composer's ``latest-rank0.pt``) are kept in this object: S3 has none.
 SYMLINKS = ".symlinks.json"
-_LOCAL_ONLY = {".lock"}  # the run's lock (curation.io.outdir.LOCK_NAME): never uploaded, downloaded or deleted
+_LOCAL_ONLY = {LOCK_NAME}  # the run's lock: never uploaded, downloaded or deleted
 _TEMPORARY = (".tmp-", ".dl-")  # a file being written (atomic_write_text, download): renamed into place when done
 
 
