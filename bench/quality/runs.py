@@ -142,11 +142,6 @@ def _checked_paths(result_path: str, record: dict[str, Any]) -> str | None:
     return None
 
 
-def _cached(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> bool:
-    """Whether a finished run's result can be reused (:func:`_reusable`)."""
-    return _reusable(result_path, config, inputs) is not None
-
-
 def _reusable(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """A finished run's recorded result when it can be reused, else None: it exists, was made with the same
     settings, names no path outside its run directory (:func:`_checked_paths`), and none of its ``inputs`` (files

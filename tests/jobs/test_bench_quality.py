@@ -165,19 +165,19 @@ def test_finished_run_reused_only_with_the_same_settings(tmp_path, capsys):
     blade = {"max_steps": 300, "selection": {"policy": "blade", "ref_lr": 1e-3, "refresh_batch_size": None}}
     run_dir = tmp_path / "runs" / "blade-seed1"
     _write_run(run_dir, blade)
-    assert bq._cached(str(run_dir / "result.json"), blade)
+    assert bq._reusable(str(run_dir / "result.json"), blade) is not None
     assert run_dir.exists()
     # the sweep chose another refresh setting: the old run is removed and trained again
     changed = {**blade, "selection": {**blade["selection"], "refresh_batch_size": 16}}
-    assert not bq._cached(str(run_dir / "result.json"), changed)
+    assert bq._reusable(str(run_dir / "result.json"), changed) is None
     assert not run_dir.exists()
     assert "blade-seed1: settings changed" in capsys.readouterr().out
     # full and random do not read the refresh settings: their finished runs stay valid
     full = {"max_steps": 300, "selection": {"policy": "full", "ref_lr": 1e-3, "refresh_batch_size": None}}
     full_dir = tmp_path / "runs" / "full-seed1"
     _write_run(full_dir, full)
-    assert bq._cached(str(full_dir / "result.json"), {**full, "selection": {**full["selection"], "ref_lr": 3e-3}})
-    assert not bq._cached(str(full_dir / "result.json"), {**full, "max_steps": 600})
+    assert bq._reusable(str(full_dir / "result.json"), {**full, "selection": {**full["selection"], "ref_lr": 3e-3}}) is not None
+    assert bq._reusable(str(full_dir / "result.json"), {**full, "max_steps": 600}) is None
 
 
 def test_unfinished_run_of_other_settings_is_not_resumed(tmp_path):
@@ -188,9 +188,9 @@ def test_unfinished_run_of_other_settings_is_not_resumed(tmp_path):
     run_dir.mkdir(parents=True)
     old = {"selection": {"policy": "rho1", "refresh_batch_size": None}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
-    assert not bq._cached(str(run_dir / "result.json"), old)
+    assert bq._reusable(str(run_dir / "result.json"), old) is None
     assert run_dir.exists()  # same settings: left for train() to resume from its checkpoints
-    assert not bq._cached(str(run_dir / "result.json"), {"selection": {"policy": "rho1", "refresh_batch_size": 16}})
+    assert bq._reusable(str(run_dir / "result.json"), {"selection": {"policy": "rho1", "refresh_batch_size": 16}}) is None
     assert not run_dir.exists()
 
 
@@ -208,9 +208,9 @@ def test_a_replay_of_shards_made_again_since_is_trained_again(tmp_path, capsys):
     inputs = (str(manifest),)
     old = time.time() - 100
     os.utime(manifest, (old, old))
-    assert bq._cached(str(run_dir / "result.json"), replay, inputs)  # the shards predate the replay
+    assert bq._reusable(str(run_dir / "result.json"), replay, inputs) is not None  # the shards predate the replay
     manifest.write_text("{}")  # the proxy run was trained again: its shards are new
-    assert not bq._cached(str(run_dir / "result.json"), replay, inputs)
+    assert bq._reusable(str(run_dir / "result.json"), replay, inputs) is None
     assert not run_dir.exists()
     assert f"{manifest} was written again since the recorded run" in capsys.readouterr().out
     # an unfinished replay of older shards does not resume either
@@ -219,7 +219,7 @@ def test_a_replay_of_shards_made_again_since_is_trained_again(tmp_path, capsys):
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(replay))
     os.utime(run_dir / "config.yaml", (old, old))
-    assert not bq._cached(str(run_dir / "result.json"), replay, inputs)
+    assert bq._reusable(str(run_dir / "result.json"), replay, inputs) is None
     assert not run_dir.exists()
 
 
