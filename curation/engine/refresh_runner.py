@@ -73,6 +73,11 @@ def reference_path(engine_dir: str, version: int) -> str:
     return os.path.join(engine_dir, f"reference-{version:04d}.safetensors")
 
 
+def reference_log_path(engine_dir: str, version: int) -> str:
+    """Reference ``version``'s log, written after its weights: the mark that the version is complete."""
+    return os.path.join(engine_dir, f"reference-{version:04d}.json")
+
+
 def proxy_path(engine_dir: str, step: int) -> str:
     return os.path.join(engine_dir, f"proxy-{step:09d}.safetensors")
 
@@ -133,10 +138,11 @@ class RefreshRunner:
 
     def _save(self, version: int, weights: Weights, log: dict[str, Any]) -> None:
         """The reference and its log go to disk before the result is returned (a resumed job reuses both)."""
-        path = reference_path(self.spec.engine_dir, version)
+        engine_dir = self.spec.engine_dir
+        path, log_path = reference_path(engine_dir, version), reference_log_path(engine_dir, version)
         weights.save(path)
-        atomic_write_text(path.replace(".safetensors", ".json"), json.dumps(log, indent=1))
-        for name in (path, self._opt_path(version), path.replace(".safetensors", ".json")):  # the log last
+        atomic_write_text(log_path, json.dumps(log, indent=1))  # last: a kill before it leaves the version to redo
+        for name in (path, self._opt_path(version), log_path):  # the log last
             if os.path.exists(name):
                 storage.publish(name)  # an object-store output directory: in the bucket before it is used
 

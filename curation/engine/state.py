@@ -34,7 +34,7 @@ from curation.core.refresh_data import RecentMasks
 from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
-from curation.engine.refresh_runner import proxy_path, reference_path, refresh_logs
+from curation.engine.refresh_runner import proxy_path, reference_log_path, reference_path, refresh_logs
 from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.paths import safe_join
@@ -190,9 +190,11 @@ class EngineState:
 
     # --- registry ------------------------------------------------------------------------------
     def _resume_from_disk(self) -> list[int]:
-        """Publish the weights a killed run left on disk; returns the refreshes it interrupted."""
+        """Publish the weights a killed run left on disk; returns the refreshes it interrupted (a reference whose
+        log is missing among them: the run was killed between the two, and the summary would lack its refresh)."""
         for version in weights_on_disk(self.engine_dir, REFERENCE):
-            self.core.publish(REFERENCE, version)
+            if os.path.exists(reference_log_path(self.engine_dir, version)):
+                self.core.publish(REFERENCE, version)
         if self.plan is None:
             return []
         for step, path in weights_on_disk(self.engine_dir, PROXY).items():

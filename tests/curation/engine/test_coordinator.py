@@ -14,7 +14,7 @@ from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan
-from curation.engine.refresh_runner import proxy_path, reference_path
+from curation.engine.refresh_runner import proxy_path, reference_log_path, reference_path
 from curation.engine.state import (
     EngineState,
     RefreshTask,
@@ -119,6 +119,7 @@ def test_weights_on_disk_reads_versions_from_the_names_the_engine_writes(tmp_pat
 def test_resume_publishes_what_a_killed_run_left_and_reruns_the_interrupted_refresh(tmp_path):
     engine = str(tmp_path / "engine")
     _touch(reference_path(engine, 0))
+    _touch(reference_log_path(engine, 0))  # (written after the weights: reference 0 is complete)
     _touch(proxy_path(engine, 6))  # refresh 1's source snapshot, saved before the kill; reference 1 never written
     save_recent(RecentMasks.from_pairs([(4, np.ones((2, 3), np.uint8)), (5, np.zeros((2, 3), np.uint8))]),
                 recent_path(engine, 6))
@@ -133,6 +134,21 @@ def test_resume_publishes_what_a_killed_run_left_and_reruns_the_interrupted_refr
     assert task.recent.steps == [4, 5] and task.recent.masks[0].tolist() == [[1, 1, 1]] * 2
     assert state.refreshing == {1: 6} and state.published(REFERENCE, 1) and state.handle(REFERENCE, 1) == "ref1"
     assert state.progress()["references"] == [0, 1] and state.progress()["refreshing"] == [1]
+
+
+def test_a_reference_killed_before_its_log_was_written_is_refreshed_again(tmp_path):
+    """_save writes the weights, then the log: a kill between the two left weights the resumed run used as they
+    were, and the run's summary lacked that refresh (seen once in CI:
+    test_a_killed_job_resumes_to_the_same_outputs). Without its log the version is redone from its source."""
+    engine = str(tmp_path / "engine")
+    for v in (0, 1):
+        _touch(reference_path(engine, v))
+    _touch(reference_log_path(engine, 0))  # reference 1: weights, no log
+    _touch(proxy_path(engine, 6))  # its source, kept until its refresh ends
+    state, launch, _ = _state(tmp_path)
+    assert state.core.published == {(REFERENCE, 0), (PROXY, 6)}
+    state.start()
+    assert [(t.version, t.source_step) for t in launch.tasks] == [(1, 6)]
 
 
 def test_resume_without_recent_masks_refreshes_with_none_and_without_plan_loads_no_snapshot(tmp_path):
@@ -181,6 +197,7 @@ def test_static_trains_the_reference_once_and_none_never_refreshes(tmp_path):
     state.publish_proxy(2, "u2")  # rho1 publishes no snapshot; one published anyway starts nothing
     assert len(launch.tasks) == 1
     _touch(reference_path(str(tmp_path / "again" / "engine"), 0))
+    _touch(reference_log_path(str(tmp_path / "again" / "engine"), 0))  # (the killed run finished saving it)
     resumed, launch2, _ = _state(tmp_path / "again", mode=RefreshMode.STATIC)
     resumed.start()
     assert launch2.tasks == [] and resumed.published(REFERENCE, 0)  # trained by the killed run: reused
