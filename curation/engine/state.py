@@ -8,8 +8,9 @@ it, awaits, and launches refresh tasks. It runs in-process in tests.
   ``engine_dir`` when asked for and not held.
 * **Resume from disk**: the references (``reference-0003.safetensors``) and proxy snapshots
   (``proxy-000000010.safetensors``) a killed run left are published again; a refresh whose source snapshot
-  is on disk but whose reference is not was interrupted, and :meth:`EngineState.start` runs it again with
-  the recent masks saved next to the snapshot.
+  is on disk but whose reference is not, or whose reference's log (``reference-0003.json``, written after the
+  weights) is not, was interrupted, and :meth:`EngineState.start` runs it again with the recent masks saved
+  next to the snapshot.
 * **Refresh triggering**, from the policy's :class:`~curation.core.policies.RefreshMode`: ``STATIC`` starts
   the static reference (version 0) once; ``SYNC`` and ``CONTINUE`` start refresh ``e`` when its source
   snapshot ``u^(W + eτ − δ)`` is published (``CONTINUE`` also hands over reference ``e − 1``); ``NONE``
