@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare(PrepareConfig.demo_default(os.path.dirname(os.path.normpath(args.data))))  # as jobs/prepare.py
     from curation.engine.ray_backend import ray_session
-    from training.blocks.callbacks import StepTimes
-    from training.runs.group import train_parallel
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     need = max(args.workers) * args.threads
     tmp = tempfile.mkdtemp(prefix="bench_scaling-")
@@ -110,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.workers:
             out = os.path.join(tmp, f"w{n}")
             cfg = _config(args, n, out)
-            if n == 1:
-                train(cfg, callbacks=[StepTimes(out)])
-            else:
-                train_parallel(cfg, step_times=True)
+            train(cfg, step_times=True)
             seq_len = json.load(open(os.path.join(args.data, "candidates", "manifest.json"), encoding="utf-8"))["seq_len"]
             results.append(_measure(out, n, args.skip, args.batch_size * seq_len))
             shutil.rmtree(out, ignore_errors=True)

@@ -75,15 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     # and a single-process run does not import Ray. Imported before the stop handler is installed: Composer installs
     # its own SIGTERM/SIGINT handler (exit at once) when first imported, which would replace the project's.
     from curation.engine.plan import WorkerGroupFailed
-
-    if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
-        from training.runs.group import train_parallel as run_training
-    else:
-        from training.runs.single import train as run_training
+    from training.runs.train_job import train  # (parallel.workers > 1: a Ray Train worker group, on Ray)
 
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
-            out = report_job_errors(lambda: run_training(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+            out = report_job_errors(lambda: train(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     except StopRequested as e:
         print(e, file=sys.stderr)
         return exit_code(e.signum)
@@ -93,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(out: dict) -> None:
-    s = json.load(open(out["summary"], encoding="utf-8"))
+def _report(out) -> None:  # noqa: ANN001 - a training.runs.finish.Finished (imported with Composer)
+    s = json.load(open(out.summary, encoding="utf-8"))
     t = s["tokens"]
     print(f"{s['policy']}: {s['steps']} steps, kept {t['kept']:,} of {t['valid']:,} candidate tokens"
           + (f" (resumed from {display(s['resumed_from'])})" if s.get("resumed_from") else ""))
@@ -109,10 +105,10 @@ def _report(out: dict) -> None:
     if s["refreshes"]:
         print(f"reference refreshes at steps {[r['step'] for r in s['refreshes']]}")
     print(f"time (s): {', '.join(f'{k} {v:.1f}' for k, v in s['seconds'].items())}")
-    print(f"summary: {display(out['summary'])}  plots: {display(os.path.dirname(out['plots'][0])) if out['plots'] else '-'}")
-    if out.get("selected"):
-        print(f"selected-token shards: {display(out['selected'])}")
-    print(f"final weights: {display(out['final_weights'])}")
+    print(f"summary: {display(out.summary)}  plots: {display(os.path.dirname(out.plots[0])) if out.plots else '-'}")
+    if out.selected:
+        print(f"selected-token shards: {display(out.selected)}")
+    print(f"final weights: {display(out.final_weights)}")
 
 
 if __name__ == "__main__":

@@ -17,17 +17,21 @@ it, awaits, and launches refresh tasks. It runs in-process in tests.
   (given weights) never starts one.
 * **Snapshot retention** (:meth:`EngineState.prune`): a proxy snapshot is dropped (registry and disk) once
   no unit left to do, no running refresh and no refresh still to start needs it; references stay on disk.
-* **Run statistics** (:class:`RunStats`, per source :class:`schemas.manifest.SourceCounts`), the output
-  ledger, progress and report.
+* **Run statistics** (:class:`~curation.engine.report.RunStats`), the output ledger, progress and report (typed:
+  :mod:`curation.engine.report`).
+
+The coordinator's unit assignment (:class:`~curation.engine.coordinator.Coordinator`) is reached through this class
+only: the actor calls :meth:`EngineState.next_unit`, :meth:`EngineState.worker_started`, ... here.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from curation.core.policies import RefreshMode
@@ -36,13 +40,13 @@ from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
 from curation.engine.refresh_runner import proxy_path, reference_log_path, reference_path, refresh_logs
+from curation.engine.report import EngineProgress, EngineReport, PartInfo, RunStats
 from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.paths import safe_join
 from curation.io.recent import load_recent, save_recent
-from schemas.manifest import SourceCounts
 
-__all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
+__all__ = ["EngineState", "RefreshTask", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
 
 #: The refresh modes whose reference is refreshed every τ steps from a published proxy snapshot.
 _REFRESHED = (RefreshMode.SYNC, RefreshMode.CONTINUE)
@@ -103,31 +107,6 @@ def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float |
     slots = workers + int(refresh)
     share = 1.0 if free >= slots else free / slots
     return share, (share if refresh else 0.0)
-
-
-@dataclass
-class RunStats:
-    """What the workers reported this run: totals, and per source sequences / tokens / kept tokens."""
-
-    tokens: int = 0
-    kept_tokens: int = 0
-    parts: int = 0
-    seconds: float = 0.0
-    sources: dict[str, SourceCounts] = field(default_factory=dict)
-
-    def add(self, result: PartResult) -> None:
-        self.tokens += result.tokens
-        self.kept_tokens += result.kept_tokens
-        self.parts += 1
-        self.seconds += result.seconds
-        for src, c in result.sources.items():
-            self.sources[src] = self.sources.get(src, SourceCounts()) + SourceCounts(**c)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (the ``stats`` of the engine report, in the job summaries and manifests)."""
-        return {"tokens": self.tokens, "kept_tokens": self.kept_tokens, "parts": self.parts, "seconds": self.seconds,
-                "sources": {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens}
-                            for s, c in self.sources.items()}}
 
 
 @dataclass(frozen=True)
@@ -310,8 +289,8 @@ class EngineState:
         self.stats.add(result)
         self.prune()
 
-    def part_info(self, step: int) -> dict[str, Any] | None:
-        """``{part, first, stop, ref_version}`` of the finished part holding ``step``, ``None`` while not finished.
+    def part_info(self, step: int) -> PartInfo | None:
+        """The finished part holding ``step``, ``None`` while not finished.
 
         Raises:
             EngineError: the engine failed, or no unit covers ``step``.
@@ -324,7 +303,7 @@ class EngineState:
         if unit.name not in self.core.done:
             return None
         rec = self.ledger.done_units()[unit.name]
-        return {"part": rec.name, "first": unit.first, "stop": unit.stop, "ref_version": unit.ref_version}
+        return PartInfo(rec.name, unit.first, unit.stop, unit.ref_version)
 
     def unfinishable(self) -> list[str]:
         """Units left to do whose weights are not published and not being refreshed: once the trainer is done,
@@ -347,12 +326,48 @@ class EngineState:
             raise EngineError(f"finish() with {len(self.core.units) - len(self.core.done)} units not done")
         self.ledger.finish(extra)
 
-    # --- reporting -----------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
-        return {**self.core.progress(), "tokens": self.stats.tokens, "kept_tokens": self.stats.kept_tokens,
-                "refreshing": sorted(self.refreshing),
-                "references": sorted(v for k, v in self.core.published if k == REFERENCE)}
+    # --- the coordinator's unit assignment ---------------------------------------------------------
+    @property
+    def failed(self) -> str | None:
+        """The engine's error (the first one), ``None`` while it runs."""
+        return self.core.failed
 
-    def report(self) -> dict[str, Any]:
-        return {"progress": self.progress(), "stats": self.stats.to_dict(), "refreshes": refresh_logs(self.engine_dir),
-                "seconds": time.time() - self.started}
+    def next_unit(self, worker: int) -> tuple[str, WorkUnit | None]:
+        """``("work", unit)``, ``("wait", None)`` or ``("stop", None)``: :meth:`Coordinator.next_unit`."""
+        return self.core.next_unit(worker)
+
+    def worker_started(self, worker: int) -> None:
+        """``worker`` (re)started: the units it held go back to pending (:meth:`Coordinator.worker_started`)."""
+        self.core.worker_started(worker)
+
+    def trainer_at(self, step: int) -> None:
+        """The trainer is about to take ``step`` (back-pressure)."""
+        self.core.trainer_at(step)
+
+    def fail(self, message: str) -> None:
+        """The engine failed (a worker met bad data, a refresh failed): every worker stops, every wait raises."""
+        self.core.fail(message)
+
+    def stop(self) -> None:
+        """Hand out no more units (the driver ends the engine)."""
+        self.core.stop()
+
+    def finished(self) -> bool:
+        """Every unit is done."""
+        return self.core.finished()
+
+    # --- reporting -----------------------------------------------------------------------------
+    def progress(self) -> EngineProgress:
+        c = self.core
+        return EngineProgress(
+            units_done=len(c.done), units_total=len(c.units), trainer_step=c.trainer_step, redone=c.redone,
+            failed=c.failed, tokens=self.stats.tokens, kept_tokens=self.stats.kept_tokens,
+            working={w: tuple(names) for w, names in c.held.items()}, refreshing=tuple(sorted(self.refreshing)),
+            references=tuple(sorted(v for k, v in c.published if k == REFERENCE)))
+
+    def report(self) -> EngineReport:
+        """The engine's side of the report (the driver adds its settings: :meth:`RayEngine.report`); its statistics
+        are a copy, which later parts do not change."""
+        return EngineReport(progress=self.progress(), stats=copy.deepcopy(self.stats),
+                            refreshes=tuple(refresh_logs(self.engine_dir)), seconds=time.time() - self.started,
+                            engine_dir=self.engine_dir, out_dir=self.ledger.out_dir, plan=self.plan)

@@ -16,7 +16,7 @@ from schemas.config import ConfigError, load_config
 from schemas.train_config import TrainConfig
 from training.blocks.loggers import OUTPUT_DIR_TAG, check_installed
 from training.blocks.throughput import host_peak_rss
-from training.runs.single import train
+from training.runs.train_job import train
 
 from .conftest import tiny_config
 from .logger_series import KEYS, jsonl_series, mlflow_series, require_extras, tensorboard_series, wandb_series
@@ -68,7 +68,7 @@ def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):
     assert sorted(tb) == list(range(1, STEPS + 1))
     peaks = [tb[s] for s in sorted(tb)]
     assert peaks == sorted(peaks)  # a peak never falls
-    with open(out["summary"]) as f:
+    with open(out.summary) as f:
         memory = json.load(f)["memory"]
     assert memory["device"] == "cpu" and memory["device_peak_allocated_bytes"] is None
     rss = memory["host_peak_rss_bytes"]
@@ -110,12 +110,12 @@ def test_replay_writes_the_same_loggers(logged_run, tmp_path):
     """Replay (training on the selected shards) builds its trainer the same way: each logger holds its JSON log's
     training loss and throughput."""
     from schemas.train_config import ReplayConfig
-    from training.runs.single import replay
+    from training.runs.train_job import replay
 
     cfg, out = logged_run
     rcfg = ReplayConfig.demo_default(os.path.dirname(cfg.output_dir))
     rcfg = ReplayConfig.model_validate({
-        **rcfg.model_dump(), "selected": out["selected"], "validation": None, "tokenizer": None,
+        **rcfg.model_dump(), "selected": out.selected, "validation": None, "tokenizer": None,
         "model": cfg.model.model_dump(), "output_dir": str(tmp_path / "replay"), "batch_size": cfg.batch_size,
         "threads": 1, "device": "cpu", "progress_bar": False, "throughput": {"window": 3},
         "loggers": {"tensorboard": {}, "mlflow": {"experiment": "replays"}, "wandb": {}}})

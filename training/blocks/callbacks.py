@@ -343,7 +343,8 @@ class SelectionStats(Callback):
 
 
 class ValidationCurve(Callback):
-    """Validation loss after each evaluation (runs without :class:`SelectionStats`, e.g. replay)."""
+    """Validation loss (and perplexity, as :class:`SelectionStats` records it) after each evaluation (runs without
+    :class:`SelectionStats`, e.g. replay)."""
 
     def __init__(self) -> None:
         self.points: list[dict[str, float]] = []
@@ -353,7 +354,8 @@ class ValidationCurve(Callback):
         if "TokenLoss" in metrics:
             step = int(state.timestamp.batch)
             if not self.points or self.points[-1]["step"] != step:
-                self.points.append({"step": step, "loss": float(metrics["TokenLoss"].compute())})
+                loss = float(metrics["TokenLoss"].compute())
+                self.points.append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50.0))})
 
     def state_dict(self) -> dict[str, Any]:
         return {"points": json.dumps(self.points)}

@@ -384,7 +384,8 @@ class Throughput(Callback):
             pbar.pbar.set_postfix(pbar.metrics)
 
     def summary(self, state: State) -> dict[str, Any]:
-        """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU."""
+        """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU (of the
+        whole group under data-parallel training: the summary's ``world_size``; the peak memory is :meth:`memory`)."""
         seconds = state.timestamp.total_wct.total_seconds()
         tokens = float(state.timestamp.token.value)
         shape = self.shape()
@@ -394,7 +395,6 @@ class Throughput(Callback):
             "train_seconds": seconds, "eval_seconds": self.eval_seconds,
             "tokens_per_sec": tokens / seconds if seconds > 0 else None,
             "kept_tokens_per_sec": self.kept_tokens / seconds if seconds > 0 else None,
-            "world_size": dist.get_world_size(),
             "forward_flops_per_token": forward_flops(shape, 1) if shape is not None else None,
             "proxy_flops": train_flops(shape, tokens) if shape is not None else None,
             "reference_flops_per_device": ref_flops if shape is not None else None,
@@ -404,7 +404,6 @@ class Throughput(Callback):
             "mfu": self.mfu(seconds=seconds, tokens=tokens),
             "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
             if self.reference is not None else None,
-            "memory": self.memory(),  # (finish_run writes it as the summary's own `memory`)
         }
 
     # --- checkpoint ----------------------------------------------------------------------------------

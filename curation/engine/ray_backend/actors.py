@@ -30,10 +30,11 @@ the same references; proxy snapshots are deleted once nothing needs them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
@@ -50,6 +51,7 @@ from curation.engine.plan import EngineError, ScoringDataError, TrainingPlan, Wo
 from curation.engine.ray_backend.client import EngineClient, error_message
 from curation.engine.ray_backend.session import ray_session  # re-exported: its home before session.py
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
+from curation.engine.report import EngineProgress, EngineReport, PartInfo
 from curation.engine.state import EngineState, RefreshTask, gpu_shares
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
@@ -129,8 +131,8 @@ class _CoordinatorActor:
         """
         deadline = time.monotonic() + timeout
         while (result := answer()) is None:
-            if self.state.core.failed is not None:
-                raise EngineError(self.state.core.failed)
+            if self.state.failed is not None:
+                raise EngineError(self.state.failed)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -147,9 +149,9 @@ class _CoordinatorActor:
         ready. ``started``: the worker's first call since it (re)started (see
         :class:`~curation.engine.coordinator.Coordinator`)."""
         if started:
-            self.state.core.worker_started(worker)
+            self.state.worker_started(worker)
         while True:
-            status, unit = self.state.core.next_unit(worker)
+            status, unit = self.state.next_unit(worker)
             if status == "stop":
                 return None
             if status == "work":
@@ -163,12 +165,12 @@ class _CoordinatorActor:
         self._notify()
 
     def fail(self, worker: int, unit: str, message: str) -> None:
-        self.state.core.fail(message)
+        self.state.fail(message)
         self._notify()
 
     # --- trainer ---------------------------------------------------------------------------------
     def trainer_at(self, step: int) -> None:
-        self.state.core.trainer_at(step)
+        self.state.trainer_at(step)
         self._notify()
 
     def publish_proxy(self, step: int, ref: list[Any], recent: RecentMasks | None = None) -> bool:
@@ -182,7 +184,7 @@ class _CoordinatorActor:
         self.state.publish_weights(kind, version, ref[0])
         self._notify()
 
-    async def wait_part(self, step: int, timeout: float) -> dict[str, Any] | None:
+    async def wait_part(self, step: int, timeout: float) -> PartInfo | None:
         """The finished part holding ``step`` (``None`` after ``timeout`` seconds)."""
         return await self._until(lambda: self.state.part_info(step), timeout)
 
@@ -190,24 +192,24 @@ class _CoordinatorActor:
         self.state.check_finishable()
 
     async def wait_finished(self, timeout: float) -> bool:
-        return await self._until(lambda: self.state.core.finished() or None, timeout) is not None
+        return await self._until(lambda: self.state.finished() or None, timeout) is not None
 
     async def weights(self, kind: str, version: int, timeout: float) -> list[Any] | None:
         ready = await self._until(lambda: self.state.published(kind, version) or None, timeout)
         return None if ready is None else [self.state.handle(kind, version)]
 
     # --- reporting -------------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> EngineProgress:
         return self.state.progress()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> EngineReport:
         return self.state.report()
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
         self.state.finish(extra)
 
     def stop(self) -> None:
-        self.state.core.stop()
+        self.state.stop()
         self._notify()
 
 
@@ -288,10 +290,11 @@ class _RefreshActor:
 # driver side
 # ------------------------------------------------------------------------------------------------
 class RayEngine(EngineClient):
-    """Driver handle: starts the actors, checks the workers, reports; as a context manager, :meth:`close` at the end.
-    The trainer's calls (:class:`~curation.engine.handle.EngineHandle`: wait for parts, publish proxy snapshots) are
-    those of its :class:`~curation.engine.ray_backend.client.EngineClient`, on the coordinator; a data-parallel
-    trainer's workers get a plain client (:meth:`for_workers`).
+    """The driver's engine: starts the actors, checks the workers, ends them and reports
+    (:class:`~curation.engine.handle.EngineDriver`); as a context manager, :meth:`close` at the end. The trainer's
+    calls (:class:`~curation.engine.handle.EngineHandle`: wait for parts, publish proxy snapshots) are those of its
+    :class:`~curation.engine.ray_backend.client.EngineClient`, on the coordinator: an in-process trainer uses this
+    object, a data-parallel trainer's workers get a plain client (:meth:`for_workers`).
 
     Args:
         work: what the engine does (units, worker settings, ledger, weights directory, plan, refresh).
@@ -307,6 +310,7 @@ class RayEngine(EngineClient):
     def __init__(self, work: EngineWork, workers: WorkersConfig, *, lookahead: int | None = None,
                  reserved_gpus: float = 0.0, fixed_weights: dict[tuple[str, int], Weights] | None = None) -> None:
         self.plan = work.plan
+        self.count, self.threads = workers.count, workers.threads
         device, restarts = workers.device, workers.max_restarts
         total = 0.0 if device == "cpu" else float(ray.cluster_resources().get("GPU", 0.0))
         gpu_w, gpu_r = gpu_shares(total, workers.count, refresh=work.refresh_spec is not None,
@@ -349,6 +353,9 @@ class RayEngine(EngineClient):
         return self._get(self._pid_refs)
 
     # --- errors --------------------------------------------------------------------------------
+    def _idle(self) -> None:  # between two empty answers of the coordinator: a failed worker fails the wait
+        self.check()
+
     def check(self) -> None:
         """Raise :class:`EngineError` when a worker failed or died for good."""
         if not self.serving:
@@ -384,14 +391,14 @@ class RayEngine(EngineClient):
         """
         from tqdm import tqdm
 
-        total = self.progress()["units_total"]
+        total = self.progress().units_total
         with tqdm(total=total, desc=desc, unit="part", disable=not progress) as bar:
             def show() -> None:
                 p = self.progress()
-                bar.n = p["units_done"]
-                bar.set_postfix(tokens=p["tokens"], kept=p["kept_tokens"], redone=p["redone"])
+                bar.n = p.units_done
+                bar.set_postfix(tokens=p.tokens, kept=p.kept_tokens, redone=p.redone)
                 bar.refresh()
-                check_stop(f"with {p['units_done']} of {p['units_total']} work units done")
+                check_stop(f"with {p.units_done} of {p.units_total} work units done")
 
             self._poll(lambda: self.coordinator.wait_finished.remote(1.0), each=show)
 
@@ -403,19 +410,18 @@ class RayEngine(EngineClient):
         """
         self._get(self.coordinator.check_finishable.remote())
         p = self.progress()
-        if p["units_done"] < p["units_total"]:
+        if p.units_done < p.units_total:
             self.run(progress=False, desc="redo")
 
     # --- reporting / shutdown ------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        rep = self._get(self.coordinator.report.remote())
-        rep["trainer_wait_seconds"] = self.wait_seconds
-        rep["trainer_waits"] = [{"step": t, "seconds": w} for t, w in self.waits]
-        rep["gpus"] = self.gpus
-        rep["workers"] = self.worker_results
-        return rep
+    def report(self, *, job_seconds: float | None = None) -> EngineReport:
+        """The engine's account of the run (the coordinator's, with this driver's settings); ``job_seconds``: the
+        whole job's time this run, as the caller measured it."""
+        rep: EngineReport = self._get(self.coordinator.report.remote())
+        return dataclasses.replace(rep, workers=self.count, threads_per_worker=self.threads, job_seconds=job_seconds)
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
+        """Every unit is done: mark the output directory's manifest complete (``extra``: more manifest fields)."""
         self._get(self.coordinator.finish.remote(extra))
 
     def close(self, timeout_s: float = 30.0) -> None:
