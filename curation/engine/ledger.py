@@ -101,7 +101,7 @@ class PartLedger:
         fields: other manifest fields (``config``, ``vocab_size``, ``seq_len``, fingerprints, ``extra``).
     """
 
-    def __init__(self, out_dir: str, *, kind: str, job: str, run_key: Mapping[str, Any], **fields: Any) -> None:
+    def __init__(self, out_dir: str, *, kind: str, job: str, run_key: Mapping[str, object], **fields: object) -> None:
         self.out_dir = out_dir
         self.spec = SPECS[kind]
         os.makedirs(out_dir, exist_ok=True)
@@ -212,7 +212,7 @@ class PartLedger:
         self._publish()
         return rec
 
-    def finish(self, extra: Mapping[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
         self.manifest.complete = True
         if extra:
             self.manifest.extra.update(extra)
@@ -222,7 +222,7 @@ class PartLedger:
         publish_parts(self.out_dir, self.manifest)
 
 
-def _extends(old: Any, new: Mapping[str, Any]) -> bool:
+def _extends(old: object, new: Mapping[str, object]) -> bool:
     """Whether run key ``new`` is ``old`` with the plan's ``total_steps`` raised (an extended run)."""
     if not isinstance(old, Mapping):
         return False
@@ -231,7 +231,7 @@ def _extends(old: Any, new: Mapping[str, Any]) -> bool:
     except (KeyError, TypeError):
         return False
 
-    def without(key: Mapping[str, Any]) -> dict[str, Any]:
+    def without(key: Mapping[str, object]) -> dict[str, object]:
         out = json.loads(json.dumps(dict(key)))
         out["plan"]["schedule"].pop("total_steps")
         return out

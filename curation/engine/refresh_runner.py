@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import CONTINUE, RefreshSettings, RefreshStart, RefreshWorkspace
+from curation.core.refresh import CONTINUE, RefreshResult, RefreshSettings, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
@@ -29,7 +30,7 @@ from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.paths import UnsafeNameError
-from curation.io.shards import open_shards
+from curation.io.shards import ShardReader, open_shards
 from schemas.train_config import ModelConfig, SelectionConfig
 
 
@@ -115,10 +116,10 @@ class RefreshRunner:
         # The reference module and AdamW of a refresh, reused refresh after refresh (curation.core.refresh).
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
-    def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
+    def _tokens(self, dataset: ShardReader, ids: np.ndarray) -> Tensor:
         return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
 
-    def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
+    def _entry(self, step: int, version: int, result: RefreshResult, seconds: float, **more: object) -> dict[str, Any]:
         return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}
 
     def static(self) -> tuple[Weights, dict[str, Any]]:
@@ -136,7 +137,7 @@ class RefreshRunner:
         self._save(0, weights, log)
         return weights, log
 
-    def _save(self, version: int, weights: Weights, log: dict[str, Any]) -> None:
+    def _save(self, version: int, weights: Weights, log: Mapping[str, object]) -> None:
         """The reference and its log go to disk before the result is returned (a resumed job reuses both)."""
         engine_dir = self.spec.engine_dir
         path, log_path = reference_path(engine_dir, version), reference_log_path(engine_dir, version)

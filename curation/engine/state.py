@@ -30,9 +30,9 @@ import copy
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
@@ -47,6 +47,9 @@ from curation.io.paths import safe_join
 from curation.io.recent import load_recent, save_recent
 
 __all__ = ["EngineState", "RefreshTask", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
+
+#: A handle of published weights: an ``ObjectRef`` on Ray; whatever the caller's ``load`` and ``launch`` give in-process.
+H = TypeVar("H")
 
 #: The refresh modes whose reference is refreshed every τ steps from a published proxy snapshot.
 _REFRESHED = (RefreshMode.SYNC, RefreshMode.CONTINUE)
@@ -110,7 +113,7 @@ def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float |
 
 
 @dataclass(frozen=True)
-class RefreshTask:
+class RefreshTask(Generic[H]):
     """A reference version to compute: the static reference, or a refresh from the snapshot ``u^(source_step)``.
 
     Attributes:
@@ -125,12 +128,12 @@ class RefreshTask:
     version: int
     source_step: int = 0
     static: bool = False
-    proxy: Any = None
+    proxy: H | None = None
     recent: RecentMasks | None = None
-    previous: Any = None
+    previous: H | None = None
 
 
-class EngineState:
+class EngineState(Generic[H]):
     """The coordinator's state and decisions (see the module docstring).
 
     Args:
@@ -147,7 +150,7 @@ class EngineState:
 
     def __init__(self, units: Iterable[WorkUnit], *, ledger: PartLedger, engine_dir: str, lookahead: int | None = None,
                  plan: TrainingPlan | None = None, refresh_mode: RefreshMode = RefreshMode.NONE,
-                 load: Callable[[str], Any], launch: Callable[[RefreshTask], Any] | None = None) -> None:
+                 load: Callable[[str], H], launch: Callable[[RefreshTask[H]], H] | None = None) -> None:
         self.ledger = ledger
         units = list(units)
         ledger.keep_units({u.name for u in units})  # (an extended run: a part cut short by the old max_steps)
@@ -162,7 +165,7 @@ class EngineState:
                              f"refreshes={plan.refreshes}")
         self._load = load
         self._launch = launch
-        self.handles: dict[tuple[str, int], Any] = {}
+        self.handles: dict[tuple[str, int], H] = {}
         self.refreshing: dict[int, int] = {}  # version → source step
         self.stats = RunStats()
         self.started = time.time()
@@ -187,7 +190,7 @@ class EngineState:
     def published(self, kind: str, version: int) -> bool:
         return (kind, int(version)) in self.core.published
 
-    def handle(self, kind: str, version: int) -> Any:
+    def handle(self, kind: str, version: int) -> H:
         """The handle of published weights, loaded from ``engine_dir`` when not held.
 
         Raises:
@@ -202,12 +205,12 @@ class EngineState:
             h = self.handles[key] = self._load(path)
         return h
 
-    def publish_weights(self, kind: str, version: int, handle: Any) -> None:
+    def publish_weights(self, kind: str, version: int, handle: H) -> None:
         """Register given weights (batch curation: the checkpoints)."""
         self.handles[(kind, int(version))] = handle
         self.core.publish(kind, version)
 
-    def publish_proxy(self, step: int, handle: Any, recent: RecentMasks | None = None) -> bool:
+    def publish_proxy(self, step: int, handle: H, recent: RecentMasks | None = None) -> bool:
         """Register ``u^(step)`` and start the refresh it is the source of; ``False``: already registered."""
         key = (PROXY, int(step))
         if key in self.core.published:
@@ -244,7 +247,7 @@ class EngineState:
         self._launch_task(RefreshTask(version, source, proxy=self.handle(PROXY, source), recent=recent,
                                       previous=previous))
 
-    def _launch_task(self, task: RefreshTask) -> None:
+    def _launch_task(self, task: RefreshTask[H]) -> None:
         assert self._launch is not None, "a refresh is due but the engine has no refresh actor"
         self.handles[(REFERENCE, task.version)] = self._launch(task)
         self.refreshing[task.version] = task.source_step
@@ -321,7 +324,12 @@ class EngineState:
                 "snapshots they were scored with are gone (the trainer is past them); use a new output directory"
             )
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
+        """Every unit is done: the ledger's manifest is marked complete (``extra``: more manifest fields).
+
+        Raises:
+            EngineError: units are left.
+        """
         if not self.core.finished():
             raise EngineError(f"finish() with {len(self.core.units) - len(self.core.done)} units not done")
         self.ledger.finish(extra)

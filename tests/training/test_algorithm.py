@@ -170,7 +170,7 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     b = make_config("rho1", "b", max_steps=7, eval={"interval": 100}, data={"scored": scored})
     out_b = train(b)
     assert out_b.run.algorithm.reference is None  # no in-process reference at all
-    assert "final_reference" not in out_b
+    assert out_b.final_reference is None
     ma, mb = read_column(out_a.selected, "loss_mask"), read_column(out_b.selected, "loss_mask")
     assert len(ma) == len(mb) == 56 and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     sa, sb = read_column(out_a.selected, "score"), read_column(out_b.selected, "score")

@@ -412,9 +412,9 @@ class StepTimes(Callback):
         self.path = os.path.join(output_dir, "parallel", f"step_times-rank{rank}.json")
         self.points: list[tuple[int, float, float]] = []
 
-    def batch_end(self, state: Any, logger: Any) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         self.points.append((int(state.timestamp.batch), time.perf_counter(), time.process_time()))
 
-    def fit_end(self, state: Any, logger: Any) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         atomic_write_text(self.path, json.dumps(self.points))

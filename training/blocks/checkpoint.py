@@ -26,7 +26,7 @@ import re
 import shutil
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -292,7 +292,7 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, object]) -> None:
     """Restore the RNG states captured by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     meta = state["numpy_meta"]

@@ -15,10 +15,13 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from curation.core.stats import DEFAULT_QUANTILES, Histogram
 from curation.io.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["SCHEMA_VERSION", "Section", "selection_sections", "write_summary", "plot_summary"]
 
@@ -30,7 +33,7 @@ SCHEMA_VERSION = 2
 Section = Mapping[str, object]
 
 
-def _clean(x: Any) -> Any:
+def _clean(x: object) -> Any:
     """JSON-safe copy: non-finite floats become ``None``."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -70,7 +73,7 @@ def selection_sections(data: Section) -> dict[str, object]:
     }
 
 
-def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
+def plot_summary(summary: Mapping[str, Any], out_dir: str) -> list[str]:
     """Write the PNG plots; returns their paths."""
     import matplotlib
 
@@ -119,7 +122,7 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
     return paths
 
 
-def _save(fig: Any, path: str) -> str:
+def _save(fig: Figure, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

@@ -35,8 +35,9 @@ from __future__ import annotations
 import resource
 import sys
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from composer.callbacks import SpeedMonitor
@@ -48,6 +49,11 @@ from curation.core.schedule import Schedule
 from curation.evaluation.flops import ModelShape, forward_flops, train_flops
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
+from training.blocks.data import Batch
+from training.blocks.model import MaskedCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
            "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
@@ -77,13 +83,13 @@ def device_peak_allocated(device: torch.device) -> int | None:
 class ProxyFlops:
     """``flops_per_batch`` of the model (read by ``SpeedMonitor``): a training step on every token of the batch."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         self.config = config  # the HF model config: its shape at the batch's sequence length
 
     def shape(self, context: int) -> ModelShape | None:
         return ModelShape.of_hf_config(self.config, context)
 
-    def __call__(self, batch: dict[str, Any]) -> float:
+    def __call__(self, batch: Batch) -> float:
         rows, length = batch["tokens"].shape
         shape = self.shape(int(length))
         return train_flops(shape, rows * length) if shape is not None else 0.0
@@ -113,7 +119,7 @@ class ReferenceWork:
         return cls(score_tokens=rows * seq_len, refresh_tokens=batches * cfg.refresh_batch_size * seq_len,
                    refresh_steps=cfg.selection.refresh_steps, refreshes=not static)
 
-    def flops(self, shape: ModelShape, counts: dict[str, int], refresh_log: list[dict[str, Any]]) -> float:
+    def flops(self, shape: ModelShape, counts: Mapping[str, int], refresh_log: Sequence[Mapping[str, object]]) -> float:
         """FLOPs of the work done: the scored steps (``counts["score_steps"]``) and the logged refreshes' steps."""
         refresh_steps = sum(int(r.get("steps") or 0) for r in refresh_log)
         return (forward_flops(shape, counts.get("score_steps", 0) * self.score_tokens)
@@ -411,7 +417,7 @@ class Throughput(Callback):
         return {"kept_tokens": self.kept_tokens, "eval_seconds": self.eval_seconds, "evaluations": self.evaluations,
                 "seq_len": self.seq_len, "host_peak": self.host_peak, "device_peak": self.device_peak}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.kept_tokens = float(state.get("kept_tokens", 0.0))
         self.eval_seconds = float(state.get("eval_seconds", 0.0))
         self.evaluations = int(state.get("evaluations", 0))
@@ -420,7 +426,7 @@ class Throughput(Callback):
         self.device_peak = state.get("device_peak")
 
 
-def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_steps: int,
+def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: MaskedCausalLM, *, total_steps: int,
                          selections: StepSelections | None = None, reference: ReferenceWork | None = None,
                          schedule: Schedule | None = None, validation: bool = True) -> tuple[SpeedMonitor, Throughput]:
     """Composer's ``SpeedMonitor`` and :class:`Throughput` for ``cfg``'s trainer of ``model`` (a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,6 @@ class EngineSelection(Algorithm):
             "counts": dict(self.counts),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         restore_recent(self.recent, state)
         self.counts.update(state.get("counts", {}))

@@ -368,7 +368,7 @@ class InProcessReference:
             "refresh_log": list(self.refresh_log),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.version = int(state["ref_version"])
         self.refresh_log = list(state.get("refresh_log", []))
         self._saved_optimizer = state.get("ref_optimizer")

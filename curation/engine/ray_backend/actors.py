@@ -34,11 +34,14 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 try:
     import ray
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
     from ray.exceptions import RayActorError, RayTaskError
 except ImportError as e:  # pragma: no cover - ray is a hard dependency of the project
     raise ImportError("the Ray engine needs ray: pip install 'ray[default]>=2.60,<2.61'") from e
@@ -59,12 +62,23 @@ from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
 
-__all__ = ["ray_session", "RayEngine"]
+__all__ = ["ray_session", "RayEngine", "UnitJob"]
+
+T = TypeVar("T")
 
 
 @ray.remote(num_cpus=0)
 def _load_weights(path: str) -> Weights:
     return Weights.load(path)
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """The coordinator's answer to a worker: a unit more, and the object-store handles of the weights it needs
+    (by their registry key, :meth:`~curation.engine.plan.WorkUnit.needs`; fetched when their version changes)."""
+
+    unit: WorkUnit
+    weights: Mapping[tuple[str, int], ObjectRef]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,17 +90,18 @@ class _CoordinatorActor:
     refresh actor, awaited here."""
 
     def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: LedgerSpec, engine_dir: str,
-                 plan: TrainingPlan | None, refresh_mode: RefreshMode, refresh: Any = None) -> None:
+                 plan: TrainingPlan | None, refresh_mode: RefreshMode, refresh: ActorHandle | None = None) -> None:
         self.refresh_actor = refresh
         self._event: asyncio.Event | None = None
-        self._tasks: set[Any] = set()
-        self.state = EngineState(
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.state: EngineState[ObjectRef] = EngineState(
             units, ledger=ledger.open(), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
             refresh_mode=refresh_mode, load=_load_weights.remote, launch=self._launch,
         )
 
     # --- refreshes -----------------------------------------------------------------------------
-    def _launch(self, task: RefreshTask) -> Any:
+    def _launch(self, task: RefreshTask[ObjectRef]) -> ObjectRef:
+        assert self.refresh_actor is not None, "a refresh is due but the engine has no refresh actor"
         if task.static:
             weights, log = self.refresh_actor.static.options(num_returns=2).remote()
         else:
@@ -95,12 +110,12 @@ class _CoordinatorActor:
         self._spawn(self._await_refresh(task.version, log))
         return weights
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_event_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _await_refresh(self, version: int, log_ref: Any) -> None:
+    async def _await_refresh(self, version: int, log_ref: ObjectRef) -> None:
         error = None
         try:
             await log_ref
@@ -123,7 +138,7 @@ class _CoordinatorActor:
         except TimeoutError:
             pass
 
-    async def _until(self, answer: Callable[[], Any], timeout: float) -> Any:
+    async def _until(self, answer: Callable[[], T | None], timeout: float) -> T | None:
         """``answer()`` once it is not ``None``, asked again at every change; ``None`` after ``timeout`` seconds.
 
         Raises:
@@ -144,7 +159,7 @@ class _CoordinatorActor:
         self.state.start()
         self._notify()
 
-    async def next_unit(self, worker: int, started: bool = False) -> dict[str, Any] | None:
+    async def next_unit(self, worker: int, started: bool = False) -> UnitJob | None:
         """A unit more for the worker and the handles of the weights it needs (``None``: stop); waits for one to be
         ready. ``started``: the worker's first call since it (re)started (see
         :class:`~curation.engine.coordinator.Coordinator`)."""
@@ -156,8 +171,7 @@ class _CoordinatorActor:
                 return None
             if status == "work":
                 assert unit is not None
-                weights = {f"{k}:{v}": [self.state.handle(k, v)] for k, v in unit.needs()}
-                return {"unit": unit.to_dict(), "weights": weights}
+                return UnitJob(unit, {key: self.state.handle(*key) for key in unit.needs()})
             await self._wait_change(5.0)
 
     def complete(self, worker: int, result: PartResult) -> None:
@@ -173,13 +187,13 @@ class _CoordinatorActor:
         self.state.trainer_at(step)
         self._notify()
 
-    def publish_proxy(self, step: int, ref: list[Any], recent: RecentMasks | None = None) -> bool:
+    def publish_proxy(self, step: int, ref: list[ObjectRef], recent: RecentMasks | None = None) -> bool:
         """Register ``u^(step)`` (``ref`` is ``[ObjectRef]``); start the refresh it is the source of."""
         registered = self.state.publish_proxy(step, ref[0], recent)
         self._notify()
         return registered
 
-    def publish_weights(self, kind: str, version: int, ref: list[Any]) -> None:
+    def publish_weights(self, kind: str, version: int, ref: list[ObjectRef]) -> None:
         """Register given weights (batch curation: the checkpoints); ``ref`` is ``[ObjectRef]``."""
         self.state.publish_weights(kind, version, ref[0])
         self._notify()
@@ -194,7 +208,7 @@ class _CoordinatorActor:
     async def wait_finished(self, timeout: float) -> bool:
         return await self._until(lambda: self.state.finished() or None, timeout) is not None
 
-    async def weights(self, kind: str, version: int, timeout: float) -> list[Any] | None:
+    async def weights(self, kind: str, version: int, timeout: float) -> list[ObjectRef] | None:
         ready = await self._until(lambda: self.state.published(kind, version) or None, timeout)
         return None if ready is None else [self.state.handle(kind, version)]
 
@@ -225,7 +239,7 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, coordinator: Any) -> dict[str, Any]:
+    def serve(self, coordinator: ActorHandle) -> dict[str, object]:
         """Score units until the coordinator has none left; the worker's stats, with where the time went:
         ``wait_s`` (waiting for the next unit's answer once a unit is written), ``run_s`` (scoring and writing,
         weights fetches included; ``unit_run_s``: each unit's) and ``report_s`` (waiting for the coordinator to
@@ -245,11 +259,10 @@ class _WorkerActor:
         times["wait_s"] += time.perf_counter() - t0
         while job is not None:
             ask = coordinator.next_unit.remote(wid)  # the unit after this one, answered while this one runs
-            unit = WorkUnit.from_dict(job["unit"])
-            refs = job["weights"]
+            unit, refs = job.unit, job.weights
             t1 = time.perf_counter()
             try:
-                result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
+                result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[(kind, version)]))
             except Exception as e:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
                 ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}"))
@@ -335,9 +348,9 @@ class RayEngine(EngineClient):
         ]
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
         self.serving = {w.serve.remote(self.coordinator): i for i, w in enumerate(self.workers)}
-        self.worker_results: dict[int, dict[str, Any]] = {}
+        self.worker_results: dict[int, dict[str, object]] = {}
         self._get(self.coordinator.start.remote())
-        self._fixed: list[Any] = []
+        self._fixed: list[ObjectRef] = []
         for (kind, version), w in (fixed_weights or {}).items():
             self.publish_weights(kind, version, w)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 from torch import nn
 
@@ -44,13 +46,13 @@ class EngineClient:
         engine_dir: where the engine keeps weights versions (proxy snapshots are saved there before publishing).
     """
 
-    def __init__(self, coordinator: Any, engine_dir: str) -> None:
+    def __init__(self, coordinator: ActorHandle, engine_dir: str) -> None:
         self.coordinator = coordinator
         self.engine_dir = engine_dir
         self.wait_seconds = 0.0
         self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
 
-    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+    def _get(self, ref: ObjectRef | list[ObjectRef], timeout: float | None = None) -> Any:
         try:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
@@ -61,7 +63,7 @@ class EngineClient:
     def _idle(self) -> None:
         """After an empty answer: nothing in a trainer worker (the driver checks the engine; RayEngine does here)."""
 
-    def _poll(self, ask: Callable[[], Any], *, timeout_s: float = math.inf,
+    def _poll(self, ask: Callable[[], ObjectRef], *, timeout_s: float = math.inf,
               each: Callable[[], None] | None = None) -> Any:
         """Ask the coordinator (``ask()`` starts a call that waits a little itself) until it answers, running
         ``each`` after every answer and :meth:`_idle` after every empty one; ``None`` after ``timeout_s``."""
