@@ -29,43 +29,16 @@ from schemas.train_config import POLICY_CHOICES, TrainConfig
 ALIASES = {"policy": "selection.policy", "gamma": "selection.gamma"}
 
 
-def _resolve_aliases(argv: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--set" and i + 1 < len(argv):
-            key, _, value = argv[i + 1].partition("=")
-            out += ["--set", f"{ALIASES.get(key.strip(), key)}={value}"]
-            i += 2
-            continue
-        if arg.startswith("--set="):
-            key, _, value = arg[len("--set="):].partition("=")
-            arg = f"--set={ALIASES.get(key.strip(), key)}={value}"
-        out.append(arg)
-        i += 1
-    return out
-
-
-def _policy_override(argv: list[str]) -> str:
-    policy = "blade"
-    for i, arg in enumerate(argv):
-        item = argv[i + 1] if arg == "--set" and i + 1 < len(argv) else arg.removeprefix("--set=")
-        if item.startswith("selection.policy="):
-            policy = item.split("=", 1)[1].strip()
-    return policy
+def _default(sets: dict[str, str]) -> TrainConfig:
+    # The embedded default writes to runs/demo/train/<policy>, so policies do not overwrite each other
+    # (an unknown policy is reported by the config validation).
+    policy = sets.get("selection.policy", "blade")
+    return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _resolve_aliases(list(sys.argv[1:] if argv is None else argv))
-    policy = _policy_override(argv)
-
-    def default() -> TrainConfig:
-        # The embedded default writes to runs/demo/train/<policy>, so policies do not overwrite each other
-        # (an unknown policy is reported by the config validation).
-        return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
-
-    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
-                                 set_example="selection.gamma=0.5 --set max_steps=300")
+    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default_for=_default, argv=argv,
+                                 aliases=ALIASES, set_example="selection.gamma=0.5 --set max_steps=300")
     if (args.config is None and not is_url(cfg.data.candidates)  # (a bucket's shards: read, and checked, by the run)
             and not os.path.exists(os.path.join(cfg.data.candidates, "index.json"))):
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel
 
 from schemas.config import ConfigError, config_to_yaml, load_config
 
-__all__ = ["add_config_arguments", "parse_job_config"]
+__all__ = ["add_config_arguments", "parse_job_config", "resolve_alias"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,14 +45,24 @@ def parse_job_config(
     argv: Sequence[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
     set_example: str | None = None,
+    aliases: Mapping[str, str] | None = None,
+    default_for: Callable[[Mapping[str, str]], M] | None = None,
 ) -> tuple[M, argparse.Namespace]:
     """Parse a job's command line into a validated config (exits 2 with the message on a config error).
 
     ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
+    ``aliases``: short keys ``--set`` accepts for longer ones (``{"policy": "selection.policy"}``: ``--set policy=rho1``
+    sets ``selection.policy``). ``default_for``: the embedded default made from the ``--set`` overrides (key → the
+    value's text, the last one of a key; e.g. an output directory named after the policy set), in place of
+    ``default``.
     """
     parser = parser or argparse.ArgumentParser(description=description)
     add_config_arguments(parser, set_example)
     args = parser.parse_args(argv)
+    args.overrides = [resolve_alias(o, aliases or {}) for o in args.overrides]
+    if default_for is not None:
+        given = dict(o.partition("=")[::2] for o in args.overrides)
+        default = lambda: default_for({k.strip(): v.strip() for k, v in given.items()})  # noqa: E731
     try:
         cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
     except ConfigError as e:
@@ -62,3 +72,9 @@ def parse_job_config(
         sys.stdout.write(config_to_yaml(cfg))
         raise SystemExit(0)
     return cfg, args
+
+
+def resolve_alias(override: str, aliases: Mapping[str, str]) -> str:
+    """``KEY=VALUE`` with ``KEY`` replaced by the key it is an alias of (``aliases``), else as given."""
+    key, sep, value = override.partition("=")
+    return f"{aliases.get(key.strip(), key)}{sep}{value}"
