@@ -28,7 +28,6 @@ __all__ = [
     "load_weights",
     "read_weights",
     "load_state",
-    "cpu_state_dict",
     "check_vocab",
     "check_token_range",
 ]
@@ -159,12 +158,6 @@ def check_token_range(tokens: np.ndarray, model_vocab: int, where: str, *,
     pos = f"position {at[-1]}" if tokens.ndim == 1 else f"row {at[0]}, position {at[-1]}"
     raise error(f"{where}: token id {int(tokens[at])} at {pos} is outside the model's vocabulary ({model_vocab} ids): "
                 "tokenizer and model do not match")
-
-
-def cpu_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Detached CPU copies of a model's (or state dict's) tensors, tied weights stored once per name."""
-    sd = model.state_dict() if isinstance(model, nn.Module) else model
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
 def _dedupe_shared(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:

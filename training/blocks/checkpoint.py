@@ -35,7 +35,7 @@ import torch
 
 from curation.io.paths import inside
 
-__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint",
+__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint",
            "checkpoint_damage", "check_link", "checkpoint_files", "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
@@ -98,13 +98,6 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a Composer checkpoint with ``weights_only=True`` (for inspection and tests)."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def latest_checkpoint(folder: str) -> str | None:
-    """``folder/latest-rank0.pt`` (Composer's symlink to the newest checkpoint) when it exists."""
-    path = os.path.join(folder, "latest-rank0.pt")
-    check_link(path)
-    return path if os.path.exists(path) else None
 
 
 def check_link(link: str) -> None:

@@ -52,7 +52,6 @@ from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import LedgerSpec, PartResult
 from curation.engine.plan import EngineError, ScoringDataError, TrainingPlan, WorkUnit
 from curation.engine.ray_backend.client import EngineClient, error_message
-from curation.engine.ray_backend.session import ray_session  # re-exported: its home before session.py
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.report import EngineProgress, EngineReport, PartInfo
 from curation.engine.state import EngineState, RefreshTask, gpu_shares
@@ -62,7 +61,7 @@ from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
 
-__all__ = ["ray_session", "RayEngine", "UnitJob"]
+__all__ = ["RayEngine", "UnitJob"]
 
 T = TypeVar("T")
 
