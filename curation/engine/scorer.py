@@ -1,24 +1,17 @@
-"""Token-loss scoring: a plain scorer class, and scored shards written and read by stream step.
+"""Token-loss scoring: a plain scorer class.
 
 :class:`TokenLossScorer` loads one model once (``__init__(config)``) and maps a batch of token
 sequences to its per-token losses as numpy float16 (``__call__``): the reference's ``ℓ(w̃)``, and in a
 pipelined scoring worker the proxy snapshot's ``ℓ(u)`` too, under
 ``torch.inference_mode``. It runs in-process (tests, the single-process trainer) and, unchanged,
 as a Ray actor (the Ray engine wraps the class; nothing here imports ray). New reference weights
-arrive with :meth:`TokenLossScorer.load_weights` (a version number travels with them).
-
-Scored shards (docs/DESIGN.md §5: candidate columns + ``ref_loss`` + ``episode``) hold the candidate
-stream *by step*: a part ``steps-<first>-<stop>/`` holds the ``b`` sequences of each step
-``first ≤ t < stop`` in stream order, and the manifest records each part's step range. The trainer
-(:class:`ScoredShards`) looks a step up by range, so parts may be written by different workers in
-any order. The manifest's ``extra.stream`` is the :class:`~curation.core.stream.CandidateStream` the
-steps refer to; a reader with a different stream is refused.
+arrive with :meth:`TokenLossScorer.load_weights` (a version number travels with them). The scored shards the
+workers write are read by :class:`curation.io.scored_shards.ScoredShards`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -27,15 +20,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from curation.core.losses import autocast, model_token_losses
-from curation.core.stream import CandidateStream
 from curation.io.models import build_causal_lm, load_weights, resolve_device
-from curation.io.shards import merge_part_indexes, open_shards, part_name, save_manifest, write_part
-from curation.io.stream_reader import StreamReader
-from schemas.manifest import Manifest, ShardRecord
-from schemas.shards import SCORED
 from schemas.train_config import ScorerConfig
 
-__all__ = ["TokenLossScorer", "check_finite_losses", "resolve_device", "write_scored_steps", "ScoredShards"]
+__all__ = ["TokenLossScorer", "check_finite_losses", "resolve_device"]
 
 
 def check_finite_losses(losses: Tensor, what: str) -> None:
@@ -136,130 +124,3 @@ class TokenLossScorer:
         """``ℓ(w̃)`` of a ``(b, L)`` token batch as numpy float16 (0 at position 0)."""
         tokens = _as_tokens(batch)
         return self.losses(tokens).to("cpu", torch.float16).numpy()
-
-
-# ------------------------------------------------------------------------------------------------
-# scored shards
-# ------------------------------------------------------------------------------------------------
-def write_scored_steps(
-    out_dir: str,
-    reader: StreamReader,
-    scorer: Callable[[np.ndarray], np.ndarray],
-    steps: range,
-    *,
-    episode_of: Callable[[int], int],
-    vocab_size: int,
-    job: str = "score",
-    config: dict[str, Any] | None = None,
-    tokenizer_fingerprint: str | None = None,
-) -> ShardRecord:
-    """Score the candidate batches of ``steps`` and write them as one scored part.
-
-    Resumable: a part already recorded in ``out_dir/manifest.json`` is not written again.
-
-    Args:
-        out_dir: scored-shard directory (created).
-        reader: the candidate stream and shards.
-        scorer: tokens ``(b, L)`` → float16 losses (a :class:`TokenLossScorer`).
-        steps: a contiguous step range.
-        episode_of: the episode (reference version) that scores a step.
-        vocab_size: for the token column's dtype.
-        job: recorded in a new manifest.
-        config: recorded in a new manifest.
-        tokenizer_fingerprint: recorded in a new manifest (the trainer checks it against its data).
-
-    Returns:
-        The part's record.
-    """
-    if steps.step != 1 or len(steps) == 0:
-        raise ValueError(f"steps must be a non-empty contiguous range, got {steps}")
-    manifest = Manifest.load_if_exists(out_dir) or Manifest(
-        kind=SCORED.name, job=job, config=config or {}, vocab_size=vocab_size,
-        tokenizer_fingerprint=tokenizer_fingerprint, extra={"stream": reader.stream.to_dict()},
-    )
-    if manifest.extra.get("stream") != reader.stream.to_dict():
-        raise ValueError(
-            f"{out_dir}: scored for stream {manifest.extra.get('stream')}, not {reader.stream.to_dict()}"
-        )
-    name = part_name(steps.start, steps.stop)
-    for rec in manifest.shards:
-        if rec.name == name and rec.complete:
-            return rec
-    rows: list[dict[str, Any]] = []
-    n_tokens = 0
-    for t in steps:
-        batch = reader.read(t)
-        ref = np.asarray(scorer(batch.tokens), dtype=np.float16)
-        episode = int(episode_of(t))
-        for i in range(batch.tokens.shape[0]):
-            rows.append({"tokens": batch.tokens[i], "source": batch.sources[i], "ref_loss": ref[i], "episode": episode})
-            n_tokens += batch.tokens.shape[1]
-            manifest.counts(batch.sources[i]).sequences += 1
-    write_part(os.path.join(out_dir, name), SCORED, rows, vocab_size=vocab_size)
-    rec = ShardRecord(name=name, samples=len(rows), tokens=n_tokens,
-                      state={"first_step": steps.start, "stop_step": steps.stop})
-    manifest.shards.append(rec)
-    manifest.shards.sort(key=lambda r: r.state["first_step"])
-    merge_part_indexes(out_dir, [r.name for r in manifest.shards if r.complete])
-    save_manifest(out_dir, manifest)
-    return rec
-
-
-class ScoredShards:
-    """Reference losses of stream steps, read from a scored-shard directory.
-
-    Args:
-        path: the directory (``write_scored_steps`` layout, validated against the scored schema).
-        stream: the trainer's candidate stream; must equal the one the shards were scored for.
-
-    Raises:
-        ShardSchemaError: the directory does not hold scored shards.
-        ValueError: the shards were scored for another stream.
-    """
-
-    def __init__(self, path: str, stream: CandidateStream) -> None:
-        self.path = path
-        manifest = Manifest.load(path)
-        if manifest.extra.get("stream") != stream.to_dict():
-            raise ValueError(
-                f"{path}: scored shards were written for stream {manifest.extra.get('stream')}, "
-                f"but training uses {stream.to_dict()} (batch_size, seed and candidate count must match)"
-            )
-        self.stream = stream
-        self.dataset = open_shards(path, SCORED)
-        self._ranges: list[tuple[int, int, int]] = []  # (first_step, stop_step, first row)
-        row = 0
-        for rec in manifest.shards:
-            if not rec.complete:
-                continue
-            first, stop = int(rec.state["first_step"]), int(rec.state["stop_step"])
-            self._ranges.append((first, stop, row))
-            row += rec.samples
-
-    def covers(self, step: int) -> bool:
-        """Whether the directory holds the scores of ``step``."""
-        return any(first <= step < stop for first, stop, _ in self._ranges)
-
-    def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step``.
-
-        Raises:
-            KeyError: the step is not in the directory (message lists the ranges present).
-        """
-        b = self.stream.batch_size
-        for first, stop, row in self._ranges:
-            if first <= step < stop:
-                start = row + (step - first) * b
-                items = [self.dataset[start + i] for i in range(b)]
-                return (
-                    np.stack([np.asarray(x["tokens"]) for x in items]),
-                    np.stack([np.asarray(x["ref_loss"]) for x in items]).astype(np.float16),
-                    np.asarray([int(x["episode"]) for x in items]),
-                )
-        have = ", ".join(f"[{f}, {s})" for f, s, _ in self._ranges) or "none"
-        raise KeyError(f"{self.path}: no scores for step {step} (steps present: {have})")
-
-    def steps(self) -> Iterable[int]:
-        """All steps present, ascending."""
-        for first, stop, _ in sorted(self._ranges):
-            yield from range(first, stop)

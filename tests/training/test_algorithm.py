@@ -13,12 +13,13 @@ from composer.core import Callback
 
 from curation.core.losses import token_losses
 from curation.core.selection import num_selected
-from curation.engine.scorer import TokenLossScorer, write_scored_steps
+from curation.engine.scorer import TokenLossScorer
 from curation.io.models import build_causal_lm, save_weights
 from curation.io.shards import read_column
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.train_config import ScorerConfig
+from tests.scored_steps import write_scored_steps
 from training.runs.train_job import train
 
 

@@ -44,10 +44,10 @@ from curation.core.refresh_data import RefreshData
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
-from curation.engine.scorer import ScoredShards
 from curation.io import storage
 from curation.io.models import model_vocab_size, weights_fingerprint
 from curation.io.outputs import urls_in
+from curation.io.scored_shards import ScoredShards
 from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
 from curation.io.stream_reader import StreamReader
 from schemas.train_config import TrainConfig

@@ -180,7 +180,7 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     m = Manifest.load(out)
     assert m.complete and [(r.state["first_step"], r.state["stop_step"]) for r in m.shards] == [
         (a, min(a + 2, 14)) for a in range(2, 14, 2)]
-    from curation.engine.scorer import ScoredShards
+    from curation.io.scored_shards import ScoredShards
 
     scored = ScoredShards(out, stream)  # the single-process trainer can read the engine's output offline
     assert list(scored.steps()) == list(range(2, 14))
