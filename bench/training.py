@@ -42,7 +42,7 @@ from schemas.train_config import ModelConfig, TrainConfig, demo_model_config
 from training.blocks.meters import Meters
 from training.runs.wiring import TrainRun, build_training
 
-__all__ = ["PAPER_RATIO", "run", "worker_main", "worker", "report"]
+__all__ = ["PAPER_RATIO", "run", "worker_main", "worker", "report", "ensure_data"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The job, run again for each policy's process (``--worker``).
@@ -235,7 +235,8 @@ def bare(args: argparse.Namespace) -> dict:
     }
 
 
-def _ensure_data(path: str, seq_len: int) -> None:
+def ensure_data(path: str, seq_len: int) -> None:
+    """The demo corpus packed to ``seq_len`` at ``path`` (prepared when absent; refused when it holds another length)."""
     if os.path.exists(os.path.join(path, "candidates", "index.json")):
         have = Manifest.load(os.path.join(path, "candidates")).config.get("seq_len")
         if have is not None and int(have) != seq_len:
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """The benchmark of the module docstring (``argv``: the job's arguments, handed on to the policies' processes);
     its text report printed (``args.json``: also one JSON object); the exit status."""
     args.batch_size = sorted(set(args.batch_size))  # ascending: each b's peak RSS is at most the next one's
-    _ensure_data(args.data, args.seq_len)
+    ensure_data(args.data, args.seq_len)
     t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {"full": [], "blade": [], "bare": []}
     for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit every run alike

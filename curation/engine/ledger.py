@@ -85,7 +85,7 @@ class PartLedger:
     Parts live in per-worker subdirectories (``worker-03/steps-000000010-000000015``). A part is recorded
     (with its step range in ``state``) only after the worker has written it completely; the root
     ``index.json`` lists recorded parts in step order, so the directory reads like a single-process one
-    (:class:`curation.engine.scorer.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
+    (:class:`curation.io.scored_shards.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
     recorded (a killed worker's half-written ``.tmp`` or an unrecorded copy) are removed, and every recorded
     part is checked against the hashes in its index: a damaged or missing one is unrecorded (its counts
     subtracted, listed in :attr:`dropped`) so that the rerun redoes its unit.

@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor, nn
 
-from schemas.train_config import ModelConfig
+from curation.core.scorer import TokenLossScorer
+from schemas.train_config import ModelConfig, ScorerConfig
 
 __all__ = [
     "resolve_device",
@@ -30,6 +31,7 @@ __all__ = [
     "load_state",
     "check_vocab",
     "check_token_range",
+    "build_scorer",
 ]
 
 
@@ -237,3 +239,20 @@ def weights_fingerprint(model: nn.Module | Mapping[str, Tensor]) -> str:
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}".encode())
         h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
     return h.hexdigest()
+
+
+def build_scorer(config: ScorerConfig, *, model: nn.Module | None = None) -> TokenLossScorer:
+    """The :class:`~curation.core.scorer.TokenLossScorer` of ``config``: its model built from ``config.model`` (the
+    weights of ``config.weights`` loaded over it), or ``model`` as it is; on ``config.device`` (``auto``: a GPU when
+    one is visible), scoring ``config.batch_size`` sequences per forward at ``config.precision``.
+
+    Raises:
+        ValueError: a bad model config or weights file (naming it); ``cuda`` without a visible GPU.
+    """
+    if model is None:
+        model = build_causal_lm(config.model)
+        if config.weights is not None:
+            load_weights(model, config.weights)
+    return TokenLossScorer(model, device=resolve_device(config.device), batch_size=config.batch_size,
+                           precision=config.precision)
+

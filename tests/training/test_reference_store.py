@@ -101,7 +101,7 @@ def test_a_page_aligned_buffer_has_pages_of_its_own_and_outlives_its_owner_in_it
 
 
 def test_the_final_save_reads_the_compact_reference_without_a_copy_and_writes_each_tensor_once(tmp_path):
-    """What finish_run writes right after the fit: views into the buffer (no second reference on the host while
+    """What finish writes right after the fit: views into the buffer (no second reference on the host while
     the trained weights are copied out), which save_weights writes as tensors of their own (safetensors refuses
     tensors sharing storage); the file holds the rounded weights and a tied weight under both names."""
     from curation.io.models import read_weights, save_weights

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from curation.core.stream import CandidateStream
-from curation.engine.scorer import TokenLossScorer
+from curation.io.models import build_scorer
 from curation.io.scored_shards import ScoredShards
 from curation.io.shards import merge_part_indexes, write_part
 from curation.io.stream_reader import StreamReader
@@ -36,7 +36,7 @@ def _candidates(root: str, n: int = 12, length: int = 16) -> str:
 def test_scored_shards_written_by_step_range_and_read_back(tmp_path):
     cand = _candidates(str(tmp_path / "cand"))
     reader = StreamReader.open(cand, batch_size=4, seed=5)
-    scorer = TokenLossScorer(_cfg())
+    scorer = build_scorer(_cfg())
     out = str(tmp_path / "scored")
     # two workers' ranges, written out of order
     write_scored_steps(out, reader, scorer, range(3, 6), episode_of=lambda t: t // 3, vocab_size=VOCAB)

@@ -1,4 +1,5 @@
-"""The plain reference scorer and scored shards addressed by stream step."""
+"""The token-loss scorer (curation/core/scorer.py; built from a config by curation.io.models.build_scorer): its losses
+are the per-token losses of its model, in chunks, float16; new weights by state dict; a diverged model is named."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import pytest
 import torch
 
 from curation.core.losses import token_losses
-from curation.engine.scorer import TokenLossScorer
-from curation.io.models import build_causal_lm, save_weights
+from curation.io.models import build_causal_lm, build_scorer, save_weights
 from schemas.train_config import ScorerConfig, demo_model_config
 
 VOCAB = 300
@@ -19,7 +19,7 @@ def _cfg(**kw) -> ScorerConfig:
 
 
 def test_scorer_returns_float16_reference_losses_matching_token_losses():
-    scorer = TokenLossScorer(_cfg(batch_size=3))  # 5 rows → chunks of 3 + 2
+    scorer = build_scorer(_cfg(batch_size=3))  # 5 rows → chunks of 3 + 2
     tokens = torch.randint(0, VOCAB, (5, 16), generator=torch.Generator().manual_seed(0))
     out = scorer(tokens)
     assert isinstance(out, np.ndarray) and out.dtype == np.float16 and out.shape == (5, 16)
@@ -34,19 +34,19 @@ def test_scorer_returns_float16_reference_losses_matching_token_losses():
 
 
 def test_scorer_loads_new_weights_by_version(tmp_path):
-    a = TokenLossScorer(_cfg())
+    a = build_scorer(_cfg())
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     before = a(tokens)
     other = build_causal_lm(demo_model_config(VOCAB, hidden=32, layers=1, seq_len=16).model_copy(update={"init_seed": 7}))
     a.load_weights(other.state_dict(), version=3)
     assert a.version == 3 and not np.array_equal(a(tokens), before)
     path = save_weights(other, str(tmp_path / "w.safetensors"))
-    b = TokenLossScorer(_cfg(weights=path))
+    b = build_scorer(_cfg(weights=path))
     np.testing.assert_array_equal(b(tokens), a(tokens))
 
 
 def test_scorer_rejects_non_finite_losses():
-    scorer = TokenLossScorer(_cfg())
+    scorer = build_scorer(_cfg())
     with torch.no_grad():
         scorer.model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="not finite"):

@@ -1,18 +1,17 @@
-"""Token-loss scoring: a plain scorer class.
+"""Token-loss scoring, pure torch: :class:`TokenLossScorer` holds one model and maps a batch of token sequences to its
+per-token losses as numpy float16 (``__call__``): the reference's ``ℓ(w̃)``, and in a pipelined scoring worker the
+proxy snapshot's ``ℓ(u)`` too, under ``torch.inference_mode``, from the final hidden states in chunks (no full logits:
+:mod:`curation.core.losses`).
 
-:class:`TokenLossScorer` loads one model once (``__init__(config)``) and maps a batch of token
-sequences to its per-token losses as numpy float16 (``__call__``): the reference's ``ℓ(w̃)``, and in a
-pipelined scoring worker the proxy snapshot's ``ℓ(u)`` too, under
-``torch.inference_mode``. It runs in-process (tests, the single-process trainer) and, unchanged,
-as a Ray actor (the Ray engine wraps the class; nothing here imports ray). New reference weights
-arrive with :meth:`TokenLossScorer.load_weights` (a version number travels with them). The scored shards the
-workers write are read by :class:`curation.io.scored_shards.ScoredShards`.
+The compute kernel of both sides of the seam: the engine's scoring workers (:mod:`curation.engine.workers`, built from
+a config by :func:`curation.io.models.build_scorer`) and the trainer's in-process reference
+(:mod:`training.selection.reference`, around its own module). New weights arrive with
+:meth:`TokenLossScorer.load_weights` (a version number travels with them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from curation.core.losses import autocast, model_token_losses
-from curation.io.models import build_causal_lm, load_weights, resolve_device
-from schemas.train_config import ScorerConfig
 
-__all__ = ["TokenLossScorer", "check_finite_losses", "resolve_device"]
+__all__ = ["TokenLossScorer", "check_finite_losses", "as_tokens"]
 
 
 def check_finite_losses(losses: Tensor, what: str) -> None:
@@ -36,7 +33,8 @@ def check_finite_losses(losses: Tensor, what: str) -> None:
         raise ValueError(f"{what} loss is not finite at (row, position) {tuple(bad)}: the {what} diverged")
 
 
-def _as_tokens(batch: Any) -> Tensor:
+def as_tokens(batch: Tensor | np.ndarray | Mapping[str, Tensor | np.ndarray]) -> Tensor:
+    """A scorer batch as a ``(b, L)`` int64 tensor: a token tensor or array, or a mapping with ``tokens``."""
     if isinstance(batch, Mapping):
         batch = batch.get("tokens", batch.get("input_ids"))
     if isinstance(batch, np.ndarray):
@@ -47,32 +45,30 @@ def _as_tokens(batch: Any) -> Tensor:
 
 
 class TokenLossScorer:
-    """Per-token losses of one model, the reference or a proxy snapshot (loaded once, scored without gradients).
+    """Per-token losses of one model, the reference or a proxy snapshot (held once, scored without gradients).
 
     Args:
-        config: the model and where/how to run it.
-        model: use this module instead of building one from ``config.model`` (the trainer's
-            in-process reference); it is not copied.
+        model: the causal LM (moved to ``device``, put in eval mode, its parameters frozen; not copied).
+        device: where it scores.
+        batch_size: sequences per forward (a larger batch is scored in chunks of this many).
+        precision: ``fp32``, or ``amp_bf16`` (the forward under bf16 autocast on CUDA; losses in float32).
+
+    A model built from a config (:class:`~schemas.train_config.ScorerConfig`: its architecture, weights file, device)
+    comes from :func:`curation.io.models.build_scorer`.
     """
 
-    def __init__(self, config: ScorerConfig, *, model: nn.Module | None = None) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        if model is None:
-            model = build_causal_lm(config.model)
-            if config.weights is not None:
-                load_weights(model, config.weights)
+    def __init__(self, model: nn.Module, *, device: torch.device, batch_size: int, precision: str = "fp32") -> None:
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.precision = precision
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.version: int | None = None
 
-    def load_weights(self, weights: Mapping[str, Tensor] | str, version: int | None = None) -> None:
-        """Replace the weights (a state dict, or a safetensors path) and record their version."""
-        if isinstance(weights, str):
-            load_weights(self.model, weights)
-        else:
-            self.model.load_state_dict(weights, strict=True)
+    def load_weights(self, weights: Mapping[str, Tensor], version: int | None = None) -> None:
+        """Replace the weights (a state dict: names and shapes must match) and record their version."""
+        self.model.load_state_dict(weights, strict=True)
         self.version = version
 
     def to(self, device: torch.device | str) -> TokenLossScorer:
@@ -87,7 +83,7 @@ class TokenLossScorer:
         From the final hidden states, chunk by chunk: no ``(b, L, V)`` logits (:mod:`curation.core.losses`). An
         instance attribute may replace it (``jobs/bench_scoring.py --pipeline-only`` puts a stub of negligible
         cost there to time everything else)."""
-        with autocast(self.config.precision, self.device):
+        with autocast(self.precision, self.device):
             losses, _ = model_token_losses(self.model, tokens, valid)
         return losses
 
@@ -96,7 +92,7 @@ class TokenLossScorer:
         work is only queued (no host synchronisation; ``tokens`` in pinned memory are copied asynchronously).
         The caller checks them (:func:`check_finite_losses`, or a flag copied back with the results)."""
         out = []
-        bs = self.config.batch_size
+        bs = self.batch_size
         # A sharded (FSDP) reference is trained again later (blade-nosync): the buffers its forward gathers the
         # parameters into must not become inference tensors.
         with torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode():
@@ -120,7 +116,7 @@ class TokenLossScorer:
         check_finite_losses(losses, "reference")
         return losses
 
-    def __call__(self, batch: Any) -> np.ndarray:
+    def __call__(self, batch: Tensor | np.ndarray | Mapping[str, Tensor | np.ndarray]) -> np.ndarray:
         """``ℓ(w̃)`` of a ``(b, L)`` token batch as numpy float16 (0 at position 0)."""
-        tokens = _as_tokens(batch)
+        tokens = as_tokens(batch)
         return self.losses(tokens).to("cpu", torch.float16).numpy()
