@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ from curation.engine.plan import TrainingPlan
 from curation.io.models import check_token_range
 from schemas.train_config import TrainConfig
 from training.blocks.callbacks import StepSelections
-from training.blocks.data import StepBatches
+from training.blocks.data import Batch, StepBatches
 from training.blocks.preemption import StopAtStepEnd
 from training.runs.wiring import TrainRun, training_inputs, wire
 from training.selection.recorded import EngineSelection
@@ -129,7 +128,7 @@ class EngineMaskedBatches(StepBatches):
         super().__init__(feed.stream, stop_step, model_vocab=model_vocab)
         self.feed = feed
 
-    def batch(self, step: int) -> dict[str, Any]:
+    def batch(self, step: int) -> Batch:
         rows = self.feed.rows(step)
         if any(int(s) != step for s in rows.column("step")):
             raise ValueError(f"{rows.where}: rows of step {step} are labelled with another step")
