@@ -63,15 +63,9 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Callback] = (), step_times: b
         if "max_steps" in lock.extended:
             old, new = lock.extended["max_steps"]
             print(f"extending the run: max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
-        if cfg.parallel.workers > 1:
-            lock.write_records()
-            # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
-            with ray_session(None, need_cpus=trainer_cpus(cfg)), GracefulStop(
-                    what="the training step in progress and its checkpoint"):
-                return finish(cfg.output_dir, launch(cfg, step_times=step_times), plots=cfg.plots)
         wired: list[TrainRun] = []
 
-        def ready(run: TrainRun) -> None:  # the model and data are loaded, checked and wired
+        def ready(run: TrainRun) -> None:  # one process: the model and data are loaded, checked and wired
             wired.append(run)
             if stop_requested():  # a signal while they were loading
                 run.trainer.close()
@@ -79,8 +73,16 @@ def train(cfg: TrainConfig, *, callbacks: Sequence[Callback] = (), step_times: b
                            f"{run.resumed_from or 'the beginning'}")
             lock.write_records()
 
-        result = launch(cfg, callbacks=callbacks, step_times=step_times, ready=ready)
-        return dataclasses.replace(finish(cfg.output_dir, result, plots=cfg.plots), run=wired[0])
+        if cfg.parallel.workers > 1:  # the ranks check their data themselves: the records go first
+            lock.write_records()
+            # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
+            with ray_session(None, need_cpus=trainer_cpus(cfg)), GracefulStop(
+                    what="the training step in progress and its checkpoint"):
+                result = launch(cfg, step_times=step_times)
+        else:
+            result = launch(cfg, callbacks=callbacks, step_times=step_times, ready=ready)
+        finished = finish(cfg.output_dir, result, plots=cfg.plots)
+    return dataclasses.replace(finished, run=wired[0] if wired else None)
 
 
 def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Callback] = ()) -> TrainRun:
