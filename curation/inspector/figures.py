@@ -150,7 +150,8 @@ def engine_charts(run: Run, chart_id: str) -> tuple[str, dict[str, Any]]:
                                  note="each part's tokens over the worker's seconds on it"))
     waits = [w for w in engine.get("trainer_waits") or [] if isinstance(w, dict)]
     if waits:
-        charts.append(line_chart([Series("trainer wait", [w["step"] for w in waits], [w["seconds"] for w in waits])],
+        charts.append(line_chart([Series("trainer wait", [w["step"] for w in waits], [w["seconds"] for w in waits],
+                                         dots=True)],
                                  title="Trainer waits for the engine", xlabel="step", ylabel="seconds",
                                  chart_id=f"{chart_id}-waits", markers=refresh_steps(run),
                                  marker_label="refresh at step"))

@@ -201,6 +201,10 @@ def render(scanned: list[Scanned], cmp: Comparison | None) -> str:
                   "</h2>", _comparison(scanned, cmp, text, scale, colors)]
     facts = {"runs": [x.run.shown for x in scanned], "steps_read": [len(x.curves.steps) for x in scanned],
              "view_rows": len(s.view.rows) if s.view else 0}
+    if cmp is not None:
+        j = cmp.overall()[0]
+        facts.update(jaccard=j if math.isfinite(j) else None, compared_steps=len(cmp.steps), paired_rows=cmp.paired,
+                     unpaired_rows=cmp.unpaired)
     facts_json = json.dumps(facts).replace("<", "\\u003c")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width'><title>{html.escape(title)}</title>"

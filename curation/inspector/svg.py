@@ -29,8 +29,10 @@ class Series:
         x, y: the points.
         color: stroke colour (default: the palette by position).
         dashed: drawn dashed (e.g. the candidates' share beside the kept share).
-        steps: drawn as a step function, each ``x`` the left edge of its bin (histograms).
+        steps: drawn as a step function, each ``x`` the left edge of its bin (histograms: ``x`` holds the edges,
+            ``y`` one value fewer and a ``None``).
         width: stroke width.
+        dots: points drawn as dots, not joined.
     """
 
     name: str
@@ -40,6 +42,7 @@ class Series:
     dashed: bool = False
     steps: bool = False
     width: float = 1.6
+    dots: bool = False  # each point a dot, not joined (events, e.g. the trainer's waits)
     legend: bool = True
     points: list[tuple[float, float]] = field(default_factory=list, init=False, repr=False)
 
@@ -134,10 +137,10 @@ def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str
     for i, s in enumerate(series):
         color = s.color or PALETTE[i % len(PALETTE)]
         for piece in _pieces(s):
-            if len(piece) == 1:  # a lone point: a dot
-                (x, y), = piece
-                out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}" class="dot" '
-                           f'data-series="{html.escape(s.name)}"/>')
+            if len(piece) == 1 or s.dots:  # a lone point, or events: dots
+                out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.6" fill="{color}" class="dot" '
+                        f'data-series="{html.escape(s.name)}"><title>{_fmt(x)}: {_fmt(y)}</title></circle>'
+                        for x, y in piece]
                 continue
             d = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(piece))
             dash = ' stroke-dasharray="5,3"' if s.dashed else ""
