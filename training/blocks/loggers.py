@@ -10,6 +10,10 @@ same name and step.
 * **wandb** (``WandBLogger``): offline by default, a run directory under ``dir/wandb/`` (``wandb sync`` uploads
   it later); each attempt of a resumed run is its own offline run.
 
+Histograms (:func:`log_histogram`, e.g. each episode's Δ) go to TensorBoard as histograms and, through Composer's
+``log_table``, to MLflow (a JSON table artifact) and W&B (a table), over the bins from the first to the last one
+holding a value (the axis fitted to the data).
+
 A package that is missing is one line naming the extra to install (:func:`check_installed`), raised before the
 run starts. Under data-parallel training only rank 0 writes: the JSON-lines and TensorBoard destinations exist on
 rank 0 only; MLflow's and W&B's exist on every rank (their start is a collective) and write on rank 0.
@@ -23,11 +27,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from composer.loggers import MLFlowLogger, TensorboardLogger, WandBLogger
+from composer.loggers import Logger, MLFlowLogger, TensorboardLogger, WandBLogger
 
+from curation.core.stats import Histogram
 from schemas.train_options import LOGGER_PACKAGES, LoggersConfig
 
-__all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG"]
+__all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG", "log_histogram",
+           "histogram_rows"]
 
 #: MLflow tag naming the run's output directory (a resumed run continues the MLflow run that has it).
 OUTPUT_DIR_TAG = "blade.output_dir"
@@ -99,3 +105,34 @@ def _mlflow_run_of(cfg: LoggersConfig, output_dir: str) -> str | None:
         if run.data.tags.get(OUTPUT_DIR_TAG) == mine:
             return run.info.run_id
     return None
+
+
+def histogram_rows(hist: Histogram) -> list[list[float]]:
+    """``[left, right, count]`` of the bins from the first to the last non-empty one (the under- and overflow bins
+    given one bin width beyond the outer edges)."""
+    e = list(hist.edges)
+    width = e[1] - e[0] if len(e) > 1 else 1.0
+    bounds = [e[0] - width, *e, e[-1] + width]
+    nonzero = [i for i, c in enumerate(hist.counts) if c]
+    if not nonzero:
+        return []
+    return [[bounds[i], bounds[i + 1], float(hist.counts[i])] for i in range(nonzero[0], nonzero[-1] + 1)]
+
+
+def log_histogram(logger: Logger, tag: str, hist: Histogram, *, step: int, table: str) -> None:
+    """``hist`` to every destination that shows histograms: TensorBoard's ``add_histogram_raw`` under ``tag``, and
+    Composer's ``log_table`` (``table``: MLflow's artifact ``<table>.json``, a W&B table) as rows ``left, right,
+    count``; the bins trimmed to those holding values."""
+    rows = histogram_rows(hist)
+    if not rows:
+        return
+    for dest in logger.destinations:
+        if isinstance(dest, TensorboardLogger) and dest.writer is not None:
+            centers = [(a + b) / 2 for a, b, _ in rows]
+            counts = [c for _, _, c in rows]
+            dest.writer.add_histogram_raw(
+                tag, min=rows[0][0], max=rows[-1][1], num=sum(counts),
+                sum=sum(c * x for c, x in zip(counts, centers, strict=True)),
+                sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
+                bucket_limits=[b for _, b, _ in rows], bucket_counts=counts, global_step=step)
+    logger.log_table(columns=["left", "right", "count"], rows=rows, name=table, step=step)

@@ -4,7 +4,7 @@
 episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,
 the refresh log, the time spent per phase and (``extra``) the run's ``throughput``
 (:meth:`training.blocks.throughput.Throughput.summary`). Plots: ``delta_histograms.png`` (one curve per
-episode), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
+episode, the x-axis fitted to the bins holding values), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
         total = max(sum(h["counts"]), 1)
         centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
         ax.plot(centers, [c / total for c in counts], label=f"episode {e}")
+    span = _filled_span(hists.values())
+    if span is not None:  # the axis fitted to the data (the bins span -8…8 nats; Δ mostly sits within ±2)
+        ax.set_xlim(*span)
     ax.set_xlabel("Δ = ℓ(u) − ℓ(w̃) (nats)")
     ax.set_ylabel("fraction of valid tokens")
     ax.set_title(f"{policy}: Δ per episode" if hists else f"{policy}: no Δ (policy without reference)")
@@ -113,6 +116,22 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
     ax.legend()
     paths.append(_save(fig, os.path.join(out_dir, "val_loss.png")))
     return paths
+
+
+def _filled_span(hists: Any) -> tuple[float, float] | None:
+    """``(lo, hi)`` of the inner bins holding values in any of ``hists`` (``edges``/``counts`` dicts), widened by 5% on
+    each side; ``None`` when none holds any."""
+    lo = hi = None
+    for h in hists:
+        edges, inner = h["edges"], h["counts"][1:-1]
+        filled = [i for i, c in enumerate(inner) if c]
+        if filled:
+            a, b = edges[filled[0]], edges[filled[-1] + 1]
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    if lo is None:
+        return None
+    pad = (hi - lo) * 0.05
+    return lo - pad, hi + pad
 
 
 def _save(fig: Any, path: str) -> str:
