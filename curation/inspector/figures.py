@@ -92,9 +92,9 @@ def validation_chart(run: Run, chart_id: str) -> str:
     last = [(r["step"], r["val_loss_last"]) for r in refs if r.get("val_loss_last") is not None]
     first = [(r["step"], r["val_loss_first"]) for r in refs if r.get("val_loss_first") is not None]
     if last:
-        series.append(Series("reference w̃ after its refresh", [s for s, _ in last], [v for _, v in last]))
+        series.append(Series("w̃ after its refresh", [s for s, _ in last], [v for _, v in last]))
     if first:
-        series.append(Series("reference before its refresh (= u)", [s for s, _ in first], [v for _, v in first],
+        series.append(Series("w̃ before (= u)", [s for s, _ in first], [v for _, v in first],
                              dashed=True, width=1.0))
     if not series:
         return ""

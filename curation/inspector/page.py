@@ -30,7 +30,7 @@ table{border-collapse:collapse;margin:6px 0}td,th{padding:3px 10px;border-bottom
 th{background:#f0f3f6}td:first-child,th:first-child{text-align:left}
 .charts{display:flex;flex-wrap:wrap;gap:12px}
 figure.chart{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:6px}
-figure.chart figcaption{font-size:11px;color:#57606a;max-width:620px}
+figure.chart figcaption{font-size:11px;color:#57606a;max-width:570px}
 svg .title{font:600 13px sans-serif}svg .tick,svg .legend{font:10px sans-serif;fill:#444}
 svg .label{font:11px sans-serif;fill:#333}svg .plot{fill:#fff;stroke:#d0d7de}
 svg .grid{stroke:#eef1f4}svg .marker{stroke:#888;stroke-dasharray:3,3}

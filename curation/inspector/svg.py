@@ -93,7 +93,7 @@ def _fmt(v: float) -> str:
 
 
 def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str, chart_id: str,
-               width: int = 600, height: int = 260, xlim: tuple[float, float] | None = None,
+               width: int = 580, height: int = 260, xlim: tuple[float, float] | None = None,
                ylim: tuple[float, float] | None = None, markers: Sequence[float] = (), marker_label: str = "",
                note: str = "") -> str:
     """A ``<figure>`` holding the SVG chart of ``series`` (``markers``: dashed vertical lines at these ``x``)."""
