@@ -28,6 +28,20 @@ def refresh_steps(run: Run) -> list[int]:
     return sorted({int(r["step"]) for r in refs if isinstance(r, dict) and isinstance(r.get("step"), int)})
 
 
+def _gapped(xs: list[int], ys: list[float], gap: int) -> tuple[list[float], list[float | None]]:
+    """``xs``/``ys`` with a break (None) where ``x`` jumps by more than ``gap``: the parts of a run not read are not
+    drawn as lines across them."""
+    ox: list[float] = []
+    oy: list[float | None] = []
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i and x - xs[i - 1] > gap:
+            ox.append(math.nan)
+            oy.append(None)
+        ox.append(float(x))
+        oy.append(y)
+    return ox, oy
+
+
 def share_chart(curves: StepCurves, colors: dict[str, str], chart_id: str, title: str, points: int = 60) -> str:
     """Per source, its share of the kept tokens (solid) against its share of the candidates (dashed), over windows of
     consecutive steps read (at most ``points`` of them)."""
@@ -37,8 +51,9 @@ def share_chart(curves: StepCurves, colors: dict[str, str], chart_id: str, title
     steps, kept, cand = curves.shares(window)
     series = []
     for s in kept:
-        series.append(Series(f"{s}: kept", steps, kept[s], color=colors.get(s)))
-        series.append(Series(f"{s}: candidates", steps, cand[s], color=colors.get(s), dashed=True, width=1.0))
+        series.append(Series(f"{s}: kept", *_gapped(steps, kept[s], window), color=colors.get(s)))
+        series.append(Series(f"{s}: candidates", *_gapped(steps, cand[s], window), color=colors.get(s), dashed=True,
+                             width=1.0))
     per = f"each point: {window} steps read" if window > 1 else "each point: one step"
     return line_chart(series, title=title, xlabel="step", ylabel="share", chart_id=chart_id, ylim=(0.0, 1.0),
                       note=f"solid: the source's share of the kept tokens; dashed: its share of the candidates (a "
@@ -49,7 +64,8 @@ def threshold_chart(curves: StepCurves, markers: list[int], chart_id: str) -> st
     """The kept threshold of Δ per step (the smallest kept Δ), refresh moments dashed."""
     if not any(math.isfinite(t) for t in curves.threshold):
         return ""
-    return line_chart([Series("kept threshold of Δ", curves.steps, curves.threshold)], title="Kept threshold of Δ",
+    return line_chart([Series("kept threshold of Δ", *_gapped(curves.steps, curves.threshold, 1))],
+                      title="Kept threshold of Δ",
                       xlabel="step", ylabel="smallest kept Δ (nats)", chart_id=chart_id, markers=markers,
                       marker_label="refresh at step",
                       note="the smallest Δ among each step's kept tokens (top-γ of the batch); dashed: refreshes")
