@@ -3,7 +3,7 @@ run's length but for one number per step and source):
 
 * :class:`StepCurves`: per step and source the kept tokens and the candidates (their shares of the step's kept tokens
   and candidates), and the kept threshold of Δ (the smallest kept Δ of the step's scored rows);
-* :class:`EpisodeDeltas`: Δ per episode in fine bins (0.01 nats), shown on an axis fitted to the data;
+* :class:`EpisodeDeltas`: Δ per episode in fine bins (0.02 nats), shown on an axis fitted to the data;
 * :class:`TokenCounts`: per source how often each token id was a candidate and how often it was kept (scored rows);
 * :class:`ViewRows`: the rows the token view shows: at a few steps, the first rows of every source.
 """
@@ -20,8 +20,8 @@ from curation.inspector.scan import StepRows
 
 __all__ = ["Scanned", "StepCurves", "EpisodeDeltas", "TokenCounts", "ViewRows", "ViewRow", "FINE_EDGES", "shares_of"]
 
-#: Fine Δ bins (nats): 0.01 wide over [-40, 40]; values beyond fall in the outer bins.
-FINE_EDGES = np.round(np.linspace(-40.0, 40.0, 8001), 6)
+#: Fine Δ bins (nats): 0.02 wide over [-20, 20]; values beyond fall in the outer bins (16 KB per episode).
+FINE_EDGES = np.round(np.linspace(-20.0, 20.0, 2001), 6)
 
 
 @dataclass
@@ -100,20 +100,20 @@ class EpisodeDeltas:
             v = r.score[rows][cand[rows]]
             v = v[np.isfinite(v)]
             idx = np.clip(np.searchsorted(FINE_EDGES, v, side="right") - 1, 0, len(FINE_EDGES) - 2)
-            c = np.bincount(idx, minlength=len(FINE_EDGES) - 1)
+            c = np.bincount(idx, minlength=len(FINE_EDGES) - 1).astype(np.int64)
             self.counts[int(e)] = self.counts.get(int(e), 0) + c
 
     def quantile(self, q: float) -> float:
         """A quantile of Δ over every episode (a bin's left edge; NaN when nothing was scored)."""
         if not self.counts:
             return math.nan
-        total = sum(self.counts.values())
+        total = sum(c.astype(np.int64) for c in self.counts.values())
         cum = np.cumsum(total)
         return float(FINE_EDGES[int(np.searchsorted(cum, q * cum[-1], side="left"))])
 
     def fitted_axis(self, lo_q: float = 0.002, hi_q: float = 0.998) -> tuple[float, float]:
         """The Δ range shown: from the ``lo_q`` to the ``hi_q`` quantile of all episodes, padded by 5%."""
-        lo, hi = self.quantile(lo_q), self.quantile(hi_q) + 0.01
+        lo, hi = self.quantile(lo_q), self.quantile(hi_q) + 0.02
         pad = max((hi - lo) * 0.05, 0.01)
         return lo - pad, hi + pad
 
@@ -127,7 +127,7 @@ class EpisodeDeltas:
         inside = (where >= 0) & (where < bins)
         out = {}
         for e, c in sorted(self.counts.items()):
-            total = c.sum()
+            total = int(c.sum(dtype=np.int64))
             frac = np.bincount(where[inside], weights=c[inside], minlength=bins) / max(total, 1)
             out[e] = frac.tolist()
         return edges.tolist(), out
