@@ -9,9 +9,8 @@
   those of a run that had the larger ``max_steps`` from the start.
 * :class:`SelectionStats` logs kept fraction per source, Δ quantiles, ‖u − w‖ and the validation
   loss, and accumulates what the run summary needs (also checkpointed); every ``log_interval`` steps each source's
-  share of the interval's kept tokens and of its candidates and the interval's Δ quantiles
-  (:class:`~curation.core.stats.IntervalStats`), and each finished episode's Δ histogram
-  (:func:`training.blocks.loggers.log_histogram`: TensorBoard's histograms, a table in MLflow and W&B).
+  share of the interval's kept tokens and of its candidates and the interval's Δ quantiles, and each finished
+  episode's Δ histogram (:class:`training.blocks.loggers.SelectionFigures`).
 * :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
 * :class:`StepTimes` records each step's wall and CPU time (``jobs/bench_scaling.py``).
 
@@ -37,7 +36,7 @@ from composer.loggers import Logger, LoggerDestination
 
 from curation.core.divergence import PATIENCE, check_proxy
 from curation.core.policies import ScoreKind, SelectionPolicy
-from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, IntervalStats, SelectionRecord, batch_stats
+from curation.core.stats import DEFAULT_DELTA_EDGES, Histogram, SelectionRecord, batch_stats
 from curation.core.stats import SourceCounts as BatchCounts
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
@@ -45,7 +44,7 @@ from curation.io.paths import safe_join
 from curation.io.shards import PART_PREFIX, ShardReader, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
-from training.blocks.loggers import log_histogram
+from training.blocks.loggers import SelectionFigures
 
 __all__ = ["StepSelections", "SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger",
            "StepTimes"]
@@ -271,9 +270,7 @@ class SelectionStats(Callback):
         self.histograms: dict[int, Histogram] = {}
         self.valid: dict[str, int] = {}
         self.kept: dict[str, int] = {}
-        self.log_interval, self.max_steps = log_interval, max_steps
-        self.interval = IntervalStats()
-        self.logged_episodes: set[int] = set()  # episodes whose Δ histogram went to the loggers
+        self.figures = SelectionFigures(log_interval=log_interval, max_steps=max_steps)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         rec = self.algorithm.last
@@ -296,10 +293,10 @@ class SelectionStats(Callback):
             for q in LOGGED_QUANTILES:
                 metrics[f"blade/delta_q{int(q * 100):02d}"] = st.quantiles[q]
             counts = st.counts
-            self.interval.add(counts, scores, valid)
+            interval = self.figures.add(rec.step, counts, scores, valid)
         else:
             counts = BatchCounts.from_batch(mask, valid, rec.sources)
-            self.interval.add(counts)
+            interval = self.figures.add(rec.step, counts)
         for src, n in counts.valid.items():
             self.valid[src] = self.valid.get(src, 0) + n
             self.kept[src] = self.kept.get(src, 0) + counts.kept.get(src, 0)
@@ -312,22 +309,11 @@ class SelectionStats(Callback):
             entry["param_distance"] = rec.distance
             metrics["blade/param_distance"] = rec.distance
         self.steps.append(entry)
-        if self.log_interval and (rec.step + 1) % self.log_interval == 0:
-            metrics.update(self.interval.scalars())
-        logger.log_metrics(metrics)
-        self._log_histograms(logger, before=rec.episode, step=rec.step)
+        logger.log_metrics({**metrics, **interval})
+        self.figures.histograms(logger, self.histograms, before=rec.episode, step=rec.step)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if self.max_steps is not None and int(state.timestamp.batch) >= self.max_steps:
-            self._log_histograms(logger, before=None, step=int(state.timestamp.batch))
-
-    def _log_histograms(self, logger: Logger, *, before: int | None, step: int) -> None:
-        """The Δ histograms of the episodes before ``before`` (every episode: None) not logged yet, at ``step``."""
-        for e in sorted(self.histograms):
-            if e not in self.logged_episodes and (before is None or e < before):
-                log_histogram(logger, "blade/delta_histogram", self.histograms[e], step=step,
-                              table=f"blade/delta_histogram/episode_{e:04d}")
-                self.logged_episodes.add(e)
+        self.figures.finish(logger, self.histograms, steps=int(state.timestamp.batch))
 
     def eval_end(self, state: State, logger: Logger) -> None:
         metrics = state.eval_metrics.get("eval") or next(iter(state.eval_metrics.values()), {})
@@ -360,9 +346,7 @@ class SelectionStats(Callback):
             "histograms": json.dumps({str(e): h.to_dict() for e, h in self.histograms.items()}),
             "valid": dict(self.valid),
             "kept": dict(self.kept),
-            "interval": json.dumps({"valid": self.interval.counts.valid, "kept": self.interval.counts.kept,
-                                    "histogram": self.interval.histogram.to_dict(), "steps": self.interval.steps}),
-            "logged_episodes": sorted(self.logged_episodes),
+            "figures": self.figures.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -371,11 +355,8 @@ class SelectionStats(Callback):
         self.histograms = {int(e): Histogram.from_dict(h) for e, h in json.loads(state["histograms"]).items()}
         self.valid = dict(state["valid"])
         self.kept = dict(state["kept"])
-        if "interval" in state:  # (checkpoints from before the interval's scalars: the interval starts afresh)
-            i = json.loads(state["interval"])
-            self.interval = IntervalStats(BatchCounts(i["valid"], i["kept"]), Histogram.from_dict(i["histogram"]),
-                                          i["steps"])
-        self.logged_episodes = {int(e) for e in state.get("logged_episodes", [])}
+        if "figures" in state:  # (a checkpoint from before them: the interval starts afresh)
+            self.figures.load_state_dict(state["figures"])
 
 
 class ValidationCurve(Callback):

@@ -12,7 +12,8 @@ same name and step.
 
 Histograms (:func:`log_histogram`, e.g. each episode's Δ) go to TensorBoard as histograms and, through Composer's
 ``log_table``, to MLflow (a JSON table artifact) and W&B (a table), over the bins from the first to the last one
-holding a value (the axis fitted to the data).
+holding a value (the axis fitted to the data). :class:`SelectionFigures` holds what the selection's statistics give
+the loggers beyond each step's scalars: per log interval, per finished episode.
 
 A package that is missing is one line naming the extra to install (:func:`check_installed`), raised before the
 run starts. Under data-parallel training only rank 0 writes: the JSON-lines and TensorBoard destinations exist on
@@ -22,6 +23,7 @@ rank 0 only; MLflow's and W&B's exist on every rank (their start is a collective
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,11 +31,11 @@ from typing import Any
 
 from composer.loggers import Logger, MLFlowLogger, TensorboardLogger, WandBLogger
 
-from curation.core.stats import Histogram
+from curation.core.stats import Histogram, IntervalStats, SourceCounts
 from schemas.train_options import LOGGER_PACKAGES, LoggersConfig
 
 __all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG", "log_histogram",
-           "histogram_rows"]
+           "histogram_rows", "SelectionFigures"]
 
 #: MLflow tag naming the run's output directory (a resumed run continues the MLflow run that has it).
 OUTPUT_DIR_TAG = "blade.output_dir"
@@ -136,3 +138,50 @@ def log_histogram(logger: Logger, tag: str, hist: Histogram, *, step: int, table
                 sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
                 bucket_limits=[b for _, b, _ in rows], bucket_counts=counts, global_step=step)
     logger.log_table(columns=["left", "right", "count"], rows=rows, name=table, step=step)
+
+
+class SelectionFigures:
+    """The selection's figures for the loggers beyond each step's scalars (fed by
+    :class:`training.blocks.callbacks.SelectionStats` from each step's host record; checkpointed with it):
+
+    * every ``log_interval`` steps, each source's share of the interval's kept tokens and of its candidates and the
+      interval's Δ quantiles (:class:`~curation.core.stats.IntervalStats`);
+    * each episode's Δ histogram once the episode has ended (:func:`log_histogram`, at the step after its last), the
+      last one when the run reaches ``max_steps`` (a stopped run logs it when the resumed run finishes it).
+    """
+
+    def __init__(self, *, log_interval: int | None, max_steps: int | None) -> None:
+        self.log_interval, self.max_steps = log_interval, max_steps
+        self.interval = IntervalStats()
+        self.logged: set[int] = set()  # episodes whose histogram went to the loggers
+
+    def add(self, step: int, counts: SourceCounts, delta: Any = None, valid: Any = None) -> dict[str, float]:
+        """Step ``step``'s counts (and Δ at its valid positions); the interval's scalars when it ends there."""
+        self.interval.add(counts, delta, valid)
+        if self.log_interval and (step + 1) % self.log_interval == 0:
+            return self.interval.scalars()
+        return {}
+
+    def histograms(self, logger: Logger, hists: dict[int, Histogram], *, before: int | None, step: int) -> None:
+        """The histograms of the episodes before ``before`` (all: None) not logged yet, at ``step``."""
+        for e in sorted(hists):
+            if e not in self.logged and (before is None or e < before):
+                log_histogram(logger, "blade/delta_histogram", hists[e], step=step,
+                              table=f"blade/delta_histogram/episode_{e:04d}")
+                self.logged.add(e)
+
+    def finish(self, logger: Logger, hists: dict[int, Histogram], *, steps: int) -> None:
+        """At the end of a fit of ``steps`` steps: the last episode's histogram when the run is complete."""
+        if self.max_steps is not None and steps >= self.max_steps:
+            self.histograms(logger, hists, before=None, step=steps)
+
+    def state_dict(self) -> str:
+        i = self.interval
+        return json.dumps({"valid": i.counts.valid, "kept": i.counts.kept, "histogram": i.histogram.to_dict(),
+                           "steps": i.steps, "logged": sorted(self.logged)})
+
+    def load_state_dict(self, state: str) -> None:
+        d = json.loads(state)
+        self.interval = IntervalStats(SourceCounts(d["valid"], d["kept"]), Histogram.from_dict(d["histogram"]),
+                                      d["steps"])
+        self.logged = {int(e) for e in d["logged"]}
