@@ -28,14 +28,14 @@ CHARTS = ("chart-share", "chart-threshold", "chart-delta", "chart-validation", "
 
 @pytest.fixture(scope="module")
 def runs(tiny_train, tmp_path_factory):
-    """blade and rho1, 14 steps each, on the same candidates (the same stream: the same rows at every step)."""
+    """blade and rho1, 14 steps each, on the same candidates (the same stream: the same rows at every step); selected
+    parts of 5 steps (the checkpoint interval)."""
     from training.runs.single import train
 
     root = tmp_path_factory.mktemp("inspected")
     out = {}
     for policy in ("blade", "rho1"):
-        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy},
-                                                    checkpoint={"interval": 100}))
+        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy}))
         train(cfg)
         out[policy] = cfg.output_dir
     return out
@@ -140,6 +140,31 @@ def test_the_page_shows_the_kept_tokens_of_the_shards(runs, chromium, capsys):
     assert page.js("() => document.getElementById('f-count').textContent") == \
         f"{sum(1 for w in want if w['source'] == source and w['step'] == steps[2])} rows shown"
     assert page.errors == []
+
+
+def test_a_run_larger_than_the_budget_is_read_at_parts_spread_over_it(runs, chromium, capsys):
+    """Parts of 5 × 8 × 128 = 5,120 tokens: a budget of 11,000 reads two of the three (the first and the last); the
+    page and the summary say so, the token view's steps are among them, and the kept tokens per source are still the
+    whole run's (the manifest's)."""
+    run = runs["blade"]
+    out_page = os.path.join(os.path.dirname(run), "budget", "index.html")
+    code, out, err = _show([run, "--max-tokens", "11000", "--no-progress", "--out", out_page], capsys)
+    assert code == 0, err
+    assert "; 9 of 14 steps read; " in out
+    page = chromium(out_page)
+    assert page.errors == []
+    assert "9 of 14 steps read (2 of 3 parts, spread over the run)" in page.js("() => document.body.innerText")
+    steps = set(page.js("() => [...document.querySelectorAll('.tokenview .row')].map(r => +r.dataset.step)"))
+    assert steps and steps <= set(range(0, 5)) | set(range(10, 14))
+    shards = _shard_rows(os.path.join(run, "selected"))
+    kept = {}
+    for s in shards:
+        kept[s["source"]] = kept.get(s["source"], 0) + int(np.asarray(s["loss_mask"]).sum())
+    table = page.js("() => [...document.querySelectorAll('table')[0].querySelectorAll('tr')].slice(1)"
+                    ".map(r => [r.cells[0].textContent, r.cells[2].textContent])")
+    assert {src: int(k.replace(",", "")) for src, k in table} == kept
+    # the threshold curve breaks over the steps not read: two pieces
+    assert page.js("() => document.querySelectorAll('#chart-threshold path.curve').length") == 2
 
 
 def test_two_runs_side_by_side(runs, chromium, capsys):
