@@ -44,6 +44,7 @@ class Comparison:
     union: dict[str, int] = field(default_factory=dict)
     paired: int = 0
     unpaired: int = 0
+    scored_steps: int = 0  # compared steps where either run scored (not warm-up in both)
     top: list[Disagreement] = field(default_factory=list)
     _order: int = 0
 
@@ -73,6 +74,9 @@ class Comparison:
         self.steps.append(a.step)
         self.jaccard.append(step_inter / step_union if step_union else math.nan)
         self.by_source.append({s: (i / u if u else math.nan) for s, (i, u) in per.items()})
+        if not (a.scored.any() or b.scored.any()):
+            return  # warm-up in both: every token kept by both, nothing chosen (left out of the overall overlap)
+        self.scored_steps += 1
         for s, (i, u) in per.items():
             self.inter[s] = self.inter.get(s, 0) + i
             self.union[s] = self.union.get(s, 0) + u
@@ -92,7 +96,8 @@ class Comparison:
                 heapq.heapreplace(self.top, item)
 
     def overall(self) -> tuple[float, dict[str, float]]:
-        """Jaccard of the kept tokens over every compared step, and per source."""
+        """Jaccard of the kept tokens over the compared steps either run scored (warm-up steps, where both keep
+        every token, are left out), and per source."""
         ti, tu = sum(self.inter.values()), sum(self.union.values())
         return (ti / tu if tu else math.nan), {s: (self.inter[s] / u if u else math.nan)
                                                for s, u in sorted(self.union.items())}

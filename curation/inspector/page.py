@@ -159,7 +159,8 @@ def _comparison(scanned: list[Scanned], cmp: Comparison, text: TokenText, scale:
     head = (f'<p class="meta">A = <code>{html.escape(a.run.shown)}</code>, B = <code>{html.escape(b.run.shown)}'
             f'</code>: {len(cmp.steps)} steps compared, {cmp.paired:,} rows paired'
             + (f', <b>{cmp.unpaired:,} rows whose tokens differ (other candidates?) left out</b>' if cmp.unpaired
-               else "") + f"; Jaccard of the kept tokens {_pct(j)}.</p>")
+               else "") + f"; Jaccard of the kept tokens {_pct(j)} over the {cmp.scored_steps} steps either run scored "
+            "(in warm-up both keep every token).</p>")
     table = _table(["source", "Jaccard", f"share of kept: {names[0]}", f"share of kept: {names[1]}",
                     "share of candidates"], rows)
     charts = ('<div class="charts">' + figures.jaccard_chart(cmp, colors, "chart-jaccard")
@@ -203,7 +204,8 @@ def render(scanned: list[Scanned], cmp: Comparison | None) -> str:
              "view_rows": len(s.view.rows) if s.view else 0}
     if cmp is not None:
         j = cmp.overall()[0]
-        facts.update(jaccard=j if math.isfinite(j) else None, compared_steps=len(cmp.steps), paired_rows=cmp.paired,
+        facts.update(jaccard=j if math.isfinite(j) else None, compared_steps=len(cmp.steps),
+                     scored_steps=cmp.scored_steps, paired_rows=cmp.paired,
                      unpaired_rows=cmp.unpaired)
     facts_json = json.dumps(facts).replace("<", "\\u003c")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

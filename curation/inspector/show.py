@@ -174,7 +174,7 @@ def summary_line(scanned: list[Scanned], cmp: Comparison | None, shown: str, siz
                      "of candidates)")
     if cmp is not None:
         j, _ = cmp.overall()
-        parts.append(f"vs {scanned[1].run.name}: Jaccard {j:.3f} over {len(cmp.steps)} steps")
+        parts.append(f"vs {scanned[1].run.name}: Jaccard {j:.3f} over {cmp.scored_steps} scored steps")
     parts.append(f"{steps_read} of {s.steps_total} steps read")
     parts.append(f"page {shown} ({size / 1024:.0f} KiB, {seconds:.1f} s)")
     return "; ".join(parts)

@@ -177,15 +177,19 @@ def test_two_runs_side_by_side(runs, chromium, capsys):
     assert [np.asarray(x["tokens"]).tolist() for x in sa] == [np.asarray(x["tokens"]).tolist() for x in sb]
     ma = [np.asarray(x["loss_mask"]).astype(bool)[1:] for x in sa]
     mb = [np.asarray(x["loss_mask"]).astype(bool)[1:] for x in sb]
-    inter = sum(int((x & y).sum()) for x, y in zip(ma, mb, strict=True))
-    union = sum(int((x | y).sum()) for x, y in zip(ma, mb, strict=True))
-    assert f"vs rho1: Jaccard {inter / union:.3f} over 14 steps" in out
+    # the overall overlap leaves out the warm-up steps (W = 2: both keep every token, no Δ)
+    scored = [bool(np.isfinite(np.asarray(x["score"], dtype=np.float32)[1:]).any()) for x in sa]
+    assert scored.count(False) == 2 * 8
+    inter = sum(int((x & y).sum()) for x, y, s in zip(ma, mb, scored, strict=True) if s)
+    union = sum(int((x | y).sum()) for x, y, s in zip(ma, mb, scored, strict=True) if s)
+    assert f"vs rho1: Jaccard {inter / union:.3f} over 12 scored steps" in out
 
     page = chromium(out_page)
     assert page.errors == []
     facts = json.loads(page.js("() => document.getElementById('facts').textContent"))
     assert facts["jaccard"] == pytest.approx(inter / union, abs=1e-12)
-    assert facts["compared_steps"] == 14 and facts["paired_rows"] == len(sa) and facts["unpaired_rows"] == 0
+    assert facts["compared_steps"] == 14 and facts["scored_steps"] == 12
+    assert facts["paired_rows"] == len(sa) and facts["unpaired_rows"] == 0
     pairs = page.js("() => [...document.querySelectorAll('.tokenview-pairs .row')].map(r => [+r.dataset.row, "
                     "+r.dataset.differ, r.querySelectorAll('.toks .k.a').length, r.querySelectorAll('.toks .d.b').length])")
     differ = [int((x ^ y).sum()) for x, y in zip(ma, mb, strict=True)]

@@ -105,9 +105,12 @@ def test_comparison_jaccard_per_source_and_the_rows_that_differ_most():
     assert cmp.overall() == (pytest.approx(5 / 7), {"x": 0.5, "y": 1.0})
     (top,) = cmp.most_disagreeing()
     assert top.differ == 2 and top.a.row == 0 and top.b_mask.tolist() == [False, True, False, True]
+    warm = _rows(3, tokens, np.ones((3, 4)), np.full((3, 4), np.nan), ["x", "y", "x"])
+    cmp.add(warm, warm)  # warm-up in both: a point of the curve, not part of the overall overlap
+    assert cmp.jaccard[-1] == 1.0 and cmp.scored_steps == 1 and cmp.overall()[0] == pytest.approx(5 / 7)
     other = _rows(5, [[9, 9, 9, 9]] * 3, a.mask, a.score, a.sources)  # other candidates: not paired
     cmp.add(_rows(5, tokens, a.mask, a.score, a.sources), other)
-    assert cmp.unpaired == 3 and cmp.paired == 3 and cmp.steps == [4]
+    assert cmp.unpaired == 3 and cmp.paired == 6 and cmp.steps == [4, 3]
 
 
 def test_interval_stats_shares_and_quantiles_then_a_new_interval():
