@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -99,7 +100,10 @@ def mlflow_tables(uri: str, experiment: str, folder: str) -> dict[str, dict]:
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0]
+    exp = client.get_experiment_by_name(experiment)
+    # the artifacts beside the SQLite store (MLflow's default: ./mlruns of the job's working directory)
+    assert exp.artifact_location == Path(os.path.dirname(uri[len("sqlite:///"):]), "mlflow-artifacts").as_uri()
+    run = client.search_runs([exp.experiment_id])[0]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for art in client.list_artifacts(run.info.run_id, folder):

@@ -5,7 +5,7 @@ same name and step.
 * **tensorboard** (``TensorboardLogger``): event files under ``log_dir/<run name>/`` (``train`` or ``replay``),
   flushed every ``checkpoint.interval`` steps, after each evaluation and at the end.
 * **mlflow** (``MLFlowLogger``): a run in ``experiment`` of the local store ``tracking_uri`` (SQLite by default: no
-  server), tagged ``blade.output_dir``; a resumed training run continues the MLflow run of its output directory.
+  server; a new experiment's artifacts in ``mlflow-artifacts/`` beside the database), tagged ``blade.output_dir``; a resumed training run continues the MLflow run of its output directory.
   Every step's value is recorded (Composer's default skips a value equal to the last one).
 * **wandb** (``WandBLogger``): offline by default, a run directory under ``dir/wandb/`` (``wandb sync`` uploads
   it later); each attempt of a resumed run is its own offline run.
@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from composer.loggers import Logger, MLFlowLogger, TensorboardLogger, WandBLogger
@@ -60,6 +61,8 @@ def experiment_loggers(cfg: LoggersConfig, output_dir: str, *, rank: int, flush_
         out.append(TensorboardLogger(log_dir=cfg.tensorboard.resolved_log_dir(output_dir),
                                      flush_interval=flush_interval))
     if cfg.mlflow is not None:
+        if rank == 0:
+            mlflow_artifacts_beside_store(cfg.mlflow.resolved_tracking_uri(output_dir), cfg.mlflow.experiment)
         out.append(MLFlowLogger(
             experiment_name=cfg.mlflow.experiment, run_name=cfg.mlflow.run_name or name,
             tracking_uri=cfg.mlflow.resolved_tracking_uri(output_dir), rank_zero_only=True, log_system_metrics=False,
@@ -72,6 +75,23 @@ def experiment_loggers(cfg: LoggersConfig, output_dir: str, *, rank: int, flush_
         out.append(WandBLogger(project=cfg.wandb.project, entity=cfg.wandb.entity, name=name, rank_zero_only=True,
                                init_kwargs={"mode": cfg.wandb.mode, "dir": directory}))
     return out
+
+
+def mlflow_artifacts_beside_store(uri: str, experiment: str) -> str | None:
+    """For a SQLite store (the default, ``output_dir/logs/mlflow.db``): create ``experiment`` with its artifacts in
+    ``mlflow-artifacts/`` beside the database (MLflow's default for a new experiment is ``./mlruns`` of whatever
+    directory the job runs in: the Δ histogram tables landed in the user's checkout). Returns that folder; ``None``
+    for other stores (a ``file:`` store keeps artifacts in itself, a server decides) or an experiment made before."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return None
+    folder = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])), "mlflow-artifacts")
+    client.create_experiment(experiment, artifact_location=Path(folder).as_uri())
+    return folder
 
 
 @contextmanager
