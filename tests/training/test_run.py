@@ -67,3 +67,18 @@ def test_a_run_finished_in_two_processes_writes_each_part_once(tmp_path):
     assert sorted(os.listdir(final)) == ["config.json", "model.safetensors", "reference.safetensors"]
     assert paths["summary"] == os.path.join(run.output_dir, "summary.json") and "final_weights" not in paths
     assert weights_fingerprint(_loaded(final)) == weights_fingerprint(run.model.model)  # the model left alone
+
+
+def test_the_delta_plot_axis_is_fitted_to_the_data_not_the_bins():
+    """Issue 57: ``plots/delta_histograms.png`` spanned the bins' −8…8 nats while Δ sat in −1…1.5: its axis runs from
+    the 0.2% to the 99.8% quantile of every episode's Δ (a few outlying tokens do not stretch it), padded by 5%."""
+    import torch
+
+    from curation.core.stats import Histogram
+    from training.blocks.summary import delta_axis
+
+    a = Histogram.from_values(torch.linspace(-1.0, 1.5, 1001))
+    b = Histogram.from_values(torch.cat([torch.linspace(-0.5, 1.0, 999), torch.tensor([-6.9, 7.3])]))
+    lo, hi = delta_axis([a.to_dict(), b.to_dict()])
+    assert -1.2 < lo < -0.9 and 1.4 < hi < 1.7  # not −8…8, nor stretched to the two outliers at −6.9 and 7.3
+    assert delta_axis([]) is None and delta_axis([Histogram().to_dict()]) is None

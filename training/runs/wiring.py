@@ -210,7 +210,8 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     """
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr)  # (a diverging proxy stops the run)
+    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr,  # (a diverging proxy stops the run)
+                           log_interval=cfg.throughput.log_interval, max_steps=cfg.max_steps)
     stopper = stopper or StopAtStepEnd()
     speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
                                         reference=reference, schedule=schedule or Schedule.of(cfg))
