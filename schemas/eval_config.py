@@ -53,9 +53,9 @@ class LmEvalConfig(StrictModel):
     )
     gsm8k_file: str = Field(description="local GSM8K test jsonl (question/answer)")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems")
-    num_fewshot: int = Field(0, ge=0)
-    max_gen_toks: int = Field(256, ge=1)
-    batch_size: int = Field(8, ge=1)
+    num_fewshot: int = Field(0, ge=0, description="worked examples put before each problem")
+    max_gen_toks: int = Field(256, ge=1, description="most tokens generated per answer")
+    batch_size: int = Field(8, ge=1, description="problems per generation batch")
 
 
 class EvaluateConfig(StrictModel):

@@ -27,7 +27,19 @@ MODELS = {
 
 
 def _load(name: str):
-    return load_config(MODELS[name], path=str(CONFIGS / name))
+    """The config as its job reads it: the file merged onto the job's embedded default."""
+    return load_config(MODELS[name], path=str(CONFIGS / name), default=MODELS[name].demo_default)
+
+
+#: The examples that list only what differs from their job's default (``--config`` merges onto it).
+PARTIAL: set[str] = set()
+
+
+@pytest.mark.parametrize("name", sorted(set(MODELS) - PARTIAL))
+def test_a_complete_example_means_the_same_merged_onto_the_default_or_alone(name):
+    """Each complete example names every key its outputs depend on: merging it onto the default changes nothing (its
+    records, and the outputs a rerun resumes, stay as they were)."""
+    assert _load(name) == load_config(MODELS[name], path=str(CONFIGS / name))
 
 
 def test_every_shipped_config_is_listed_and_validates():
