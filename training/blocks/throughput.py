@@ -49,6 +49,7 @@ from torch import nn
 from curation.core.schedule import Schedule
 from curation.evaluation.flop_count import measured_forward_flops_per_token
 from curation.evaluation.flops import TRAIN_PASSES, ModelShape, forward_flops_per_token
+from curation.io.progress import interactive
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
 
@@ -56,14 +57,6 @@ __all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_se
            "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
 
 _GIB = float(1 << 30)
-
-
-def interactive() -> bool:
-    """Whether stdout and stderr are both terminals: the progress bar is shown (else progress lines are printed)."""
-    try:
-        return sys.stdout.isatty() and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed streams
-        return False
 
 
 def host_peak_rss() -> int:
@@ -193,6 +186,11 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.1f}{unit}"
     return f"{x:.0f}"
+
+
+def _percent(x: float) -> str:
+    """``12.3%``; a small share with two significant digits (``0.015%``: a CPU run is not ``0.0%``)."""
+    return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
 
 
 @dataclass(frozen=True)
@@ -390,7 +388,7 @@ class Throughput(Callback):
         if a is not None and dt > 0:
             tok, kept = _si((b.tokens - a.tokens) / dt), _si((b.kept - a.kept) / dt)
             value = self.mfu(seconds=dt, tokens=b.tokens - a.tokens)
-            mfu = f"{value:.1%}" if value is not None else "-"
+            mfu = _percent(value) if value is not None else "-"
         return (f"step {b.steps}/{self.total_steps} | loss {'-' if loss is None else f'{loss:.4f}'} | tok/s {tok} | "
                 f"kept/s {kept} | mfu {mfu} | eta {'-' if eta is None else format_seconds(eta)}")
 
@@ -404,7 +402,7 @@ class Throughput(Callback):
             shown["kept/s"] = _si(metrics["throughput/kept_tokens_per_sec"])
         mfu = self.mfu(seconds=b.seconds - a.seconds, tokens=b.tokens - a.tokens)
         if mfu is not None:
-            shown["mfu"] = f"{mfu:.1%}"
+            shown["mfu"] = _percent(mfu)
         if "time/eta_seconds" in metrics:
             shown["eta"] = format_seconds(metrics["time/eta_seconds"])
         for bar in bars:  # the training bar shows only `loss/train` metrics of its own: these go first

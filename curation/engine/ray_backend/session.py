@@ -17,6 +17,8 @@ __all__ = ["ray_session"]
 
 #: the raylet's setting of its workers' niceness (Ray's default: 15)
 WORKER_NICENESS = "RAY_worker_niceness"
+#: Ray's authentication mode of a new local instance (``token``: Ray's default since 2.60; ``disabled``)
+AUTH_MODE = "RAY_AUTH_MODE"
 
 
 @contextlib.contextmanager
@@ -29,6 +31,11 @@ def ray_session(address: str | None = None, *, num_cpus: int | None = None, incl
     ``max(os.cpu_count(), need_cpus)`` CPUs (or ``num_cpus``) whose workers import this checkout;
     ``"local"`` always starts one; anything else is a cluster address (its nodes need the packages).
     Already connected (e.g. tests): nothing is started or shut down.
+
+    A local instance is secured with Ray's token authentication, Ray's own default since 2.60 (a token in
+    ``~/.ray/auth_token``, made on first use): ``RAY_AUTH_MODE=token`` is set for it unless the environment sets
+    ``RAY_AUTH_MODE`` (``disabled`` turns it off), so Ray does not print its notice that it chose this by itself at
+    the start of every run (README, "Set-up").
 
     A local instance runs its workers at the driver's priority (``RAY_worker_niceness=0``, unless set): Ray's
     default lowers them by 15, so a scoring worker's host side (reading, staging, writing a part) lost the CPU to
@@ -55,6 +62,7 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         ours = WORKER_NICENESS not in os.environ
         os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
+        os.environ.setdefault(AUTH_MODE, "token")  # Ray's default, chosen here: no notice (Ray leaves it set too)
         try:
             ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
                      include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
