@@ -56,6 +56,7 @@ class ProgressLines:
                  stream: TextIO | None = None, clock: Any = time.monotonic) -> None:
         self.total = max(0, int(total))
         self.desc, self.unit = desc, unit
+        self.units = unit + ("es" if unit.endswith(("ch", "sh", "s", "x")) else "s")  # "3/4 units", "2/9 batches"
         self.every = max(1, every if every is not None else math.ceil(self.total / LINES))
         self.stream, self.clock = stream, clock
         self.start = clock()
@@ -86,11 +87,11 @@ class ProgressLines:
     def line(self) -> str:
         """``desc: n/total unit (p%) | rate | eta | postfix``."""
         elapsed = self.clock() - self.start
-        parts = [f"{self.desc + ': ' if self.desc else ''}{self._n}/{self.total} {self.unit}s"
+        parts = [f"{self.desc + ': ' if self.desc else ''}{self._n}/{self.total} {self.units}"
                  + (f" ({self._n / self.total:.0%})" if self.total else "")]
         if elapsed > 0 and self._n:
             rate = self._n / elapsed
-            parts.append(f"{rate:.3g} {self.unit}s/s")
+            parts.append(f"{rate:.3g} {self.units}/s")
             if self.total > self._n:
                 parts.append(f"eta {_seconds((self.total - self._n) / rate)}")
             else:
