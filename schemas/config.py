@@ -292,7 +292,8 @@ class PrepareConfig(StrictModel):
     )
     shard_size_limit: int = Field(1 << 26, ge=1 << 12, description="MDS shard size limit in bytes")
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
-    progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
+    progress: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                           "per tenth of the work units; false: neither", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
     unit_bytes: int = Field(
         8 << 20, ge=1, description="input bytes per work unit: a source's files, in order, are cut into units of "

@@ -71,7 +71,8 @@ class EvaluateConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     output_dir: str = Field(description="writes results.json and results.md")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                           "per tenth of the batches; false: neither")
     lm_eval: LmEvalConfig | None = Field(None, description="optional lm-evaluation-harness accuracy (the eval extra)")
 
     @field_validator("models", "sets")
