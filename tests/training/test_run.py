@@ -13,7 +13,6 @@ from schemas.train_config import ModelConfig, demo_model_config
 from training.blocks.model import MaskedCausalLM
 from training.runs.wiring import RunOutputs, TrainRun, finish_run
 
-
 #: What ``save_pretrained`` writes of a tokenizer: ``final/`` holds them beside the weights (issue 57).
 TOKENIZER = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
 
