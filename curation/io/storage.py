@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 
+from curation.io.cache import cache_root, display, url_of
 from curation.io.objects import (
     delete_many,
     delete_object,
@@ -63,12 +64,6 @@ def _local_only(rel: str) -> bool:
             or any(p.endswith(".tmp") for p in parts[:-1]))
 
 
-def cache_root() -> str:
-    """Where URLs are cached: ``BLADE_CACHE_DIR``, default ``~/.cache/blade-curation`` (absolute)."""
-    root = os.environ.get("BLADE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "blade-curation")
-    return os.path.abspath(root)
-
-
 def local_path(path: str) -> str:
     """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is."""
     if not is_url(path):
@@ -80,24 +75,9 @@ def local_path(path: str) -> str:
     return os.path.join(cache_root(), "s3", bucket, *parts)
 
 
-def url_of(path: str) -> str | None:
-    """The URL whose cache path ``path`` is (or is under); ``None`` for any other path."""
-    root = os.path.join(cache_root(), "s3") + os.sep
-    full = os.path.abspath(path)
-    if not full.startswith(root):
-        return None
-    rel = full[len(root):].replace(os.sep, "/")
-    return f"s3://{rel}" if "/" in rel or rel else None
-
-
 def canonical(path: str) -> str:
     """A path as recorded in run keys: its URL for a cache path, else the absolute path."""
     return url_of(path) or os.path.abspath(path)
-
-
-def display(path: str) -> str:
-    """A path as shown in messages: its URL for a cache path, else as given."""
-    return url_of(path) or path
 
 
 # ------------------------------------------------------------------------------------------------

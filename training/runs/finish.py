@@ -4,7 +4,8 @@
 here, in the process that holds the output directory's lock, with the run's :class:`~training.runs.rank.RankResult`
 (rank 0's) and, for the main job, the engine's :class:`~curation.engine.report.EngineReport`:
 
-* ``final/model.safetensors`` + ``final/config.json``: the trained model (HF-loadable);
+* ``final/model.safetensors`` + ``final/config.json`` + the shards' tokenizer's files: the trained model, which
+  ``AutoModelForCausalLM`` and ``AutoTokenizer`` load;
 * ``final/reference.safetensors``: the last reference ``w̃``: the in-process reference's weights, or a copy of the
   engine's last ``reference-NNNN.safetensors`` (each file written whole, atomically);
 * ``summary.json`` (+ ``plots/``): one schema for every job (:data:`~training.blocks.summary.SCHEMA_VERSION`;
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
 from curation.engine.report import EngineReport
 from curation.io import storage
+from curation.io.hf_export import save_tokenizer
 from curation.io.models import save_weights
 from training.blocks.summary import SCHEMA_VERSION, selection_sections, write_summary
 from training.runs.rank import RankResult
@@ -71,6 +74,11 @@ def finish(output_dir: str, result: RankResult, engine_report: EngineReport | No
     final = os.path.join(output_dir, "final")
     weights = save_weights(result.weights.model, os.path.join(final, "model.safetensors"))
     result.weights.config.to_json_file(os.path.join(final, "config.json"))
+    if result.weights.tokenizer is not None:
+        save_tokenizer(result.weights.tokenizer, final)
+    else:
+        print(f"note: {final} has no tokenizer (the shards' manifests name none that is still there; set the "
+              "data's tokenizer to have it copied)", file=sys.stderr, flush=True)
     reference = _write_reference(final, result, engine_report)
     summary, pngs = write_summary(output_dir, summary_of(result, engine_report), plots=plots)
     uploaded = storage.push_all(output_dir)  # an object-store output directory: what is not in the bucket yet

@@ -25,6 +25,7 @@ from torch import Tensor
 from curation.core.distributed import Ranks
 from curation.core.stream import CandidateStream
 from curation.engine.handle import EngineFeed
+from curation.io.hf_export import TokenizerFiles
 from schemas.train_config import TrainConfig
 from training.blocks.preemption import StopAtStepEnd, stopped_at_step
 from training.blocks.sharding import full_state_dict, is_sharded
@@ -43,12 +44,14 @@ __all__ = ["FinalWeights", "RankResult", "run_rank", "rank_result"]
 @dataclass(frozen=True)
 class FinalWeights:
     """The weights a finished run leaves for ``final/``: the trained model's full state dict (on the host when it
-    travels from a worker group), its HF config, and the in-process reference ``w̃``'s (``None``: no reference, or
-    the engine's, which :class:`~curation.engine.report.EngineReport` names)."""
+    travels from a worker group), its HF config, the in-process reference ``w̃``'s (``None``: no reference, or the
+    engine's, which :class:`~curation.engine.report.EngineReport` names), and the shards' tokenizer (copied beside
+    them, so that ``AutoTokenizer`` loads ``final/`` too; ``None``: unknown)."""
 
     model: Mapping[str, Tensor]
     config: PretrainedConfig
     reference: Mapping[str, Tensor] | None = None
+    tokenizer: TokenizerFiles | None = None
 
 
 @dataclass(frozen=True)
@@ -177,4 +180,4 @@ def rank_result(run: TrainRun, ranks: Ranks, *, reference: bool = True, selected
                     validation=tuple(stats.val) if stats is not None else (),
                     throughput=meter.summary(state) if meter is not None else None,
                     memory=meter.memory() if meter is not None else None,
-                    weights=FinalWeights(model, hf.config, ref))
+                    weights=FinalWeights(model, hf.config, ref, run.tokenizer))

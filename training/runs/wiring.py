@@ -45,6 +45,7 @@ from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
 from curation.io import storage
+from curation.io.hf_export import TokenizerFiles, run_tokenizer
 from curation.io.models import model_vocab_size, weights_fingerprint
 from curation.io.outputs import urls_in
 from curation.io.scored_shards import ScoredShards
@@ -83,6 +84,7 @@ class TrainingInputs:
     tokenizer_fingerprint: str | None
     model: MaskedCausalLM
     vocab: int  # ids the model embeds (token ids read are checked against it)
+    tokenizer: TokenizerFiles | None = None  # the shards' tokenizer (final/ gets a copy)
 
 
 def training_inputs(cfg: TrainConfig) -> TrainingInputs:
@@ -106,7 +108,8 @@ def training_inputs(cfg: TrainConfig) -> TrainingInputs:
         raise ValueError(f"batch_size {cfg.batch_size} is more than the {sequences} candidate sequences of "
                          f"{cand.path}: a step takes batch_size of them; lower batch_size")
     model = build_model(cfg.model, infos)
-    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
+    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model),
+                          run_tokenizer(infos, cfg.data.tokenizer))
 
 
 @dataclass
@@ -122,6 +125,7 @@ class TrainRun:
     stream: CandidateStream | None = None  # the candidate stream it trains on (None: replay)
     stopper: StopAtStepEnd | None = None  # ends the fit at a step end on a stop request (SIGTERM, SIGINT)
     throughput: Throughput | None = None  # tokens/s, MFU, time left (the summary's `throughput`)
+    tokenizer: TokenizerFiles | None = None  # the shards' tokenizer (copied into final/)
 
     @property
     def stopped_at(self) -> int | None:
@@ -153,7 +157,8 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     """
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr)  # (a diverging proxy stops the run)
+    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr,  # (a diverging proxy stops the run)
+                           log_interval=cfg.throughput.log_interval, max_steps=cfg.max_steps)
     stopper = stopper or StopAtStepEnd()
     speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
                                         reference=reference, schedule=schedule or Schedule.of(cfg))
@@ -161,7 +166,8 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
                            device=inputs.device, resume=resume, algorithms=[algorithm],
                            callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    resumed_from=resume, stream=data.stream, stopper=stopper, throughput=meter)
+                    resumed_from=resume, stream=data.stream, stopper=stopper, throughput=meter,
+                    tokenizer=inputs.tokenizer)
 
 
 def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,
