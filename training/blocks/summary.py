@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from curation.core.stats import DEFAULT_QUANTILES, Histogram
@@ -73,7 +73,7 @@ def selection_sections(data: Section) -> dict[str, object]:
     }
 
 
-def plot_summary(summary: Mapping[str, Any], out_dir: str) -> list[str]:
+def plot_summary(summary: Section, out_dir: str) -> list[str]:
     """Write the PNG plots; returns their paths."""
     import matplotlib
 
@@ -125,7 +125,8 @@ def plot_summary(summary: Mapping[str, Any], out_dir: str) -> list[str]:
     return paths
 
 
-def delta_axis(hists: Any, lo_q: float = 0.002, hi_q: float = 0.998) -> tuple[float, float] | None:
+def delta_axis(hists: Iterable[Mapping[str, list[float]]], lo_q: float = 0.002,
+               hi_q: float = 0.998) -> tuple[float, float] | None:
     """``(lo, hi)``: from the ``lo_q`` to the ``hi_q`` quantile of Δ over every episode's histogram (``edges``/``counts``
     dicts), widened by 5% on each side, so a few outlying tokens do not stretch the axis; ``None`` when no histogram
     holds anything."""
