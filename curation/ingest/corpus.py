@@ -285,8 +285,16 @@ def _text_of(record: object, source: SourceConfig, path: str, line: int) -> str:
             raise BadRecordError(
                 path, line, f"field {source.text_field!r} is {type(text).__name__}, expected a string"
             )
+    return _checked_text(text, path, line)
+
+
+def _checked_text(text: str, path: str, line: int) -> str:
+    """``text`` when a tokenizer can take it: not blank, no lone surrogate (``\\ud800`` in JSON, common in scraped
+    dumps, is valid JSON but not Unicode text)."""
     if not text.strip():
         raise BadRecordError(path, line, "empty document")
+    if (at := jsonstream.find_surrogate(text)) is not None:
+        raise BadRecordError(path, line, str(jsonstream.lone_surrogate(text, at)))
     return text
 
 
@@ -345,31 +353,33 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: 
 
 
 def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
-    """Records of a text file: the whole file, blank-line paragraphs, or lines."""
+    """Records of a text file: the whole file, blank-line paragraphs, or lines. A line that is not UTF-8 makes its
+    record bad (every such line: each is named by its own line)."""
     lines: list[tuple[int, str]] = []
-    bad: BadRecordError | None = None
+    bad: dict[int, BadRecordError] = {}
     for idx, data in enumerate(_open_lines(path, "txt")):
         try:
             lines.append((idx + 1, _decode(path, idx + 1, data)))
         except BadRecordError as e:
-            bad = bad or e
+            bad[idx + 1] = e
             lines.append((idx + 1, ""))
+    first_bad = next(iter(bad.values()), None)
     if not any(s.strip() for _, s in lines):
-        yield -1, 0, bad or BadRecordError(path, 0, "file is empty")
+        yield -1, 0, first_bad or BadRecordError(path, 0, "file is empty")
         return
     mode = source.txt_split
     if mode == "file":
         if start == 0:
-            yield 0, 1, bad if bad else "".join(s for _, s in lines)
+            yield 0, 1, first_bad or "".join(s for _, s in lines)
         return
-    # group into records: each line, or runs of non-blank lines
+    # group into records: each line, or runs of non-blank lines (a bad line counts as one that is not blank)
     records: list[tuple[int, list[tuple[int, str]]]] = []
     if mode == "line":
-        records = [(n, [(n, s)]) for n, s in lines if s.strip() or _bad_line(bad, n)]
+        records = [(n, [(n, s)]) for n, s in lines if s.strip() or n in bad]
     else:
         current: list[tuple[int, str]] = []
         for n, s in lines:
-            if s.strip() or _bad_line(bad, n):
+            if s.strip() or n in bad:
                 current.append((n, s))
             elif current:
                 records.append((current[0][0], current))
@@ -379,12 +389,8 @@ def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[
     for ridx, (first, group) in enumerate(records):
         if ridx < start:
             continue
-        bad_here = bad if bad is not None and any(n == bad.line for n, _ in group) else None
-        yield ridx, first, bad_here if bad_here else "".join(s for _, s in group).strip("\n")
-
-
-def _bad_line(bad: BadRecordError | None, n: int) -> bool:
-    return bad is not None and bad.line == n
+        bad_here = next((bad[n] for n, _ in group if n in bad), None)
+        yield ridx, first, bad_here or "".join(s for _, s in group).strip("\n")
 
 
 def _parquet_file(path: str):  # noqa: ANN202 - a pyarrow.parquet.ParquetFile (pyarrow is imported when needed)
@@ -424,14 +430,31 @@ def _parquet_records(path: str, source: SourceConfig, start: int, span: FileSpan
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
-        for rec in batch.to_pylist():
+        for rec in _batch_rows(batch):
             if row >= start:
                 line = before + row + 1
                 try:
+                    if isinstance(rec, LineError):
+                        raise BadRecordError(path, line, str(rec))
                     yield row, line, _text_of(rec, source, path, line)
                 except BadRecordError as e:
                     yield row, line, e
             row += 1
+
+
+def _batch_rows(batch) -> list[dict | LineError]:  # noqa: ANN001 - a pyarrow.RecordBatch
+    """The rows of a parquet batch as dicts; a row whose strings are not UTF-8 (a writer that did not check them) as
+    the reason, in the words of the JSONL reader."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        rows: list[dict | LineError] = []
+        for i in range(batch.num_rows):
+            try:
+                rows.extend(batch.slice(i, 1).to_pylist())
+            except UnicodeDecodeError as e:
+                rows.append(jsonstream.not_utf8(e.object[e.start], e.start + 1))
+        return rows
 
 
 def iter_inputs(
