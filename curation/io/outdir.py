@@ -48,9 +48,11 @@ T = TypeVar("T")
 __all__ = [
     "report_job_errors",
     "LOCK_NAME",
+    "INPUTS_NAME",
     "OutputDirError",
     "OutputDirBusy",
     "ConfigMismatch",
+    "InputsChanged",
     "OutputDirLock",
     "check_config_record",
     "write_config_record",
@@ -60,6 +62,8 @@ __all__ = [
 ]
 
 LOCK_NAME = ".lock"
+#: The record of the inputs a run was started with (:mod:`curation.io.inputs`), beside its config records.
+INPUTS_NAME = "inputs.json"
 
 
 class OutputDirError(ValueError):
@@ -76,6 +80,11 @@ class ConfigMismatch(OutputDirError):
     def __init__(self, message: str, keys: list[str]) -> None:
         super().__init__(message)
         self.keys = keys
+
+
+class InputsChanged(OutputDirError):
+    """An input the run was started with (shards, tokenizer, weights) has other content now
+    (:mod:`curation.io.inputs`)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,6 +104,9 @@ class OutputDirLock:
         self.path = os.path.join(directory, LOCK_NAME)
         self.on_release: list[Callable[[], None]] = []  # run once when the lock is released
         self.on_record: Callable[[str], None] | None = None  # run after each record is written (its path)
+        # run by write_records before it writes anything (the check of the run's inputs: curation.io.inputs)
+        self.before_records: list[Callable[[], None]] = []
+        self.replaced = False  # a record that produced no output is replaced: so is its record of inputs
         try:
             os.makedirs(directory, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -123,7 +135,10 @@ class OutputDirLock:
             raise OutputDirError(describe_os_error(e, f"cannot write the lock file {self.path}")) from e
 
     def write_records(self) -> None:
-        """Write the config records the directory did not have yet (an equal record is not rewritten)."""
+        """Run the :attr:`before_records` checks (they may refuse the run: nothing is written then), then write the
+        config records the directory did not have yet (an equal record is not rewritten)."""
+        while self.before_records:
+            self.before_records.pop(0)()
         for name, cfg in list(self.pending.items()):
             write_config_record(os.path.join(self.directory, name), cfg)
             if self.on_record is not None:
@@ -288,6 +303,7 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
                     print(f"note: {shown or path} records a config that produced no output yet (differs in: "
                           f"{', '.join(e.keys)}): replacing it with this run's", file=sys.stderr)
                     lock.pending[record] = cfg
+                    lock.replaced = True
                     continue
                 sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
                 raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
@@ -305,7 +321,7 @@ def _holds_outputs(directory: str, records: set[str]) -> bool:
     cannot be read as such an empty manifest is an output."""
     for root, _, files in os.walk(directory):
         for f in files:
-            if root == directory and f in records | {LOCK_NAME}:
+            if root == directory and f in records | {LOCK_NAME, INPUTS_NAME}:
                 continue
             if f == "manifest.json" and _lists_no_shard(os.path.join(root, f)):
                 continue
