@@ -33,7 +33,7 @@ SCHEMES = ("s3",)
 #: parts of ``_PART`` bytes, whose ETag is computed the same way by :func:`file_etag`.
 _SINGLE_PUT = 4 << 30
 _PART = 64 << 20
-_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")  # any case: an upper-case s3 is refused, never a folder
 #: A bucket name boto accepts (botocore's VALID_BUCKET, without its ARN forms).
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 
@@ -65,6 +65,9 @@ def check_scheme(path: str) -> None:
     m = _URL.match(path)
     if m is None or m.group(1) in SCHEMES:
         return
+    if m.group(1).lower() in SCHEMES:  # read as a local folder named "S3:" otherwise
+        raise ValueError(f"{path}: write the scheme in lower case ({m.group(1).lower()}://{m.group(2)}): "
+                         f"{m.group(1)}:// is not read as the object store")
     hint = (" (Google Cloud Storage: use its S3-compatible API, s3://bucket/prefix with "
             "S3_ENDPOINT_URL=https://storage.googleapis.com and HMAC keys as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
             if m.group(1) in ("gs", "gcs") else "")

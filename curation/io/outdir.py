@@ -59,6 +59,7 @@ __all__ = [
     "open_output_dir",
     "location_keys",
     "describe_os_error",
+    "live_locks",
 ]
 
 LOCK_NAME = ".lock"
@@ -103,6 +104,7 @@ class OutputDirLock:
         self.name = name or directory  # how messages name it (an object-store URL for its local cache)
         self.path = os.path.join(directory, LOCK_NAME)
         self.on_release: list[Callable[[], None]] = []  # run once when the lock is released
+        _refuse_nested(directory, self.name)  # before anything is created there
         self.on_record: Callable[[str], None] | None = None  # run after each record is written (its path)
         # run by write_records before it writes anything (the check of the run's inputs: curation.io.inputs)
         self.before_records: list[Callable[[], None]] = []
@@ -163,12 +165,76 @@ class OutputDirLock:
         self.release()
 
 
+def live_locks() -> list[tuple[str, int]]:
+    """``(path, pid)`` of every output directory's lock file (:data:`LOCK_NAME`) a live process of this host holds:
+    the ``flock`` s of ``/proc/locks``, found among their holders' open files (none where ``/proc`` cannot say)."""
+    held: dict[tuple[int, int], int] = {}
+    try:
+        with open("/proc/locks", encoding="ascii") as f:
+            for line in f:  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF" (a waiter: "1: -> FLOCK ...")
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[3] == "WRITE" and parts[4].isdigit():
+                    major, minor, inode = parts[5].split(":")
+                    held[(os.makedev(int(major, 16), int(minor, 16)), int(inode))] = int(parts[4])
+    except (OSError, ValueError):
+        return []
+    found = []
+    for pid in sorted(set(held.values())):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            try:
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.path.basename(path) != LOCK_NAME:
+                    continue
+                st = os.stat(path)
+            except OSError:
+                continue
+            if held.get((st.st_dev, st.st_ino)) == pid:
+                found.append((path, pid))
+    return found
+
+
+def _refuse_nested(directory: str, name: str) -> None:
+    """Refuse ``directory`` when it is inside, or holds, the output directory of a live run of another process on
+    this host (a job writing into another run's folder, or around it, can overwrite or delete its files).
+
+    Raises:
+        OutputDirBusy: naming the other run's directory and holder.
+    """
+    here = os.path.realpath(directory)
+    for path, pid in live_locks():
+        other = os.path.dirname(os.path.realpath(path))
+        if pid == os.getpid() or other == here:  # (this process's own: the main job's prepare inside its run)
+            continue
+        inside, around = here.startswith(other + os.sep), other.startswith(here + os.sep)
+        if inside or around:
+            try:
+                with open(path, "rb") as f:
+                    holder = _holder_text(f.read(1 << 16))
+            except OSError:
+                holder = f"pid {pid}"
+            where = f"is inside {other}" if inside else f"holds {other}"
+            raise OutputDirBusy(f"{name} {where}, the output directory of a live run ({holder}): a job must not write "
+                                "into another run's directory or around it; use an output_dir outside it")
+
+
 def _read_holder(fd: int) -> str:
     try:
-        info = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
-    except (OSError, ValueError):
+        data = os.pread(fd, 1 << 16, 0)
+    except OSError:
+        data = b""
+    return _holder_text(data)
+
+
+def _holder_text(data: bytes) -> str:
+    try:
+        info = json.loads(data.decode() or "{}")
+    except ValueError:
         info = {}
-    if not info:
+    if not info or not isinstance(info, dict):
         return "holder unknown (its lock file is being written)"
     return (f"{info.get('job', 'a job')} pid {info.get('pid')} on host {info.get('host')}, "
             f"started {info.get('started')} ({info.get('command', '')})")

@@ -38,6 +38,24 @@ def test_cache_paths_map_both_ways(tmp_path, monkeypatch):
         objects.check_scheme("gs://b/x")
 
 
+def test_an_s3_scheme_in_another_case_is_refused_not_written_as_a_local_folder(tmp_path, monkeypatch, capsys):
+    """P7 (issue 55): output_dir=S3://… wrote a local folder ``S3:/…`` and exited 0."""
+    from tests.conftest import load_job
+
+    monkeypatch.chdir(tmp_path)
+    assert load_job("prepare").main(["--set", "output_dir=S3://bkt/x", "--set", "workers=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: S3://bkt/x: write the scheme in lower case (s3://bkt/x): S3:// is not read as the object "
+                   "store"]
+    assert not os.path.exists(tmp_path / "S3:") and not os.path.exists(tmp_path / "runs")
+    cfg = TrainConfig.demo_default("runs/demo")
+    with pytest.raises(ValueError, match=r"^S3://b/c: write the scheme in lower case \(s3://b/c\)"):
+        localize(cfg.model_copy(update={"data": cfg.data.model_copy(update={"candidates": "S3://b/c"})}))
+    with pytest.raises(ValueError, match=r"^S3://b/run: write the scheme in lower case"):
+        open_output("S3://b/run", "train")
+    assert not objects.is_url("S3://b/x") and objects.is_url("s3://b/x")
+
+
 def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
     cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
