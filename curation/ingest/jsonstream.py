@@ -358,7 +358,11 @@ class LongLine:
         try:
             left = self.length
             while left > 0:
-                data = f.read(min(left, STREAM_CHUNK))
+                try:
+                    data = f.read(min(left, STREAM_CHUNK))
+                except OSError as e:  # a read error (EIO) names the input
+                    e.filename = e.filename or self.path
+                    raise
                 if not data:
                     raise LineError(f"the file ends {left} bytes early")
                 left -= len(data)

@@ -30,24 +30,22 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from curation.ingest.corpus import (
     BadRecordError,
-    Document,
     FileSpan,
     detect_format,
-    iter_documents,
     parquet_row_groups,
 )
 from curation.ingest.fingerprint import span_fingerprint, stat_input
 from curation.ingest.jsonstream import skip_line
 from curation.ingest.packing import Packer
-from curation.ingest.token_sources import TokenRecord, iter_token_records
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, TextRefused, shared_tokenizer
+from curation.ingest.unit_input import Doc, batches, documents, read_documents
 from curation.io import storage
 from curation.io.atomic import write_unit_record
 from curation.io.paths import UnsafeNameError, check_relative, safe_join
@@ -63,8 +61,6 @@ __all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "
 #: A unit record's file name in its source's folder (``unit-00012.json``: the unit's number).
 RECORD_NAME = re.compile(r"unit-(\d{5,9})\.json")
 
-_ENCODE_BATCH = 256
-_BATCH_CHARS = 1 << 20
 #: Pieces of a huge document encoded together: one per tokenizer thread, so a huge document is tokenized on every
 #: core too, in this process; at most 4 (each costs ~40 MB of the tokenizer's memory, and a core of a container
 #: with a CPU quota is not one of os.cpu_count(): the cores this process may run on are counted).
@@ -295,48 +291,6 @@ def _format(path: str, source: SourceConfig) -> str | None:
 # ------------------------------------------------------------------------------------------------
 # running a unit
 # ------------------------------------------------------------------------------------------------
-def read_documents(source: SourceConfig, spans: list[FileSpan], skip_bad: bool, *, start_file: int = 0,
-                   start_record: int = 0, vocab_size: int | None = None,
-                   ) -> Iterator[Document | TokenRecord | BadRecordError]:
-    """A source's documents in ``spans`` (a pre-tokenized source's token records, whole inputs, their ids checked
-    against ``vocab_size``) from a resume position; bad records raise unless ``skip_bad`` (then they are yielded
-    to count). ``skip_documents`` are skipped when reading from the start."""
-    at_start = start_file == 0 and start_record == 0
-    to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
-    if source.pre_tokenized:
-        assert vocab_size is not None, "token records are checked against the tokenizer's vocabulary"
-        items = iter_token_records(source, files=[s.path for s in spans], vocab_size=vocab_size,
-                                   start_file=start_file, start_record=start_record)
-    else:
-        items = iter_documents(source, spans=spans, start_file=start_file, start_record=start_record, stream=True)
-    for item in items:
-        if to_skip:
-            to_skip -= not isinstance(item, BadRecordError)
-            continue
-        if isinstance(item, BadRecordError) and not skip_bad:
-            raise item
-        yield item
-
-
-def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
-             ) -> Iterator[list[Document | TokenRecord | BadRecordError]]:
-    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters (or
-    bytes of token ids: a huge document or record ends its batch, so at most one is held at a time)."""
-    batch: list[Document | TokenRecord | BadRecordError] = []
-    chars = 0
-    for item in items:
-        batch.append(item)
-        if isinstance(item, Document):
-            chars += _BATCH_CHARS if item.stream is not None else len(item.text)
-        elif isinstance(item, TokenRecord):
-            chars += item.ids.nbytes
-        if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
 def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
     """Delete what a killed run of this unit left: part directories its record does not list (the unfinished
     part) and a half-written record. Only this unit's files: other units may be running beside it."""
@@ -372,7 +326,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     soon as its sequences are full, i.e. while a document is being fed, so it ends inside that document (or at its
     EOS): its resume state is the document's position and how many of its tokens are written (``skip``). Every kind
     of document (a short text, a long one encoded in pieces, a streamed huge line, a token record) is one
-    :class:`_Doc` and goes through :meth:`_UnitPacker.add`, the one place a document starts, is fed and ends.
+    :class:`Doc` and goes through :meth:`_UnitPacker.add`, the one place a document starts, is fed and ends.
 
     With ``rewrite`` (the unit's record before a finished part, and that part's record), only that part is
     written again, then :class:`PartRewritten` is raised; nothing is saved.
@@ -422,8 +376,8 @@ def _pack_unit(unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, pac
     file_index, record_index = packer.position
     items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=file_index,
                            start_record=record_index, vocab_size=tok.vocab_size)
-    for batch in _batches(items):
-        for doc in _documents(batch, tok, source):  # in input order, so counts match the saved position exactly
+    for batch in batches(items):
+        for doc in documents(batch, tok, source, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE):  # in input order, so counts match the saved position exactly
             bad = doc if isinstance(doc, BadRecordError) else packer.add(doc)
             if bad is not None:
                 if not settings.skip_bad_records:
@@ -432,59 +386,6 @@ def _pack_unit(unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, pac
                                                        reason=bad.reason))
             elif source.max_documents is not None and packer.counts.documents >= source.max_documents:
                 return
-
-
-@dataclass
-class _Doc:
-    """One document ready to pack, whatever it was read as: its reader position, its token ids in pieces (made
-    lazily: a huge text is tokenized while it is packed), and whether an EOS follows it."""
-
-    position: tuple[int, int]  # (file index, record index) of the document: where a resume reads it again
-    pieces: Iterable[np.ndarray]
-    eos: bool
-    file: str
-    line: Callable[[], int]  # its line (counted when needed: a tokenizer refusing it)
-
-
-def _documents(batch: list[Document | TokenRecord | BadRecordError], tok: LoadedTokenizer, source: SourceConfig,
-               ) -> Iterator[_Doc | BadRecordError]:
-    """The items of ``batch`` in input order as :class:`_Doc` s, or the bad record each one is (read as one, or a
-    text the tokenizer refuses). Short texts are encoded together (the tokenizer's threads), long ones in pieces."""
-    short = [d for d in batch if isinstance(d, Document) and d.stream is None and len(d.text) <= PIECE_CHARS]
-    encoded = iter(_encode_short(tok, short))
-    for item in batch:
-        if isinstance(item, BadRecordError):
-            yield item
-            continue
-        position = (item.file_index, item.next_record - 1)
-        if isinstance(item, TokenRecord):  # ids as they are; a stream's pieces hold their own EOS
-            yield _Doc(position, [item.ids], source.token_rows == "documents", item.file, lambda i=item: i.line)
-            continue
-        if item.stream is not None:  # a huge line's text, decoded piece by piece (curation.ingest.jsonstream)
-            pieces: Iterable[np.ndarray] | BadRecordError = tok.encode_stream(
-                item.pieces(), piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE)
-        elif len(item.text) > PIECE_CHARS:
-            pieces = tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE)
-        else:
-            ids = next(encoded)
-            pieces = ids if isinstance(ids, BadRecordError) else [ids]
-        yield pieces if isinstance(pieces, BadRecordError) else _Doc(
-            position, pieces, True, item.file, lambda i=item: i.line)
-
-
-def _encode_short(tok: LoadedTokenizer, docs: list[Document]) -> list[np.ndarray | BadRecordError]:
-    """The ids of each short document, encoded together; a text the tokenizer refuses is a bad record naming its
-    file and line (the batch is then encoded one document at a time, to know which)."""
-    try:
-        return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch([d.text for d in docs])]
-    except TextRefused:
-        out: list[np.ndarray | BadRecordError] = []
-        for d in docs:
-            try:
-                out.append(np.asarray(tok.encode_batch([d.text])[0], dtype=np.int64))
-            except TextRefused as e:
-                out.append(BadRecordError(d.file, d.line, str(e)))
-        return out
 
 
 class _UnitPacker:
@@ -511,7 +412,7 @@ class _UnitPacker:
         self.fed = 0  # tokens of the current document so far (with the skipped ones)
         self.tokens = 0  # tokens tokenized in this run
 
-    def add(self, doc: _Doc) -> BadRecordError | None:
+    def add(self, doc: Doc) -> BadRecordError | None:
         """Pack one document: its pieces, then its EOS (when it has one), then count it.
 
         Returns:
