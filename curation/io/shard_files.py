@@ -18,12 +18,65 @@ from curation.io import storage
 from curation.io.mds import SHARD_HASH
 from curation.io.paths import safe_join
 
-__all__ = ["ShardIntegrityError", "check_bytes", "load_shard_file", "check_shard_file", "shard_file",
-           "check_index_names", "decode_sample", "raw_cache_dir", "raw_cache_path", "map_file"]
+__all__ = ["ShardIntegrityError", "ShardIndexError", "index_readers", "check_bytes", "load_shard_file",
+           "check_shard_file", "shard_file", "check_index_names", "decode_sample", "raw_cache_dir", "raw_cache_path",
+           "map_file"]
 
 
 class ShardIntegrityError(ValueError):
     """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
+
+
+class ShardIndexError(ValueError):
+    """An ``index.json`` is not an MDS index: one line naming the file, the shard and the key."""
+
+
+#: What an MDS index (version 2, streaming's ``MDSWriter``) records for each shard, and for each of its files.
+_SHARD_KEYS = {"version": int, "format": str, "column_names": list, "column_encodings": list, "column_sizes": list,
+               "compression": (str, type(None)), "hashes": list, "raw_data": dict, "zip_data": (dict, type(None)),
+               "samples": int, "size_limit": (int, type(None))}
+_FILE_KEYS = {"basename": str, "bytes": int, "hashes": dict}
+
+
+def index_readers(directory: str, shards: object) -> list[Any]:
+    """The ``streaming`` shard readers of the ``shards`` list read from ``directory``'s ``index.json``, each entry
+    checked first against what an MDS index records (streaming's own reader raises a bare ``TypeError`` or
+    ``KeyError`` on a missing key: the ``hashes`` of a file left out, say).
+
+    Raises:
+        ShardIndexError: naming the index, the shard and the key.
+    """
+    from streaming.base.format import reader_from_json
+
+    index = storage.display(os.path.join(directory, "index.json"))  # (an object-store index: by its URL)
+    if not isinstance(shards, list):
+        raise ShardIndexError(f"{index}: 'shards' is {type(shards).__name__}, not a list of shards: not an MDS index")
+    readers = []
+    for i, shard in enumerate(shards):
+        _check_keys(shard, _SHARD_KEYS, index, f"shards[{i}]")
+        if shard["version"] != 2 or shard["format"] != "mds":
+            raise ShardIndexError(f"{index}: shards[{i}] is version {shard['version']!r:.20} in format "
+                                  f"{shard['format']!r:.40}; only MDS shards of version 2 are read")
+        for field in ("raw_data", "zip_data"):
+            if shard[field] is not None:
+                _check_keys(shard[field], _FILE_KEYS, index, f"shards[{i}].{field}")
+        try:
+            readers.append(reader_from_json(directory, None, shard))
+        except (TypeError, KeyError, ValueError, AssertionError) as e:  # what the checks above did not foresee
+            raise ShardIndexError(f"{index}: shards[{i}] cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+    return readers
+
+
+def _check_keys(entry: object, keys: dict[str, Any], index: str, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise ShardIndexError(f"{index}: {where} is {type(entry).__name__}, not a mapping: not an MDS index")
+    for key, kind in keys.items():
+        if key not in entry:
+            raise ShardIndexError(f"{index}: {where} has no {key!r} key (an MDS index records {', '.join(keys)}); "
+                                  "restore the index or write the dataset again")
+        if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
+            raise ShardIndexError(f"{index}: {where}.{key} is {type(entry[key]).__name__}, not what an MDS index "
+                                  "records; restore the index or write the dataset again")
 
 
 def check_bytes(data: bytes, info: Any, path: str) -> None:
