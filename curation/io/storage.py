@@ -69,15 +69,43 @@ def cache_root() -> str:
     return os.path.abspath(root)
 
 
+_USABLE_CACHES: set[str] = set()  # cache roots checked to hold directories (once per process)
+
+
+def _usable_cache_root() -> str:
+    """:func:`cache_root`, checked (once) to be a directory this process can create folders in.
+
+    Raises:
+        ValueError: one line naming ``BLADE_CACHE_DIR`` (or the default) and what is wrong with it.
+    """
+    root = cache_root()
+    if root not in _USABLE_CACHES:
+        try:
+            os.makedirs(os.path.join(root, "s3"), exist_ok=True)
+            if not os.access(os.path.join(root, "s3"), os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            setting = (f"BLADE_CACHE_DIR={os.environ['BLADE_CACHE_DIR']}" if os.environ.get("BLADE_CACHE_DIR")
+                       else f"the default cache {root} (BLADE_CACHE_DIR unset)")
+            raise ValueError(f"{setting} cannot hold the object-store cache ({e.strerror or e}: {e.filename or root}); "
+                             "set BLADE_CACHE_DIR to a directory this user can write") from None
+        _USABLE_CACHES.add(root)
+    return root
+
+
 def local_path(path: str) -> str:
-    """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is."""
+    """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is.
+
+    Raises:
+        ValueError: '.' or '..' in the URL, or the cache cannot hold directories (naming ``BLADE_CACHE_DIR``).
+    """
     if not is_url(path):
         return path
     bucket, key = split_url(path)
     parts = [p for p in key.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ValueError(f"{path}: '.' and '..' are not allowed in an object-store path")
-    return os.path.join(cache_root(), "s3", bucket, *parts)
+    return os.path.join(_usable_cache_root(), "s3", bucket, *parts)
 
 
 def url_of(path: str) -> str | None:

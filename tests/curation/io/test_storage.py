@@ -56,6 +56,30 @@ def test_an_s3_scheme_in_another_case_is_refused_not_written_as_a_local_folder(t
     assert not objects.is_url("S3://b/x") and objects.is_url("s3://b/x")
 
 
+def test_a_cache_dir_that_cannot_hold_directories_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
+    """P40 (issue 55): a BLADE_CACHE_DIR that is a file, or /proc/self, gave 16-line NotADirectoryError /
+    FileNotFoundError tracebacks on s3:// reads, not naming the variable. Local paths never need the cache."""
+    from tests.conftest import load_job
+
+    (tmp_path / "a-file").write_text("x")
+    for bad, why in ((str(tmp_path / "a-file"), "Not a directory"), ("/proc/self", "No such file or directory")):
+        monkeypatch.setenv("BLADE_CACHE_DIR", bad)
+        with pytest.raises(ValueError) as e:
+            storage.local_path("s3://bkt/data")
+        assert str(e.value).startswith(f"BLADE_CACHE_DIR={bad} cannot hold the object-store cache ({why}: ")
+        assert str(e.value).endswith("; set BLADE_CACHE_DIR to a directory this user can write")
+        assert storage.local_path("runs/x") == "runs/x" and storage.url_of("runs/x") is None
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert load_job("train").main(["--set", "data.candidates=s3://bkt/data/candidates", "--set",
+                                   "data.tokenizer=null", "--set", "output_dir=out"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: BLADE_CACHE_DIR=/proc/self cannot hold the object-store cache (No such file or directory: "
+        "/proc/self/s3); set BLADE_CACHE_DIR to a directory this user can write"]
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))  # a usable one
+    assert storage.local_path("s3://bkt/data") == str(tmp_path / "cache" / "s3" / "bkt" / "data")
+
+
 def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
     cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
