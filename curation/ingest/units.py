@@ -46,7 +46,7 @@ from curation.ingest.jsonstream import skip_line
 from curation.ingest.packing import Packer
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, TextRefused, shared_tokenizer
 from curation.ingest.unit_input import Doc, batches, documents, read_documents
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.atomic import write_unit_record
 from curation.io.paths import UnsafeNameError, check_relative, safe_join
 from curation.io.shards import write_part
@@ -179,6 +179,8 @@ class UnitResult:
     tokens: int = 0
     error: BadRecord | None = None
     cpu_seconds: float = 0.0  # CPU time of this run of the unit (its process, every thread)
+    uploaded: int = 0  # objects uploaded by this run of the unit (an object-store output_dir)
+    pid: int = 0  # the process that ran it (its uploads are counted by the driver when it is another one)
 
 
 class PartRewritten(Exception):  # noqa: N818 (a signal, not an error)
@@ -336,7 +338,7 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
         refuses, or a text the tokenizer refuses) stops the unit and is returned as ``error`` (its finished parts
         are kept).
     """
-    cpu = time.process_time()
+    cpu, mark = time.process_time(), objects.upload_mark()
     tok = shared_tokenizer(settings.tokenizer_path, eos_token=settings.eos_token,
                            fingerprint=settings.tokenizer_fingerprint)
     record, target = _starting_record(unit, rewrite)
@@ -348,9 +350,11 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
         saved = load_record(unit) if os.path.exists(unit.record_path) else unit.fresh_record()
         return UnitResult(unit, saved, packer.tokens, BadRecord(source=unit.source.name, file=e.file, line=e.line,
-                                                                reason=e.reason), time.process_time() - cpu)
+                                                                reason=e.reason), time.process_time() - cpu,
+                          objects.uploads(since=mark), os.getpid())
     packer.finish()
-    return UnitResult(unit, record, packer.tokens, cpu_seconds=time.process_time() - cpu)
+    return UnitResult(unit, record, packer.tokens, cpu_seconds=time.process_time() - cpu,
+                      uploaded=objects.uploads(since=mark), pid=os.getpid())
 
 
 def _starting_record(unit: WorkUnit, rewrite: tuple[UnitRecord, ShardRecord] | None,

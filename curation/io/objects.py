@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard",
+    "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard", "uploads", "upload_mark",
     "ObjectInfo", "StoredObject", "list_objects", "head_object", "read_object", "write_object", "delete_object", "delete_many",
     "file_etag", "upload", "download",
 ]
@@ -339,6 +339,24 @@ def _md5_etag(path: str, size: int) -> str:
     return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
 
 
+_UPLOADED: dict[str, int] = {}  # object → number of this process's upload of it, the latest (for the jobs' last line)
+_UPLOADED_LOCK = threading.Lock()
+
+
+def upload_mark() -> int:
+    """How many uploads this process made so far: :func:`uploads` ``since`` it counts what came after."""
+    with _UPLOADED_LOCK:
+        return max(_UPLOADED.values(), default=0)
+
+
+def uploads(under: str | None = None, since: int = 0) -> int:
+    """How many objects this process uploaded (:func:`upload`; each once, however often) after the mark ``since``
+    (:func:`upload_mark`), all or ``under`` a URL."""
+    prefix = None if under is None else under.rstrip("/") + "/"
+    with _UPLOADED_LOCK:
+        return sum(n > since and (prefix is None or u.startswith(prefix)) for u, n in _UPLOADED.items())
+
+
 def upload(path: str, url: str) -> None:
     _check_guards(url)
     bucket, key = split_url(url)
@@ -351,6 +369,8 @@ def upload(path: str, url: str) -> None:
 
             client().upload_file(path, bucket, key, Config=TransferConfig(multipart_threshold=_SINGLE_PUT,
                                                                          multipart_chunksize=_PART))
+    with _UPLOADED_LOCK:
+        _UPLOADED[url] = max(_UPLOADED.values(), default=0) + 1
 
 
 def download(url: str, path: str) -> None:

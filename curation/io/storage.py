@@ -36,6 +36,7 @@ from curation.io.objects import (
     read_object,
     split_url,
     upload,
+    uploads,
     write_object,
 )
 from curation.io.outdir import LOCK_NAME
@@ -287,17 +288,20 @@ def _link_table(url: str, body: bytes) -> dict[str, str]:
     return table
 
 
-def push_all(root: str) -> str | None:
+def push_all(root: str, *, since: int = 0, elsewhere: int = 0) -> str | None:
     """:func:`push` a finished output directory and say so: ``uploaded N files to s3://…; it holds M objects (X MiB)``
-    read back from the bucket (``None``, and nothing done, for a local directory). Jobs print it, so an object-store
-    run ends with its URL and the bucket's own count, not a cache path."""
+    read back from the bucket (``None``, and nothing done, for a local directory). ``N`` counts every object this
+    process uploaded under it (after the mark ``since``, :func:`~curation.io.objects.upload_mark`: the job's start),
+    as it was written and now, plus ``elsewhere`` (those the job's other processes did: Ray tasks and actors). Jobs print it, so an object-store run ends with its URL and the bucket's own count, not a
+    cache path."""
     url = url_of(root)
     if url is None:
         return None
-    pushed = push(root)
+    push(root)
+    n = uploads(url, since) + elsewhere
     held = {k: o for k, o in list_objects(url).items() if not _local_only(k)}  # (the run's lock object: not an output)
     size = sum(o.size for o in held.values())
-    return (f"uploaded {len(pushed)} file{'s' if len(pushed) != 1 else ''} to {url}; it holds {len(held)} objects "
+    return (f"uploaded {n} file{'s' if n != 1 else ''} to {url}; it holds {len(held)} objects "
             f"({size / 2**20:.1f} MiB)")
 
 

@@ -329,3 +329,26 @@ def test_a_missing_bucket_on_read_is_named_and_an_invalid_bucket_name_is_one_lin
         storage.local_path("s3://my bucket!/data")
     assert str(e.value) == ("s3://my bucket!/data: 'my bucket!' is not a valid bucket name (1 to 255 letters, digits, "
                             "'.', '-', '_'; S3 itself wants 3 to 63 lowercase letters, digits, '.' and '-')")
+
+
+def test_an_object_store_prepare_counts_the_files_it_uploaded_as_it_went(s3, tmp_path):
+    """P41 (issue 55): an s3:// prepare ended `uploaded 0 files to s3://…` although it had uploaded every part as it
+    was written. A rerun of the finished preparation uploads nothing, and says so."""
+    import json as _json
+
+    from curation.ingest.prepare import prepare
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+    from schemas.config import SourceConfig, TokenizerConfig
+
+    texts = [" ".join(["alpha beta gamma delta"] * (3 + i % 7)) for i in range(200)]
+    (tmp_path / "a.jsonl").write_text("".join(_json.dumps({"text": t}) + "\n" for t in texts))
+    tok = train_bpe_tokenizer(iter(texts), vocab_size=260, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = PrepareConfig(sources=[SourceConfig(name="s", paths=[str(tmp_path / "a.jsonl")])], seq_len=16,
+                        tokenizer=TokenizerConfig(path=tok.path), output_dir=s3.url("prep"), sequences_per_part=20,
+                        unit_bytes=4000, progress=False, workers=1)
+    first = prepare(cfg).uploaded
+    held = objects.list_objects(s3.url("prep"))
+    assert len(held) > 10 and first == f"uploaded {len(held)} files to {s3.url('prep')}; it holds {len(held)} " \
+                                       f"objects ({sum(o.size for o in held.values()) / 2**20:.1f} MiB)"
+    again = prepare(cfg).uploaded
+    assert again.startswith(f"uploaded 0 files to {s3.url('prep')}; it holds {len(held)} objects")
