@@ -123,38 +123,27 @@ _YAMLLoader.add_implicit_resolver(
 )
 
 
-#: Mappings and lists of a config nest at most this deep (a real one nests a few levels; a deeper one is refused in
-#: one line, not with a RecursionError).
+#: Mappings and lists of a config nest at most this deep (a deeper one is one line, not a RecursionError).
 MAX_DEPTH = 64
 
 
 def load_yaml(stream: Any) -> Any:
-    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`.
-
-    Raises:
-        yaml.YAMLError: not YAML, and the text is not UTF-8 (a binary file) or nests deeper than :data:`MAX_DEPTH`,
-            each in one line.
-    """
+    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`; text that is not UTF-8 (a binary file)
+    or nests deeper than :data:`MAX_DEPTH` raises a one-line ``yaml.YAMLError``."""
     try:
         data = yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
-    except UnicodeDecodeError as e:  # a binary file
+        depth, level = 0, [data] if isinstance(data, dict | list) else []
+        while level and depth <= MAX_DEPTH:  # level by level: a value nested deeper than Python recurses
+            depth, level = depth + 1, [v for n in level for v in (n.values() if isinstance(n, dict) else n)
+                                       if isinstance(v, dict | list)]
+    except UnicodeDecodeError as e:
         raise yaml.YAMLError(f"the file is not UTF-8 text (byte 0x{e.object[e.start]:02x}); a config is a YAML text "
                              "file") from None
     except RecursionError:
-        raise yaml.YAMLError(_too_deep()) from None
-    stack, depth = [(data, 1)], 0
-    while stack:  # (iterative: the depth of a value nested deeper than Python recurses)
-        node, level = stack.pop()
-        if isinstance(node, dict | list):
-            depth = max(depth, level)
-            if depth > MAX_DEPTH:
-                raise yaml.YAMLError(_too_deep())
-            stack.extend((v, level + 1) for v in (node.values() if isinstance(node, dict) else node))
+        depth = MAX_DEPTH + 1
+    if depth > MAX_DEPTH:
+        raise yaml.YAMLError(f"mappings and lists nested more than {MAX_DEPTH} levels deep (a config nests a few)")
     return data
-
-
-def _too_deep() -> str:
-    return f"mappings and lists nested more than {MAX_DEPTH} levels deep (a config nests a few)"
 
 
 class ConfigError(ValueError):

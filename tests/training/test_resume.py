@@ -337,5 +337,5 @@ def test_a_run_resumed_or_extended_on_candidates_replaced_under_it_is_refused(ma
                                                 r"with .* use a new output_dir for the new ones$"):
             train(extended)
     shutil.rmtree(data / "candidates")
-    os.rename(tmp_path / "seed0", data / "candidates")  # restored: the extension goes ahead
-    assert train(make_config("blade", max_steps=8, **kw))["run"].resumed_from is not None
+    os.rename(tmp_path / "seed0", data / "candidates")  # restored: the run goes ahead (finished: it only reports)
+    assert train(cfg)["run"].resumed_from is not None

@@ -157,3 +157,14 @@ def test_a_record_that_produced_no_output_is_replaced_with_its_inputs(tmp_path):
         lock.write_records()
     recorded = json.load(open(os.path.join(cfg.output_dir, INPUTS_NAME)))["inputs"]
     assert recorded["data.candidates"]["path"] == str(tmp_path / "c2")
+
+
+def test_an_input_made_before_the_first_write_is_recorded_then(tmp_path):
+    """The main job prepares its corpus (the demo) after it opened its output directory: an input missing when the
+    directory is opened is not compared, and is recorded when the job first writes."""
+    cfg = _train(tmp_path)
+    shutil.rmtree(cfg.data.candidates)
+    with _open(cfg) as lock:
+        _shards(tmp_path / "cand", "c1")  # prepared now
+        lock.write_records()
+    assert "data.candidates" in json.load(open(os.path.join(cfg.output_dir, INPUTS_NAME)))["inputs"]
