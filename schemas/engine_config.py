@@ -77,7 +77,7 @@ class EngineConfig(StrictModel):
     )
     overlap_steps: int = Field(5, ge=1, description="δ of the overlapped refresh (staleness of its start point)")
     refresh_threads: int | None = Field(None, ge=1, description="torch threads of the refresh actor; None = workers.threads")
-    refresh_device: Device = "auto"
+    refresh_device: Device = Field("auto", description="device of the refresh actor; auto = cuda when it sees a GPU")
     wait_timeout_s: float = Field(
         1800.0, gt=0, description="the trainer fails when the scores of a step do not arrive within this time",
         json_schema_extra=OPERATIONAL,
@@ -163,7 +163,7 @@ class CurateConfig(StrictModel):
         True, description="form batches from a seeded permutation of the corpus (like the training stream); "
         "false = file order, where prepare.py's per-source parts make every batch single-source"
     )
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="seed of the permutation (shuffle: true)")
     precision: Precision = Field(
         "fp32", description="fp32 | amp_bf16: proxy and reference forwards under bf16 autocast on CUDA workers "
         "(fp32 on CPU workers); losses in float32"
@@ -171,7 +171,8 @@ class CurateConfig(StrictModel):
     output_dir: str = Field(description="selected/ (shards + manifest) and summary.json")
     workers: WorkersConfig = Field(default_factory=lambda: WorkersConfig(range_steps=10))
     ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=OPERATIONAL)
-    progress: bool = Field(True, json_schema_extra=OPERATIONAL)
+    progress: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress "
+                           "line per interval; false: neither", json_schema_extra=OPERATIONAL)
 
     @classmethod
     def demo_default(cls, root: str = DEMO_ROOT) -> CurateConfig:

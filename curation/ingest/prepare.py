@@ -40,8 +40,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tqdm import tqdm
-
 from curation.ingest.corpus import BadRecordError, Document, FileSpan
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
@@ -50,6 +48,7 @@ from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tok
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
 from curation.io import objects, storage
 from curation.io.outputs import localize, open_output
+from curation.io.progress import progress
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import Manifest, UnitRecord
 
@@ -198,8 +197,8 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
     errors: list[tuple[int, BadRecordError]] = []
     order = {(u.out, u.source.name, u.index): i for i, u in enumerate(pending)}
     factory = (lambda w, n: contextlib.nullcontext(LocalPool(on_part))) if local else pool
-    bar = tqdm(total=len(pending), desc=os.path.basename(os.path.normpath(cfg.output_dir)), unit="unit",
-               disable=not cfg.progress, dynamic_ncols=True)
+    bar = progress(len(pending), desc=f"prepare {os.path.basename(os.path.normpath(cfg.output_dir))}", unit="unit",
+                   enabled=cfg.progress)
     with bar, factory(cfg.workers, len(pending)) as workers:
         result.workers = workers.workers
         try:

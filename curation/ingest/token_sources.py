@@ -39,8 +39,8 @@ from curation.io.shards import (
     ShardIntegrityError,
     check_index_names,
     decode_sample,
-    index_readers,
     load_shard_file,
+    shard_entries,
 )
 from schemas.config import SourceConfig
 
@@ -190,7 +190,7 @@ def _mds_shards(path: str, source: SourceConfig) -> list[Any]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadRecordError(index, 0, f"unreadable MDS index ({type(e).__name__}: {e})") from e
     try:
-        shards = index_readers(path, infos)
+        shards = shard_entries(path, infos)
     except ShardIndexError as e:  # (its message names the index first)
         raise BadRecordError(index, 0, str(e).removeprefix(f"{index}: ")) from None
     check_index_names(path, shards)  # its file names stay inside the dataset (else an UnsafeNameError)

@@ -243,5 +243,6 @@ def open_output(directory: str, job: str, records: Mapping[str, BaseModel | Mapp
 
     lock = open_output_dir(local, job, records, name=directory, after_lock=attach)
     lock.on_record = storage.publish
+    lock.on_discard = storage.unpublish  # a failed first run's record leaves the bucket too
     watch_inputs(lock, given)  # (the inputs at their cache paths)
     return lock

@@ -46,11 +46,11 @@ from curation.io.shard_files import (
     check_index_names,
     check_shard_file,
     decode_sample,
-    index_readers,
     load_shard_file,
     map_file,
     raw_cache_dir,
     raw_cache_path,
+    shard_entries,
     shard_file,
 )
 from schemas.manifest import Manifest, sha256_file
@@ -60,7 +60,7 @@ __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
-    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir", "ShardIndexError", "index_readers",
+    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir", "ShardIndexError",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -107,7 +107,7 @@ def verify_part(part_dir: str) -> str | None:
     try:
         storage.fetch(index)
         with open(index, encoding="utf-8") as f:
-            shards = index_readers(part_dir, json.load(f)["shards"])
+            shards = shard_entries(part_dir, json.load(f)["shards"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{index}: missing or unreadable index ({e})"
     check_index_names(part_dir, shards)  # a hostile name is an error, not damage to regenerate around
@@ -256,7 +256,7 @@ class ShardReader:
         if not isinstance(index, dict) or "shards" not in index:
             raise ShardIndexError(f"{storage.display(os.path.join(path, 'index.json'))}: has no 'shards' list: not an "
                                   "MDS index")
-        self.shards = index_readers(path, index["shards"])
+        self.shards = shard_entries(path, index["shards"])  # (ours without importing streaming)
         check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
                           if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours

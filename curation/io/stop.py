@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from curation.io.cache import urls_in_text
+
 __all__ = ["StopRequested", "GracefulStop", "check_stop", "stop_requested", "stop_signal", "exit_code", "interruptible"]
 
 
@@ -41,7 +43,7 @@ class StopRequested(Exception):  # noqa: N818 (named for what happened, like Key
     def __init__(self, signum: int, where: str) -> None:
         self.signum = signum
         self.where = where
-        super().__init__(f"stopped on {signal.Signals(signum).name} {where}".rstrip())
+        super().__init__(f"stopped on {signal.Signals(signum).name} {urls_in_text(where)}".rstrip())  # (URLs, not caches)
 
 
 def exit_code(signum: int) -> int:

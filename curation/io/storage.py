@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 
+from curation.io.cache import cache_root, display, url_of
 from curation.io.objects import (
     delete_many,
     delete_object,
@@ -62,12 +63,6 @@ def _local_only(rel: str) -> bool:
     parts = rel.split("/")
     return (any(p in _LOCAL_ONLY or p.startswith(_TEMPORARY) for p in parts)
             or any(p.endswith(".tmp") for p in parts[:-1]))
-
-
-def cache_root() -> str:
-    """Where URLs are cached: ``BLADE_CACHE_DIR``, default ``~/.cache/blade-curation`` (absolute)."""
-    root = os.environ.get("BLADE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "blade-curation")
-    return os.path.abspath(root)
 
 
 _USABLE_CACHES: set[str] = set()  # cache roots checked to hold directories (once per process)
@@ -109,24 +104,9 @@ def local_path(path: str) -> str:
     return os.path.join(_usable_cache_root(), "s3", bucket, *parts)
 
 
-def url_of(path: str) -> str | None:
-    """The URL whose cache path ``path`` is (or is under); ``None`` for any other path."""
-    root = os.path.join(cache_root(), "s3") + os.sep
-    full = os.path.abspath(path)
-    if not full.startswith(root):
-        return None
-    rel = full[len(root):].replace(os.sep, "/")
-    return f"s3://{rel}" if "/" in rel or rel else None
-
-
 def canonical(path: str) -> str:
     """A path as recorded in run keys: its URL for a cache path, else the absolute path."""
     return url_of(path) or os.path.abspath(path)
-
-
-def display(path: str) -> str:
-    """A path as shown in messages: its URL for a cache path, else as given."""
-    return url_of(path) or path
 
 
 # ------------------------------------------------------------------------------------------------

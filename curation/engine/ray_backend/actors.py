@@ -55,6 +55,7 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
+from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
 
@@ -385,10 +386,8 @@ class RayEngine(EngineClient):
             StopRequested: a stop signal came (inside a :class:`curation.io.stop.GracefulStop`); polled about once a
                 second. Leaving the engine's ``with`` block then lets the workers finish their units (:meth:`close`).
         """
-        from tqdm import tqdm
-
         total = self.progress()["units_total"]
-        with tqdm(total=total, desc=desc, unit="part", disable=not progress) as bar:
+        with progress_bar(total, desc=desc, unit="part", enabled=progress) as bar:
             def show() -> None:
                 p = self.progress()
                 bar.n = p["units_done"]
