@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
 from curation.io.cache import urls_in_text
+from curation.io.live_locks import LOCK_NAME, live_locks  # (the lock file's name: defined there, used here)
 from schemas.config import load_record_yaml
 from schemas.records import as_dict, config_diff, extendable_keys, leaves, operational_keys
 
@@ -66,7 +67,6 @@ __all__ = [
     "live_locks",
 ]
 
-LOCK_NAME = ".lock"
 #: The record of the inputs a run was started with (:mod:`curation.io.inputs`), beside its config records.
 INPUTS_NAME = "inputs.json"
 
@@ -212,38 +212,6 @@ class OutputDirLock:
 
     def __del__(self) -> None:
         self.release()
-
-
-def live_locks() -> list[tuple[str, int]]:
-    """``(path, pid)`` of every output directory's lock file (:data:`LOCK_NAME`) a live process of this host holds:
-    the ``flock`` s of ``/proc/locks``, found among their holders' open files (none where ``/proc`` cannot say)."""
-    held: dict[tuple[int, int], int] = {}
-    try:
-        with open("/proc/locks", encoding="ascii") as f:
-            for line in f:  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF" (a waiter: "1: -> FLOCK ...")
-                parts = line.split()
-                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[3] == "WRITE" and parts[4].isdigit():
-                    major, minor, inode = parts[5].split(":")
-                    held[(os.makedev(int(major, 16), int(minor, 16)), int(inode))] = int(parts[4])
-    except (OSError, ValueError):
-        return []
-    found = []
-    for pid in sorted(set(held.values())):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue  # gone, or another user's
-        for fd in fds:
-            try:
-                path = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if os.path.basename(path) != LOCK_NAME:
-                    continue
-                st = os.stat(path)
-            except OSError:
-                continue
-            if held.get((st.st_dev, st.st_ino)) == pid:
-                found.append((path, pid))
-    return found
 
 
 def _refuse_nested(directory: str, name: str) -> None:

@@ -240,8 +240,8 @@ def test_a_deeply_nested_or_binary_config_is_one_line(tmp_path, levels):
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ConfigError) as e:
         load_config(PrepareConfig, path=str(binary))
-    assert str(e.value) == f"{binary}: not valid YAML: the file is not UTF-8 text (byte 0x80); a config is a YAML " \
-                           "text file"
+    assert str(e.value) == f"{binary}: not valid YAML: not UTF-8 text (byte 0x80): a config is a YAML text " \
+                           "file"
     assert load_yaml("{a: " * 63 + "[1]" + "}" * 63) is not None  # 64 levels are read
 
 
