@@ -76,8 +76,8 @@ def find_surrogate(text: str) -> int | None:
 def lone_surrogate(text: str, at: int, offset: int = 0) -> LineError:
     """The reason for a text holding the lone surrogate ``text[at]`` (character ``offset + at + 1`` of the whole text),
     worded once for every reader."""
-    return LineError(f"the text holds the lone surrogate \\u{ord(text[at]):04x} (character {offset + at + 1}), which is "
-                     "not Unicode text: no tokenizer can encode it")
+    return LineError(f"the text holds the lone surrogate \\u{ord(text[at]):04x} (character {offset + at + 1}), which "
+                     "is not Unicode text: no tokenizer can encode it")
 
 
 def _utf8_error(e: UnicodeDecodeError, offset: int) -> LineError:

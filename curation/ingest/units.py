@@ -380,8 +380,8 @@ def _pack_unit(unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, pac
     file_index, record_index = packer.position
     items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=file_index,
                            start_record=record_index, vocab_size=tok.vocab_size)
-    for batch in batches(items):
-        for doc in documents(batch, tok, source, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE):  # in input order, so counts match the saved position exactly
+    for batch in batches(items):  # in input order, so the counts match the saved position exactly
+        for doc in documents(batch, tok, source, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE):
             bad = doc if isinstance(doc, BadRecordError) else packer.add(doc)
             if bad is not None:
                 if not settings.skip_bad_records:

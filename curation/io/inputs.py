@@ -110,8 +110,8 @@ def check_inputs(lock: OutputDirLock, inputs: Mapping[str, str], *, record: bool
         now = {"path": storage.canonical(where),
                **fingerprint(where, was if was and was.get("path") == storage.canonical(where) else None)}
         if was is not None and was.get("xxh3") != now["xxh3"]:
-            what = {"shards": "its index.json, which lists every shard's hash, differs", "file": "its bytes differ"}.get(
-                now["kind"], "its files differ")
+            what = {"shards": "its index.json, which lists every shard's hash, differs",
+                    "file": "its bytes differ"}.get(now["kind"], "its files differ")
             raise InputsChanged(
                 f"{key} ({storage.display(where)}) is not the input this run was started with ({what} from what "
                 f"{lock.name}/{INPUTS_NAME} recorded from {was.get('path')}): a resumed or extended run reads the "

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard", "uploads", "upload_mark",
+    "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard",
+    "uploads", "upload_mark",
     "ObjectInfo", "StoredObject", "list_objects", "head_object", "read_object", "write_object", "delete_object", "delete_many",
     "file_etag", "upload", "download",
 ]
