@@ -79,8 +79,9 @@ class EngineDriver(Protocol):
         """After the trainer: do the units still to do (parts found damaged on opening)."""
         ...
 
-    def finish(self, extra: Mapping[str, object] | None = None) -> None:
-        """Every unit is done: the output directory's manifest is marked complete (with ``extra`` fields)."""
+    def finish(self, extra: Mapping[str, object] | None = None) -> int:
+        """Every unit is done: the output directory's manifest is marked complete (with ``extra`` fields); the objects
+        the engine's coordinator uploaded (an object-store output directory)."""
         ...
 
     def report(self, *, job_seconds: float | None = None) -> EngineReport:
