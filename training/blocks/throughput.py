@@ -2,7 +2,7 @@
 
 Every trainer gets :func:`throughput_callbacks` (``throughput:`` of its config):
 
-* Composer's ``SpeedMonitor`` logs the rolling (``window`` steps) ``throughput/tokens_per_sec``,
+* Composer's ``SpeedMonitor`` (:class:`HostSpeedMonitor`: its FLOPs counted on the host) logs the rolling (``window`` steps) ``throughput/tokens_per_sec``,
   ``samples_per_sec``, ``flops_per_sec`` and ``throughput/device/mfu``: the proxy's FLOPs (a training step of
   every candidate token, :func:`curation.evaluation.flops.train_flops`, set on the model as ``flops_per_batch``) per
   second of training wall time, divided by the device's peak (``throughput.peak_flops``, or Composer's table of
@@ -42,6 +42,7 @@ import torch
 from composer.callbacks import SpeedMonitor
 from composer.core import Callback, State
 from composer.loggers import Logger, ProgressBarLogger
+from composer.models import ComposerModel
 from composer.utils import dist
 
 from curation.core.schedule import Schedule
@@ -49,7 +50,7 @@ from curation.evaluation.flops import ModelShape, forward_flops, train_flops
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
 
-__all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
+__all__ = ["HostSpeedMonitor", "ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
            "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
 
 _GIB = float(1 << 30)
@@ -72,6 +73,25 @@ def host_peak_rss() -> int:
 def device_peak_allocated(device: torch.device) -> int | None:
     """The CUDA allocator's peak on ``device`` in bytes (``torch.cuda.max_memory_allocated``); None off a GPU."""
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+class HostSpeedMonitor(SpeedMonitor):
+    """Composer's ``SpeedMonitor`` without the round trip of a step's FLOPs through the device in one process: its
+    ``batch_end`` sums the ranks' FLOPs with an ``all_reduce`` and reads the sum (``.item()``, a host read every step);
+    one process's FLOPs are its own, counted on the host."""
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        model = state.model if isinstance(state.model, ComposerModel) else state.model.module
+        flops = getattr(model, "flops_per_batch", None)
+        if dist.get_world_size() > 1 or flops is None:
+            super().batch_end(state, logger)
+            return
+        self.history_flops.append(float(flops(state.batch)))
+        del model.flops_per_batch  # (super() appends none and logs the window's FLOPs rate from the history)
+        try:
+            super().batch_end(state, logger)
+        finally:
+            model.flops_per_batch = flops
 
 
 class ProxyFlops:
@@ -286,8 +306,8 @@ class Throughput(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         tokens = state.batch["tokens"]
         self.seq_len, self.rank_step_tokens = int(tokens.shape[1]), int(tokens.numel())
-        rec = self.selections.last if self.selections is not None else None
-        self.kept_tokens += float(rec.n_kept if rec is not None else state.batch.get("kept_total", tokens.numel()))
+        # The step's kept tokens, known on the host before the step (every rank's: the selection's K)
+        self.kept_tokens += float(state.batch.get("kept_total", tokens.numel()))
         self.history.append(_Point(state.timestamp.total_wct.total_seconds(), int(state.timestamp.batch),
                                    float(state.timestamp.token.value), self.kept_tokens, self.reference_flops(),
                                    self.reference_seconds()))
@@ -430,7 +450,7 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
     proxy = ProxyFlops(model.model.config)
     if proxy.shape(1) is not None:
         model.flops_per_batch = proxy
-    speed = SpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
+    speed = HostSpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
                          time_unit="seconds")
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
                        selections=selections, reference=reference, schedule=schedule,
