@@ -35,7 +35,6 @@ the run's middle steps without a refresh, an evaluation, a checkpoint or a proxy
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -578,6 +577,205 @@ def trainer_scenario(setting: Setting, name: str, policy: str, *, counter_hook: 
     return figures(counter, _steady(cfg.max_steps, first=w + 2)), counter
 
 
+@contextlib.contextmanager
+def labelled(counter: HostReadCounter, label: Any) -> Iterator[None]:
+    """Reads inside are labelled ``label`` (the label before is restored after)."""
+    before, counter.label = counter.label, label
+    try:
+        yield
+    finally:
+        counter.label = before
+
+
+class LocalEngine:
+    """The engine in this process, for the counter (an :class:`~curation.engine.handle.EngineHandle`): the real
+    scoring worker and refresh runner of the job's work, run when the trainer asks for a part or publishes a proxy
+    (no Ray). Their reads are labelled ``("engine", ...)``: they are not the trainer's."""
+
+    def __init__(self, curation: Any, counter: HostReadCounter) -> None:
+        from curation.engine.coordinator import Coordinator
+        from curation.engine.plan import REFERENCE
+        from curation.engine.refresh_runner import RefreshRunner
+        from curation.engine.workers import ScoringWorker
+
+        work = curation.work
+        self.counter, self.plan = counter, curation.plan
+        self.coordinator = Coordinator(work.units)
+        self.wait_seconds = 0.0
+        self.parts: dict[str, dict[str, Any]] = {}
+        self.weights: dict[tuple[str, int], Any] = {}
+        with labelled(counter, ("engine", "start")):
+            self.worker = ScoringWorker(work.worker_spec, 0)
+            self.runner = RefreshRunner(work.refresh_spec) if work.refresh_spec is not None else None
+            if self.runner is not None and work.refresh_mode.name == "STATIC":
+                self.weights[(REFERENCE, 0)] = self.runner.static()[0]
+
+    def wait_part(self, step: int, *, timeout_s: float = 0.0) -> dict[str, Any]:
+        unit = self.coordinator.unit_for(step)
+        if unit.name not in self.parts:
+            with labelled(self.counter, ("engine", step)):
+                res = self.worker.run(unit, lambda kind, version: self.weights[(kind, version)])
+            self.parts[unit.name] = {"part": res.name, "first": unit.first, "stop": unit.stop,
+                                     "ref_version": unit.ref_version}
+        return self.parts[unit.name]
+
+    def publish_proxy(self, step: int, model: Any, recent: Any = None) -> None:
+        from curation.core.refresh_data import RecentMasks
+        from curation.engine.plan import PROXY, REFERENCE
+        from curation.engine.weights import Weights
+
+        weights = Weights.from_state_dict(model)  # (the trainer's reads: RayEngine does the same)
+        self.weights[(PROXY, step)] = weights
+        version = self.plan.refresh_sources().get(step)
+        if version is not None and self.runner is not None:
+            with labelled(self.counter, ("engine", "refresh")):
+                self.weights[(REFERENCE, version)] = self.runner.refresh(
+                    version, weights, recent or RecentMasks.from_pairs([]), source_step=step,
+                    previous=self.weights.get((REFERENCE, version - 1)))[0]
+
+    def reference(self, version: int, *, timeout_s: float = 0.0) -> Any:
+        from curation.engine.plan import REFERENCE
+
+        return self.weights[(REFERENCE, version)]
+
+    def trainer_at(self, step: int) -> None:
+        pass
+
+    def progress(self) -> dict[str, Any]:
+        return {"units_done": len(self.parts), "tokens": 0, "redone": 0}
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def for_workers(self) -> LocalEngine:
+        return self
+
+
+def engine_scenario(setting: Setting, name: str, mode: str) -> Figures:
+    """The trainer fed by the engine's workers (``mode``: pipelined, the engine's masks; exact, its scores), blade."""
+    from curation.engine.training_curation import TrainingCuration
+    from schemas.engine_config import CurateAndTrainConfig
+    from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
+    from training.runs.wiring import build_training
+    from training.selection.shard_scores import EngineScores
+
+    t = setting.train_config(name, "blade")
+    shutil.rmtree(t.output_dir, ignore_errors=True)
+    cfg = CurateAndTrainConfig.model_validate({
+        "train": t.model_dump(mode="json"), "prepare": None,
+        "engine": {"mode": mode, "snapshot_period": 4, "lookahead": 100},
+        "workers": {"count": 1, "threads": 1, "range_steps": 2}})
+    curation = TrainingCuration.of(cfg)
+    with HostReadCounter() as counter:
+        engine = LocalEngine(curation, counter)
+        feed = curation.feed(engine, timeout_s=60.0)
+        if mode == "pipelined":
+            run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(feed, t.max_steps,
+                                                                                          model_vocab=vocab))
+        else:
+            run = build_training(t, scored=EngineScores(feed), schedule=curation.plan.schedule)
+        run.trainer.state.callbacks.insert(0, EngineSync(feed.handle, feed.plan, algorithm=run.algorithm,
+                                                         distance_interval=t.effective_distance_interval))
+        run.trainer.state.callbacks.insert(0, _StepLabels(counter))
+        counter.adopt(run.trainer)
+        counter.label = "fit_start"
+        run.fit()
+    published = {s - 1 for s in curation.plan.publish_steps()}
+    return figures(counter, _steady(t.max_steps, first=t.selection.warmup_steps + 2, exclude=published))
+
+
+def reference_scenario(setting: Setting, phase: str) -> Figures:
+    """The in-process reference of a blade run (τ = 4): each episode's scoring (``score``) or each refresh."""
+    from training.runs.wiring import build_training
+
+    cfg = setting.train_config(f"reference_{phase}", "blade", selection={"tau": 4}, max_steps=14)  # 3 whole episodes
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)
+    with HostReadCounter() as counter:
+        run = build_training(cfg)
+        reference = run.algorithm.reference
+        method = {"score": "_score_from", "refresh": "refresh"}[phase]
+        real = getattr(reference, method)
+        episodes = []
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            episodes.append((phase, len(episodes)))
+            with labelled(counter, episodes[-1]):
+                return real(*args, **kwargs)
+
+        setattr(reference, method, wrapped)
+        run.trainer.state.callbacks.insert(0, _StepLabels(counter))
+        counter.adopt(run.trainer)
+        run.fit()
+    return figures(counter, episodes[1:] or episodes)  # (the first refresh also allocates what later ones reuse)
+
+
+def _worker_setup(setting: Setting, output: str) -> tuple[Any, Any, Any]:
+    from curation.core.schedule import Schedule
+    from curation.engine.workers import BatchOrder, WorkerSpec
+    from curation.io.shards import shard_dir_info
+
+    cfg = setting.train_config("worker", "blade")
+    cand = shard_dir_info(cfg.data.candidates, "candidate")
+    num = cand.manifest.totals().sequences
+    spec = WorkerSpec(candidates=cfg.data.candidates, out_dir=os.path.join(setting.root, "runs", f"worker-{output}"),
+                      model=cfg.model.architecture, order=BatchOrder("stream", num, cfg.batch_size, 0),
+                      vocab_size=cand.vocab_size, policy="blade", gamma=0.5, schedule=Schedule.of(cfg),
+                      device="auto", threads=1, needs_proxy=output == "selected")
+    shutil.rmtree(spec.out_dir, ignore_errors=True)
+    return cfg, spec, num
+
+
+def worker_scenario(setting: Setting, output: str) -> Figures:
+    """A scoring worker's steady steps (a unit of 6 steps after a first unit loaded the weights)."""
+    from curation.engine.plan import PROXY, REFERENCE, WorkUnit
+    from curation.engine.weights import Weights
+    from curation.engine.workers import ScoringWorker
+    from curation.io.models import build_causal_lm
+
+    cfg, spec, _ = _worker_setup(setting, output)
+    weights = {(REFERENCE, 0): Weights.from_state_dict(build_causal_lm(cfg.model.architecture)),
+               (PROXY, 2): Weights.from_state_dict(build_causal_lm(cfg.model.architecture))}
+    proxy = 2 if output == "selected" else None
+    with HostReadCounter() as counter:
+        worker = ScoringWorker(spec, 0)
+        real = worker._launch
+
+        def launch(unit: Any, step: int, loaded: Any) -> Any:
+            counter.label = step  # the step launched (and the one before it, finished after it)
+            return real(unit, step, loaded)
+
+        worker._launch = launch
+        counter.label = "warm-up"
+        worker.run(WorkUnit(2, 4, output, 0, proxy), lambda k, v: weights[(k, v)])
+        worker.run(WorkUnit(4, 10, output, 0, proxy), lambda k, v: weights[(k, v)])
+    return figures(counter, list(range(5, 9)))  # (step 9's label also holds its own finish, after the last launch)
+
+
+def weight_load_scenario(setting: Setting) -> Figures:
+    """One model's weights of a new version, both ways: loaded into a worker's scorer (after a first version) and
+    taken from a model on the device (a proxy publication, a refresh's result)."""
+    from curation.engine.plan import REFERENCE
+    from curation.engine.weights import Weights
+    from curation.engine.workers import ScoringWorker
+    from curation.io.models import build_causal_lm
+
+    cfg, spec, _ = _worker_setup(setting, "scored")
+    versions = [Weights.from_state_dict(build_causal_lm(cfg.model.architecture.model_copy(update={"init_seed": i})))
+                for i in range(2)]
+    with HostReadCounter() as counter:
+        worker = ScoringWorker(spec, 0)
+        with labelled(counter, "first"):
+            worker.set_weights(REFERENCE, 0, versions[0])
+        with labelled(counter, "load"):
+            worker.set_weights(REFERENCE, 1, versions[1])
+        with labelled(counter, "take"):
+            Weights.from_state_dict(worker.scorers[REFERENCE].model)
+    return figures(counter, ["load", "take"])
+
+
 def measure(root: str | None = None, *, only: list[str] | None = None) -> dict[str, Any]:
     """Every scenario's figures (``only``: these), the targets, and whether each is met."""
     with contextlib.ExitStack() as stack:
@@ -603,8 +801,11 @@ SCENARIOS: dict[str, Callable[[Setting], Figures]] = {
     "trainer_rho1": lambda s: trainer_scenario(s, "rho1", "rho1")[0],
     "trainer_blade": lambda s: trainer_scenario(s, "blade", "blade")[0],
     "trainer_blade_microbatched": lambda s: trainer_scenario(s, "blade_mb", "blade", microbatch_size=2)[0],
+    "trainer_engine": lambda s: engine_scenario(s, "engine_pipelined", "pipelined"),
+    "trainer_engine_exact": lambda s: engine_scenario(s, "engine_exact", "exact"),
+    "episode_start": lambda s: reference_scenario(s, "score"),
+    "refresh": lambda s: reference_scenario(s, "refresh"),
+    "worker_scored": lambda s: worker_scenario(s, "scored"),
+    "worker_selected": lambda s: worker_scenario(s, "selected"),
+    "weight_load": weight_load_scenario,
 }
-
-
-def main_json(root: str | None = None, only: list[str] | None = None) -> str:
-    return json.dumps(measure(root, only=only))
