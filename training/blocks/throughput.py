@@ -319,6 +319,9 @@ class Throughput(Callback):
         self._show(logger, metrics)
         step = int(state.timestamp.batch)
         if self.lines_every is not None and (step % self.lines_every == 0 or step >= self.total_steps):
+            for reads in state.algorithms:  # the step's loss (read once per line, not per step: StepReads)
+                if hasattr(reads, "drain"):
+                    reads.drain()
             loss = (state.total_loss_dict or {}).get("loss/train/total")
             print(self.line(None if loss is None else float(loss), metrics.get("time/eta_seconds")), flush=True)
 
