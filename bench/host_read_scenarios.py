@@ -52,7 +52,7 @@ from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pip
 from training.runs.wiring import build_training
 from training.selection.shard_scores import EngineScores
 
-__all__ = ["SCENARIOS", "TARGETS", "Figures", "Setting", "LocalEngine", "check_target", "figures", "measure",
+__all__ = ["SCENARIOS", "TARGETS", "Figures", "Setting", "LocalEngine", "check_target", "figures", "measure", "worker_setup",
            "trainer_scenario"]
 
 
@@ -286,7 +286,7 @@ def reference_scenario(setting: Setting, phase: str) -> Figures:
     return figures(counter, episodes[1:] or episodes)  # (the first refresh also allocates what later ones reuse)
 
 
-def _worker_setup(setting: Setting, output: str) -> tuple[Any, Any, Any]:
+def worker_setup(setting: Setting, output: str) -> tuple[Any, Any, Any]:
 
     cfg = setting.train_config("worker", "blade")
     cand = shard_dir_info(cfg.data.candidates, "candidate")
@@ -302,7 +302,7 @@ def _worker_setup(setting: Setting, output: str) -> tuple[Any, Any, Any]:
 def worker_scenario(setting: Setting, output: str) -> Figures:
     """A scoring worker's steady steps (a unit of 6 steps after a first unit loaded the weights)."""
 
-    cfg, spec, _ = _worker_setup(setting, output)
+    cfg, spec, _ = worker_setup(setting, output)
     weights = {(REFERENCE, 0): Weights.from_state_dict(build_causal_lm(cfg.model.architecture)),
                (PROXY, 2): Weights.from_state_dict(build_causal_lm(cfg.model.architecture))}
     proxy = 2 if output == "selected" else None
@@ -325,7 +325,7 @@ def weight_load_scenario(setting: Setting) -> Figures:
     """One model's weights of a new version, both ways: loaded into a worker's scorer (after a first version) and
     taken from a model on the device (a proxy publication, a refresh's result)."""
 
-    cfg, spec, _ = _worker_setup(setting, "scored")
+    cfg, spec, _ = worker_setup(setting, "scored")
     versions = [Weights.from_state_dict(build_causal_lm(cfg.model.architecture.model_copy(update={"init_seed": i})))
                 for i in range(2)]
     with HostReadCounter() as counter:

@@ -45,6 +45,7 @@ from composer.loggers import Logger, ProgressBarLogger
 from composer.models import ComposerModel
 from composer.utils import dist
 
+from curation.core.host_sync import matmul_settings
 from curation.core.schedule import Schedule
 from curation.evaluation.flops import ModelShape, forward_flops, train_flops
 from schemas.train_config import ReplayConfig, TrainConfig
@@ -428,6 +429,8 @@ class Throughput(Callback):
             "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
             if self.reference is not None else None,
             "memory": self.memory(),  # (finish_run writes it as the summary's own `memory`)
+            # fp32 matmul precision of this process (TF32 on a GPU), the same in the workers and the refresh actor
+            "matmul": matmul_settings(),
         }
 
     # --- checkpoint ----------------------------------------------------------------------------------
