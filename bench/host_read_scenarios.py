@@ -253,7 +253,7 @@ def engine_scenario(setting: Setting, name: str, mode: str) -> Figures:
         else:
             run = build_training(t, scored=EngineScores(feed), schedule=curation.plan.schedule)
         run.trainer.state.callbacks.insert(0, EngineSync(feed.handle, feed.plan, algorithm=run.algorithm,
-                                                         distance_interval=t.effective_distance_interval))
+                                                         distance_interval=getattr(t, "effective_distance_interval", t.distance_interval)))
         run.trainer.state.callbacks.insert(0, _StepLabels(counter))
         counter.adopt(run.trainer)
         counter.label = "fit_start"

@@ -124,7 +124,8 @@ class HostCopies:
 
     :meth:`put` queues the copies of a set of tensors and records an event; :meth:`get` waits for that event (the one
     host wait) and returns the host tensors, which stay valid until ``slots`` more puts (copy out what is kept).
-    Where the device does not queue (a CPU), the host tensors are the tensors themselves.
+    Where the device does not queue (a CPU), the host tensors are the tensors themselves. Buffers and events are
+    the slots' own, reused put after put.
 
     Args:
         device: where the tensors are.
@@ -135,6 +136,7 @@ class HostCopies:
         self.device = torch.device(device)
         self.queued = queues(self.device)
         self.ring = PinnedRing(self.device, slots)
+        self._events: list[Any] = [None] * slots  # one CUDA event per slot, re-recorded at each put
         self.waits = 0
 
     def put(self, tensors: Mapping[str, Tensor]) -> Ticket:
@@ -145,7 +147,11 @@ class HostCopies:
         for name, t in tensors.items():
             t = t.detach()
             host[name] = self.ring.buffer(slot, name, t.shape, t.dtype).copy_(t, non_blocking=True)
-        return Ticket(slot, host, event(self.device))
+        ready = self._events[slot]
+        if ready is None:
+            ready = self._events[slot] = torch.cuda.Event()
+        ready.record()
+        return Ticket(slot, host, ready)
 
     def get(self, ticket: Ticket) -> dict[str, Tensor]:
         if ticket.ready is not None:
