@@ -187,7 +187,7 @@ class BladeAlgorithm(StepReads):
         losses, valid = getattr(state.model, "module", state.model).token_losses(state.outputs, batch)
         with self.meters.timed("select", self.device):
             proxy_losses = losses.detach()
-            # A non-finite loss fails the step in _after_step, once its results are read on the host; until then the
+            # A non-finite loss fails the step in finish(), once its record is read on the host; until then the
             # selection sees 0 there (on a GPU its own check is a device assertion that would end the process).
             finite = torch.isfinite(proxy_losses) | ~valid
             sel = self.select(p.step, torch.where(finite, proxy_losses, 0.0), valid, batch.get("ref_loss"),
