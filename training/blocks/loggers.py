@@ -7,8 +7,11 @@ same name and step.
 * **mlflow** (``MLFlowLogger``): a run in ``experiment`` of the local store ``tracking_uri`` (SQLite by default: no
   server), tagged ``blade.output_dir``; a resumed training run continues the MLflow run of its output directory.
   Every step's value is recorded (Composer's default skips a value equal to the last one).
-* **wandb** (``WandBLogger``): offline by default, a run directory under ``dir/wandb/`` (``wandb sync`` uploads
-  it later); each attempt of a resumed run is its own offline run.
+* **wandb** (``WandBLogger``, :class:`StepOrderedWandB`): offline by default, a run directory under ``dir/wandb/``
+  (``wandb sync`` uploads it later); each attempt of a resumed run is its own offline run. W&B drops a value logged
+  under a step below one it has seen; a step's loss is read (and logged, under its own step) a step later
+  (:mod:`training.blocks.step_reads`), so W&B's values are handed over in step order, a step's once a later step's
+  have come (the rest at the end).
 
 A package that is missing is one line naming the extra to install (:func:`check_installed`), raised before the
 run starts. Under data-parallel training only rank 0 writes: the JSON-lines and TensorBoard destinations exist on
@@ -27,7 +30,7 @@ from composer.loggers import MLFlowLogger, TensorboardLogger, WandBLogger
 
 from schemas.train_options import LOGGER_PACKAGES, LoggersConfig
 
-__all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG"]
+__all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG", "StepOrderedWandB"]
 
 #: MLflow tag naming the run's output directory (a resumed run continues the MLflow run that has it).
 OUTPUT_DIR_TAG = "blade.output_dir"
@@ -61,9 +64,36 @@ def experiment_loggers(cfg: LoggersConfig, output_dir: str, *, rank: int, flush_
         directory = cfg.wandb.resolved_dir(output_dir)
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
-        out.append(WandBLogger(project=cfg.wandb.project, entity=cfg.wandb.entity, name=name, rank_zero_only=True,
+        out.append(StepOrderedWandB(project=cfg.wandb.project, entity=cfg.wandb.entity, name=name, rank_zero_only=True,
                                init_kwargs={"mode": cfg.wandb.mode, "dir": directory}))
     return out
+
+
+class StepOrderedWandB(WandBLogger):
+    """Composer's W&B destination, its values handed to W&B in step order (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: dict[int, dict[str, Any]] = {}
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if step is None:
+            super().log_metrics(metrics, step)
+            return
+        self._held.setdefault(int(step), {}).update(metrics)
+        for s in sorted(k for k in self._held if k < step - 1):  # (a value comes at most a step late)
+            super().log_metrics(self._held.pop(s), s)
+
+    def flush_held(self) -> None:
+        for s in sorted(self._held):
+            super().log_metrics(self._held.pop(s), s)
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        self.flush_held()
+
+    def close(self, state: Any, logger: Any) -> None:
+        self.flush_held()
+        super().close(state, logger)
 
 
 @contextmanager
