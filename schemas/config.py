@@ -123,9 +123,25 @@ _YAMLLoader.add_implicit_resolver(
 )
 
 
+MAX_DEPTH = 64  # mappings and lists a config nests at most (deeper: one line, not a RecursionError)
+
+
 def load_yaml(stream: Any) -> Any:
-    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`."""
-    return yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse YAML config text (a string or a file); not UTF-8, or nested past MAX_DEPTH: a one-line YAMLError."""
+    depth = MAX_DEPTH + 1  # (kept when the parser recurses too deep)
+    try:
+        data = yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+        depth, level = 0, [data] if isinstance(data, dict | list) else []
+        while level and depth <= MAX_DEPTH:  # level by level: a value nested deeper than Python recurses
+            depth, level = depth + 1, [v for n in level for v in (n.values() if isinstance(n, dict) else n)
+                                       if isinstance(v, dict | list)]
+    except UnicodeDecodeError as e:
+        raise yaml.YAMLError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x}): a config is a YAML text file") from None
+    except RecursionError:
+        pass
+    if depth > MAX_DEPTH:
+        raise yaml.YAMLError(f"mappings and lists nested more than {MAX_DEPTH} levels deep (a config nests a few)")
+    return data
 
 
 class ConfigError(ValueError):

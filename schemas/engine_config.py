@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, PrepareConfig, RayConfig, StrictModel
-from schemas.records import OPERATIONAL
+from schemas.records import INPUT, OPERATIONAL
 from schemas.train_config import ModelConfig, Precision, TrainConfig, demo_model_config
 
 __all__ = [
@@ -150,11 +150,13 @@ class CurateConfig(StrictModel):
     loss of the reference over the model it was trained from).
     """
 
-    candidates: str = Field(description="candidate-shard directory (jobs/prepare.py output)")
-    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest")
+    candidates: str = Field(description="candidate-shard directory (jobs/prepare.py output)", json_schema_extra=INPUT)
+    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest",
+                                  json_schema_extra=INPUT)
     model: ModelConfig = Field(description="architecture (and base weights) of the proxy and the reference")
-    reference_weights: str = Field(description="safetensors of the reference w̃")
-    proxy_weights: str | None = Field(None, description="safetensors of the proxy u; None = the base model")
+    reference_weights: str = Field(description="safetensors of the reference w̃", json_schema_extra=INPUT)
+    proxy_weights: str | None = Field(None, description="safetensors of the proxy u; None = the base model",
+                                      json_schema_extra=INPUT)
     gamma: Gamma = Field(0.6, description="γ: fraction of valid tokens kept per candidate batch, in (0, 1]")
     batch_size: int = Field(16, ge=1, description="sequences per candidate batch (selection block)")
     shuffle: bool = Field(

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
-from schemas.records import EXTENDABLE, OPERATIONAL
+from schemas.records import EXTENDABLE, INPUT, OPERATIONAL
 from schemas.train_options import LoggersConfig, ThroughputConfig
 
 __all__ = [
@@ -74,10 +74,12 @@ class ModelConfig(StrictModel):
     hf_config: dict[str, Any] | None = Field(
         None, description="HF config as a dict with 'model_type' (e.g. llama); the model is built with random init"
     )
-    path: str | None = Field(None, description="local HF model directory (config.json + weights); no hub access")
+    path: str | None = Field(None, description="local HF model directory (config.json + weights); no hub access",
+                             json_schema_extra=INPUT)
     trust_remote_code: bool = Field(False, description="allow custom modelling code from `path` (off unless asked)")
     init_seed: int = Field(0, ge=0, description="seed of the random initialisation (hf_config)")
-    weights: str | None = Field(None, description="safetensors file loaded over the built model (e.g. a final proxy)")
+    weights: str | None = Field(None, description="safetensors file loaded over the built model (e.g. a final proxy)",
+                                json_schema_extra=INPUT)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -132,13 +134,15 @@ def demo_model_config(vocab_size: int = 2048, *, hidden: int = 64, layers: int =
 class DataConfig(StrictModel):
     """Where the shards are (written by ``jobs/prepare.py``)."""
 
-    candidates: str = Field(description="candidate-shard directory (MDS + manifest.json)")
-    validation: str = Field(description="validation-shard directory (the target set)")
+    candidates: str = Field(description="candidate-shard directory (MDS + manifest.json)", json_schema_extra=INPUT)
+    validation: str = Field(description="validation-shard directory (the target set)", json_schema_extra=INPUT)
     tokenizer: str | None = Field(
-        None, description="tokenizer.json (or directory); when set, its fingerprint must match the shard manifests"
+        None, description="tokenizer.json (or directory); when set, its fingerprint must match the shard manifests",
+        json_schema_extra=INPUT,
     )
     scored: str | None = Field(
-        None, description="scored-shard directory with ref_loss for the stream; None = in-process reference"
+        None, description="scored-shard directory with ref_loss for the stream; None = in-process reference",
+        json_schema_extra=INPUT,
     )
 
 
@@ -162,7 +166,8 @@ class SelectionConfig(StrictModel):
     )
     rho1_steps: int = Field(30, ge=0, description="rho1: steps of the static reference on validation data")
     reference_weights: str | None = Field(
-        None, description="rho1: safetensors of an already trained static reference (skips its training)"
+        None, description="rho1: safetensors of an already trained static reference (skips its training)",
+        json_schema_extra=INPUT,
     )
     seed: int = Field(0, ge=0, description="seed of the random policy's scores")
     score_batch_size: int | None = Field(None, ge=1, description="sequences per reference scoring forward; None = b")
@@ -359,9 +364,12 @@ class TrainConfig(StrictModel):
 class ReplayConfig(StrictModel):
     """Config of ``jobs/replay.py``: train another model (size) on selected-token shards (BLADE-Tr)."""
 
-    selected: str = Field(description="selected-token shard directory written by jobs/train.py")
-    validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation")
-    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest")
+    selected: str = Field(description="selected-token shard directory written by jobs/train.py",
+                          json_schema_extra=INPUT)
+    validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation",
+                                   json_schema_extra=INPUT)
+    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest",
+                                  json_schema_extra=INPUT)
     model: TrainModelConfig
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -46,7 +46,7 @@ from curation.ingest.group import ShardGroup
 from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.outputs import localize, open_output
 from curation.io.progress import progress
 from schemas.config import PrepareConfig, SourceConfig
@@ -96,6 +96,7 @@ class PrepareResult:
     workers: int = 1  # processes that ran the units (1: this one)
     unit_cpu_seconds: float = 0.0  # CPU time of the units' runs (in every process)
     uploaded: str | None = None  # an s3:// output_dir: "uploaded N files to s3://…; it holds M objects (X MiB)"
+    uploaded_elsewhere: int = 0  # objects the units run in other processes (Ray tasks) uploaded
 
     @property
     def tokens_per_second(self) -> float:
@@ -118,12 +119,13 @@ def prepare(cfg: PrepareConfig, *, pool: PoolFactory | None = None) -> PrepareRe
         StopRequested: a SIGTERM / SIGINT came (finished parts are recorded; a rerun continues).
     """
     cfg = localize(cfg)  # an s3:// output_dir: its local cache (curation.io.storage), filled from the bucket
+    mark = objects.upload_mark()  # this run's uploads are counted from here
     with open_output(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
         # a given tokenizer is loaded before the config is recorded: a wrong tokenizer.path leaves no record that
         # would refuse the corrected rerun (one trained here is saved under output_dir: recorded first)
         tok = _get_tokenizer(cfg) if cfg.tokenizer.path is not None else None
         lock.write_records()
-        return _prepare_locked(cfg, pool, tok)
+        return _prepare_locked(cfg, pool, tok, mark)
 
 
 def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
@@ -136,7 +138,8 @@ def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
     return sorted(demo - other)
 
 
-def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTokenizer | None) -> PrepareResult:
+def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTokenizer | None,
+                    mark: int) -> PrepareResult:
     start = time.perf_counter()
     for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
@@ -167,7 +170,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
         result.manifests[group.name] = group.manifest if group.manifest.complete else group.commit(final=True)
     # an object-store output_dir: every file was published as it was written; what is left (none, normally) goes now,
     # still under the lock, and the bucket's own count confirms it
-    result.uploaded = storage.push_all(cfg.output_dir)
+    result.uploaded = storage.push_all(cfg.output_dir, since=mark, elsewhere=result.uploaded_elsewhere)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -203,6 +206,7 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
                 by_out[res.unit.out].update(res.record)
                 result.tokens_processed += res.tokens
                 result.unit_cpu_seconds += res.cpu_seconds
+                result.uploaded_elsewhere += res.uploaded if res.pid != os.getpid() else 0  # (this one counts its own)
                 bar.update(1)
                 if res.error is not None:
                     e = res.error

@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
 from curation.io.cache import urls_in_text
+from curation.io.live_locks import LOCK_NAME, live_locks  # (the lock file's name: defined there, used here)
 from schemas.config import load_record_yaml
 from schemas.records import as_dict, config_diff, extendable_keys, leaves, operational_keys
 
@@ -52,18 +53,22 @@ T = TypeVar("T")
 __all__ = [
     "report_job_errors",
     "LOCK_NAME",
+    "INPUTS_NAME",
     "OutputDirError",
     "OutputDirBusy",
     "ConfigMismatch",
+    "InputsChanged",
     "OutputDirLock",
     "check_config_record",
     "write_config_record",
     "open_output_dir",
     "location_keys",
     "describe_os_error",
+    "live_locks",
 ]
 
-LOCK_NAME = ".lock"
+#: The record of the inputs a run was started with (:mod:`curation.io.inputs`), beside its config records.
+INPUTS_NAME = "inputs.json"
 
 
 class OutputDirError(ValueError):
@@ -82,6 +87,11 @@ class ConfigMismatch(OutputDirError):
         self.keys = keys
 
 
+class InputsChanged(OutputDirError):
+    """An input the run was started with (shards, tokenizer, weights) has other content now
+    (:mod:`curation.io.inputs`)."""
+
+
 # ------------------------------------------------------------------------------------------------
 # lock
 # ------------------------------------------------------------------------------------------------
@@ -98,7 +108,11 @@ class OutputDirLock:
         self.name = name or directory  # how messages name it (an object-store URL for its local cache)
         self.path = os.path.join(directory, LOCK_NAME)
         self.on_release: list[Callable[[], None]] = []  # run once when the lock is released
+        _refuse_nested(directory, self.name)  # before anything is created there
         self.on_record: Callable[[str], None] | None = None  # run after each record is written (its path)
+        # run by write_records before it writes anything (the check of the run's inputs: curation.io.inputs)
+        self.before_records: list[Callable[[], None]] = []
+        self.replaced = False  # a record that produced no output is replaced: so is its record of inputs
         self.on_discard: Callable[[str], None] | None = None  # run before a file is removed by discard_unstarted
         self.fresh = False  # the directory held nothing but its lock when this run took it (open_output_dir)
         self.records: set[str] = set()  # the names of the directory's config records
@@ -170,7 +184,10 @@ class OutputDirLock:
         return True
 
     def write_records(self) -> None:
-        """Write the config records the directory did not have yet (an equal record is not rewritten)."""
+        """Run the :attr:`before_records` checks (they may refuse the run: nothing is written then), then write the
+        config records the directory did not have yet (an equal record is not rewritten)."""
+        while self.before_records:
+            self.before_records.pop(0)()
         for name, cfg in list(self.pending.items()):
             write_config_record(os.path.join(self.directory, name), cfg)
             if self.on_record is not None:
@@ -197,12 +214,44 @@ class OutputDirLock:
         self.release()
 
 
+def _refuse_nested(directory: str, name: str) -> None:
+    """Refuse ``directory`` when it is inside, or holds, the output directory of a live run of another process on
+    this host (a job writing into another run's folder, or around it, can overwrite or delete its files).
+
+    Raises:
+        OutputDirBusy: naming the other run's directory and holder.
+    """
+    here = os.path.realpath(directory)
+    for path, pid in live_locks():
+        other = os.path.dirname(os.path.realpath(path))
+        if pid == os.getpid() or other == here:  # (this process's own: the main job's prepare inside its run)
+            continue
+        inside, around = here.startswith(other + os.sep), other.startswith(here + os.sep)
+        if inside or around:
+            try:
+                with open(path, "rb") as f:
+                    holder = _holder_text(f.read(1 << 16))
+            except OSError:
+                holder = f"pid {pid}"
+            where = f"is inside {other}" if inside else f"holds {other}"
+            raise OutputDirBusy(f"{name} {where}, the output directory of a live run ({holder}): a job must not write "
+                                "into another run's directory or around it; use an output_dir outside it")
+
+
 def _read_holder(fd: int) -> str:
     try:
-        info = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
-    except (OSError, ValueError):
+        data = os.pread(fd, 1 << 16, 0)
+    except OSError:
+        data = b""
+    return _holder_text(data)
+
+
+def _holder_text(data: bytes) -> str:
+    try:
+        info = json.loads(data.decode() or "{}")
+    except ValueError:
         info = {}
-    if not info:
+    if not info or not isinstance(info, dict):
         return "holder unknown (its lock file is being written)"
     return (f"{info.get('job', 'a job')} pid {info.get('pid')} on host {info.get('host')}, "
             f"started {info.get('started')} ({info.get('command', '')})")
@@ -339,6 +388,7 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
                     print(f"note: {shown or path} records a config that produced no output yet (differs in: "
                           f"{', '.join(e.keys)}): replacing it with this run's", file=sys.stderr)
                     lock.pending[record] = cfg
+                    lock.replaced = True
                     continue
                 sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
                 raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
@@ -356,7 +406,7 @@ def _holds_outputs(directory: str, records: set[str]) -> bool:
     cannot be read as such an empty manifest is an output."""
     for root, _, files in os.walk(directory):
         for f in files:
-            if root == directory and f in records | {LOCK_NAME}:
+            if root == directory and f in records | {LOCK_NAME, INPUTS_NAME}:
                 continue
             if f == "manifest.json" and _lists_no_shard(os.path.join(root, f)):
                 continue

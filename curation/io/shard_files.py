@@ -27,12 +27,36 @@ from curation.io import storage
 from curation.io.mds import MDS_ENCODINGS, SHARD_HASH
 from curation.io.paths import safe_join
 
-__all__ = ["ShardIntegrityError", "FileInfo", "ShardEntry", "shard_entries", "check_bytes", "load_shard_file", "check_shard_file", "shard_file",
-           "check_index_names", "decode_sample", "raw_cache_dir", "raw_cache_path", "map_file"]
+__all__ = ["ShardIntegrityError", "ShardIndexError", "FileInfo", "ShardEntry", "shard_entries", "check_bytes",
+           "load_shard_file", "check_shard_file", "shard_file", "check_index_names", "decode_sample", "raw_cache_dir",
+           "raw_cache_path", "map_file"]
 
 
 class ShardIntegrityError(ValueError):
     """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
+
+
+class ShardIndexError(ValueError):
+    """An ``index.json`` is not an MDS index: one line naming the file, the shard and the key."""
+
+
+#: What an MDS index (version 2, streaming's ``MDSWriter``) records for each shard, and for each of its files.
+_SHARD_KEYS = {"version": int, "format": str, "column_names": list, "column_encodings": list, "column_sizes": list,
+               "compression": (str, type(None)), "hashes": list, "raw_data": dict, "zip_data": (dict, type(None)),
+               "samples": int, "size_limit": (int, type(None))}
+_FILE_KEYS = {"basename": str, "bytes": int, "hashes": dict}
+
+
+def _check_keys(entry: object, keys: dict[str, Any], index: str, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise ShardIndexError(f"{index}: {where} is {type(entry).__name__}, not a mapping: not an MDS index")
+    for key, kind in keys.items():
+        if key not in entry:
+            raise ShardIndexError(f"{index}: {where} has no {key!r} key (an MDS index records {', '.join(keys)}); "
+                                  "restore the index or write the dataset again")
+        if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
+            raise ShardIndexError(f"{index}: {where}.{key} is {type(entry[key]).__name__}, not what an MDS index "
+                                  "records; restore the index or write the dataset again")
 
 
 @dataclass(frozen=True)
@@ -96,16 +120,35 @@ def _entry(obj: Any) -> ShardEntry | None:
                       obj["samples"], obj.get("size_limit"), index=dict(obj))
 
 
-def shard_entries(directory: str, shards: Sequence[Any]) -> list[Any]:
-    """The shards an ``index.json`` of ``directory`` lists: :class:`ShardEntry` for ours, ``streaming``'s reader (its
-    checks and errors) for any other."""
+def shard_entries(directory: str, shards: object) -> list[Any]:
+    """The shards an ``index.json`` of ``directory`` lists: :class:`ShardEntry` for ours, ``streaming``'s reader for
+    any other; each entry checked first against what an MDS index records (a key left out, the ``hashes`` of a file
+    say, is an error here, not a bare ``TypeError`` from ``streaming``, nor a shard read without its hash check).
+
+    Raises:
+        ShardIndexError: naming the index, the shard and the key.
+    """
+    index = storage.display(os.path.join(directory, "index.json"))  # (an object-store index: by its URL)
+    if not isinstance(shards, list):
+        raise ShardIndexError(f"{index}: 'shards' is {type(shards).__name__}, not a list of shards: not an MDS index")
     out: list[Any] = []
-    for obj in shards:
+    for i, obj in enumerate(shards):
+        _check_keys(obj, _SHARD_KEYS, index, f"shards[{i}]")
+        if obj["version"] != 2 or obj["format"] != "mds":
+            raise ShardIndexError(f"{index}: shards[{i}] is version {obj['version']!r:.20} in format "
+                                  f"{obj['format']!r:.40}; only MDS shards of version 2 are read")
+        for name in ("raw_data", "zip_data"):
+            if obj[name] is not None:
+                _check_keys(obj[name], _FILE_KEYS, index, f"shards[{i}].{name}")
         entry = _entry(obj)
         if entry is None:
             from streaming.base.format import reader_from_json
 
-            entry = reader_from_json(directory, None, obj)
+            try:
+                entry = reader_from_json(directory, None, obj)
+            except (TypeError, KeyError, ValueError, AssertionError) as e:  # what the checks above did not foresee
+                raise ShardIndexError(f"{index}: shards[{i}] cannot be read ({type(e).__name__}: "
+                                      f"{str(e)[:200]})") from None
         out.append(entry)
     return out
 

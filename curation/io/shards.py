@@ -40,6 +40,7 @@ from curation.io.atomic import atomic_write_text, write_manifest
 from curation.io.mds import SHARD_HASH, RowBlock, batch_decoder, sample_decoder, write_mds
 from curation.io.paths import safe_join
 from curation.io.shard_files import (
+    ShardIndexError,
     ShardIntegrityError,
     check_bytes,
     check_index_names,
@@ -59,7 +60,7 @@ __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
-    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir",
+    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir", "ShardIndexError",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -252,6 +253,9 @@ class ShardReader:
             index = json.load(f)
         self.path = path
         self._hint = hint or (lambda name: recovery_hint(path, name))
+        if not isinstance(index, dict) or "shards" not in index:
+            raise ShardIndexError(f"{storage.display(os.path.join(path, 'index.json'))}: has no 'shards' list: not an "
+                                  "MDS index")
         self.shards = shard_entries(path, index["shards"])  # (ours without importing streaming)
         check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)

@@ -90,6 +90,27 @@ def test_a_wrong_tokenizer_path_leaves_no_record_so_the_corrected_rerun_runs(tmp
     assert out.returncode == 0, out.stderr
 
 
+def test_a_fifo_input_and_a_read_error_end_the_job_in_one_line_naming_the_input(tmp_path):
+    """P26: a FIFO among the inputs hung the job for ever; P27: an input failing on read (EIO: /proc/self/mem at
+    offset 0) was reported naming the output directory only."""
+    tok = tmp_path / "tok.json"
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(iter(["a b c"] * 20), vocab_size=260, save_to=str(tok))
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    common = ["--set", "validation=[]", "--set", f"tokenizer.path={tok}", "--set", "demo=false", "--set", "workers=1",
+              "--set", "progress=false"]
+    out = _run("--set", f"sources=[{{name: s, paths: [{tmp_path / 'pipe.jsonl'}]}}]", "--set",
+               f"output_dir={tmp_path / 'a'}", *common, cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'pipe.jsonl'}: is a FIFO (named pipe), not a regular file: inputs are read as files, "
+        "more than once (source 's')"]
+    out = _run("--set", "sources=[{name: s, format: jsonl, paths: [/proc/self/mem]}]", "--set",
+               f"output_dir={tmp_path / 'b'}", *common, cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"error: preparing into {tmp_path / 'b'} failed (/proc/self/mem): Input/output error"]
+
+
 def _own_text(tmp_path, n: int = 3) -> list:
     paths = []
     for i in range(n):

@@ -104,7 +104,7 @@ def test_the_page_shows_the_kept_tokens_of_the_shards(runs, chromium, capsys):
     (line,) = out.splitlines()
     assert re.match(r"blade \(train, 14 steps\): kept [\d,]+ of [\d,]+ candidates .*14 of 14 steps read; page "
                     rf"{re.escape(os.path.join(run, 'selection', 'index.html'))} \(\d+ KiB, [\d.]+ s\)$", line), line
-    assert "show_selection: 100% (" in err  # progress lines (no terminal here), not a bar's carriage returns
+    assert re.search(r"^show_selection: ([\d]+)/\1 tokens \(100%\)", err, re.M), err  # progress lines (no terminal here), not a bar's carriage returns
     assert "\r" not in err
     html = open(os.path.join(run, "selection", "index.html"), encoding="utf-8").read()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # self-contained: nothing from elsewhere

@@ -205,6 +205,25 @@ def test_the_batch_decoder_leaves_what_it_cannot_decode_whole_to_the_rows(tmp_pa
     assert decode([(size_too_big, 1)]) is None and decode([(b"", 0)]) is None
 
 
+@pytest.mark.parametrize("full", ["shard.00000.mds.zstd", "index.json"])
+def test_a_full_disk_names_the_shard_file_being_written(tmp_path, full):
+    """P36 (issue 55): a full disk while writing selected shards named no file (write() and close() errors carry
+    none), though docs/FAILURES.md promises one. The file is a link to /dev/full: the kernel's own ENOSPC."""
+    import errno
+
+    from curation.io.outdir import describe_os_error
+
+    out = tmp_path / "part"
+    out.mkdir()
+    os.symlink("/dev/full", out / full)
+    rows = list(_samples(SELECTED, 512, 5, np.random.default_rng(0)))
+    with pytest.raises(OSError) as e:
+        write_mds(str(out), SELECTED.mds_columns(vocab_size=512), rows, size_limit=1 << 20)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / full)
+    assert describe_os_error(e.value, "training into runs/x failed").startswith(
+        f"training into runs/x failed ({out / full}): No space left on device; the disk is full: free space")
+
+
 @pytest.mark.parametrize("spec", [CANDIDATE, SELECTED], ids=lambda s: s.name)
 def test_our_shards_are_read_without_importing_streaming_or_torch(tmp_path, spec):
     """An index entry of the kind write_mds writes is read by the project's own reader (the run inspector reads shards

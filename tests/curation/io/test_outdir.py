@@ -70,6 +70,42 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         assert lock.holder["pid"] == os.getpid()
 
 
+def test_an_output_dir_inside_or_around_a_live_run_is_refused(tmp_path):
+    """P18 (issue 55): a second job writing into a live run's folder (or a folder holding it) was accepted. A sibling
+    is not refused, nor, in the same process, a directory inside its own run's (the main job's prepare); once the run
+    ends, both are accepted."""
+    run = tmp_path / "runs" / "live"
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from curation.io.outdir import OutputDirLock
+        lock = OutputDirLock({str(run)!r}, "train")
+        print("locked", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirBusy) as inside:
+            OutputDirLock(str(run / "selected" / "x"), "curate")
+        assert str(inside.value).startswith(f"{run / 'selected' / 'x'} is inside {run}, the output directory of a "
+                                            f"live run (train pid {proc.pid} on host ")
+        assert str(inside.value).endswith("a job must not write into another run's directory or around it; use an "
+                                          "output_dir outside it")
+        with pytest.raises(OutputDirBusy, match=rf"^{tmp_path / 'runs'} holds {run}, the output directory of a live "
+                                                rf"run \(train pid {proc.pid} on host "):
+            OutputDirLock(str(tmp_path / "runs"), "prepare")
+        assert not os.path.exists(tmp_path / "runs" / LOCK_NAME)  # (refused before it wrote its holder)
+        with OutputDirLock(str(tmp_path / "runs" / "sibling"), "train"):
+            with OutputDirLock(str(tmp_path / "runs" / "sibling" / "data"), "prepare"):  # this process's own
+                pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    OutputDirLock(str(run / "selected" / "x"), "curate").release()
+    OutputDirLock(str(tmp_path / "runs"), "prepare").release()
+
+
 def test_config_diff_names_exactly_the_differing_leaf_keys():
     old = {"a": 1, "sel": {"gamma": 0.6, "lam": 1.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "b"]}], "bar": True}
     new = {"a": 1, "sel": {"gamma": 0.6, "lam": 2.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "c"]}],
