@@ -4,12 +4,14 @@ per weight load (issue 52). A read added to a steady step fails here, naming its
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import pytest
 import torch
 
-from bench.host_read_scenarios import SCENARIOS, TARGETS, Setting, check_target, trainer_scenario
+from bench.host_read_scenarios import SCENARIOS, TARGETS, Setting, check_target, figures, trainer_scenario
 from bench.host_reads import HostReadCounter, on_device
 from curation.core.host_sync import STAND_IN, HostCopies, queues
 
@@ -109,3 +111,24 @@ def test_a_read_added_to_a_steady_step_fails_naming_its_site(setting, monkeypatc
     assert f.per_step == 2 and site in f.sites, f.sites
     with pytest.raises(AssertionError, match=re.escape(site)):
         check_target("trainer_blade", f)
+
+
+def test_the_selection_figures_add_no_read_to_a_steady_step(setting):
+    """Issue 57's figures for the loggers (each log interval's shares and Δ quantiles, each ended episode's Δ
+    histogram) come from the step records already read (issue 52): a blade run with τ = 4 and a log interval of 2
+    logs both within its measured steps, at one read each. Episodes start at steps 2, 6 and 10 (their scoring and
+    refresh: ``episode_start``'s target), not measured here; episode 0's histogram goes out at step 7, when step 6's
+    record (episode 1's first) is read."""
+    f, counter = trainer_scenario(setting, "blade_figures", "blade", selection={"tau": 4},
+                                  throughput={"log_interval": 2})
+    steady = [4, 5, 7, 8, 9]
+    f = figures(counter, steady)
+    check_target("trainer_blade", f)
+    assert f.per_step == 1 and all(len(counter.by_label().get(s, [])) == 1 for s in steady), f.sites
+    with open(os.path.join(setting.root, "runs", "blade_figures", "logs", "metrics.jsonl"), encoding="utf-8") as fh:
+        lines = [json.loads(line) for line in fh]
+    tables = {r["table"]: r["step"] for r in lines if "table" in r}
+    assert tables == {"blade/delta_histogram/episode_0000": 6, "blade/delta_histogram/episode_0001": 10,
+                      "blade/delta_histogram/episode_0002": 12}
+    shares = sorted(r["step"] for r in lines if "blade/kept_share/target" in r)
+    assert shares == [2, 4, 6, 8, 10, 12]
