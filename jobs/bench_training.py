@@ -42,6 +42,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the demo's hidden/16, head_dim 16; GPU-shaped models: head_dim 64)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--phase-pass", action="store_true",
+                   help="time BLADE's phases (select, score, refresh, distance) on the device with CUDA events, read "
+                        "once at the end (phase_device_seconds); the headline ratios never synchronise per phase")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is then a stable measure)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="cpu: process CPU time (robust to other load on a shared machine); wall: elapsed time")

@@ -30,7 +30,7 @@ import copy
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -253,10 +253,11 @@ class EngineState(Generic[H]):
         self.refreshing[task.version] = task.source_step
         self.core.publish(REFERENCE, task.version)
 
-    def refresh_done(self, version: int, error: str | None = None) -> None:
-        """A launched refresh ended (``error``: its message; the engine then fails with it)."""
+    def refresh_done(self, version: int, error: str | None = None, shards: Sequence[str] = ()) -> None:
+        """A launched refresh ended (``error``: its message; the engine then fails with it, blaming ``shards``: the
+        input shard files of bad data it met)."""
         if error is not None:
-            self.core.fail(f"refresh of reference {version} failed: {error}")
+            self.core.fail(f"refresh of reference {version} failed: {error}", shards)
         self.refreshing.pop(version, None)
         self.prune()
 
@@ -299,7 +300,7 @@ class EngineState(Generic[H]):
             EngineError: the engine failed, or no unit covers ``step``.
         """
         if self.core.failed is not None:
-            raise EngineError(self.core.failed)
+            raise self.core.error()
         unit = self.core.unit_for(step)
         if unit is None:
             raise EngineError(f"no work unit covers step {step}")
@@ -352,9 +353,14 @@ class EngineState(Generic[H]):
         """The trainer is about to take ``step`` (back-pressure)."""
         self.core.trainer_at(step)
 
-    def fail(self, message: str) -> None:
-        """The engine failed (a worker met bad data, a refresh failed): every worker stops, every wait raises."""
-        self.core.fail(message)
+    def fail(self, message: str, shards: Sequence[str] = ()) -> None:
+        """The engine failed (a worker met bad data, a refresh failed): every worker stops, every wait raises;
+        ``shards``: the input shard files whose data it blames (:mod:`curation.io.bad_shards`)."""
+        self.core.fail(message, shards)
+
+    def error(self) -> EngineError:
+        """The failure as the error every caller of the engine raises (blaming its shard files)."""
+        return self.core.error()
 
     def stop(self) -> None:
         """Hand out no more units (the driver ends the engine)."""

@@ -1,4 +1,6 @@
 """Model weights as numpy arrays: what goes into the object store once per version, saved as safetensors.
+
+Between a GPU and the host they cross in one piece per dtype (:mod:`curation.core.flat_weights`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from curation.core.flat_weights import FlatStaging, device_to_host, load_state_flat
 from curation.io import storage
 from curation.io.models import save_weights
 
@@ -35,8 +38,7 @@ class Weights:
     def from_state_dict(cls, model: nn.Module | Mapping[str, Tensor]) -> Weights:
         sd = model.state_dict() if isinstance(model, nn.Module) else model
         arrays, bf16 = {}, []
-        for k, v in sd.items():
-            v = v.detach().to("cpu")
+        for k, v in device_to_host(sd).items():
             if v.dtype == torch.bfloat16:
                 bf16.append(k)
                 v = v.view(torch.int16)
@@ -53,8 +55,9 @@ class Weights:
                 out[k] = t.view(torch.bfloat16) if k in self.bf16 else t
         return out
 
-    def load_into(self, model: nn.Module) -> None:
-        model.load_state_dict(self.state_dict(), strict=True)
+    def load_into(self, model: nn.Module, *, staging: FlatStaging | None = None) -> None:
+        """Load into ``model`` (strict); on a GPU in one copy per dtype (:func:`load_state_flat`)."""
+        load_state_flat(model, self.state_dict(), what="weights", staging=staging)
 
     def save(self, path: str) -> str:
         """Atomically write a safetensors file."""

@@ -123,7 +123,8 @@ def run_rank(cfg: TrainConfig, ranks: Ranks, feed: EngineFeed | None, *, callbac
     sync = None
     if feed is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
         assert run.algorithm is not None
-        sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm, distance_interval=cfg.distance_interval)
+        sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm,
+                          distance_interval=cfg.effective_distance_interval)
         run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
     if ready is not None:
         ready(run)
