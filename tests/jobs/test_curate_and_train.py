@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 from curation.io.shards import ShardReader
 from schemas.manifest import Manifest
 from schemas.shards import validate_shard_dir
+from tests import timing
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -42,7 +43,7 @@ def _config(path, train: dict, **sections) -> str:
 
 
 def _run(config: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
+    out = timing.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
                          timeout=timeout, env=_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
@@ -142,11 +143,11 @@ def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_trai
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     ckpt = os.path.join(out, "checkpoints", "latest-rank0.pt")
-    deadline = time.monotonic() + 240
-    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while not os.path.exists(ckpt) and proc.poll() is None and not deadline.expired():
         time.sleep(0.02)
     session_killer(proc.pid)  # the driver (trainer), the local Ray instance and its actors
-    proc.wait(timeout=60)
+    timing.wait(proc, timeout=60)
     assert proc.returncode == -9, "the job ended before it could be killed"
     assert not Manifest.load(os.path.join(out, "scored")).complete
     resumed = _run(cfg)
@@ -219,7 +220,7 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
     env = {**_env(), "RAY_AUTH_MODE": "token"}
 
     def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
+        return timing.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
     # The head node runs in the foreground (--block) in its own session, so that stopping it ends exactly the
     # processes it started (`ray stop` would end every Ray instance on the machine, other users' included).
@@ -231,24 +232,24 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
                              "true", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = timing.Deadline(120)
         while ray_cli("job", "list", "--address", address).returncode != 0:
             assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "the head node's job server did not come up"
+            assert not deadline.expired(), "the head node's job server did not come up"
             time.sleep(1)
         # Without --no-wait the CLI streams the job's logs until it ends. A submission the job server did not
         # accept (no job id printed: nothing ran) is retried, as a user would; its output is kept for the message.
         # On a loaded machine the head's job agent comes up after its job server ("No available agent to submit
         # job, please try again later"): retried for up to two minutes.
         outputs = []
-        deadline = time.monotonic() + 120
+        deadline = timing.Deadline(120)
         while True:
             sub = ray_cli("job", "submit", "--address", address, "--working-dir", REPO,
                           "--", "python", "jobs/curate_and_train.py", "--config", cfg, timeout=300)
             logs = sub.stdout + sub.stderr
             outputs.append(logs[-3000:])
             ids = [w.strip("'") for line in logs.splitlines() for w in line.split() if w.strip("'").startswith("raysubmit_")]
-            if ids or time.monotonic() > deadline:
+            if ids or deadline.expired():
                 break
             time.sleep(5)
         assert ids, "ray job submit never printed a job id:\n" + "\n---\n".join(outputs[-3:])
@@ -262,7 +263,7 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
     finally:
         head.terminate()  # `ray start --block` stops the node's processes when it is terminated
         try:
-            head.wait(timeout=60)
+            timing.wait(head, timeout=60)
         except subprocess.TimeoutExpired:
             pass
         session_killer(head.pid)  # whatever of that session is left

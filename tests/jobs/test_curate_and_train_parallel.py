@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +14,7 @@ import yaml
 from curation.core.selection import num_selected
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
+from tests import timing
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path
     cfg.write_text(yaml.safe_dump({"train": tiny_train(out), "workers": {"count": 2, "range_steps": 2},
                                    "engine": {"lookahead": 4}}), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "curate_and_train.py"), "--config", str(cfg),
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "curate_and_train.py"), "--config", str(cfg),
                            "--set", "train.parallel.workers=2"], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "trainer: 2 Ray Train workers" in proc.stdout

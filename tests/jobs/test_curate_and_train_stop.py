@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests import timing
 from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run, assert_same_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -43,8 +44,8 @@ def _start_until(cfg: str, ckpt: str, err, *, save_delay: float = 0.0) -> subpro
     code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5, save_delay=save_delay)
     proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=err, env=_env(), start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while not os.path.exists(ckpt) and proc.poll() is None and not deadline.expired():
         time.sleep(0.02)
     return proc
 
@@ -58,7 +59,7 @@ def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-r
             proc = _start_until(cfg, os.path.join(out, "checkpoints", after), err)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-            proc.wait(timeout=120)
+            timing.wait(proc, timeout=120)
             err.seek(0)
             stderr = err.read()
             assert not _ray_left(proc.pid), "the job left its Ray instance running"
@@ -137,17 +138,17 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
             proc = _start_until(cfg, os.path.join(out, "checkpoints", "latest-rank0.pt"), err, save_delay=2.0)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while "SIGTERM received" not in open(err.name).read() and time.monotonic() < deadline:
+            deadline = timing.Deadline(60)
+            while "SIGTERM received" not in open(err.name).read() and not deadline.expired():
                 time.sleep(0.02)
-            t0 = time.monotonic()
+            at_once = timing.Deadline(5)  # (5 s on an idle machine: the stop's checkpoint alone takes 2 s)
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-            waited = time.monotonic() - t0
+            timing.wait(proc, timeout=60)
+            waited = (at_once.expired(), str(at_once))
             # the local Ray instance follows its driver: raylet and GCS at once, its agents (ray::DashboardAgent, …)
             # when their check of the raylet finds it gone (measured: about a minute after the driver)
-            deadline = time.monotonic() + 180
-            while _ray_left(proc.pid) and time.monotonic() < deadline:
+            deadline = timing.Deadline(180)
+            while _ray_left(proc.pid) and not deadline.expired():
                 time.sleep(0.5)
             left = _ray_left(proc.pid)
             err.seek(0)
@@ -155,7 +156,7 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
         finally:
             if proc is not None:
                 session_killer(proc.pid)
-    assert proc.returncode == -signal.SIGTERM and waited < 5, (proc.returncode, waited, stderr[-3000:])
+    assert proc.returncode == -signal.SIGTERM and not waited[0], (proc.returncode, waited[1], stderr[-3000:])
     assert "SIGTERM received: finishing the training step in progress and its checkpoint" in stderr
     assert not left, "the job left its Ray instance running"
     assert not os.path.exists(os.path.join(out, "final"))

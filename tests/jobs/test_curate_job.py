@@ -24,6 +24,7 @@ from curation.io.shards import ShardReader, merge_part_indexes, open_shards, wri
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import demo_model_config
+from tests import timing
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -71,7 +72,7 @@ def _env() -> dict:
 
 
 def _run(config: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, JOB, "--config", config], capture_output=True, text=True, timeout=300,
+    return timing.run([sys.executable, JOB, "--config", config], capture_output=True, text=True, timeout=300,
                           env=_env())
 
 
@@ -128,13 +129,13 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     manifest = os.path.join(out, "selected", "manifest.json")
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while proc.poll() is None and not deadline.expired():
         if len(Manifest.load(os.path.dirname(manifest)).shards) >= len(failed.shards) + 2:
             break
         time.sleep(0.01)
     session_killer(proc.pid)  # the job, its local Ray instance and the workers
-    proc.wait(timeout=60)
+    timing.wait(proc, timeout=60)
     assert proc.returncode == -9, "the job ended before it could be killed"
     killed = Manifest.load(os.path.join(out, "selected"))
     assert not killed.complete and {s.name for s in failed.shards} < {s.name for s in killed.shards}
@@ -175,14 +176,14 @@ def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_
                                 env=_env(), start_new_session=True)
     try:
         sel = os.path.join(out, "selected")
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline:
+        deadline = timing.Deadline(240)
+        while proc.poll() is None and not deadline.expired():
             if os.path.exists(os.path.join(sel, "manifest.json")) and Manifest.load(sel).shards:
                 break
             time.sleep(0.01)
         assert proc.poll() is None, "the job ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-        proc.wait(timeout=120)
+        timing.wait(proc, timeout=120)
     finally:
         session_killer(proc.pid)  # whatever is left of its local Ray instance
     stderr = open(err_path).read()

@@ -23,6 +23,7 @@ from curation.io import objects, storage
 from curation.io.shards import ShardReader
 from schemas.config import PrepareConfig
 from schemas.manifest import Manifest
+from tests import timing
 from tests.conftest import ENGINE_VOCAB, load_job
 from tests.jobs.test_curate_and_train import JOB as MAIN_JOB
 from tests.jobs.test_curate_and_train import assert_same_run
@@ -64,18 +65,18 @@ def _start(job: str, config: dict, path, s3) -> subprocess.Popen:
 
 def _kill_after_first_checkpoint(proc: subprocess.Popen, s3, run: str, killer) -> None:
     """SIGKILL the job's whole session once its first checkpoint is in the bucket (not only on disk)."""
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(300)
+    while proc.poll() is None and not deadline.expired():
         if "checkpoints/.symlinks.json" in objects.list_objects(s3.url(run)):
             break
         time.sleep(0.2)
     killer(proc.pid)
-    out = proc.communicate(timeout=60)[0]
+    out = timing.communicate(proc, timeout=60)[0]
     assert proc.returncode == -9, "the job ended before it could be killed:\n" + out[-3000:]
 
 
 def _finish(proc: subprocess.Popen) -> str:
-    out = proc.communicate(timeout=600)[0]
+    out = timing.communicate(proc, timeout=600)[0]
     assert proc.returncode == 0, out[-5000:]
     return out
 
@@ -241,7 +242,7 @@ def test_prepare_on_ray_workers_into_the_bucket_equals_a_local_prepare(s3, engin
     config.write_text(yaml.safe_dump(base.model_copy(update={"output_dir": s3.url("ray"), "workers": 2})
                                      .model_dump(mode="json")))
     env = {k: v for k, v in s3.env(PYTHONUNBUFFERED="1").items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", str(config)],
+    done = timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", str(config)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(2 workers)" in done.stdout

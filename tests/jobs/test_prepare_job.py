@@ -3,12 +3,12 @@
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from schemas.config import PrepareConfig, load_config
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +20,7 @@ def test_shipped_prepare_configs_validate(path):
 
 
 def _run(*args, cwd):
-    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), *args], cwd=cwd,
+    return timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

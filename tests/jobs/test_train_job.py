@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from curation.io.shards import read_column
 from schemas.config import PrepareConfig, load_config
 from schemas.shards import validate_shard_dir
 from schemas.train_config import ReplayConfig, TrainConfig, demo_model_config
+from tests import timing
 from tests.conftest import load_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ def test_missing_demo_data_says_how_to_prepare(tmp_path, monkeypatch, capsys):
 def test_train_job_runs_as_a_script(small_demo, tmp_path):
     config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml", max_steps=3)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(JOBS / "train.py"), "--config", config, "--set", "policy=random"],
+    proc = timing.run([sys.executable, str(JOBS / "train.py"), "--config", config, "--set", "policy=random"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "random: 3 steps" in proc.stdout
@@ -183,7 +183,7 @@ def test_output_to_a_pipe_gets_progress_lines_with_every_field(small_demo, tmp_p
     config = _config_file(small_demo, str(tmp_path / "run"), tmp_path / "t.yaml", max_steps=7, progress_bar=True,
                           throughput={"window": 2, "log_interval": 3, "peak_flops": 1e12})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(JOBS / "train.py"), "--config", config], cwd=REPO, env=env,
+    proc = timing.run([sys.executable, str(JOBS / "train.py"), "--config", config], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     pattern = re.compile(r"^step (\d+)/7 \| loss \d+\.\d{4} \| tok/s (\S+) \| kept/s (\S+) \| mfu (\S+) \| eta (\S+)$")

@@ -15,6 +15,7 @@ import pytest
 
 from schemas.config import load_config
 from schemas.train_config import TrainConfig
+from tests import timing
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
 from training.runs.single import train
 
@@ -53,14 +54,14 @@ def _start(config: str, *, step_delay: float, save_delay: float = 0.0) -> subpro
 
 
 def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not os.path.exists(path) and time.time() < deadline and proc.poll() is None:
+    deadline = timing.Deadline(timeout)
+    while not os.path.exists(path) and not deadline.expired() and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None and os.path.exists(path), proc.stderr.read() if proc.poll() is not None else ""
 
 
 def _rerun(config: str) -> str:
-    done = subprocess.run([sys.executable, JOB, "--config", config], cwd=REPO, env=_env(), capture_output=True,
+    done = timing.run([sys.executable, JOB, "--config", config], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -90,7 +91,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_equals_an_un
     proc = _start(config, step_delay=0.3)
     _wait_for(os.path.join(out, "checkpoints", "ep0-ba4-rank0.pt"), proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = timing.communicate(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM received: finishing the training step in progress and its checkpoint, then stopping" in err
     last = err.strip().splitlines()[-1]
@@ -115,10 +116,10 @@ def test_a_second_sigterm_stops_at_once_and_a_rerun_still_equals_an_uninterrupte
     _wait_for(os.path.join(out, "checkpoints", "ep0-ba4-rank0.pt"), proc)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    t0 = time.time()
+    at_once = timing.Deadline(3)  # (3 s on an idle machine: the stop's checkpoint alone takes 2 s)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM and time.time() - t0 < 3  # ended by the signal, not at a step end
+    timing.communicate(proc, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and not at_once.expired(), at_once  # ended by the signal, not at a step end
     assert not os.path.exists(os.path.join(out, "final"))
 
     _rerun(config)

@@ -20,6 +20,7 @@ import curation.ingest.prepare as prep
 from curation.ingest.tokenizer import train_bpe_tokenizer
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.manifest import Manifest, UnitRecord
+from tests import timing
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -64,7 +65,7 @@ def _env() -> dict:
 
 
 def _run(config: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, JOB, "--config", config, *extra], capture_output=True, text=True,
+    return timing.run([sys.executable, JOB, "--config", config, *extra], capture_output=True, text=True,
                           timeout=600, env=_env())
 
 
@@ -127,8 +128,8 @@ def _records(out: str) -> dict[str, UnitRecord]:
 
 
 def _wait(proc, until, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(timeout)
+    while proc.poll() is None and not deadline.expired():
         if until():
             return
         time.sleep(0.02)
@@ -161,7 +162,7 @@ def test_killed_workers_resume_their_units_and_the_output_is_the_same(corpus, se
         killed = _session_tasks(proc.pid)
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = timing.communicate(proc, timeout=600)
     finally:
         session_killer(proc.pid)
     assert killed and proc.returncode == 0, stderr[-3000:]
@@ -179,7 +180,7 @@ def test_a_killed_job_resumes_without_redoing_finished_units(corpus, session_kil
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     _wait(proc, lambda: sum(r.done for r in _records(out).values()) >= 2, "two units were done")
     session_killer(proc.pid)  # the driver, its local Ray instance and the workers
-    proc.wait(timeout=60)
+    timing.wait(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the job ended before it could be killed"
     done = {path: r for path, r in _records(out).items() if r.done}
     stamps = {path: os.stat(path).st_mtime_ns for path in done}
@@ -197,7 +198,7 @@ def test_sigterm_lets_the_units_in_progress_finish_and_a_rerun_completes_the_sam
     try:
         _wait(proc, lambda: any(r.parts for r in _records(out).values()), "a part was finished")
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = timing.communicate(proc, timeout=300)
     finally:
         session_killer(proc.pid)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
