@@ -6,4 +6,5 @@
 * :mod:`curation.engine`: who scores which steps with which weights, where and when;
   :mod:`curation.engine.ray_backend` is the only package that imports ray.
 * :mod:`curation.evaluation`: held-out losses, compute accounting, lm-evaluation-harness.
+* :mod:`curation.inspector`: the run inspector's page (``jobs/show_selection.py``).
 """

@@ -19,7 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from curation.io.cli import parse_job_config
-from curation.io.objects import is_url
 from curation.io.outdir import report_job_errors
 from curation.io.stop import GracefulStop, StopRequested, exit_code
 from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
@@ -64,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         # (an unknown policy is reported by the config validation).
         return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
 
-    cfg, args = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
-                                 set_example="selection.gamma=0.5 --set max_steps=300")
-    if (args.config is None and not is_url(cfg.data.candidates)  # (a bucket's shards: read, and checked, by the run)
+    cfg, _ = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
+                              set_example="selection.gamma=0.5 --set max_steps=300")
+    if (cfg.data.candidates == default().data.candidates  # the demo's (a file or --set naming others: checked by the run)
             and not os.path.exists(os.path.join(cfg.data.candidates, "index.json"))):
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
               file=sys.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import typing
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -27,6 +26,7 @@ from pydantic import (
 )
 
 from schemas.manifest import PATH_NAME_RULE, RESERVED_NAMES, check_path_name  # noqa: F401 (their home: a leaf)
+from schemas.merging import exclusive_with, field_models, merge_config
 from schemas.records import OPERATIONAL
 
 __all__ = [
@@ -123,9 +123,25 @@ _YAMLLoader.add_implicit_resolver(
 )
 
 
+MAX_DEPTH = 64  # mappings and lists a config nests at most (deeper: one line, not a RecursionError)
+
+
 def load_yaml(stream: Any) -> Any:
-    """Parse YAML config text (a string or a file) with :class:`_YAMLLoader`."""
-    return yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse YAML config text (a string or a file); not UTF-8, or nested past MAX_DEPTH: a one-line YAMLError."""
+    depth = MAX_DEPTH + 1  # (kept when the parser recurses too deep)
+    try:
+        data = yaml.load(stream, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+        depth, level = 0, [data] if isinstance(data, dict | list) else []
+        while level and depth <= MAX_DEPTH:  # level by level: a value nested deeper than Python recurses
+            depth, level = depth + 1, [v for n in level for v in (n.values() if isinstance(n, dict) else n)
+                                       if isinstance(v, dict | list)]
+    except UnicodeDecodeError as e:
+        raise yaml.YAMLError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x}): a config is a YAML text file") from None
+    except RecursionError:
+        pass
+    if depth > MAX_DEPTH:
+        raise yaml.YAMLError(f"mappings and lists nested more than {MAX_DEPTH} levels deep (a config nests a few)")
+    return data
 
 
 class ConfigError(ValueError):
@@ -292,7 +308,8 @@ class PrepareConfig(StrictModel):
     )
     shard_size_limit: int = Field(1 << 26, ge=1 << 12, description="MDS shard size limit in bytes")
     skip_bad_records: bool = Field(False, description="count+report bad records in the manifest instead of failing")
-    progress: bool = Field(True, description="show a progress bar", json_schema_extra=OPERATIONAL)
+    progress: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                           "per tenth of the work units; false: neither", json_schema_extra=OPERATIONAL)
     demo: bool = Field(False, description="generate the embedded demo corpus into output_dir/raw first")
     unit_bytes: int = Field(
         8 << 20, ge=1, description="input bytes per work unit: a source's files, in order, are cut into units of "
@@ -374,19 +391,11 @@ def nearest_key(name: str, valid: Sequence[str]) -> str | None:
     return best if edit_distance(name, best) <= max(2, len(name) // 3) else None
 
 
-def _section_models(annotation: Any) -> list[type[BaseModel]]:
-    """The config models inside a field's annotation (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for a in typing.get_args(annotation) for m in _section_models(a)]
-
-
 def _keys_beside(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
     """The valid keys of the section that holds the key at ``loc`` (an error's location in ``model``)."""
     models = [model]
     for part in loc[:-1]:
-        inner = [m for mod in models if isinstance(part, str) and part in mod.model_fields
-                 for m in _section_models(mod.model_fields[part].annotation)]
+        inner = field_models(models, part) if isinstance(part, str) else []
         models = inner or models  # a list index, a dict key or a union's tag: the same section
     return [k for m in models for k in m.model_fields]
 
@@ -406,8 +415,9 @@ def _format_validation_error(err: ValidationError, origin: str, model: type[Base
     return f"invalid config ({origin}):\n" + "\n".join(lines)
 
 
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one ``a.b.c=value`` override in place; ``value`` is parsed as YAML."""
+def apply_override(data: dict[str, Any], assignment: str, model: type[BaseModel] | None = None) -> None:
+    """Apply one ``a.b.c=value`` override in place; ``value`` is parsed as YAML. With the config ``model``, a key of
+    an exclusive group (:mod:`schemas.merging`: ``model.path``) set to a value clears the others of its group."""
     if "=" not in assignment:
         raise ConfigError(f"--set {shown(assignment)}: expected key.path=value")
     key, raw = assignment.split("=", 1)
@@ -419,6 +429,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {shown(key, 100)}: value {shown(raw)} is not valid YAML ({e})") from e
     node: Any = data
+    models = [model] if model is not None else []
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         where = ".".join(parts[: i + 1])
@@ -433,10 +444,14 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         elif isinstance(node, dict):
             if last:
                 node[part] = value
+                for other in exclusive_with(models, part) if value is not None else ():
+                    if node.get(other) is not None:
+                        node[other] = None
             else:
                 if node.get(part) is None:
                     node[part] = {}
                 node = node[part]
+                models = field_models(models, part)
         else:
             raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is a value, not a section")
 
@@ -448,12 +463,14 @@ def load_config(
     overrides: Sequence[str] = (),
     default: Callable[[], M] | None = None,
 ) -> M:
-    """Resolve a config: YAML file (or the embedded default) + overrides, validated.
+    """Resolve a config: the embedded ``default``, the YAML file at ``path`` merged onto it (sections key by key,
+    everything else replaced: :func:`schemas.merging.merge_config`), then the overrides; validated.
 
     Raises:
         ConfigError: naming the file and the offending key(s).
     """
     origin = path or "embedded default"
+    base = default().model_dump(mode="json") if default is not None else {}
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
@@ -464,12 +481,13 @@ def load_config(
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    elif default is not None:
-        data = default().model_dump(mode="json")
+        if base:
+            origin += " merged onto the embedded default"
+        data = merge_config(base, data, [model])
     else:
-        data = {}
+        data = base
     for o in overrides:
-        apply_override(data, o)
+        apply_override(data, o, model)
     if overrides:
         origin += " + --set " + " ".join(cut(o, 100) for o in overrides)
     try:

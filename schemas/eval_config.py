@@ -53,9 +53,9 @@ class LmEvalConfig(StrictModel):
     )
     gsm8k_file: str = Field(description="local GSM8K test jsonl (question/answer)")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems")
-    num_fewshot: int = Field(0, ge=0)
-    max_gen_toks: int = Field(256, ge=1)
-    batch_size: int = Field(8, ge=1)
+    num_fewshot: int = Field(0, ge=0, description="worked examples put before each problem")
+    max_gen_toks: int = Field(256, ge=1, description="most tokens generated per answer")
+    batch_size: int = Field(8, ge=1, description="problems per generation batch")
 
 
 class EvaluateConfig(StrictModel):
@@ -71,7 +71,8 @@ class EvaluateConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     output_dir: str = Field(description="writes results.json and results.md")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                           "per tenth of the batches; false: neither")
     lm_eval: LmEvalConfig | None = Field(None, description="optional lm-evaluation-harness accuracy (the eval extra)")
 
     @field_validator("models", "sets")

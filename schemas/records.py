@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["OPERATIONAL", "EXTENDABLE", "operational_keys", "extendable_keys", "field_default", "config_diff",
-           "as_dict", "leaves"]
+__all__ = ["OPERATIONAL", "EXTENDABLE", "INPUT", "operational_keys", "extendable_keys", "input_keys", "field_default",
+           "config_diff", "as_dict", "leaves"]
 
 #: ``json_schema_extra`` of a config field that cannot change a job's outputs (progress bars, Ray
 #: addresses, worker counts of an exact engine...): a rerun may change it and still resume.
@@ -26,6 +26,11 @@ OPERATIONAL: dict[str, Any] = {"operational": True}
 #: its checkpoint, and must end as a run that had the larger value from the start (``max_steps``: nothing the
 #: first steps computed depends on it; docs/FAILURES.md, "Extending a run"). Lowering it is refused.
 EXTENDABLE: dict[str, Any] = {"extendable": True}
+
+#: ``json_schema_extra`` of a config field naming an input of the job (a shard directory, a tokenizer, weights, a
+#: model directory): its content is fingerprinted and recorded with the run, and a resumed or extended run whose
+#: input has other content is refused (:mod:`curation.io.inputs`).
+INPUT: dict[str, Any] = {"input": True}
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -54,6 +59,14 @@ def operational_keys(model: type[BaseModel], prefix: str = "", *, mark: str = "o
 def extendable_keys(model: type[BaseModel]) -> set[str]:
     """Dotted keys of the fields of ``model`` marked :data:`EXTENDABLE`."""
     return operational_keys(model, mark="extendable")
+
+
+def input_keys(model: type[BaseModel]) -> set[str]:
+    """Dotted keys of the fields of ``model`` marked :data:`INPUT` (nested sections included, not those inside an
+    :data:`OPERATIONAL` one: ``prepare`` of the main job keeps its own record)."""
+    operational = operational_keys(model)
+    return {k for k in operational_keys(model, mark="input")
+            if not any(k == p or k.startswith(p + ".") for p in operational)}
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:

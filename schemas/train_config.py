@@ -34,12 +34,12 @@ refresh batch       (not given)                4 validation + 4 candidate sequen
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from schemas.config import DEMO_ROOT, Gamma, StrictModel
-from schemas.records import EXTENDABLE, OPERATIONAL
+from schemas.records import EXTENDABLE, INPUT, OPERATIONAL
 from schemas.train_options import LoggersConfig, ThroughputConfig
 
 __all__ = [
@@ -67,13 +67,19 @@ Precision = Literal["fp32", "amp_bf16"]
 class ModelConfig(StrictModel):
     """A causal LM: built from a HF config dict (random init) or loaded from a local directory."""
 
+    #: ``path`` (your model) given in a file or ``--set`` replaces the default's ``hf_config``, and the other way
+    #: round (:mod:`schemas.merging`)
+    exclusive_keys: ClassVar[tuple[tuple[str, ...], ...]] = (("hf_config", "path"),)
+
     hf_config: dict[str, Any] | None = Field(
         None, description="HF config as a dict with 'model_type' (e.g. llama); the model is built with random init"
     )
-    path: str | None = Field(None, description="local HF model directory (config.json + weights); no hub access")
+    path: str | None = Field(None, description="local HF model directory (config.json + weights); no hub access",
+                             json_schema_extra=INPUT)
     trust_remote_code: bool = Field(False, description="allow custom modelling code from `path` (off unless asked)")
     init_seed: int = Field(0, ge=0, description="seed of the random initialisation (hf_config)")
-    weights: str | None = Field(None, description="safetensors file loaded over the built model (e.g. a final proxy)")
+    weights: str | None = Field(None, description="safetensors file loaded over the built model (e.g. a final proxy)",
+                                json_schema_extra=INPUT)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -128,13 +134,15 @@ def demo_model_config(vocab_size: int = 2048, *, hidden: int = 64, layers: int =
 class DataConfig(StrictModel):
     """Where the shards are (written by ``jobs/prepare.py``)."""
 
-    candidates: str = Field(description="candidate-shard directory (MDS + manifest.json)")
-    validation: str = Field(description="validation-shard directory (the target set)")
+    candidates: str = Field(description="candidate-shard directory (MDS + manifest.json)", json_schema_extra=INPUT)
+    validation: str = Field(description="validation-shard directory (the target set)", json_schema_extra=INPUT)
     tokenizer: str | None = Field(
-        None, description="tokenizer.json (or directory); when set, its fingerprint must match the shard manifests"
+        None, description="tokenizer.json (or directory); when set, its fingerprint must match the shard manifests",
+        json_schema_extra=INPUT,
     )
     scored: str | None = Field(
-        None, description="scored-shard directory with ref_loss for the stream; None = in-process reference"
+        None, description="scored-shard directory with ref_loss for the stream; None = in-process reference",
+        json_schema_extra=INPUT,
     )
 
 
@@ -148,8 +156,8 @@ class SelectionConfig(StrictModel):
     refresh_steps: int = Field(30, ge=0, description="K: reference steps per refresh (paper 300 for τ = 1000)")
     lam: float = Field(1.0, ge=0, description="λ: weight of the masked candidate loss in the refresh objective")
     ref_lr: float | None = Field(None, gt=0, description="η_w; None = the proxy's optim.lr")
-    ref_weight_decay: float = Field(0.01, ge=0)
-    ref_grad_clip: float | None = Field(1.0, ge=0)
+    ref_weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay of the reference's refresh steps")
+    ref_grad_clip: float | None = Field(1.0, ge=0, description="max total gradient norm of a refresh step; None = off")
     refresh_batch_size: int | None = Field(
         None, ge=1, description="sequences per validation and per candidate batch of a refresh step; None = b/4"
     )
@@ -158,7 +166,8 @@ class SelectionConfig(StrictModel):
     )
     rho1_steps: int = Field(30, ge=0, description="rho1: steps of the static reference on validation data")
     reference_weights: str | None = Field(
-        None, description="rho1: safetensors of an already trained static reference (skips its training)"
+        None, description="rho1: safetensors of an already trained static reference (skips its training)",
+        json_schema_extra=INPUT,
     )
     seed: int = Field(0, ge=0, description="seed of the random policy's scores")
     score_batch_size: int | None = Field(None, ge=1, description="sequences per reference scoring forward; None = b")
@@ -184,9 +193,10 @@ class OptimConfig(StrictModel):
     """Proxy optimizer: AdamW, constant LR, gradient clipping (the paper's)."""
 
     lr: float = Field(1e-3, gt=0, description="η_u (paper 8e-5 for 1.1B continual pre-training)")
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # a YAML list is a pair (items stay strict)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False,  # a YAML list is a pair (items stay strict)
+                                       description="AdamW (β1, β2)")
+    eps: float = Field(1e-8, gt=0, description="AdamW ε")
     grad_clip: float | None = Field(1.0, ge=0, description="max total gradient norm; None = off")
 
 
@@ -194,7 +204,7 @@ class EvalConfig(StrictModel):
     """Validation loss / perplexity on the validation shards."""
 
     interval: int = Field(25, ge=1, description="evaluate every this many proxy steps (and at the end)")
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="validation sequences per forward")
     max_batches: int | None = Field(None, ge=1, description="cap on validation batches per evaluation; None = all")
 
 
@@ -267,7 +277,7 @@ class TrainConfig(StrictModel):
     max_steps: int = Field(150, ge=1, description="proxy steps; a rerun may raise it to extend a finished or "
                            "stopped run (docs/FAILURES.md, 'Extending a run')", json_schema_extra=EXTENDABLE)
     seed: int = Field(0, ge=0, description="candidate-stream seed")
-    device: Device = "auto"
+    device: Device = Field("auto", description="auto = cuda when a GPU is visible, else cpu")
     precision: Precision = Field(
         "fp32", description="fp32 | amp_bf16 (CUDA only); governs the proxy step, ℓ(u), the reference scores "
         "ℓ(w̃) (in-process and on the Ray workers) and the refresh alike, so exact-mode masks agree"
@@ -275,7 +285,8 @@ class TrainConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     write_selected: bool = Field(True, description="write selected-token shards to output_dir/selected")
     distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
-    progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
+    progress_bar: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                               "every throughput.log_interval steps; false: neither", json_schema_extra=OPERATIONAL)
     plots: bool = Field(True, description="write plots/*.png with the summary", json_schema_extra=OPERATIONAL)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     loggers: LoggersConfig = Field(default_factory=LoggersConfig, json_schema_extra=OPERATIONAL,
@@ -346,24 +357,28 @@ class TrainConfig(StrictModel):
 class ReplayConfig(StrictModel):
     """Config of ``jobs/replay.py``: train another model (size) on selected-token shards (BLADE-Tr)."""
 
-    selected: str = Field(description="selected-token shard directory written by jobs/train.py")
-    validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation")
-    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest")
+    selected: str = Field(description="selected-token shard directory written by jobs/train.py",
+                          json_schema_extra=INPUT)
+    validation: str | None = Field(None, description="validation shards for the loss curve; None = no evaluation",
+                                   json_schema_extra=INPUT)
+    tokenizer: str | None = Field(None, description="tokenizer.json; when set, checked against the shard manifest",
+                                  json_schema_extra=INPUT)
     model: TrainModelConfig
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    output_dir: str
-    batch_size: int = Field(16, ge=1)
-    microbatch_size: int | None = Field(None, ge=1)
+    output_dir: str = Field(description="checkpoints/, logs/, summary.json, final/")
+    batch_size: int = Field(16, ge=1, description="sequences per step")
+    microbatch_size: int | None = Field(None, ge=1, description="sequences per forward/backward; None = batch_size")
     epochs: int = Field(1, ge=1, description="passes over the selected-token shards")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (None = epochs)")
     shuffle: bool = Field(False, description="False replays in training order (the order BLADE trained in)")
-    seed: int = Field(0, ge=0)
-    device: Device = "auto"
-    precision: Precision = "fp32"
-    threads: int | None = Field(None, ge=1)
-    progress_bar: bool = Field(True, json_schema_extra=OPERATIONAL)
+    seed: int = Field(0, ge=0, description="seed of the shuffle")
+    device: Device = Field("auto", description="auto = cuda when a GPU is visible, else cpu")
+    precision: Precision = Field("fp32", description="fp32 | amp_bf16 (CUDA only)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
+    progress_bar: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
+                               "every throughput.log_interval steps; false: neither", json_schema_extra=OPERATIONAL)
     loggers: LoggersConfig = Field(default_factory=LoggersConfig, json_schema_extra=OPERATIONAL,
                                    description="TensorBoard, MLflow, W&B next to logs/metrics.jsonl")
     throughput: ThroughputConfig = Field(default_factory=ThroughputConfig, json_schema_extra=OPERATIONAL)
@@ -393,7 +408,7 @@ class ScorerConfig(StrictModel):
 
     model: ModelConfig
     weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")
-    device: Device = "auto"
+    device: Device = Field("auto", description="auto = cuda when a GPU is visible, else cpu")
     batch_size: int = Field(16, ge=1, description="sequences per scoring forward")
     precision: Precision = Field(
         "fp32", description="amp_bf16: forward under bf16 autocast on CUDA (fp32 on a CPU), losses in float32; "

@@ -7,6 +7,8 @@
 * :func:`param_distance`: ``‖u − w‖₂`` between two models or state dicts.
 * :func:`batch_stats`: all of the per-batch ones at once.
 * :class:`SelectionRecord`: what one proxy step trained on (the input of the above in a run).
+* :class:`IntervalStats`: the steps of one log interval: each source's share of the kept tokens and of the
+  candidates, Δ quantiles from a fine histogram (the loggers' per-interval scalars).
 
 Everything returns plain Python numbers (``to_dict()`` is JSON-ready). Pure torch.
 """
@@ -26,7 +28,10 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "DEFAULT_DELTA_EDGES",
     "DEFAULT_QUANTILES",
+    "FINE_DELTA_EDGES",
+    "INTERVAL_QUANTILES",
     "BatchStats",
+    "IntervalStats",
     "Histogram",
     "SelectionRecord",
     "SourceCounts",
@@ -39,6 +44,10 @@ __all__ = [
 DEFAULT_QUANTILES: tuple[float, ...] = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 #: Default Δ bin edges (nats): -8 to 8 in steps of 0.25, plus under/overflow bins.
 DEFAULT_DELTA_EDGES: tuple[float, ...] = tuple(-8.0 + 0.25 * i for i in range(65))
+#: Fine Δ bin edges (nats) of the per-interval quantiles: -16 to 16 in steps of 0.02, plus under/overflow bins.
+FINE_DELTA_EDGES: tuple[float, ...] = tuple(round(-16.0 + 0.02 * i, 2) for i in range(1601))
+#: Δ quantile levels logged per log interval.
+INTERVAL_QUANTILES: tuple[float, ...] = (0.01, 0.1, 0.5, 0.9, 0.99)
 
 
 @dataclass
@@ -329,3 +338,38 @@ class SelectionRecord:
     @property
     def n_valid(self) -> int:
         return int(self.valid.sum())
+
+
+@dataclass
+class IntervalStats:
+    """The steps since the last log: valid and kept tokens per source, and Δ of the scored steps in
+    :data:`FINE_DELTA_EDGES` bins. :meth:`scalars` gives the loggers' values and starts the next interval.
+
+    Everything is added from host data (a step's :class:`SelectionRecord`, already read): nothing here reads a device.
+    """
+
+    counts: SourceCounts = field(default_factory=SourceCounts)
+    histogram: Histogram = field(default_factory=lambda: Histogram(FINE_DELTA_EDGES))
+    steps: int = 0
+
+    def add(self, counts: SourceCounts, delta: Tensor | None = None, valid: Tensor | None = None) -> None:
+        """One step: its counts, and (a scored step) its Δ at the valid positions."""
+        self.counts = self.counts + counts
+        if delta is not None and valid is not None:
+            self.histogram = self.histogram + Histogram.from_values(delta[valid.bool()], FINE_DELTA_EDGES)
+        self.steps += 1
+
+    def scalars(self, prefix: str = "blade/") -> dict[str, float]:
+        """``kept_share/<source>`` and ``candidate_share/<source>`` (each source's part of the interval's kept tokens
+        and candidates), and ``interval_delta_qNN`` for :data:`INTERVAL_QUANTILES` when Δ was added (to 0.02 nats:
+        linear within a bin); then the counts start again."""
+        out: dict[str, float] = {}
+        kept, valid = sum(self.counts.kept.values()), sum(self.counts.valid.values())
+        for src in sorted(self.counts.valid):
+            out[f"{prefix}kept_share/{src}"] = self.counts.kept.get(src, 0) / kept if kept else math.nan
+            out[f"{prefix}candidate_share/{src}"] = self.counts.valid[src] / valid if valid else math.nan
+        if self.histogram.total:
+            for q in INTERVAL_QUANTILES:
+                out[f"{prefix}interval_delta_q{round(q * 100):02d}"] = self.histogram.quantile(q)
+        self.counts, self.histogram, self.steps = SourceCounts(), Histogram(FINE_DELTA_EDGES), 0
+        return out

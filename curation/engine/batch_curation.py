@@ -20,7 +20,7 @@ from curation.engine.ray_backend import RayEngine, ray_session
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm, check_vocab
 from curation.io.outdir import OutputDirLock
@@ -45,11 +45,12 @@ def curate(cfg: CurateConfig) -> dict:
     Holds ``output_dir``'s lock; a rerun resumes only with the config recorded in ``output_dir/config.yaml``.
     """
     cfg = localize(cfg)  # s3:// directories and weights: their local caches (curation.io.storage)
+    mark = objects.upload_mark()  # this run's uploads are counted from here
     with open_output(cfg.output_dir, "curate", {"config.yaml": cfg}) as lock:
-        return _curate(cfg, lock)
+        return _curate(cfg, lock, mark)
 
 
-def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
+def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
     start = time.perf_counter()
     cand = shard_dir_info(cfg.candidates, "candidate")
     fingerprint = check_tokenizer([cand], cfg.tokenizer)
@@ -87,12 +88,13 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         ) as engine:
             engine.run(progress=cfg.progress, desc="curate")
             report = engine.report()
-            engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
+            elsewhere = engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
     except StopRequested as e:
         kept = Manifest.load_if_exists(out)
         n = len({s.state.get("unit") for s in kept.shards if s.complete}) if kept is not None else 0
         raise StopRequested(e.signum, f"with {n} of {len(units)} work units finished in {out}; rerun the same "
                                       f"command to do the other {len(units) - n} (finished parts are kept)") from None
+    elsewhere += sum(r.get("uploaded", 0) for r in engine.worker_results.values())  # (the workers, once closed)
     manifest = Manifest.load(out)
     seconds = time.perf_counter() - start
     per_source = {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens,
@@ -106,7 +108,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock) -> dict:
         "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
-    uploaded = storage.push_all(cfg.output_dir)  # an object-store output directory: what is not in the bucket yet
+    uploaded = storage.push_all(cfg.output_dir, since=mark, elsewhere=elsewhere)  # an object-store output_dir: the rest
     if uploaded is not None:
         print(uploaded, flush=True)
     return summary

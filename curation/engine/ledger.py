@@ -198,7 +198,8 @@ class PartLedger:
         rec = ShardRecord(
             name=result.name, samples=result.samples, tokens=result.tokens,
             state={"unit": result.unit, "first_step": result.first, "stop_step": result.stop,
-                   "kept_tokens": result.kept_tokens, "worker": result.worker, "sources": result.sources},
+                   "kept_tokens": result.kept_tokens, "worker": result.worker, "sources": result.sources,
+                   "seconds": round(result.seconds, 4)},  # (the worker's time on it: its throughput, inspector)
         )
         self.manifest.shards.append(rec)
         self.manifest.shards.sort(key=lambda r: int(r.state["first_step"]))

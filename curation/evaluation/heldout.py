@@ -31,6 +31,7 @@ from curation.core.losses import model_logits, token_losses
 from curation.ingest.corpus import BadRecordError, iter_documents
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer
 from curation.io.models import build_causal_lm, check_vocab
+from curation.io.progress import progress_iter
 from schemas.config import SourceConfig
 from schemas.eval_config import EvalModelSpec, EvaluateConfig
 from schemas.manifest import Manifest
@@ -264,12 +265,8 @@ def score_documents(model: nn.Module, tok: LoadedTokenizer, texts: Sequence[str]
     sums = np.zeros(len(texts), dtype=np.float64)
     counts = np.zeros(len(texts), dtype=np.int64)
     device = next(model.parameters()).device
-    batches = range(0, len(order), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, desc=desc, unit="batch", leave=False)
-    for b in batches:
+    starts = range(0, len(order), batch_size)
+    for b in progress_iter(starts, total=len(starts), desc=desc, unit="batch", enabled=progress, leave=False):
         rows = [windows[i] for i in order[b:b + batch_size]]
         width = max(len(w) for _, w in rows)
         toks = torch.full((len(rows), width), tok.eos_id, dtype=torch.long)

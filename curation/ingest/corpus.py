@@ -18,6 +18,7 @@ import glob
 import io
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -26,9 +27,11 @@ import zstandard
 
 from curation.ingest import jsonstream
 from curation.ingest.jsonstream import LineError, LongLine, StreamedText
+from curation.ingest.zstd_frames import TruncatedZstdError, ZstdFrames
+from curation.io.stop import interruptible
 from schemas.config import SourceConfig
 
-__all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs",
+__all__ = ["Document", "BadRecordError", "FileSpan", "resolve_paths", "detect_format", "iter_inputs", "input_error",
            "iter_documents", "parquet_row_groups", "SPLITTABLE_FORMATS"]
 
 #: Formats whose files a work unit may read in part (:class:`FileSpan`): byte ranges, row-group ranges.
@@ -120,18 +123,33 @@ def resolve_paths(source: SourceConfig, *, skip_missing: bool = False) -> list[s
     files: set[str] = set()
     for pattern in source.paths:
         if glob.has_magic(pattern):
-            matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+            matched = [p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p)]
             if not matched and not skip_missing:
                 raise BadRecordError(pattern, 0, f"no file matches this pattern (source '{source.name}')")
-            files.update(matched)
+            files.update(_regular(p, source) for p in matched)
         elif not os.path.exists(pattern):
             if not skip_missing:
                 raise BadRecordError(pattern, 0, f"no such file (source '{source.name}')")
         else:
             if os.path.isdir(pattern):
                 raise BadRecordError(pattern, 0, f"is a directory; give files or a glob (source '{source.name}')")
-            files.add(pattern)
+            files.add(_regular(pattern, source))
     return sorted(files)
+
+
+def _regular(path: str, source: SourceConfig) -> str:
+    """``path`` when it is a regular file (or a link to one); a FIFO, socket or device is refused up front: reading
+    one waits for a writer for ever, or never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise BadRecordError(path, 0, f"cannot open: {e.strerror or e} (source '{source.name}')") from e
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise BadRecordError(path, 0, f"is {kind}, not a regular file: inputs are read as files, more than once "
+                                      f"(source '{source.name}')")
+    return path
 
 
 def detect_format(path: str, fmt: str = "auto") -> str:
@@ -142,65 +160,6 @@ def detect_format(path: str, fmt: str = "auto") -> str:
         if path.endswith(ext):
             return name
     raise BadRecordError(path, 0, "cannot tell the format from the extension; set the source's `format`")
-
-
-class _ZstdFrames(io.RawIOBase):
-    """The decompressed bytes of a zstd file, frame after frame, that notices a truncated file.
-
-    ``zstandard``'s ``stream_reader`` ends quietly when the input stops inside a frame (a file cut at a block
-    boundary reads as a shorter, valid file), so frames are decoded here one ``decompressobj`` at a time:
-    input that ends inside a frame raises :class:`TruncatedZstdError`.
-    """
-
-    _CHUNK = 1 << 16  # compressed bytes per step (bounds the output of one step)
-
-    def __init__(self, raw: io.BufferedReader) -> None:
-        super().__init__()
-        self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor()
-        self._frame = self._dctx.decompressobj()
-        self._in_frame = False  # the current frame has consumed input and not ended yet
-        self._out = bytearray()
-        self.decompressed = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def _step(self) -> bool:
-        """Decode the next input chunk; False at the end of the input."""
-        data = self._raw.read(self._CHUNK)
-        if not data:
-            if self._in_frame:
-                raise TruncatedZstdError(self.decompressed)
-            return False
-        while data:
-            self._in_frame = True
-            out = self._frame.decompress(data)
-            self._out += out
-            self.decompressed += len(out)
-            if not self._frame.eof:
-                break
-            data = self._frame.unused_data  # the next frame starts in this chunk
-            self._frame = self._dctx.decompressobj()
-            self._in_frame = False
-        return True
-
-    def readinto(self, buffer) -> int:  # noqa: ANN001 - a writable buffer (io protocol)
-        while not self._out:
-            if not self._step():
-                return 0
-        n = min(len(buffer), len(self._out))
-        buffer[:n] = self._out[:n]
-        del self._out[:n]
-        return n
-
-
-class TruncatedZstdError(Exception):
-    """The input of a zstd file ends inside a frame (an interrupted download or copy)."""
-
-    def __init__(self, decompressed: int):
-        self.decompressed = decompressed
-        super().__init__(f"the data ends inside a zstd frame after {decompressed} decompressed bytes")
 
 
 def _span_start(path: str, start: int) -> int:
@@ -222,13 +181,14 @@ def _open_lines(path: str, fmt: str, start: int = 0, stop: int | None = None, *,
     starting in ``[start, stop)`` (``start`` a line start: see :func:`_span_start`). With ``huge``, a line over
     ``jsonstream.STREAM_LINE_BYTES`` comes as a :class:`LongLine` (read through, never held whole)."""
     try:
-        raw = open(path, "rb")  # noqa: SIM115 - closed in finally
+        with interruptible(f"opening {path}"):  # a stop signal ends a wait here (a FIFO that came after the check)
+            raw = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as e:
         raise BadRecordError(path, 0, f"cannot open: {e.strerror or e}") from e
     lines = 0
     try:
         if fmt == "jsonl.zst":
-            stream = io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
+            stream = io.BufferedReader(ZstdFrames(raw), buffer_size=1 << 20)
         else:
             stream = raw
             raw.seek(start)
@@ -285,8 +245,16 @@ def _text_of(record: object, source: SourceConfig, path: str, line: int) -> str:
             raise BadRecordError(
                 path, line, f"field {source.text_field!r} is {type(text).__name__}, expected a string"
             )
+    return _checked_text(text, path, line)
+
+
+def _checked_text(text: str, path: str, line: int) -> str:
+    """``text`` when a tokenizer can take it: not blank, no lone surrogate (``\\ud800`` in JSON, common in scraped
+    dumps, is valid JSON but not Unicode text)."""
     if not text.strip():
         raise BadRecordError(path, line, "empty document")
+    if (at := jsonstream.find_surrogate(text)) is not None:
+        raise BadRecordError(path, line, str(jsonstream.lone_surrogate(text, at)))
     return text
 
 
@@ -345,31 +313,33 @@ def _jsonl_records(path: str, fmt: str, source: SourceConfig, start: int, span: 
 
 
 def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int, int, object]]:
-    """Records of a text file: the whole file, blank-line paragraphs, or lines."""
+    """Records of a text file: the whole file, blank-line paragraphs, or lines. A line that is not UTF-8 makes its
+    record bad (every such line: each is named by its own line)."""
     lines: list[tuple[int, str]] = []
-    bad: BadRecordError | None = None
+    bad: dict[int, BadRecordError] = {}
     for idx, data in enumerate(_open_lines(path, "txt")):
         try:
             lines.append((idx + 1, _decode(path, idx + 1, data)))
         except BadRecordError as e:
-            bad = bad or e
+            bad[idx + 1] = e
             lines.append((idx + 1, ""))
+    first_bad = next(iter(bad.values()), None)
     if not any(s.strip() for _, s in lines):
-        yield -1, 0, bad or BadRecordError(path, 0, "file is empty")
+        yield -1, 0, first_bad or BadRecordError(path, 0, "file is empty")
         return
     mode = source.txt_split
     if mode == "file":
         if start == 0:
-            yield 0, 1, bad if bad else "".join(s for _, s in lines)
+            yield 0, 1, first_bad or "".join(s for _, s in lines)
         return
-    # group into records: each line, or runs of non-blank lines
+    # group into records: each line, or runs of non-blank lines (a bad line counts as one that is not blank)
     records: list[tuple[int, list[tuple[int, str]]]] = []
     if mode == "line":
-        records = [(n, [(n, s)]) for n, s in lines if s.strip() or _bad_line(bad, n)]
+        records = [(n, [(n, s)]) for n, s in lines if s.strip() or n in bad]
     else:
         current: list[tuple[int, str]] = []
         for n, s in lines:
-            if s.strip() or _bad_line(bad, n):
+            if s.strip() or n in bad:
                 current.append((n, s))
             elif current:
                 records.append((current[0][0], current))
@@ -379,12 +349,8 @@ def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[
     for ridx, (first, group) in enumerate(records):
         if ridx < start:
             continue
-        bad_here = bad if bad is not None and any(n == bad.line for n, _ in group) else None
-        yield ridx, first, bad_here if bad_here else "".join(s for _, s in group).strip("\n")
-
-
-def _bad_line(bad: BadRecordError | None, n: int) -> bool:
-    return bad is not None and bad.line == n
+        bad_here = next((bad[n] for n, _ in group if n in bad), None)
+        yield ridx, first, bad_here or "".join(s for _, s in group).strip("\n")
 
 
 def _parquet_file(path: str):  # noqa: ANN202 - a pyarrow.parquet.ParquetFile (pyarrow is imported when needed)
@@ -424,14 +390,31 @@ def _parquet_records(path: str, source: SourceConfig, start: int, span: FileSpan
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
-        for rec in batch.to_pylist():
+        for rec in _batch_rows(batch):
             if row >= start:
                 line = before + row + 1
                 try:
+                    if isinstance(rec, LineError):
+                        raise BadRecordError(path, line, str(rec))
                     yield row, line, _text_of(rec, source, path, line)
                 except BadRecordError as e:
                     yield row, line, e
             row += 1
+
+
+def _batch_rows(batch) -> list[dict | LineError]:  # noqa: ANN001 - a pyarrow.RecordBatch
+    """The rows of a parquet batch as dicts; a row whose strings are not UTF-8 (a writer that did not check them) as
+    the reason, in the words of the JSONL reader."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        rows: list[dict | LineError] = []
+        for i in range(batch.num_rows):
+            try:
+                rows.extend(batch.slice(i, 1).to_pylist())
+            except UnicodeDecodeError as e:
+                rows.append(jsonstream.not_utf8(e.object[e.start], e.start + 1))
+        return rows
 
 
 def iter_inputs(
@@ -446,6 +429,15 @@ def iter_inputs(
             yield from records(fi, files[fi], start_record if fi == start_file else 0)
         except BadRecordError as e:
             yield e
+        except OSError as e:  # a read error (EIO): its message names the input, not the job's output
+            raise input_error(e, getattr(files[fi], "path", files[fi])) from None
+
+
+def input_error(e: OSError, path: object) -> OSError:
+    """``e``, an error reading the input ``path``, naming it when it names no file (EIO names none)."""
+    if e.filename is None:
+        e.filename = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+    return e
 
 
 def iter_documents(

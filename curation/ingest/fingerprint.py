@@ -32,6 +32,15 @@ _whole_hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) â†
 
 
 def span_fingerprint(span: FileSpan, fmt: str | None) -> list:
+    """``[size, mtime_ns, hash]`` of a span's input (:func:`_span_fingerprint`); a read error names the input."""
+    try:
+        return _span_fingerprint(span, fmt)
+    except OSError as e:
+        e.filename = e.filename or span.path
+        raise
+
+
+def _span_fingerprint(span: FileSpan, fmt: str | None) -> list:
     """``[size, mtime_ns, hash]`` of a span's input: the xxh3-128 of the bytes the unit reads for a ``.jsonl`` byte
     span (from the byte before ``start``, which decides where its first line starts, to the end of the line that
     holds byte ``stop - 1``), else of the whole file (an MDS directory: its files' names, sizes and index)."""

@@ -23,13 +23,14 @@ from __future__ import annotations
 import codecs
 import io
 import json
+import re
 import secrets
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["STREAM_LINE_BYTES", "STREAM_CHUNK", "LONG_STRING_CHARS", "LineScan", "LineError", "ScannedLine", "LongLine",
-           "long_lines", "long_line_text", "StreamedText", "skip_line"]
+           "long_lines", "long_line_text", "StreamedText", "skip_line", "lone_surrogate", "find_surrogate"]
 
 #: A ``.jsonl`` line longer than this many bytes is streamed when the caller asks for it (``curation.ingest.corpus.
 #: iter_documents(stream=True)``): read in chunks, never held whole. Shorter lines take the
@@ -57,6 +58,26 @@ def malformed_json(msg: str, column: int) -> LineError:
     # Some messages end in "at" ("Unterminated string starting at"): the column completes them.
     where = f"{msg} column {column}" if msg.endswith(" at") else f"{msg} at column {column}"
     return LineError(f"malformed JSON ({where})")
+
+
+#: A surrogate code point: in a Python string it is always a lone half (a JSON ``\\uD83D\\uDE00`` pair is decoded to
+#: one character), which is not Unicode text: no tokenizer can encode it (HF tokenizers raise a TypeError).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (None: there is none; ASCII text is not searched)."""
+    if text.isascii():
+        return None
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
+def lone_surrogate(text: str, at: int, offset: int = 0) -> LineError:
+    """The reason for a text holding the lone surrogate ``text[at]`` (character ``offset + at + 1`` of the whole text),
+    worded once for every reader."""
+    return LineError(f"the text holds the lone surrogate \\u{ord(text[at]):04x} (character {offset + at + 1}), which "
+                     "is not Unicode text: no tokenizer can encode it")
 
 
 def _utf8_error(e: UnicodeDecodeError, offset: int) -> LineError:
@@ -99,6 +120,15 @@ class _Long:
 
     quote: int  # character position of its opening quote in the line
     blank: bool = True
+    chars: int = 0  # of its content decoded so far
+    surrogate: LineError | None = None  # the first lone surrogate in its content
+
+    def check(self, piece: str) -> None:
+        """Note what the next decoded ``piece`` of the content holds (any text, a lone surrogate)."""
+        self.blank = self.blank and (not piece or piece.isspace())
+        if self.surrogate is None and (at := find_surrogate(piece)) is not None:
+            self.surrogate = lone_surrogate(piece, at, self.chars)
+        self.chars += len(piece)
 
 
 @dataclass
@@ -249,12 +279,12 @@ class LineScan:
                             longs.append(cur)
                             for part, at, closed in ((first, quote + 1, True), (raw, start, k >= 0 or not final)):
                                 piece = region(part, at, closed)
-                                cur.blank = cur.blank and (not piece or piece.isspace())
+                                cur.check(piece)
                                 if emit == n_long:
                                     yield piece
                         else:
                             piece = region(raw, start, k >= 0 or not final)
-                            cur.blank = cur.blank and (not piece or piece.isspace())
+                            cur.check(piece)
                             if emit == n_long:
                                 yield piece
                     if k < 0 and not final:
@@ -328,7 +358,11 @@ class LongLine:
         try:
             left = self.length
             while left > 0:
-                data = f.read(min(left, STREAM_CHUNK))
+                try:
+                    data = f.read(min(left, STREAM_CHUNK))
+                except OSError as e:  # a read error (EIO) names the input
+                    e.filename = e.filename or self.path
+                    raise
                 if not data:
                     raise LineError(f"the file ends {left} bytes early")
                 left -= len(data)
@@ -374,7 +408,8 @@ def long_line_text(line: LongLine, text_field: str) -> StreamedText | object | N
     the caller's checks of a short or missing text field.
 
     Raises:
-        LineError: the same reason as the whole-line path (invalid UTF-8, malformed JSON, an empty document).
+        LineError: the same reason as the whole-line path (invalid UTF-8, malformed JSON, an empty document, a lone
+            surrogate in the text).
     """
     scanned = LineScan().scan(line.chunks())
     if scanned.blank:
@@ -385,6 +420,8 @@ def long_line_text(line: LongLine, text_field: str) -> StreamedText | object | N
         if index is not None:
             if scanned.longs[index].blank:
                 raise LineError("empty document")
+            if scanned.longs[index].surrogate is not None:
+                raise scanned.longs[index].surrogate
             return StreamedText(line.chunks, index)
     return record
 

@@ -40,16 +40,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tqdm import tqdm
-
 from curation.ingest.corpus import BadRecordError, Document, FileSpan
 from curation.ingest.demo import DEMO_FILES, write_demo_corpus
 from curation.ingest.group import ShardGroup
 from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.outputs import localize, open_output
+from curation.io.progress import progress
 from schemas.config import PrepareConfig, SourceConfig
 from schemas.manifest import Manifest, UnitRecord
 
@@ -97,6 +96,7 @@ class PrepareResult:
     workers: int = 1  # processes that ran the units (1: this one)
     unit_cpu_seconds: float = 0.0  # CPU time of the units' runs (in every process)
     uploaded: str | None = None  # an s3:// output_dir: "uploaded N files to s3://…; it holds M objects (X MiB)"
+    uploaded_elsewhere: int = 0  # objects the units run in other processes (Ray tasks) uploaded
 
     @property
     def tokens_per_second(self) -> float:
@@ -119,12 +119,13 @@ def prepare(cfg: PrepareConfig, *, pool: PoolFactory | None = None) -> PrepareRe
         StopRequested: a SIGTERM / SIGINT came (finished parts are recorded; a rerun continues).
     """
     cfg = localize(cfg)  # an s3:// output_dir: its local cache (curation.io.storage), filled from the bucket
+    mark = objects.upload_mark()  # this run's uploads are counted from here
     with open_output(cfg.output_dir, "prepare", {"config.yaml": cfg}) as lock:
         # a given tokenizer is loaded before the config is recorded: a wrong tokenizer.path leaves no record that
         # would refuse the corrected rerun (one trained here is saved under output_dir: recorded first)
         tok = _get_tokenizer(cfg) if cfg.tokenizer.path is not None else None
         lock.write_records()
-        return _prepare_locked(cfg, pool, tok)
+        return _prepare_locked(cfg, pool, tok, mark)
 
 
 def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
@@ -137,7 +138,8 @@ def _demo_raw_dirs(cfg: PrepareConfig) -> list[str]:
     return sorted(demo - other)
 
 
-def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTokenizer | None) -> PrepareResult:
+def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTokenizer | None,
+                    mark: int) -> PrepareResult:
     start = time.perf_counter()
     for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
@@ -168,7 +170,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
         result.manifests[group.name] = group.manifest if group.manifest.complete else group.commit(final=True)
     # an object-store output_dir: every file was published as it was written; what is left (none, normally) goes now,
     # still under the lock, and the bucket's own count confirms it
-    result.uploaded = storage.push_all(cfg.output_dir)
+    result.uploaded = storage.push_all(cfg.output_dir, since=mark, elsewhere=result.uploaded_elsewhere)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -195,8 +197,8 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
     errors: list[tuple[int, BadRecordError]] = []
     order = {(u.out, u.source.name, u.index): i for i, u in enumerate(pending)}
     factory = (lambda w, n: contextlib.nullcontext(LocalPool(on_part))) if local else pool
-    bar = tqdm(total=len(pending), desc=os.path.basename(os.path.normpath(cfg.output_dir)), unit="unit",
-               disable=not cfg.progress, dynamic_ncols=True)
+    bar = progress(len(pending), desc=f"prepare {os.path.basename(os.path.normpath(cfg.output_dir))}", unit="unit",
+                   enabled=cfg.progress)
     with bar, factory(cfg.workers, len(pending)) as workers:
         result.workers = workers.workers
         try:
@@ -204,6 +206,7 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
                 by_out[res.unit.out].update(res.record)
                 result.tokens_processed += res.tokens
                 result.unit_cpu_seconds += res.cpu_seconds
+                result.uploaded_elsewhere += res.uploaded if res.pid != os.getpid() else 0  # (this one counts its own)
                 bar.update(1)
                 if res.error is not None:
                     e = res.error

@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 
 from curation.ingest.corpus import BadRecordError, iter_inputs, resolve_paths
-from curation.io.shards import ShardIntegrityError, check_index_names, decode_sample, load_shard_file
+from curation.io.shards import (
+    ShardIndexError,
+    ShardIntegrityError,
+    check_index_names,
+    decode_sample,
+    load_shard_file,
+    shard_entries,
+)
 from schemas.config import SourceConfig
 
 __all__ = ["TokenRecord", "resolve_token_inputs", "iter_token_records"]
@@ -176,15 +183,16 @@ def _mds_shards(path: str, source: SourceConfig) -> list[Any]:
     Raises:
         BadRecordError: naming the index (unreadable, not MDS shards, no token column, unsupported encoding).
     """
-    from streaming.base.format import reader_from_json
-
     index = os.path.join(path, _INDEX)
     try:
         with open(index, encoding="utf-8") as f:
             infos = json.load(f)["shards"]
-        shards = [reader_from_json(path, None, info) for info in infos]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadRecordError(index, 0, f"unreadable MDS index ({type(e).__name__}: {e})") from e
+    try:
+        shards = shard_entries(path, infos)
+    except ShardIndexError as e:  # (its message names the index first)
+        raise BadRecordError(index, 0, str(e).removeprefix(f"{index}: ")) from None
     check_index_names(path, shards)  # its file names stay inside the dataset (else an UnsafeNameError)
     column = source.token_column
     for info, shard in zip(infos, shards, strict=True):

@@ -19,8 +19,8 @@ from curation.io.atomic import atomic_write_text
 from curation.io.storage import tokenizer_json_path
 from schemas.manifest import sha256_file
 
-__all__ = ["LoadedTokenizer", "load_tokenizer", "shared_tokenizer", "share_tokenizer", "train_bpe_tokenizer",
-           "PIECE_CHARS"]
+__all__ = ["LoadedTokenizer", "TextRefused", "load_tokenizer", "shared_tokenizer", "share_tokenizer",
+           "train_bpe_tokenizer", "PIECE_CHARS"]
 
 #: Documents longer than this many characters are tokenized piece by piece (see ``encode_pieces``).
 PIECE_CHARS = 1 << 18
@@ -28,6 +28,19 @@ PIECE_CHARS = 1 << 18
 # whitespace splitting) starts a new pre-token at such a space, and BPE never merges across pre-tokens,
 # so cutting a text there gives the same ids as encoding it whole.
 _SAFE_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
+
+
+class TextRefused(ValueError):
+    """The tokenizer refused a text (``str(e)``: why, in its own words). The readers refuse the one known kind, a
+    lone surrogate, before it gets here (:func:`curation.ingest.jsonstream.lone_surrogate`); ``prepare`` makes any
+    other refusal a bad record naming the document's file and line."""
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> list:
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=False)
+    except Exception as e:  # tokenizers raises TypeError (a string it cannot take), or its own Exception
+        raise TextRefused(f"the tokenizer cannot encode it ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 @dataclass
@@ -41,7 +54,12 @@ class LoadedTokenizer:
     fingerprint: str  # sha256 of tokenizer.json
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        """The ids of each text (no special tokens added).
+
+        Raises:
+            TextRefused: the tokenizer refused one of the texts.
+        """
+        return [e.ids for e in _encode(self.tokenizer, texts)]
 
     def encode_pieces(self, text: str, *, piece_chars: int = PIECE_CHARS, at_once: int = 1) -> Iterator[np.ndarray]:
         """The ids of ``text`` as a sequence of arrays, encoding about ``piece_chars`` characters at once
@@ -65,11 +83,11 @@ class LoadedTokenizer:
         for piece in _cut_stream(iter(pieces), piece_chars):
             group.append(piece)
             if len(group) == at_once:
-                for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
+                for enc in _encode(self.tokenizer, group):
                     yield np.asarray(enc.ids, dtype=np.int64)
                 group = []
         if group:
-            for enc in self.tokenizer.encode_batch(group, add_special_tokens=False):
+            for enc in _encode(self.tokenizer, group):
                 yield np.asarray(enc.ids, dtype=np.int64)
 
 

@@ -2,7 +2,8 @@
 
 **The unit rule.** A source's files (sorted, as :func:`~curation.ingest.corpus.resolve_paths` lists them) are
 cut into units of about ``unit_bytes`` input bytes, in order: small files share a unit, a large plain ``.jsonl``
-file is cut at byte offsets (a line belongs to the unit its first byte is in) and a large ``.parquet`` file at
+file is cut at byte offsets (a line belongs to the unit its first byte is in; a stretch in which no line starts,
+inside one long line, makes no unit, so the units after it are numbered on) and a large ``.parquet`` file at
 row groups; other files (``.jsonl.zst``, ``.txt``, pre-tokenized inputs) are never cut, and a source with
 ``skip_documents`` or ``max_documents`` is one unit (its documents are counted in order). The cuts depend on
 the files, their sizes and ``unit_bytes`` only: never on the number of workers.
@@ -29,24 +30,23 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from curation.ingest.corpus import (
     BadRecordError,
-    Document,
     FileSpan,
     detect_format,
-    iter_documents,
     parquet_row_groups,
 )
 from curation.ingest.fingerprint import span_fingerprint, stat_input
+from curation.ingest.jsonstream import skip_line
 from curation.ingest.packing import Packer
-from curation.ingest.token_sources import TokenRecord, iter_token_records
-from curation.ingest.tokenizer import PIECE_CHARS, shared_tokenizer
-from curation.io import storage
+from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, TextRefused, shared_tokenizer
+from curation.ingest.unit_input import Doc, batches, documents, read_documents
+from curation.io import objects, storage
 from curation.io.atomic import write_unit_record
 from curation.io.paths import UnsafeNameError, check_relative, safe_join
 from curation.io.shards import write_part
@@ -61,8 +61,6 @@ __all__ = ["WorkUnit", "PackSettings", "UnitResult", "plan_units", "run_unit", "
 #: A unit record's file name in its source's folder (``unit-00012.json``: the unit's number).
 RECORD_NAME = re.compile(r"unit-(\d{5,9})\.json")
 
-_ENCODE_BATCH = 256
-_BATCH_CHARS = 1 << 20
 #: Pieces of a huge document encoded together: one per tokenizer thread, so a huge document is tokenized on every
 #: core too, in this process; at most 4 (each costs ~40 MB of the tokenizer's memory, and a core of a container
 #: with a CPU quota is not one of os.cpu_count(): the cores this process may run on are counted).
@@ -181,6 +179,8 @@ class UnitResult:
     tokens: int = 0
     error: BadRecord | None = None
     cpu_seconds: float = 0.0  # CPU time of this run of the unit (its process, every thread)
+    uploaded: int = 0  # objects uploaded by this run of the unit (an object-store output_dir)
+    pid: int = 0  # the process that ran it (its uploads are counted by the driver when it is another one)
 
 
 class PartRewritten(Exception):  # noqa: N818 (a signal, not an error)
@@ -214,10 +214,12 @@ def plan_units(out: str, source_index: int, source: SourceConfig, files: list[st
         size = _size(path)
         fmt = None if source.pre_tokenized else _format(path, source)  # pre-tokenized inputs are read whole
         if fmt == "jsonl" and size > unit_bytes - filled:  # cut at byte offsets
+            lines = _LineStarts(path, size)
             start = 0
             while start < size:
                 stop = min(size, start + unit_bytes - filled)
-                add(FileSpan(path, start, None if stop == size else stop), stop - start)
+                if lines.any_in(start, stop):  # a span inside one long line has no record: no unit
+                    add(FileSpan(path, start, None if stop == size else stop), stop - start)
                 start = stop
         elif fmt == "parquet" and size > unit_bytes - filled and len(groups := _row_group_bytes(path)) > 1:
             first = 0  # cut at row groups
@@ -232,6 +234,36 @@ def plan_units(out: str, source_index: int, source: SourceConfig, files: list[st
     if current:
         units.append(WorkUnit(out, source_index, source, len(units), tuple(current), filled))
     return units
+
+
+class _LineStarts:
+    """Whether a line of a file starts in a byte range, asked for ranges in increasing order: each question reads at
+    most from the range's start to the next line start, and one that ends before a line start known already reads
+    nothing, so all of them read the file at most once (a 5 MB line cut into 1000-byte ranges is read once, not once
+    per range)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self.known = (-1, 0)  # (a, the first line start at or after a), the last one found
+
+    def first_at_or_after(self, a: int) -> int:
+        """The offset of the first line starting at or after ``a`` (the file's size when none does)."""
+        seen, start = self.known
+        if a == 0 or a <= start and a > seen:  # no line starts in (seen, start): the same one
+            return 0 if a == 0 else start
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(a - 1)
+                skip_line(f)  # the rest of the line holding byte a - 1 (just its newline when one ends there)
+                start = min(f.tell(), self.size)
+        except OSError:
+            start = a  # the reader reports it (file:0: cannot open)
+        self.known = (a, start)
+        return start
+
+    def any_in(self, a: int, b: int) -> bool:
+        """Whether a line starts in ``[a, b)``."""
+        return self.first_at_or_after(a) < min(b, self.size)
 
 
 def _row_group_bytes(path: str) -> list[int]:
@@ -261,48 +293,6 @@ def _format(path: str, source: SourceConfig) -> str | None:
 # ------------------------------------------------------------------------------------------------
 # running a unit
 # ------------------------------------------------------------------------------------------------
-def read_documents(source: SourceConfig, spans: list[FileSpan], skip_bad: bool, *, start_file: int = 0,
-                   start_record: int = 0, vocab_size: int | None = None,
-                   ) -> Iterator[Document | TokenRecord | BadRecordError]:
-    """A source's documents in ``spans`` (a pre-tokenized source's token records, whole inputs, their ids checked
-    against ``vocab_size``) from a resume position; bad records raise unless ``skip_bad`` (then they are yielded
-    to count). ``skip_documents`` are skipped when reading from the start."""
-    at_start = start_file == 0 and start_record == 0
-    to_skip = source.skip_documents if at_start else 0  # a resume position is already past them
-    if source.pre_tokenized:
-        assert vocab_size is not None, "token records are checked against the tokenizer's vocabulary"
-        items = iter_token_records(source, files=[s.path for s in spans], vocab_size=vocab_size,
-                                   start_file=start_file, start_record=start_record)
-    else:
-        items = iter_documents(source, spans=spans, start_file=start_file, start_record=start_record, stream=True)
-    for item in items:
-        if to_skip:
-            to_skip -= not isinstance(item, BadRecordError)
-            continue
-        if isinstance(item, BadRecordError) and not skip_bad:
-            raise item
-        yield item
-
-
-def _batches(items: Iterator[Document | TokenRecord | BadRecordError],
-             ) -> Iterator[list[Document | TokenRecord | BadRecordError]]:
-    """Items in encode batches of at most ``_ENCODE_BATCH`` records and about ``_BATCH_CHARS`` characters (or
-    bytes of token ids: a huge document or record ends its batch, so at most one is held at a time)."""
-    batch: list[Document | TokenRecord | BadRecordError] = []
-    chars = 0
-    for item in items:
-        batch.append(item)
-        if isinstance(item, Document):
-            chars += _BATCH_CHARS if item.stream is not None else len(item.text)
-        elif isinstance(item, TokenRecord):
-            chars += item.ids.nbytes
-        if len(batch) >= _ENCODE_BATCH or chars >= _BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
 def _remove_leftovers(unit: WorkUnit, record: UnitRecord) -> None:
     """Delete what a killed run of this unit left: part directories its record does not list (the unfinished
     part) and a half-written record. Only this unit's files: other units may be running beside it."""
@@ -334,129 +324,175 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     (:func:`~curation.io.stop.check_stop`: in-process, a SIGTERM stops here, between parts).
 
     Memory is bounded by one part plus the document being read: a document longer than ``PIECE_CHARS`` is
-    tokenized and packed piece by piece. A part is written as soon as its sequences are full, i.e. while a
-    document is being fed, so it ends inside that document (or at its EOS): its resume state is the document's
-    position and how many of its tokens are written (``skip``).
+    tokenized and packed piece by piece (a huge ``.jsonl`` line is never held whole either). A part is written as
+    soon as its sequences are full, i.e. while a document is being fed, so it ends inside that document (or at its
+    EOS): its resume state is the document's position and how many of its tokens are written (``skip``). Every kind
+    of document (a short text, a long one encoded in pieces, a streamed huge line, a token record) is one
+    :class:`Doc` and goes through :meth:`_UnitPacker.add`, the one place a document starts, is fed and ends.
 
     With ``rewrite`` (the unit's record before a finished part, and that part's record), only that part is
     written again, then :class:`PartRewritten` is raised; nothing is saved.
 
     Returns:
-        The unit's record and the tokens tokenized; with ``skip_bad_records: false`` a bad record stops the
-        unit and is returned as ``error`` (its finished parts are kept).
+        The unit's record and the tokens tokenized; with ``skip_bad_records: false`` a bad record (one the reader
+        refuses, or a text the tokenizer refuses) stops the unit and is returned as ``error`` (its finished parts
+        are kept).
     """
-    cpu = time.process_time()
+    cpu, mark = time.process_time(), objects.upload_mark()
     tok = shared_tokenizer(settings.tokenizer_path, eos_token=settings.eos_token,
                            fingerprint=settings.tokenizer_fingerprint)
-    if rewrite is not None:
-        record, target = rewrite
-    else:
-        target = None
-        started = storage.refresh(unit.record_path)  # a worker on another node: the bucket's copy
-        if started:
-            record = load_record(unit)
-        else:  # the inputs as this run reads them: a rerun redoes the unit when they change (never mixes)
-            record = unit.fresh_record()
-            record.inputs = unit.fingerprints()
-        if record.done:
-            return UnitResult(unit, record)
-        _remove_leftovers(unit, record)
-    n, seq_len = settings.sequences_per_part, settings.seq_len
-    state = dict(record.parts[-1].state) if record.parts else {"file": 0, "record": 0, "skip": 0}
-    k = len(record.parts)
-    counts = record.counts
-    dtype = np.dtype(token_dtype(tok.vocab_size))
-    packer = Packer(seq_len=seq_len, eos_id=tok.eos_id)
-    pending: list[np.ndarray] = []
-    to_skip = state["skip"]  # tokens of the first document already in finished parts
-    fed = 0  # tokens of the current document so far (with the skipped ones)
-    doc_pos = (state["file"], state["record"])  # reader position of the current document
-    tokens = 0
+    record, target = _starting_record(unit, rewrite)
+    if record.done:
+        return UnitResult(unit, record)
+    packer = _UnitPacker(unit, settings, tok, record, target=target, on_part=on_part)
+    try:
+        _pack_unit(unit, settings, tok, packer)
+    except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
+        saved = load_record(unit) if os.path.exists(unit.record_path) else unit.fresh_record()
+        return UnitResult(unit, saved, packer.tokens, BadRecord(source=unit.source.name, file=e.file, line=e.line,
+                                                                reason=e.reason), time.process_time() - cpu,
+                          objects.uploads(since=mark), os.getpid())
+    packer.finish()
+    return UnitResult(unit, record, packer.tokens, cpu_seconds=time.process_time() - cpu,
+                      uploaded=objects.uploads(since=mark), pid=os.getpid())
 
-    def flush(seqs: list[np.ndarray], state: dict) -> None:
-        nonlocal k
+
+def _starting_record(unit: WorkUnit, rewrite: tuple[UnitRecord, ShardRecord] | None,
+                     ) -> tuple[UnitRecord, ShardRecord | None]:
+    """The record a run of ``unit`` starts from (the saved one, a fresh one, or ``rewrite``'s), and the part to
+    rewrite (None: a normal run, whose leftovers of a killed run are removed first)."""
+    if rewrite is not None:
+        return rewrite
+    if storage.refresh(unit.record_path):  # started before (a worker on another node: the bucket's copy)
+        record = load_record(unit)
+    else:  # the inputs as this run reads them: a rerun redoes the unit when they change (never mixes)
+        record = unit.fresh_record()
+        record.inputs = unit.fingerprints()
+    if not record.done:
+        _remove_leftovers(unit, record)
+    return record, None
+
+
+def _pack_unit(unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, packer: _UnitPacker) -> None:
+    """Read the unit's documents from the packer's resume position and pack them (a bad one is counted, or raised
+    without ``skip_bad_records``), up to the source's ``max_documents``."""
+    source = unit.source
+    file_index, record_index = packer.position
+    items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=file_index,
+                           start_record=record_index, vocab_size=tok.vocab_size)
+    for batch in batches(items):  # in input order, so the counts match the saved position exactly
+        for doc in documents(batch, tok, source, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE):
+            bad = doc if isinstance(doc, BadRecordError) else packer.add(doc)
+            if bad is not None:
+                if not settings.skip_bad_records:
+                    raise bad
+                packer.record.add_bad_record(BadRecord(source=source.name, file=bad.file, line=bad.line,
+                                                       reason=bad.reason))
+            elif source.max_documents is not None and packer.counts.documents >= source.max_documents:
+                return
+
+
+class _UnitPacker:
+    """One run of a unit: documents in (:meth:`add`), parts out (written as their sequences fill, each followed by
+    the unit's saved record), the unit's end (:meth:`finish`). The resume state of a part is the position of the
+    document it ends in and how many of that document's tokens it holds; a resumed run skips those.
+
+    With ``target`` (a part to rewrite), the part written next must equal it, and :class:`PartRewritten` is raised
+    instead of saving anything.
+    """
+
+    def __init__(self, unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, record: UnitRecord, *,
+                 target: ShardRecord | None = None, on_part: Callable[[UnitRecord], None] | None = None) -> None:
+        self.unit, self.settings, self.record, self.target, self.on_part = unit, settings, record, target, on_part
+        self.counts = record.counts
+        self.vocab_size = tok.vocab_size
+        self.dtype = np.dtype(token_dtype(tok.vocab_size))
+        self.eos = np.asarray([tok.eos_id], dtype=np.int64)
+        self.packer = Packer(seq_len=settings.seq_len, eos_id=tok.eos_id)
+        self.pending: list[np.ndarray] = []  # full sequences not written yet (fewer than a part)
+        state = dict(record.parts[-1].state) if record.parts else {"file": 0, "record": 0, "skip": 0}
+        self.position: tuple[int, int] = (state["file"], state["record"])  # of the document being fed
+        self.to_skip = state["skip"]  # tokens of the first document already in finished parts
+        self.fed = 0  # tokens of the current document so far (with the skipped ones)
+        self.tokens = 0  # tokens tokenized in this run
+
+    def add(self, doc: Doc) -> BadRecordError | None:
+        """Pack one document: its pieces, then its EOS (when it has one), then count it.
+
+        Returns:
+            The bad record it is when the tokenizer refused its text before any of its tokens were packed (nothing
+            of it is packed or counted).
+
+        Raises:
+            BadRecordError: the tokenizer refused a later piece of a long text: its first tokens are packed and cannot
+                be taken back, so the unit stops on it (also with ``skip_bad_records``), naming its file and line.
+        """
+        self.position, self.fed = doc.position, 0
+        pieces = iter(doc.pieces)
+        while True:
+            try:
+                ids = next(pieces, None)
+            except TextRefused as e:
+                if self.fed == 0:
+                    return BadRecordError(doc.file, doc.line(), str(e))
+                raise BadRecordError(doc.file, doc.line(), f"{e}, after {self.fed} of its tokens were packed (it "
+                                     "cannot be skipped then): fix the text") from None
+            if ids is None:
+                break
+            self._feed(ids)
+        if doc.eos:
+            self._feed(self.eos)
+        # Counted once complete: a part written in the middle saves the counts without it, and a rerun reads it again.
+        self.counts.documents += 1
+        self.counts.tokens += self.fed
+        self.tokens += self.fed
+        return None
+
+    def _feed(self, ids: np.ndarray) -> None:
+        n, seq_len = self.settings.sequences_per_part, self.settings.seq_len
+        self.fed += len(ids)
+        if self.to_skip:  # the start of the resumed document is in finished parts already
+            cut = min(self.to_skip, len(ids))
+            ids, self.to_skip = ids[cut:], self.to_skip - cut
+        self.pending.extend(self.packer.extend(ids))
+        while len(self.pending) >= n:
+            seqs, self.pending = self.pending[:n], self.pending[n:]
+            # The part's last sequence ends in `ids` (fewer than n were pending before): all that is not written yet
+            # belongs to the current document, so a rerun resumes inside it.
+            written = self.fed - len(self.packer.carry) - len(self.pending) * seq_len
+            assert self.fed - len(ids) < written <= self.fed
+            self._write(seqs, {"file": self.position[0], "record": self.position[1], "skip": written})
+
+    def finish(self) -> None:
+        """The unit's end: its last part (the full sequences pending), its fewer-than-``seq_len`` tokens dropped."""
+        self._write(self.pending, {"done": True})
+
+    def _write(self, seqs: list[np.ndarray], state: dict) -> None:
+        """Write part ``k`` (the next), then save the record saying so (or compare it with the part to rewrite)."""
+        unit, k = self.unit, len(self.record.parts)
         name = unit.part_name(k)
         if seqs:
             key = (unit.index << 32) | k
-            order = np.random.default_rng([settings.seed, unit.source_index, key]).permutation(len(seqs))
+            order = np.random.default_rng([self.settings.seed, unit.source_index, key]).permutation(len(seqs))
             write_part(
                 os.path.join(unit.out, name), CANDIDATE,
-                ({"tokens": seqs[i].astype(dtype), "source": unit.source.name} for i in order),
-                vocab_size=tok.vocab_size, size_limit=settings.shard_size_limit,
+                ({"tokens": seqs[i].astype(self.dtype), "source": unit.source.name} for i in order),
+                vocab_size=self.vocab_size, size_limit=self.settings.shard_size_limit,
             )
-        counts.sequences += len(seqs)
+        self.counts.sequences += len(seqs)
         if state.get("done"):
-            counts.dropped_tokens = len(packer.carry)
-        part = ShardRecord(name=name, source=unit.source.name, part=k, samples=len(seqs), tokens=len(seqs) * seq_len,
-                           state=state)
-        if target is not None:
-            if part != target:
-                raise ValueError(f"{unit.out}/{name}: regenerated as {part}, but the manifest recorded {target}: the "
-                                 "input files changed since this directory was prepared; prepare into a new output_dir")
+            self.counts.dropped_tokens = len(self.packer.carry)
+        part = ShardRecord(name=name, source=unit.source.name, part=k, samples=len(seqs),
+                           tokens=len(seqs) * self.settings.seq_len, state=state)
+        if self.target is not None:
+            if part != self.target:
+                raise ValueError(f"{unit.out}/{name}: regenerated as {part}, but the manifest recorded {self.target}: "
+                                 "the input files changed since this directory was prepared; prepare into a new "
+                                 "output_dir")
             raise PartRewritten()
-        record.parts.append(part)
-        record.done = bool(state.get("done"))
-        _save_record(unit, record)  # the part is on disk (and in the bucket) before its record says so
-        k += 1
-        if on_part is not None:
-            on_part(record)
+        self.record.parts.append(part)
+        self.record.done = bool(state.get("done"))
+        _save_record(unit, self.record)  # the part is on disk (and in the bucket) before its record says so
+        if self.on_part is not None:
+            self.on_part(self.record)
         check_stop(f"after finishing {unit.out}/{name}")  # SIGTERM/SIGINT: stop here, between parts (curation.io.stop)
-
-    def feed(ids: np.ndarray) -> None:
-        nonlocal pending, fed, to_skip
-        fed += len(ids)
-        if to_skip:  # the start of the resumed document is in finished parts already
-            cut = min(to_skip, len(ids))
-            ids, to_skip = ids[cut:], to_skip - cut
-        pending.extend(packer.extend(ids))
-        while len(pending) >= n:
-            seqs, pending = pending[:n], pending[n:]
-            # The part's last sequence ends in `ids` (fewer than n were pending before): all that is not
-            # written yet belongs to the current document, so a rerun resumes inside it.
-            written = fed - len(packer.carry) - len(pending) * seq_len
-            assert fed - len(ids) < written <= fed
-            flush(seqs, {"file": doc_pos[0], "record": doc_pos[1], "skip": written})
-
-    eos = np.asarray([tok.eos_id], dtype=np.int64)
-    source = unit.source
-    try:
-        items = read_documents(source, list(unit.spans), settings.skip_bad_records, start_file=state["file"],
-                               start_record=state["record"], vocab_size=tok.vocab_size)
-        stop = False
-        for batch in _batches(items):
-            short = [d.text for d in batch if isinstance(d, Document) and d.stream is None and len(d.text) <= PIECE_CHARS]
-            encoded = iter(tok.encode_batch(short))
-            for item in batch:  # in input order, so counts match the saved position exactly
-                if isinstance(item, BadRecordError):
-                    record.add_bad_record(BadRecord(source=source.name, file=item.file, line=item.line,
-                                                    reason=item.reason))
-                    continue
-                doc_pos, fed = (item.file_index, item.next_record - 1), 0
-                if isinstance(item, TokenRecord):  # ids as they are; a stream's pieces hold their own EOS
-                    pieces, ends = [item.ids], source.token_rows == "documents"
-                elif item.stream is not None:  # a huge line's text, decoded piece by piece (curation.ingest.jsonstream)
-                    pieces = tok.encode_stream(item.pieces(), piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE)
-                else:
-                    pieces = ([np.asarray(next(encoded), dtype=np.int64)] if len(item.text) <= PIECE_CHARS
-                              else tok.encode_pieces(item.text, piece_chars=PIECE_CHARS, at_once=_PIECES_AT_ONCE))
-                    ends = True
-                for ids in pieces:
-                    feed(ids)
-                if ends:
-                    feed(eos)
-                # Counted once complete: a part written in the middle saves the counts without it, and a
-                # rerun reads it again.
-                counts.documents += 1
-                counts.tokens += fed
-                tokens += fed
-                if source.max_documents is not None and counts.documents >= source.max_documents:
-                    stop = True
-                    break
-            if stop:
-                break
-    except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
-        saved = load_record(unit) if os.path.exists(unit.record_path) else unit.fresh_record()
-        return UnitResult(unit, saved, tokens, BadRecord(source=source.name, file=e.file, line=e.line,
-                                                         reason=e.reason), time.process_time() - cpu)
-    flush(pending, {"done": True})
-    return UnitResult(unit, record, tokens, cpu_seconds=time.process_time() - cpu)

@@ -4,9 +4,11 @@ Jobs call :func:`parse_job_config` with their top-level model and embedded defau
 
     cfg, args = parse_job_config(PrepareConfig, description="...", default=PrepareConfig.demo_default)
 
+``--config`` is merged onto the embedded default (:func:`schemas.config.load_config`), ``--set`` applies after it.
 A bad setting ends the job with one ``error: ...`` and exit status 2; ``--print-config`` prints the resolved
-config as YAML and exits. Standard library and :mod:`schemas` only: ``--help`` and a bad setting answer before a
-job imports torch, Composer or Ray.
+config as YAML and exits; ``--help [SECTION]`` lists every config key with its default and description
+(:mod:`curation.io.config_help`). Standard library, pydantic and :mod:`schemas` only: ``--help`` and a bad setting
+answer before a job imports torch, Composer or Ray.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from curation.io.config_help import HelpError, format_keys
 from schemas.config import ConfigError, config_to_yaml, load_config
 
 __all__ = ["add_config_arguments", "parse_job_config"]
@@ -50,9 +53,15 @@ def parse_job_config(
 
     ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
     """
-    parser = parser or argparse.ArgumentParser(description=description)
+    parser = parser or argparse.ArgumentParser(description=description, add_help=False)
+    if not parser.add_help:
+        parser.add_argument("-h", "--help", nargs="?", const="", default=None, metavar="SECTION",
+                            help="show this help and every config key with its default and description (SECTION: "
+                            "only the keys under it, e.g. --help selection) and exit")
     add_config_arguments(parser, set_example)
     args = parser.parse_args(argv)
+    if getattr(args, "help", None) is not None:
+        _print_help(parser, model, default, args.help)
     try:
         cfg = load_config(model, path=args.config, overrides=args.overrides, default=default)
     except ConfigError as e:
@@ -62,3 +71,14 @@ def parse_job_config(
         sys.stdout.write(config_to_yaml(cfg))
         raise SystemExit(0)
     return cfg, args
+
+
+def _print_help(parser: argparse.ArgumentParser, model: type[M], default: Callable[[], M] | None, section: str) -> None:
+    """Print the usage and the config keys (all, or ``section``'s) and exit 0; an unknown section exits 2."""
+    try:
+        keys = format_keys(model, default().model_dump(mode="json") if default is not None else None, section or None)
+    except HelpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.stdout.write(parser.format_help() + "\n" + keys)
+    raise SystemExit(0)

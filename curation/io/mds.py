@@ -315,8 +315,7 @@ def write_mds(out: str, columns: dict[str, str], samples: Iterable[dict[str, Any
         raw = np.uint32(len(pending)).tobytes() + offsets.tobytes() + config_data + b"".join(pending)
         zipped = zstd.compress(raw, _ZSTD_LEVEL)
         raw_name = f"shard.{len(shards):05}.mds"
-        with open(os.path.join(out, raw_name + ".zstd"), "wb") as f:
-            f.write(zipped)
+        _write_file(os.path.join(out, raw_name + ".zstd"), zipped)
         shards.append({"samples": len(pending), "raw_data": _file_info(raw, raw_name),
                        "zip_data": _file_info(zipped, raw_name + ".zstd"), **config})
 
@@ -331,6 +330,16 @@ def write_mds(out: str, columns: dict[str, str], samples: Iterable[dict[str, Any
             n += 1
     if pending:
         flush()
-    with open(os.path.join(out, "index.json"), "w") as f:  # (dumps: json.dump encodes in Python, 10× slower)
-        f.write(json.dumps({"version": 2, "shards": shards}, sort_keys=True))
+    # (dumps: json.dump encodes in Python, 10× slower)
+    _write_file(os.path.join(out, "index.json"), json.dumps({"version": 2, "shards": shards}, sort_keys=True).encode())
     return n
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path``; an error (a full disk: ``write`` and ``close`` name no file) names ``path``."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        e.filename = e.filename or path
+        raise

@@ -68,7 +68,7 @@ def build_causal_lm(cfg: ModelConfig) -> nn.Module:
             raise ValueError(f"model.path {cfg.path!r} is not a local model directory")
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code, torch_dtype=torch.float32
+                cfg.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
             )
         except (RuntimeError, OSError, ValueError, SafetensorError) as e:  # one line naming the file, not 30–50
             weights = next((os.path.join(cfg.path, n) for n in ("model.safetensors", "model.safetensors.index.json",

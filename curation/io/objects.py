@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard",
+    "uploads", "upload_mark",
     "ObjectInfo", "StoredObject", "list_objects", "head_object", "read_object", "write_object", "delete_object", "delete_many",
     "file_etag", "upload", "download",
 ]
@@ -33,7 +34,7 @@ SCHEMES = ("s3",)
 #: parts of ``_PART`` bytes, whose ETag is computed the same way by :func:`file_etag`.
 _SINGLE_PUT = 4 << 30
 _PART = 64 << 20
-_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")  # any case: an upper-case s3 is refused, never a folder
 #: A bucket name boto accepts (botocore's VALID_BUCKET, without its ARN forms).
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 
@@ -65,6 +66,9 @@ def check_scheme(path: str) -> None:
     m = _URL.match(path)
     if m is None or m.group(1) in SCHEMES:
         return
+    if m.group(1).lower() in SCHEMES:  # read as a local folder named "S3:" otherwise
+        raise ValueError(f"{path}: write the scheme in lower case ({m.group(1).lower()}://{m.group(2)}): "
+                         f"{m.group(1)}:// is not read as the object store")
     hint = (" (Google Cloud Storage: use its S3-compatible API, s3://bucket/prefix with "
             "S3_ENDPOINT_URL=https://storage.googleapis.com and HMAC keys as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
             if m.group(1) in ("gs", "gcs") else "")
@@ -336,6 +340,24 @@ def _md5_etag(path: str, size: int) -> str:
     return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
 
 
+_UPLOADED: dict[str, int] = {}  # object → number of this process's upload of it, the latest (for the jobs' last line)
+_UPLOADED_LOCK = threading.Lock()
+
+
+def upload_mark() -> int:
+    """How many uploads this process made so far: :func:`uploads` ``since`` it counts what came after."""
+    with _UPLOADED_LOCK:
+        return max(_UPLOADED.values(), default=0)
+
+
+def uploads(under: str | None = None, since: int = 0) -> int:
+    """How many objects this process uploaded (:func:`upload`; each once, however often) after the mark ``since``
+    (:func:`upload_mark`), all or ``under`` a URL."""
+    prefix = None if under is None else under.rstrip("/") + "/"
+    with _UPLOADED_LOCK:
+        return sum(n > since and (prefix is None or u.startswith(prefix)) for u, n in _UPLOADED.items())
+
+
 def upload(path: str, url: str) -> None:
     _check_guards(url)
     bucket, key = split_url(url)
@@ -348,6 +370,8 @@ def upload(path: str, url: str) -> None:
 
             client().upload_file(path, bucket, key, Config=TransferConfig(multipart_threshold=_SINGLE_PUT,
                                                                          multipart_chunksize=_PART))
+    with _UPLOADED_LOCK:
+        _UPLOADED[url] = max(_UPLOADED.values(), default=0) + 1
 
 
 def download(url: str, path: str) -> None:

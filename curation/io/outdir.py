@@ -18,7 +18,10 @@ Every job (prepare, train, replay, curate, curate_and_train) opens its output di
    it was; the keys that name the directory itself (its ``output_dir``, spelled any way) are not compared
    (:func:`location_keys`: a copied or moved run directory resumes);
 3. writes the record when the job is about to act (:meth:`OutputDirLock.write_records`), and only when
-   there was none, the run is extended or moved: an equal record is not rewritten.
+   there was none, the run is extended or moved: an equal record is not rewritten;
+4. leaves nothing behind when it was the directory's first run and failed before its first output (e.g. a
+   prepare on a missing input): its record, the lock file, the folders it made and the directory itself are
+   removed (:meth:`OutputDirLock.discard_unstarted`), so the directory does not look started.
 
 No torch, no ray: stdlib + pydantic only (the jobs open their output directory before they import Composer). The
 comparison of two configs is pure and lives with the configs (:mod:`schemas.records`).
@@ -40,6 +43,8 @@ import yaml
 from pydantic import BaseModel
 
 from curation.io.atomic import atomic_write_text
+from curation.io.cache import urls_in_text
+from curation.io.live_locks import LOCK_NAME, live_locks  # (the lock file's name: defined there, used here)
 from schemas.config import load_record_yaml
 from schemas.records import as_dict, config_diff, extendable_keys, leaves, operational_keys
 
@@ -48,18 +53,22 @@ T = TypeVar("T")
 __all__ = [
     "report_job_errors",
     "LOCK_NAME",
+    "INPUTS_NAME",
     "OutputDirError",
     "OutputDirBusy",
     "ConfigMismatch",
+    "InputsChanged",
     "OutputDirLock",
     "check_config_record",
     "write_config_record",
     "open_output_dir",
     "location_keys",
     "describe_os_error",
+    "live_locks",
 ]
 
-LOCK_NAME = ".lock"
+#: The record of the inputs a run was started with (:mod:`curation.io.inputs`), beside its config records.
+INPUTS_NAME = "inputs.json"
 
 
 class OutputDirError(ValueError):
@@ -78,6 +87,11 @@ class ConfigMismatch(OutputDirError):
         self.keys = keys
 
 
+class InputsChanged(OutputDirError):
+    """An input the run was started with (shards, tokenizer, weights) has other content now
+    (:mod:`curation.io.inputs`)."""
+
+
 # ------------------------------------------------------------------------------------------------
 # lock
 # ------------------------------------------------------------------------------------------------
@@ -94,22 +108,27 @@ class OutputDirLock:
         self.name = name or directory  # how messages name it (an object-store URL for its local cache)
         self.path = os.path.join(directory, LOCK_NAME)
         self.on_release: list[Callable[[], None]] = []  # run once when the lock is released
+        _refuse_nested(directory, self.name)  # before anything is created there
         self.on_record: Callable[[str], None] | None = None  # run after each record is written (its path)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputDirError(describe_os_error(e, f"cannot open the output directory {self.name}")) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
+        # run by write_records before it writes anything (the check of the run's inputs: curation.io.inputs)
+        self.before_records: list[Callable[[], None]] = []
+        self.replaced = False  # a record that produced no output is replaced: so is its record of inputs
+        self.on_discard: Callable[[str], None] | None = None  # run before a file is removed by discard_unstarted
+        self.fresh = False  # the directory held nothing but its lock when this run took it (open_output_dir)
+        self.records: set[str] = set()  # the names of the directory's config records
+        self._fd: int | None = None
+        for _ in range(100):  # a run that removed the lock file while holding it (discard_unstarted): open anew
+            fd = self._open()
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise OutputDirBusy(
-                f"{self.name} is in use by another run: {holder}. Wait for it to finish or stop it (its lock is "
-                f"released when it exits, also when killed), or use another output_dir"
-            ) from None
-        self._fd: int | None = fd
+        else:
+            raise OutputDirError(f"cannot lock {self.path}: it was removed and made again 100 times in a row")
+        self._fd = fd
         self.pending: dict[str, BaseModel | Mapping[str, Any]] = {}  # records to write (none on disk yet)
         self.extended: dict[str, tuple[int, int]] = {}  # extendable key → (recorded, raised) value of this rerun
         self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "job": job,
@@ -122,8 +141,53 @@ class OutputDirLock:
             self.release()
             raise OutputDirError(describe_os_error(e, f"cannot write the lock file {self.path}")) from e
 
+    def _open(self) -> int:
+        """The lock file's descriptor, locked (the directory is made when missing)."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, f"cannot open the output directory {self.name}")) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise OutputDirBusy(
+                f"{self.name} is in use by another run: {holder}. Wait for it to finish or stop it (its lock is "
+                f"released when it exits, also when killed), or use another output_dir"
+            ) from None
+        return fd
+
+    def discard_unstarted(self) -> bool:
+        """Remove what this run wrote when the directory was new (:attr:`fresh`) and still holds no output (only
+        its config records, the lock, empty folders and manifests that list no shard): a failed first run then
+        leaves no directory that looks started. The lock file goes last, while it is held (a run waiting to open
+        it opens the new one: the loop in ``__init__``), then the lock is released. Returns whether it did; an OS
+        error leaves the rest as it is (a rerun replaces a record without outputs)."""
+        if not self.fresh or self._fd is None or _holds_outputs(self.directory, self.records):
+            return False
+        try:
+            for root, dirs, files in os.walk(self.directory, topdown=False):
+                for f in files:
+                    if root != self.directory or f != LOCK_NAME:
+                        if self.on_discard is not None:
+                            self.on_discard(os.path.join(root, f))
+                        os.remove(os.path.join(root, f))
+                for d in dirs:
+                    os.rmdir(os.path.join(root, d))
+            os.remove(self.path)
+            self.release()
+            os.rmdir(self.directory)
+        except OSError:
+            return False
+        return True
+
     def write_records(self) -> None:
-        """Write the config records the directory did not have yet (an equal record is not rewritten)."""
+        """Run the :attr:`before_records` checks (they may refuse the run: nothing is written then), then write the
+        config records the directory did not have yet (an equal record is not rewritten)."""
+        while self.before_records:
+            self.before_records.pop(0)()
         for name, cfg in list(self.pending.items()):
             write_config_record(os.path.join(self.directory, name), cfg)
             if self.on_record is not None:
@@ -141,19 +205,53 @@ class OutputDirLock:
     def __enter__(self) -> OutputDirLock:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:  # the job failed (or was stopped) holding the directory
+            self.discard_unstarted()
         self.release()
 
     def __del__(self) -> None:
         self.release()
 
 
+def _refuse_nested(directory: str, name: str) -> None:
+    """Refuse ``directory`` when it is inside, or holds, the output directory of a live run of another process on
+    this host (a job writing into another run's folder, or around it, can overwrite or delete its files).
+
+    Raises:
+        OutputDirBusy: naming the other run's directory and holder.
+    """
+    here = os.path.realpath(directory)
+    for path, pid in live_locks():
+        other = os.path.dirname(os.path.realpath(path))
+        if pid == os.getpid() or other == here:  # (this process's own: the main job's prepare inside its run)
+            continue
+        inside, around = here.startswith(other + os.sep), other.startswith(here + os.sep)
+        if inside or around:
+            try:
+                with open(path, "rb") as f:
+                    holder = _holder_text(f.read(1 << 16))
+            except OSError:
+                holder = f"pid {pid}"
+            where = f"is inside {other}" if inside else f"holds {other}"
+            raise OutputDirBusy(f"{name} {where}, the output directory of a live run ({holder}): a job must not write "
+                                "into another run's directory or around it; use an output_dir outside it")
+
+
 def _read_holder(fd: int) -> str:
     try:
-        info = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
-    except (OSError, ValueError):
+        data = os.pread(fd, 1 << 16, 0)
+    except OSError:
+        data = b""
+    return _holder_text(data)
+
+
+def _holder_text(data: bytes) -> str:
+    try:
+        info = json.loads(data.decode() or "{}")
+    except ValueError:
         info = {}
-    if not info:
+    if not info or not isinstance(info, dict):
         return "holder unknown (its lock file is being written)"
     return (f"{info.get('job', 'a job')} pid {info.get('pid')} on host {info.get('host')}, "
             f"started {info.get('started')} ({info.get('command', '')})")
@@ -264,9 +362,11 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
         OutputDirBusy, ConfigMismatch, OutputDirError: see the classes.
     """
     lock = OutputDirLock(directory, job, name=name)
+    lock.records = set(records or {})
     try:
         if after_lock is not None:
             after_lock(lock)
+        lock.fresh = set(os.listdir(directory)) <= {LOCK_NAME}  # (an object store's: once its cache is the bucket)
         for record, cfg in (records or {}).items():
             path, shown = os.path.join(directory, record), f"{name}/{record}" if name else None
             here = location_keys(cfg, directory, name)
@@ -288,6 +388,7 @@ def open_output_dir(directory: str, job: str, records: Mapping[str, BaseModel | 
                     print(f"note: {shown or path} records a config that produced no output yet (differs in: "
                           f"{', '.join(e.keys)}): replacing it with this run's", file=sys.stderr)
                     lock.pending[record] = cfg
+                    lock.replaced = True
                     continue
                 sets = " ".join(f"--set {k}={v}" for k, v in moved.items())
                 raise ConfigMismatch(str(e).replace(" to resume, or", f" and {sets} to resume, or"), e.keys) from None
@@ -305,7 +406,7 @@ def _holds_outputs(directory: str, records: set[str]) -> bool:
     cannot be read as such an empty manifest is an output."""
     for root, _, files in os.walk(directory):
         for f in files:
-            if root == directory and f in records | {LOCK_NAME}:
+            if root == directory and f in records | {LOCK_NAME, INPUTS_NAME}:
                 continue
             if f == "manifest.json" and _lists_no_shard(os.path.join(root, f)):
                 continue
@@ -373,12 +474,13 @@ def report_job_errors(body: Callable[[], T], what: str, expected: tuple[type[Bas
     Bad input (``ValueError`` and its subclasses: bad records, shard schemas, settings), a missing file, and
     the ``expected`` error types are printed as they are; any other ``OSError`` (a full disk, a read-only
     directory, ...) through :func:`describe_os_error` with ``what`` (e.g. ``"training into runs/x failed"``).
-    Anything else is a bug and propagates with its traceback.
+    Anything else is a bug and propagates with its traceback. An object-store output's cache paths are named by
+    their URLs (:func:`curation.io.cache.urls_in_text`): the message says what the user gave.
     """
     try:
         return body()
     except (ValueError, FileNotFoundError, *expected) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {urls_in_text(str(e))}", file=sys.stderr)
     except OSError as e:
-        print(f"error: {describe_os_error(e, what)}", file=sys.stderr)
+        print(f"error: {urls_in_text(describe_os_error(e, what))}", file=sys.stderr)
     return None

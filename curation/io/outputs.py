@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from curation.io import objects, storage
+from curation.io.inputs import watch_inputs
 from curation.io.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
 __all__ = ["URL_FIELDS", "localize", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
@@ -229,9 +230,11 @@ def open_output(directory: str, job: str, records: Mapping[str, BaseModel | Mapp
     objects.check_scheme(directory)
     directory = storage.url_of(directory) or directory  # a localized config's cache path: its URL
     if not objects.is_url(directory):
-        return open_output_dir(directory, job, records)
+        lock = open_output_dir(directory, job, records)
+        watch_inputs(lock, records or {})  # checked, and recorded, when the job writes its records
+        return lock
     local = storage.local_path(directory)
-    records = {name: _with_urls(cfg) for name, cfg in (records or {}).items()}
+    given, records = records or {}, {name: _with_urls(cfg) for name, cfg in (records or {}).items()}
 
     def attach(lock: OutputDirLock) -> None:
         remote = RemoteLock(directory, lock.holder)
@@ -240,4 +243,6 @@ def open_output(directory: str, job: str, records: Mapping[str, BaseModel | Mapp
 
     lock = open_output_dir(local, job, records, name=directory, after_lock=attach)
     lock.on_record = storage.publish
+    lock.on_discard = storage.unpublish  # a failed first run's record leaves the bucket too
+    watch_inputs(lock, given)  # (the inputs at their cache paths)
     return lock

@@ -2,6 +2,11 @@
 records checked before it is used, and the per-machine cache of decompressed shards that readers map.
 
 Split from :mod:`curation.io.shards` (which re-exports these names) so that module stays a readable size.
+
+An index entry of the kind this project writes (MDS version 2, zstd or uncompressed, xxh64: :mod:`curation.io.mds`)
+is read here (:func:`shard_entries`), decompressed with ``zstd`` and hashed with ``xxhash`` directly, so reading such
+shards imports neither ``streaming`` nor the torch it imports (the run inspector reads shards without torch); any
+other entry is ``streaming``'s own reader, as before.
 """
 
 from __future__ import annotations
@@ -12,26 +17,155 @@ import os
 import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+import zstd
+
 from curation.io import storage
-from curation.io.mds import SHARD_HASH
+from curation.io.mds import MDS_ENCODINGS, SHARD_HASH
 from curation.io.paths import safe_join
 
-__all__ = ["ShardIntegrityError", "check_bytes", "load_shard_file", "check_shard_file", "shard_file",
-           "check_index_names", "decode_sample", "raw_cache_dir", "raw_cache_path", "map_file"]
+__all__ = ["ShardIntegrityError", "ShardIndexError", "FileInfo", "ShardEntry", "shard_entries", "check_bytes",
+           "load_shard_file", "check_shard_file", "shard_file", "check_index_names", "decode_sample", "raw_cache_dir",
+           "raw_cache_path", "map_file"]
 
 
 class ShardIntegrityError(ValueError):
     """A shard file is missing, unreadable or does not match the hash in its index (names the file)."""
 
 
+class ShardIndexError(ValueError):
+    """An ``index.json`` is not an MDS index: one line naming the file, the shard and the key."""
+
+
+#: What an MDS index (version 2, streaming's ``MDSWriter``) records for each shard, and for each of its files.
+_SHARD_KEYS = {"version": int, "format": str, "column_names": list, "column_encodings": list, "column_sizes": list,
+               "compression": (str, type(None)), "hashes": list, "raw_data": dict, "zip_data": (dict, type(None)),
+               "samples": int, "size_limit": (int, type(None))}
+_FILE_KEYS = {"basename": str, "bytes": int, "hashes": dict}
+
+
+def _check_keys(entry: object, keys: dict[str, Any], index: str, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise ShardIndexError(f"{index}: {where} is {type(entry).__name__}, not a mapping: not an MDS index")
+    for key, kind in keys.items():
+        if key not in entry:
+            raise ShardIndexError(f"{index}: {where} has no {key!r} key (an MDS index records {', '.join(keys)}); "
+                                  "restore the index or write the dataset again")
+        if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
+            raise ShardIndexError(f"{index}: {where}.{key} is {type(entry[key]).__name__}, not what an MDS index "
+                                  "records; restore the index or write the dataset again")
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A shard file as an index records it (``streaming``'s ``FileInfo``'s fields)."""
+
+    basename: str
+    bytes: int
+    hashes: dict[str, str]
+
+
+@dataclass
+class ShardEntry:
+    """One shard of an ``index.json`` of the kind :mod:`curation.io.mds` writes, with the attributes of
+    ``streaming``'s ``MDSReader`` that the readers here use (``index``: the entry as the file holds it)."""
+
+    column_names: list[str]
+    column_encodings: list[str]
+    column_sizes: list[int | None]
+    compression: str | None
+    hashes: list[str]
+    raw_data: FileInfo
+    zip_data: FileInfo | None
+    samples: int
+    size_limit: int | None
+    index: dict[str, Any] = field(default_factory=dict, repr=False)
+    _streaming: Any = field(default=None, repr=False)
+
+    def decode_sample(self, data: bytes) -> dict[str, Any]:
+        """``streaming``'s own decoding of one sample (the readers use :func:`curation.io.mds.sample_decoder`)."""
+        if self._streaming is None:
+            from streaming.base.format import reader_from_json
+
+            self._streaming = reader_from_json("", None, self.index)
+        return self._streaming.decode_sample(data)
+
+
+def _file_info(obj: Any) -> FileInfo | None:
+    if not (isinstance(obj, dict) and isinstance(obj.get("basename"), str) and type(obj.get("bytes")) is int
+            and isinstance(obj.get("hashes", {}), dict)):
+        return None
+    return FileInfo(obj["basename"], obj["bytes"], dict(obj.get("hashes", {})))
+
+
+def _entry(obj: Any) -> ShardEntry | None:
+    """``obj`` as a :class:`ShardEntry` when it is one of ours (MDS v2, zstd or none, known encodings), else None."""
+    if not isinstance(obj, dict) or obj.get("version") != 2 or obj.get("format") != "mds":
+        return None
+    comp, names, encodings, sizes = (obj.get(k) for k in ("compression", "column_names", "column_encodings",
+                                                          "column_sizes"))
+    if comp is not None and comp != "zstd" and not str(comp).startswith("zstd:"):
+        return None
+    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)
+            and len(names) == len(encodings) == len(sizes) and all(e in MDS_ENCODINGS for e in encodings)):
+        return None
+    raw, zipped = _file_info(obj.get("raw_data")), _file_info(obj.get("zip_data")) if obj.get("zip_data") else None
+    if raw is None or (obj.get("zip_data") and zipped is None) or (zipped is None) != (comp is None) \
+            or type(obj.get("samples")) is not int:
+        return None
+    return ShardEntry(list(names), list(encodings), list(sizes), comp, list(obj.get("hashes") or []), raw, zipped,
+                      obj["samples"], obj.get("size_limit"), index=dict(obj))
+
+
+def shard_entries(directory: str, shards: object) -> list[Any]:
+    """The shards an ``index.json`` of ``directory`` lists: :class:`ShardEntry` for ours, ``streaming``'s reader for
+    any other; each entry checked first against what an MDS index records (a key left out, the ``hashes`` of a file
+    say, is an error here, not a bare ``TypeError`` from ``streaming``, nor a shard read without its hash check).
+
+    Raises:
+        ShardIndexError: naming the index, the shard and the key.
+    """
+    index = storage.display(os.path.join(directory, "index.json"))  # (an object-store index: by its URL)
+    if not isinstance(shards, list):
+        raise ShardIndexError(f"{index}: 'shards' is {type(shards).__name__}, not a list of shards: not an MDS index")
+    out: list[Any] = []
+    for i, obj in enumerate(shards):
+        _check_keys(obj, _SHARD_KEYS, index, f"shards[{i}]")
+        if obj["version"] != 2 or obj["format"] != "mds":
+            raise ShardIndexError(f"{index}: shards[{i}] is version {obj['version']!r:.20} in format "
+                                  f"{obj['format']!r:.40}; only MDS shards of version 2 are read")
+        for name in ("raw_data", "zip_data"):
+            if obj[name] is not None:
+                _check_keys(obj[name], _FILE_KEYS, index, f"shards[{i}].{name}")
+        entry = _entry(obj)
+        if entry is None:
+            from streaming.base.format import reader_from_json
+
+            try:
+                entry = reader_from_json(directory, None, obj)
+            except (TypeError, KeyError, ValueError, AssertionError) as e:  # what the checks above did not foresee
+                raise ShardIndexError(f"{index}: shards[{i}] cannot be read ({type(e).__name__}: "
+                                      f"{str(e)[:200]})") from None
+        out.append(entry)
+    return out
+
+
+def _hash(algo: str, data: bytes) -> str:
+    if algo == "xxh64":
+        return xxhash.xxh64(data).hexdigest()
+    from streaming.base.hashing import get_hash
+
+    return get_hash(algo, data)
+
+
 def check_bytes(data: bytes, info: Any, path: str) -> None:
     """Compare ``data`` with the size and the hash recorded for it: ``xxh64`` when recorded, else the first
     algorithm the index names (MDS directories written by others may record another one, or none: then the
     size is all there is to check)."""
-    from streaming.base.hashing import get_hash
-
+    get_hash = _hash
     hashes = getattr(info, "hashes", None) or {}
     algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
     expected = hashes.get(algo) if algo is not None else None
@@ -126,9 +260,15 @@ def check_index_names(directory: str, shards: Sequence[Any]) -> None:
             shard_file(directory, shard)
 
 
-def _read_shard(directory: str, shard: Any) -> bytes:
+def _decompress(compression: str, data: bytes) -> bytes:
+    if compression == "zstd" or compression.startswith("zstd:"):
+        return zstd.decompress(data)
     from streaming.base.compression import decompress
 
+    return decompress(compression, data)
+
+
+def _read_shard(directory: str, shard: Any) -> bytes:
     path, zipped = _stored_file(directory, shard)
     with _reading(path), open(path, "rb") as f:
         data = f.read()
@@ -136,7 +276,7 @@ def _read_shard(directory: str, shard: Any) -> bytes:
     if zipped:
         check_bytes(data, shard.zip_data, where)
         try:
-            data = decompress(shard.compression, data)
+            data = _decompress(shard.compression, data)
         except Exception as e:  # zstd raises ZstdError, other codecs their own
             raise ShardIntegrityError(f"{where}: corrupt shard: cannot decompress ({e})") from e
     check_bytes(data, shard.raw_data, where)

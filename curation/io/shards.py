@@ -40,6 +40,7 @@ from curation.io.atomic import atomic_write_text, write_manifest
 from curation.io.mds import SHARD_HASH, RowBlock, batch_decoder, sample_decoder, write_mds
 from curation.io.paths import safe_join
 from curation.io.shard_files import (
+    ShardIndexError,
     ShardIntegrityError,
     check_bytes,
     check_index_names,
@@ -49,6 +50,7 @@ from curation.io.shard_files import (
     map_file,
     raw_cache_dir,
     raw_cache_path,
+    shard_entries,
     shard_file,
 )
 from schemas.manifest import Manifest, sha256_file
@@ -58,7 +60,7 @@ __all__ = [
     "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
-    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir",
+    "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir", "ShardIndexError",
 ]
 
 #: Every part directory's name starts with this (see :func:`part_name`).
@@ -101,13 +103,11 @@ def verify_part(part_dir: str) -> str | None:
     Returns:
         ``None`` when intact, else what is wrong (naming the file).
     """
-    from streaming.base.format import reader_from_json
-
     index = os.path.join(part_dir, "index.json")
     try:
         storage.fetch(index)
         with open(index, encoding="utf-8") as f:
-            shards = [reader_from_json(part_dir, None, s) for s in json.load(f)["shards"]]
+            shards = shard_entries(part_dir, json.load(f)["shards"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{index}: missing or unreadable index ({e})"
     check_index_names(part_dir, shards)  # a hostile name is an error, not damage to regenerate around
@@ -248,14 +248,15 @@ class ShardReader:
 
     def __init__(self, path: str, *, cache_shards: int = 4, hint: Callable[[str], str] | None = None,
                  mapped: bool = False):
-        from streaming.base.format import reader_from_json
-
         storage.fetch(os.path.join(path, "index.json"))  # an object-store directory's shards come when read
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)
         self.path = path
         self._hint = hint or (lambda name: recovery_hint(path, name))
-        self.shards = [reader_from_json(path, None, s) for s in index["shards"]]
+        if not isinstance(index, dict) or "shards" not in index:
+            raise ShardIndexError(f"{storage.display(os.path.join(path, 'index.json'))}: has no 'shards' list: not an "
+                                  "MDS index")
+        self.shards = shard_entries(path, index["shards"])  # (ours without importing streaming)
         check_index_names(path, self.shards)
         self._decoders = [sample_decoder(s.column_names, s.column_encodings, s.column_sizes)
                           if hasattr(s, "column_encodings") else None for s in self.shards]  # MDS: ours

@@ -19,13 +19,17 @@ nothing, so library code can poll unconditionally.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopRequested", "GracefulStop", "check_stop", "stop_requested", "stop_signal", "exit_code"]
+from curation.io.cache import urls_in_text
+
+__all__ = ["StopRequested", "GracefulStop", "check_stop", "stop_requested", "stop_signal", "exit_code", "interruptible"]
 
 
 class StopRequested(Exception):  # noqa: N818 (named for what happened, like KeyboardInterrupt)
@@ -39,7 +43,7 @@ class StopRequested(Exception):  # noqa: N818 (named for what happened, like Key
     def __init__(self, signum: int, where: str) -> None:
         self.signum = signum
         self.where = where
-        super().__init__(f"stopped on {signal.Signals(signum).name} {where}".rstrip())
+        super().__init__(f"stopped on {signal.Signals(signum).name} {urls_in_text(where)}".rstrip())  # (URLs, not caches)
 
 
 def exit_code(signum: int) -> int:
@@ -68,6 +72,7 @@ class GracefulStop:
         self.what = what
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self.waiting: str | None = None  # inside interruptible(): what the job waits for (a signal stops it there)
 
     @property
     def requested(self) -> bool:
@@ -95,6 +100,8 @@ class GracefulStop:
             self.signum = signum
             for s in self.signals:  # a second signal: the default action, at once (also inside C code)
                 signal.signal(s, signal.SIG_DFL)
+            if self.waiting is not None:  # maybe blocked in a system call Python retries (PEP 475): stop it now
+                raise StopRequested(signum, f"while {self.waiting}")
             name = signal.Signals(signum).name
             # os.write, not print: a handler may run while the main thread is inside a print
             os.write(2, f"\n{name} received: finishing {self.what}, then stopping (send it again to stop at "
@@ -113,6 +120,24 @@ class GracefulStop:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+@contextlib.contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Within the block, a stop signal raises :class:`StopRequested` at once, also inside a blocking system call that
+    Python would otherwise retry after the handler (opening a FIFO waits for a writer for ever): for waits that leave
+    nothing half written (``what``: e.g. ``"opening input x.jsonl"``). Nothing outside a :class:`GracefulStop` or
+    outside the main thread."""
+    active = _ACTIVE[-1] if _ACTIVE and threading.current_thread() is threading.main_thread() else None
+    if active is None or active.waiting is not None:
+        yield
+        return
+    active.check(f"before {what}")
+    active.waiting = what
+    try:
+        yield
+    finally:
+        active.waiting = None
 
 
 def stop_requested() -> bool:

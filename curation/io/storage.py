@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 
+from curation.io.cache import cache_root, display, url_of
 from curation.io.objects import (
     delete_many,
     delete_object,
@@ -36,6 +37,7 @@ from curation.io.objects import (
     read_object,
     split_url,
     upload,
+    uploads,
     write_object,
 )
 from curation.io.outdir import LOCK_NAME
@@ -63,41 +65,48 @@ def _local_only(rel: str) -> bool:
             or any(p.endswith(".tmp") for p in parts[:-1]))
 
 
-def cache_root() -> str:
-    """Where URLs are cached: ``BLADE_CACHE_DIR``, default ``~/.cache/blade-curation`` (absolute)."""
-    root = os.environ.get("BLADE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "blade-curation")
-    return os.path.abspath(root)
+_USABLE_CACHES: set[str] = set()  # cache roots checked to hold directories (once per process)
+
+
+def _usable_cache_root() -> str:
+    """:func:`cache_root`, checked (once) to be a directory this process can create folders in.
+
+    Raises:
+        ValueError: one line naming ``BLADE_CACHE_DIR`` (or the default) and what is wrong with it.
+    """
+    root = cache_root()
+    if root not in _USABLE_CACHES:
+        try:
+            os.makedirs(os.path.join(root, "s3"), exist_ok=True)
+            if not os.access(os.path.join(root, "s3"), os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            setting = (f"BLADE_CACHE_DIR={os.environ['BLADE_CACHE_DIR']}" if os.environ.get("BLADE_CACHE_DIR")
+                       else f"the default cache {root} (BLADE_CACHE_DIR unset)")
+            raise ValueError(f"{setting} cannot hold the object-store cache ({e.strerror or e}: {e.filename or root}); "
+                             "set BLADE_CACHE_DIR to a directory this user can write") from None
+        _USABLE_CACHES.add(root)
+    return root
 
 
 def local_path(path: str) -> str:
-    """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is."""
+    """The cache path of a URL (``<cache>/s3/<bucket>/<key>``); any other path is returned as it is.
+
+    Raises:
+        ValueError: '.' or '..' in the URL, or the cache cannot hold directories (naming ``BLADE_CACHE_DIR``).
+    """
     if not is_url(path):
         return path
     bucket, key = split_url(path)
     parts = [p for p in key.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ValueError(f"{path}: '.' and '..' are not allowed in an object-store path")
-    return os.path.join(cache_root(), "s3", bucket, *parts)
-
-
-def url_of(path: str) -> str | None:
-    """The URL whose cache path ``path`` is (or is under); ``None`` for any other path."""
-    root = os.path.join(cache_root(), "s3") + os.sep
-    full = os.path.abspath(path)
-    if not full.startswith(root):
-        return None
-    rel = full[len(root):].replace(os.sep, "/")
-    return f"s3://{rel}" if "/" in rel or rel else None
+    return os.path.join(_usable_cache_root(), "s3", bucket, *parts)
 
 
 def canonical(path: str) -> str:
     """A path as recorded in run keys: its URL for a cache path, else the absolute path."""
     return url_of(path) or os.path.abspath(path)
-
-
-def display(path: str) -> str:
-    """A path as shown in messages: its URL for a cache path, else as given."""
-    return url_of(path) or path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,17 +268,20 @@ def _link_table(url: str, body: bytes) -> dict[str, str]:
     return table
 
 
-def push_all(root: str) -> str | None:
+def push_all(root: str, *, since: int = 0, elsewhere: int = 0) -> str | None:
     """:func:`push` a finished output directory and say so: ``uploaded N files to s3://…; it holds M objects (X MiB)``
-    read back from the bucket (``None``, and nothing done, for a local directory). Jobs print it, so an object-store
-    run ends with its URL and the bucket's own count, not a cache path."""
+    read back from the bucket (``None``, and nothing done, for a local directory). ``N`` counts every object this
+    process uploaded under it (after the mark ``since``, :func:`~curation.io.objects.upload_mark`: the job's start),
+    as it was written and now, plus ``elsewhere`` (those the job's other processes did: Ray tasks and actors). Jobs print it, so an object-store run ends with its URL and the bucket's own count, not a
+    cache path."""
     url = url_of(root)
     if url is None:
         return None
-    pushed = push(root)
+    push(root)
+    n = uploads(url, since) + elsewhere
     held = {k: o for k, o in list_objects(url).items() if not _local_only(k)}  # (the run's lock object: not an output)
     size = sum(o.size for o in held.values())
-    return (f"uploaded {len(pushed)} file{'s' if len(pushed) != 1 else ''} to {url}; it holds {len(held)} objects "
+    return (f"uploaded {n} file{'s' if n != 1 else ''} to {url}; it holds {len(held)} objects "
             f"({size / 2**20:.1f} MiB)")
 
 

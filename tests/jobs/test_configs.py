@@ -18,6 +18,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 MODELS = {
     "curate_and_train_demo.yaml": CurateAndTrainConfig,
     "curate_and_train_s3.yaml": CurateAndTrainConfig,
+    "own_corpus_own_model.yaml": CurateAndTrainConfig,
     "prepare_gsm8k.yaml": PrepareConfig,
     "prepare_own_tokens.yaml": PrepareConfig,
     "replay_demo.yaml": ReplayConfig,
@@ -27,7 +28,19 @@ MODELS = {
 
 
 def _load(name: str):
-    return load_config(MODELS[name], path=str(CONFIGS / name))
+    """The config as its job reads it: the file merged onto the job's embedded default."""
+    return load_config(MODELS[name], path=str(CONFIGS / name), default=MODELS[name].demo_default)
+
+
+#: The examples that list only what differs from their job's default (``--config`` merges onto it).
+PARTIAL = {"own_corpus_own_model.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(set(MODELS) - PARTIAL))
+def test_a_complete_example_means_the_same_merged_onto_the_default_or_alone(name):
+    """Each complete example names every key its outputs depend on: merging it onto the default changes nothing (its
+    records, and the outputs a rerun resumes, stay as they were)."""
+    assert _load(name) == load_config(MODELS[name], path=str(CONFIGS / name))
 
 
 def test_every_shipped_config_is_listed_and_validates():
@@ -91,3 +104,36 @@ def test_examples_print_as_they_load(name, capsys):
     with pytest.raises(SystemExit) as done:
         load_job(job, "_configs").main(["--config", str(CONFIGS / name), "--print-config"])
     assert done.value.code == 0, capsys.readouterr().err
+
+
+def _file_leaves(node, prefix=""):
+    """The keys a YAML file sets (a list is one value: it replaces the default's whole)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _file_leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], node
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_a_partial_example_sets_only_keys_that_differ_from_the_default(name):
+    """issue 57: the worked example is short because it says only what differs from the job's default."""
+    import yaml
+
+    default = MODELS[name].demo_default().model_dump(mode="json")
+    same = []
+    for key, value in _file_leaves(yaml.safe_load((CONFIGS / name).read_text())):
+        node = default
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node == value:
+            same.append(key)
+    assert not same, f"{name} repeats the default's value of {same}"
+
+
+def test_the_own_corpus_own_model_example_reads_three_formats_with_the_models_tokenizer():
+    cfg = _load("own_corpus_own_model.yaml")
+    assert [s.paths[0].rsplit(".", 1)[1] for s in cfg.prepare.sources] == ["jsonl", "parquet", "txt"]
+    assert cfg.prepare.tokenizer.path == cfg.train.model.path == cfg.train.data.tokenizer == "my-model"
+    assert cfg.train.model.hf_config is None and not cfg.prepare.demo
+    assert cfg.train.data.candidates == f"{cfg.prepare.output_dir}/candidates"  # (the main job prepares into it)

@@ -57,7 +57,7 @@ def setup(engine_demo, tmp_path_factory):
 
 
 def _config(setup, out: str, **workers) -> str:
-    cfg = {"candidates": setup["cand"], "model": MODEL.model_dump(mode="json"),
+    cfg = {"candidates": setup["cand"], "tokenizer": None, "model": MODEL.model_dump(mode="json"),
            "reference_weights": setup["paths"]["reference"], "proxy_weights": setup["paths"]["proxy"],
            "gamma": 0.5, "batch_size": B, "output_dir": out, "progress": False,
            "workers": {"count": 2, "range_steps": 3, **workers}}
@@ -71,9 +71,9 @@ def _env() -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
 
 
-def _run(config: str) -> subprocess.CompletedProcess:
-    return timing.run([sys.executable, JOB, "--config", config], capture_output=True, text=True, timeout=300,
-                          env=_env())
+def _run(config: str, *args: str) -> subprocess.CompletedProcess:
+    return timing.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True, timeout=300,
+                      env=_env())
 
 
 def _assert_expected(out: str, expected: list) -> None:
@@ -158,9 +158,13 @@ def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
     shard = os.path.join(sel, parts[1], "shard.00000.mds.zstd")
     flip_bit(shard, offset=40)
     shutil.rmtree(os.path.join(sel, parts[-1]))
-    proc = _run(cfg)
+    proc = _run(cfg, "--set", "progress=true")  # (operational: the rerun resumes) with its progress, piped
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{parts[1]} is damaged" in proc.stderr and f"{parts[-1]} is damaged" in proc.stderr
+    # issue 57: under a pipe, whole progress lines (no tqdm frames) and no Ray token notice at the start
+    assert "\r" not in proc.stdout + proc.stderr and "Token authentication" not in proc.stdout + proc.stderr
+    assert any(line.startswith(f"curate: {len(parts)}/{len(parts)} parts (100%)") for line in proc.stdout.splitlines()), \
+        proc.stdout
     _assert_expected(out, setup["expected"])
     assert len(Manifest.load(sel).shards) == len(parts)
 

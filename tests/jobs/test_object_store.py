@@ -191,7 +191,7 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
 
     # jobs/curate.py: the candidates and the run's final weights from the bucket, its selected tokens into it
     architecture = {k: v for k, v in config["train"]["model"].items() if k not in ("activation_checkpointing", "compile")}
-    curate_cfg = {"candidates": s3.url("data/candidates"), "model": architecture, "gamma": 0.5,
+    curate_cfg = {"candidates": s3.url("data/candidates"), "tokenizer": None, "model": architecture, "gamma": 0.5,
                   "batch_size": 8, "reference_weights": s3.url("run/final/reference.safetensors"),
                   "proxy_weights": s3.url("run/final/model.safetensors"), "output_dir": s3.url("curate"),
                   "progress": False, "workers": {"count": 2, "range_steps": 10}}

@@ -197,3 +197,18 @@ def test_demo_files_are_the_ones_the_demo_default_reads():
     cfg = PrepareConfig.demo_default("root")
     names = {os.path.basename(p) for s in [*cfg.sources, *cfg.validation] for p in s.paths}
     assert names == set(DEMO_FILES)
+
+
+def test_the_main_job_refuses_to_prepare_where_its_trainer_does_not_read(tmp_path, monkeypatch, capsys):
+    """issue 57: a file that gives its own ``train.data`` is merged onto the default, whose ``prepare`` makes the demo
+    corpus: with the shards missing, preparing the demo would be for nothing. Refused in one line before Ray starts;
+    the failed first run leaves no output directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("train:\n  data: {candidates: mine/candidates, validation: mine/validation, "
+                                        "tokenizer: null}\n  output_dir: out\n")
+    assert load_job("curate_and_train", "_guard").main(["--config", "mine.yaml"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: train.data.candidates: mine/candidates holds no candidate shards, and `prepare` writes "
+        f"{os.path.join('runs', 'demo', 'data', 'candidates')}: set train.data.candidates (and validation) to its "
+        "output, or prepare.output_dir to the folder above it, or prepare: null"]
+    assert sorted(os.listdir(tmp_path)) == ["mine.yaml"]

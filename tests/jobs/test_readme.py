@@ -93,20 +93,21 @@ def test_links_and_anchors_resolve():
 
 
 def test_the_quick_start_comes_first():
-    """Set-up, the three uses and reading the output within the first ~100 lines of README."""
+    """Set-up (with your own corpus and model: issue 57), the three uses and reading the output within the first
+    ~110 lines of README."""
     lines = DOCS[0].read_text().splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("## ")]
     titles = [lines[i] for i in heads]
     assert titles[:5] == ["## Set-up (two commands)", "## 1. The main job: curation on Ray, training with Composer",
                           "## 2. The selected tokens in another trainer", "## 3. Batch curation with given checkpoints",
                           "## Reading the output"]
-    assert heads[5] <= 100, heads
+    assert heads[5] <= 110, heads
 
 
 def test_the_set_up_commands_are_the_two_documented_ones():
     setup = _blocks("bash")[0][1]
     commands = [line for line in setup.splitlines() if line and not line.startswith("#")]
-    assert commands == ['pip install -e ".[dev,eval]" && python jobs/curate_and_train.py', "python -m pytest --all"]
+    assert commands == ['pip install -e ".[dev]" && python jobs/curate_and_train.py', "python -m pytest --all"]
 
 
 @pytest.mark.slow

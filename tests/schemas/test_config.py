@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from curation.io.cli import parse_job_config
-from schemas.config import ConfigError, PrepareConfig, apply_override, load_config
+from schemas.config import ConfigError, PrepareConfig, apply_override, load_config, load_yaml
 
 
 def test_demo_default_validates_and_round_trips(tmp_path):
@@ -218,6 +218,31 @@ def test_a_yaml_alias_is_refused_at_once_naming_its_line(tmp_path):
     with pytest.raises(ConfigError, match=r"alias \*x is not accepted"):
         load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
                     overrides=["sources.0.paths=[&x a, *x]"])
+
+
+@pytest.mark.parametrize("levels", [65, 5000])
+def test_a_deeply_nested_or_binary_config_is_one_line(tmp_path, levels):
+    """P29 (issue 55): 5,000 nested mappings gave a 3,000-line RecursionError; a binary file a UnicodeDecodeError."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("".join("  " * i + f"k{i}:\n" for i in range(levels)) + "  " * levels + "v: 1\n")
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("model: " + "{a: " * levels + "1" + "}" * levels + "\n")
+    for path in (deep, flow):
+        with pytest.raises(ConfigError) as e:
+            load_config(PrepareConfig, path=str(path))
+        assert str(e.value) == f"{path}: not valid YAML: mappings and lists nested more than 64 levels deep (a config " \
+                               "nests a few)"
+    with pytest.raises(ConfigError, match=r"^--set 'seq_len': value .* is not valid YAML \(mappings and lists nested "
+                                          r"more than 64 levels deep \(a config nests a few\)\)$"):
+        load_config(PrepareConfig, default=lambda: PrepareConfig.demo_default(str(tmp_path)),
+                    overrides=["seq_len=" + "[" * levels + "]" * levels])
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError) as e:
+        load_config(PrepareConfig, path=str(binary))
+    assert str(e.value) == f"{binary}: not valid YAML: not UTF-8 text (byte 0x80): a config is a YAML text " \
+                           "file"
+    assert load_yaml("{a: " * 63 + "[1]" + "}" * 63) is not None  # 64 levels are read
 
 
 def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,9 @@ SOURCES = ("general", "noise", "target")
 KEYS = ["loss/train/total", "metrics/eval/TokenLoss", *(f"blade/kept_fraction/{s}" for s in SOURCES),
         "blade/param_distance", "blade/refresh_seconds", "time/refresh_seconds", "time/score_seconds",
         "throughput/tokens_per_sec", "throughput/kept_tokens_per_sec", "time/eta_seconds",
-        "memory/host_peak_rss_gib"]
+        "memory/host_peak_rss_gib", *(f"blade/kept_share/{s}" for s in SOURCES),
+        *(f"blade/candidate_share/{s}" for s in SOURCES), "blade/interval_delta_q10", "blade/interval_delta_q50",
+        "blade/interval_delta_q90"]
 
 
 def series(rows: list[tuple[int, str, float]]) -> dict[str, dict[int, float]]:
@@ -77,3 +80,33 @@ def wandb_series(run_dir: str) -> dict[str, dict[int, float]]:
             rows += [(step, i.key or "/".join(i.nested_key), json.loads(i.value_json)) for i in record.history.item
                      if not (i.key or "/".join(i.nested_key)).startswith("_")]
     return series([r for r in rows if isinstance(r[2], int | float)])
+
+
+def tensorboard_histograms(log_dir: str, tag: str) -> dict[int, dict]:
+    """step → TensorBoard's histogram of ``tag`` (``bucket_limit``, ``bucket``, ``num``, ``min``, ``max``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"histograms": 0})
+    acc.Reload()
+    return {e.step: {"bucket_limit": list(e.histogram_value.bucket_limit), "bucket": list(e.histogram_value.bucket),
+                     "num": e.histogram_value.num, "min": e.histogram_value.min, "max": e.histogram_value.max}
+            for e in acc.Histograms(tag)}
+
+
+def mlflow_tables(uri: str, experiment: str, folder: str) -> dict[str, dict]:
+    """file name → the JSON table artifact (``columns``, ``data``) under ``folder`` of the experiment's run."""
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    # the artifacts beside the SQLite store (MLflow's default: ./mlruns of the job's working directory)
+    assert exp.artifact_location == Path(os.path.dirname(uri[len("sqlite:///"):]), "mlflow-artifacts").as_uri()
+    run = client.search_runs([exp.experiment_id])[0]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for art in client.list_artifacts(run.info.run_id, folder):
+            with open(client.download_artifacts(run.info.run_id, art.path, tmp), encoding="utf-8") as f:
+                out[os.path.basename(art.path)] = json.load(f)
+    return out

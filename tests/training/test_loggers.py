@@ -19,7 +19,16 @@ from training.blocks.throughput import host_peak_rss
 from training.runs.single import train
 
 from .conftest import tiny_config
-from .logger_series import KEYS, jsonl_series, mlflow_series, require_extras, tensorboard_series, wandb_series
+from .logger_series import (
+    KEYS,
+    jsonl_series,
+    mlflow_series,
+    mlflow_tables,
+    require_extras,
+    tensorboard_histograms,
+    tensorboard_series,
+    wandb_series,
+)
 
 STEPS = 11
 
@@ -28,7 +37,7 @@ STEPS = 11
 def logged_run(demo_root, tmp_path_factory):
     require_extras()
     out = str(tmp_path_factory.mktemp("loggers") / "blade")
-    cfg = tiny_config(demo_root, out, "blade", max_steps=STEPS, throughput={"window": 3},
+    cfg = tiny_config(demo_root, out, "blade", max_steps=STEPS, throughput={"window": 3, "log_interval": 4},
                       loggers={"tensorboard": {}, "mlflow": {"experiment": "tests"}, "wandb": {}})
     return cfg, train(cfg)
 
@@ -58,6 +67,61 @@ def test_every_logger_holds_the_series_of_the_json_log(logged_run):
     (run,) = runs
     assert run.info.status == "FINISHED" and run.info.run_name == "blade"
     assert run.data.tags[OUTPUT_DIR_TAG] == os.path.abspath(cfg.output_dir)
+
+
+def test_kept_shares_and_delta_quantiles_per_log_interval_match_the_selected_shards(logged_run):
+    """Issue 57: every ``throughput.log_interval`` (4) steps each source's share of the interval's kept tokens and of
+    its candidates, and the interval's Δ quantiles, recomputed here from the selected shards (Δ there is float16;
+    the logged quantiles are to 0.02 nats)."""
+    import numpy as np
+
+    from curation.io.shards import read_column
+
+    cfg, out = logged_run
+    want = jsonl_series(cfg.output_dir)
+    tb = tensorboard_series(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"))
+    cols = {c: read_column(out["selected"], c) for c in ("loss_mask", "source", "step", "score")}
+    for end in (4, 8):  # steps [end - 4, end), logged at step `end`
+        rows = [i for i, s in enumerate(cols["step"]) if end - 4 <= int(s) < end]
+        kept = {src: sum(int(cols["loss_mask"][i].sum()) for i in rows if cols["source"][i] == src) for src in
+                {cols["source"][i] for i in rows}}
+        cand = {src: sum(len(cols["loss_mask"][i]) - 1 for i in rows if cols["source"][i] == src) for src in kept}
+        for src in kept:
+            assert want[f"blade/kept_share/{src}"][end] == pytest.approx(kept[src] / sum(kept.values()), rel=1e-12)
+            assert want[f"blade/candidate_share/{src}"][end] == pytest.approx(cand[src] / sum(cand.values()))
+            assert tb[f"blade/kept_share/{src}"][end] == pytest.approx(kept[src] / sum(kept.values()), rel=1e-6)
+        delta = np.concatenate([cols["score"][i][1:].astype(np.float64) for i in rows])
+        delta = delta[np.isfinite(delta)]
+        for q in (10, 50, 90):
+            assert abs(want[f"blade/interval_delta_q{q}"][end] - np.quantile(delta, q / 100)) < 0.03
+    assert sorted(want["blade/kept_share/target"]) == [4, 8]  # per interval, not per step
+
+
+def test_delta_histograms_per_episode_in_tensorboard_and_mlflow(logged_run):
+    """Issue 57: each episode's Δ histogram when the episode ends (W = 2, τ = 3: episodes end before steps 5 and 8,
+    the last at the end, 11), its bins trimmed to those holding values: TensorBoard's histogram and MLflow's table
+    hold the summary's counts, and as many values as the episode's candidates in the selected shards."""
+    from curation.core.stats import Histogram
+    from curation.io.shards import read_column
+    from training.blocks.loggers import histogram_rows
+
+    cfg, out = logged_run
+    with open(out["summary"], encoding="utf-8") as f:
+        hists = {int(e): Histogram.from_dict(h) for e, h in json.load(f)["delta_histograms"].items()}
+    episodes, masks = read_column(out["selected"], "episode"), read_column(out["selected"], "loss_mask")
+    tb = tensorboard_histograms(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"), "blade/delta_histogram")
+    ml = mlflow_tables("sqlite:///" + os.path.join(cfg.output_dir, "logs", "mlflow.db"), "tests",
+                       "blade/delta_histogram")
+    assert sorted(hists) == [0, 1, 2] and sorted(tb) == [5, 8, 11]
+    assert sorted(ml) == ["episode_0000.json", "episode_0001.json", "episode_0002.json"]
+    for e, step in zip((0, 1, 2), (5, 8, 11), strict=True):
+        rows = histogram_rows(hists[e])
+        candidates = sum(len(m) - 1 for m, ep in zip(masks, episodes, strict=True) if int(ep) == e)
+        assert tb[step]["num"] == sum(c for _, _, c in rows) == hists[e].total == candidates
+        assert tb[step]["bucket"] == [c for _, _, c in rows] and tb[step]["bucket_limit"] == [r for _, r, _ in rows]
+        assert rows[0][2] > 0 and rows[-1][2] > 0  # the axis fitted to the data
+        table = ml[f"episode_{e:04d}.json"]
+        assert table["columns"] == ["left", "right", "count"] and table["data"] == rows
 
 
 def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):

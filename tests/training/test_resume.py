@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -306,3 +307,35 @@ def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
     first = draw()
     set_rng_state(torch.load(path, weights_only=True))
     assert draw() == first
+
+
+def test_a_run_resumed_or_extended_on_candidates_replaced_under_it_is_refused(make_config, demo_root, tmp_path):
+    """P37 (issue 55): the candidate shards re-prepared with another seed (the same tokenizer and sizes) under a
+    stopped run; the same command, and an extension, were trained on the other pool silently. Refused now, before
+    anything is loaded or written, naming the input; restored, the run resumes."""
+    from curation.ingest.prepare import prepare
+    from curation.io.inputs import INPUTS_NAME
+    from curation.io.outdir import InputsChanged
+    from schemas.config import PrepareConfig, TokenizerConfig
+
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(demo_root, "data"), data)
+    kw = {"data": {"candidates": str(data / "candidates"), "validation": str(data / "validation"),
+                   "tokenizer": str(data / "tokenizer" / "tokenizer.json")}}
+    cfg = make_config("blade", max_steps=4, **kw)
+    train(cfg)
+    assert json.load(open(os.path.join(cfg.output_dir, INPUTS_NAME)))["inputs"].keys() == {
+        "data.candidates", "data.validation", "data.tokenizer"}
+    again = PrepareConfig.demo_default(demo_root).model_copy(update={
+        "seed": 1, "demo": False, "output_dir": str(tmp_path / "seed1"), "progress": False, "validation": [],
+        "tokenizer": TokenizerConfig(path=kw["data"]["tokenizer"])})
+    prepare(again)  # the same corpus, tokenizer and sizes: only the shuffle differs
+    os.rename(data / "candidates", tmp_path / "seed0")
+    shutil.copytree(tmp_path / "seed1" / "candidates", data / "candidates")
+    for extended in (cfg, make_config("blade", max_steps=8, **kw)):
+        with pytest.raises(InputsChanged, match=r"^data\.candidates \(.*\) is not the input this run was started "
+                                                r"with .* use a new output_dir for the new ones$"):
+            train(extended)
+    shutil.rmtree(data / "candidates")
+    os.rename(tmp_path / "seed0", data / "candidates")  # restored: the run goes ahead (finished: it only reports)
+    assert train(cfg)["run"].resumed_from is not None

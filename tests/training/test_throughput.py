@@ -11,7 +11,7 @@ from composer.core import Callback
 from composer.loggers import ProgressBarLogger
 
 from curation.core.schedule import Schedule
-from curation.evaluation.flops import ModelShape
+from curation.evaluation.flops import ModelShape, forward_flops_per_token
 from training.blocks import throughput
 from training.blocks.throughput import (
     ReferenceWork,
@@ -54,7 +54,7 @@ def test_reference_work_by_hand(make_config):
     work = ReferenceWork.of(cfg, rows=B, seq_len=L, static=False)
     assert (work.score_tokens, work.refresh_tokens, work.refresh_steps, work.refreshes) == (B * L, 2 * 2 * L, 2, True)
     log = [{"steps": 2}, {"steps": 2}]
-    assert work.flops(shape, {"score_steps": 5}, log) == F * 5 * B * L + 3 * F * 4 * 2 * 2 * L
+    assert work.flops(forward_flops_per_token(shape), {"score_steps": 5}, log) == F * 5 * B * L + 3 * F * 4 * 2 * 2 * L
     rho1 = ReferenceWork.of(make_config("rho1"), rows=B // 2, seq_len=L, static=True)  # validation batches only
     assert (rho1.score_tokens, rho1.refresh_tokens, rho1.refreshes) == (B // 2 * L, 2 * L, False)
     no_lam = ReferenceWork.of(make_config("blade", selection={"lam": 0.0}), rows=B, seq_len=L, static=False)
@@ -167,3 +167,43 @@ def test_plain_run_and_replay_without_a_known_peak(make_config, tmp_path):
     blade_kept = json.load(open(blade["summary"], encoding="utf-8"))["tokens"]["kept"]
     assert summary["kept_tokens"] == blade_kept and summary["tokens"] == 6 * B * L  # one epoch of 6 steps
     assert any("throughput/kept_tokens_per_sec" in r for r in _log(rcfg.output_dir))
+
+
+#: The tiny GPT-2 of the measured-FLOPs test (no analytic formula): h = 32, 1 layer, vocab 512, n_positions 128.
+GPT2 = {"model_type": "gpt2", "vocab_size": 512, "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 128}
+# every matrix product of its eager forward per token: qkv + out 4·h², MLP 8·h², head h·V (2 FLOPs each), and the
+# attention scores and values over the whole L × L square, 2 · 2 · L · h per layer
+G = 2 * (12 * 32 * 32 + 32 * 512) + 4 * 1 * L * 32
+
+
+def test_a_model_without_a_flops_formula_has_a_measured_count_and_its_mfu(make_config):
+    from schemas.train_config import TrainModelConfig
+
+    cfg = make_config("full", "gpt2", max_steps=4, throughput={"window": 2, "peak_flops": PEAK})
+    cfg = cfg.model_copy(update={"model": TrainModelConfig(hf_config=GPT2)})
+    out = train(cfg)
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    assert G == 73728 and tp["forward_flops_per_token"] == G
+    assert (tp["flops_method"], tp["flops_unavailable"]) == ("measured", None)
+    assert tp["proxy_flops"] == 3.0 * G * 4 * B * L
+    assert tp["mfu"] == pytest.approx(tp["proxy_flops"] / tp["train_seconds"] / PEAK)
+    speed = [r for r in _log(cfg.output_dir) if "throughput/flops_per_sec" in r]
+    assert speed and all(r["throughput/flops_per_sec"] == pytest.approx(3 * G * r["throughput/tokens_per_sec"])
+                         for r in speed if "throughput/tokens_per_sec" in r)
+
+
+def test_a_model_whose_flops_cannot_be_measured_says_why_instead_of_a_silent_null(make_config, monkeypatch, capsys):
+    from schemas.train_config import TrainModelConfig
+
+    def fails(model, context):
+        raise RuntimeError("data-dependent control flow\nmore lines")
+
+    monkeypatch.setattr(throughput, "measured_forward_flops_per_token", fails)
+    cfg = make_config("full", "unmeasured", max_steps=3, throughput={"window": 2, "peak_flops": PEAK})
+    out = train(cfg.model_copy(update={"model": TrainModelConfig(hf_config=GPT2)}))
+    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    why = ("the FLOPs of GPT2LMHeadModel could not be measured (its forward on fake tensors failed: RuntimeError: "
+           "data-dependent control flow): no FLOPs or MFU for this run")
+    assert tp["flops_unavailable"] == why and tp["forward_flops_per_token"] is None and tp["mfu"] is None
+    assert capsys.readouterr().err.count(f"note: {why}") == 1  # once, not once per step
+    assert not any("throughput/flops_per_sec" in r or "throughput/device/mfu" in r for r in _log(cfg.output_dir))

@@ -8,7 +8,9 @@
   extended past the ``max_steps`` it finished with reopens the short part flushed there, so its parts are
   those of a run that had the larger ``max_steps`` from the start.
 * :class:`SelectionStats` logs kept fraction per source, Δ quantiles, ‖u − w‖ and the validation
-  loss, and accumulates what the run summary needs (also checkpointed).
+  loss, and accumulates what the run summary needs (also checkpointed); every ``log_interval`` steps each source's
+  share of the interval's kept tokens and of its candidates and the interval's Δ quantiles, and each finished
+  episode's Δ histogram (:class:`training.blocks.loggers.SelectionFigures`).
 * :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
 * :class:`StepTimes` records each step's wall and CPU time (``jobs/bench_scaling.py``).
 
@@ -42,6 +44,7 @@ from curation.io.paths import safe_join
 from curation.io.shards import PART_PREFIX, ShardReader, part_name, publish_parts, verify_part, write_part
 from schemas.manifest import Manifest, ShardRecord, SourceCounts
 from schemas.shards import SELECTED, token_dtype
+from training.blocks.loggers import SelectionFigures
 
 __all__ = ["StepSelections", "SelectedShardWriter", "SelectionStats", "ValidationCurve", "JSONLinesLogger",
            "StepTimes"]
@@ -249,10 +252,14 @@ class SelectionStats(Callback):
     Args:
         algorithm: the run's selection (what each step trained on).
         edges: Δ histogram bin edges.
+        log_interval: steps per logged interval (kept and candidate shares per source, Δ quantiles); None: none.
+        max_steps: the run's length: an episode still open when the fit ends is logged only there (a stopped run
+            logs it when its resumed run finishes it).
     """
 
     def __init__(self, algorithm: StepSelections, *, edges: tuple[float, ...] = DEFAULT_DELTA_EDGES,
-                 vocab_size: int | None = None, lr: float | None = None) -> None:
+                 vocab_size: int | None = None, lr: float | None = None, log_interval: int | None = None,
+                 max_steps: int | None = None) -> None:
         self.algorithm = algorithm
         self.vocab_size, self.lr = vocab_size, lr  # given: a diverging proxy stops the run (check_proxy)
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=PATIENCE)
@@ -263,6 +270,7 @@ class SelectionStats(Callback):
         self.histograms: dict[int, Histogram] = {}
         self.valid: dict[str, int] = {}
         self.kept: dict[str, int] = {}
+        self.figures = SelectionFigures(log_interval=log_interval, max_steps=max_steps)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         rec = self.algorithm.last
@@ -285,8 +293,10 @@ class SelectionStats(Callback):
             for q in LOGGED_QUANTILES:
                 metrics[f"blade/delta_q{int(q * 100):02d}"] = st.quantiles[q]
             counts = st.counts
+            interval = self.figures.add(rec.step, counts, scores, valid)
         else:
             counts = BatchCounts.from_batch(mask, valid, rec.sources)
+            interval = self.figures.add(rec.step, counts)
         for src, n in counts.valid.items():
             self.valid[src] = self.valid.get(src, 0) + n
             self.kept[src] = self.kept.get(src, 0) + counts.kept.get(src, 0)
@@ -299,7 +309,11 @@ class SelectionStats(Callback):
             entry["param_distance"] = rec.distance
             metrics["blade/param_distance"] = rec.distance
         self.steps.append(entry)
-        logger.log_metrics(metrics)
+        logger.log_metrics({**metrics, **interval})
+        self.figures.histograms(logger, self.histograms, before=rec.episode, step=rec.step)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.figures.finish(logger, self.histograms, steps=int(state.timestamp.batch))
 
     def eval_end(self, state: State, logger: Logger) -> None:
         metrics = state.eval_metrics.get("eval") or next(iter(state.eval_metrics.values()), {})
@@ -332,6 +346,7 @@ class SelectionStats(Callback):
             "histograms": json.dumps({str(e): h.to_dict() for e, h in self.histograms.items()}),
             "valid": dict(self.valid),
             "kept": dict(self.kept),
+            "figures": self.figures.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -340,6 +355,8 @@ class SelectionStats(Callback):
         self.histograms = {int(e): Histogram.from_dict(h) for e, h in json.loads(state["histograms"]).items()}
         self.valid = dict(state["valid"])
         self.kept = dict(state["kept"])
+        if "figures" in state:  # (a checkpoint from before them: the interval starts afresh)
+            self.figures.load_state_dict(state["figures"])
 
 
 class ValidationCurve(Callback):
@@ -384,6 +401,10 @@ class JSONLinesLogger(LoggerDestination):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self._write({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+        self._write({"step": step, "table": name, "columns": list(columns),
+                     "rows": [[_jsonable(v) for v in r] for r in rows]})
 
     def close(self, state: State, logger: Logger) -> None:
         if not self._file.closed:

@@ -4,7 +4,7 @@
 episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,
 the refresh log, the time spent per phase and (``extra``) the run's ``throughput``
 (:meth:`training.blocks.throughput.Throughput.summary`). Plots: ``delta_histograms.png`` (one curve per
-episode), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
+episode, the x-axis fitted to the data: 0.2% to 99.8% of Δ), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from curation.core.stats import DEFAULT_QUANTILES, Histogram
 from curation.io.atomic import atomic_write_text
 
-__all__ = ["build_summary", "write_summary", "plot_summary"]
+__all__ = ["build_summary", "write_summary", "plot_summary", "delta_axis"]
 
 
 def _clean(x: Any) -> Any:
@@ -84,6 +84,9 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
         total = max(sum(h["counts"]), 1)
         centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
         ax.plot(centers, [c / total for c in counts], label=f"episode {e}")
+    span = delta_axis(hists.values())
+    if span is not None:  # the axis fitted to the data (the bins span -8…8 nats; Δ mostly sits within ±2)
+        ax.set_xlim(*span)
     ax.set_xlabel("Δ = ℓ(u) − ℓ(w̃) (nats)")
     ax.set_ylabel("fraction of valid tokens")
     ax.set_title(f"{policy}: Δ per episode" if hists else f"{policy}: no Δ (policy without reference)")
@@ -113,6 +116,21 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
     ax.legend()
     paths.append(_save(fig, os.path.join(out_dir, "val_loss.png")))
     return paths
+
+
+def delta_axis(hists: Any, lo_q: float = 0.002, hi_q: float = 0.998) -> tuple[float, float] | None:
+    """``(lo, hi)``: from the ``lo_q`` to the ``hi_q`` quantile of Δ over every episode's histogram (``edges``/``counts``
+    dicts), widened by 5% on each side, so a few outlying tokens do not stretch the axis; ``None`` when no histogram
+    holds anything."""
+    merged = None
+    for h in hists:
+        hist = Histogram.from_dict(h)
+        merged = hist if merged is None else merged + hist
+    if merged is None or merged.total == 0:
+        return None
+    lo, hi = merged.quantile(lo_q), merged.quantile(hi_q)
+    pad = max((hi - lo) * 0.05, 0.05)
+    return lo - pad, hi + pad
 
 
 def _save(fig: Any, path: str) -> str:

@@ -4,7 +4,8 @@ Every trainer gets :func:`throughput_callbacks` (``throughput:`` of its config):
 
 * Composer's ``SpeedMonitor`` logs the rolling (``window`` steps) ``throughput/tokens_per_sec``,
   ``samples_per_sec``, ``flops_per_sec`` and ``throughput/device/mfu``: the proxy's FLOPs (a training step of
-  every candidate token, :func:`curation.evaluation.flops.train_flops`, set on the model as ``flops_per_batch``) per
+  every candidate token, :class:`ProxyFlops` set on the model as ``flops_per_batch``: analytic for the Llama family,
+  :mod:`curation.evaluation.flops`; measured for any other causal LM, :mod:`curation.evaluation.flop_count`) per
   second of training wall time, divided by the device's peak (``throughput.peak_flops``, or Composer's table of
   common GPUs at the run's precision; on a CPU only when given). The reference's work is part of that wall time:
   this MFU is the *useful* one.
@@ -43,9 +44,12 @@ from composer.callbacks import SpeedMonitor
 from composer.core import Callback, State
 from composer.loggers import Logger, ProgressBarLogger
 from composer.utils import dist
+from torch import nn
 
 from curation.core.schedule import Schedule
-from curation.evaluation.flops import ModelShape, forward_flops, train_flops
+from curation.evaluation.flop_count import measured_forward_flops_per_token
+from curation.evaluation.flops import TRAIN_PASSES, ModelShape, forward_flops_per_token
+from curation.io.progress import interactive
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
 
@@ -53,14 +57,6 @@ __all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_se
            "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
 
 _GIB = float(1 << 30)
-
-
-def interactive() -> bool:
-    """Whether stdout and stderr are both terminals: the progress bar is shown (else progress lines are printed)."""
-    try:
-        return sys.stdout.isatty() and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed streams
-        return False
 
 
 def host_peak_rss() -> int:
@@ -75,18 +71,42 @@ def device_peak_allocated(device: torch.device) -> int | None:
 
 
 class ProxyFlops:
-    """``flops_per_batch`` of the model (read by ``SpeedMonitor``): a training step on every token of the batch."""
+    """The model's FLOPs: ``flops_per_batch`` (read by ``SpeedMonitor``: a training step on every token of the batch)
+    and the forward FLOPs per token behind it, analytic for the Llama family (:mod:`curation.evaluation.flops`),
+    else measured once per sequence length on a fake copy of the model (:mod:`curation.evaluation.flop_count`).
+    A model whose forward cannot be measured has no FLOPs: :attr:`unavailable` says why (in the summary, and
+    printed once), never a silent null; ``owner``'s ``flops_per_batch`` (this) is then removed, so ``SpeedMonitor``
+    logs no FLOPs rather than zeros."""
 
-    def __init__(self, config: Any) -> None:
-        self.config = config  # the HF model config: its shape at the batch's sequence length
+    def __init__(self, model: nn.Module, owner: Any = None) -> None:
+        self.model = model  # the HF model: its config, and its class for a measured count
+        self.owner = owner
+        self.method = "analytic" if ModelShape.of_hf_config(model.config, 1) is not None else "measured"
+        self.unavailable: str | None = None
+        self._measured: dict[int, float | None] = {}
 
-    def shape(self, context: int) -> ModelShape | None:
-        return ModelShape.of_hf_config(self.config, context)
+    def forward_per_token(self, context: int) -> float | None:
+        """Forward FLOPs per token with sequences of ``context`` tokens (None: unavailable)."""
+        shape = ModelShape.of_hf_config(self.model.config, context)
+        if shape is not None:
+            return forward_flops_per_token(shape)
+        if context not in self._measured:
+            try:
+                self._measured[context] = measured_forward_flops_per_token(self.model, context)
+            except Exception as e:  # noqa: BLE001 - any failure of an architecture's forward on fake tensors
+                self.unavailable = (f"the FLOPs of {type(self.model).__name__} could not be measured (its forward on "
+                                    f"fake tensors failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}): no "
+                                    "FLOPs or MFU for this run")
+                self._measured[context] = None
+                print(f"note: {self.unavailable}", file=sys.stderr, flush=True)
+        return self._measured[context]
 
     def __call__(self, batch: dict[str, Any]) -> float:
         rows, length = batch["tokens"].shape
-        shape = self.shape(int(length))
-        return train_flops(shape, rows * length) if shape is not None else 0.0
+        per_token = self.forward_per_token(int(length))
+        if per_token is None and getattr(self.owner, "flops_per_batch", None) is self:
+            del self.owner.flops_per_batch
+        return TRAIN_PASSES * per_token * rows * length if per_token is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -113,11 +133,12 @@ class ReferenceWork:
         return cls(score_tokens=rows * seq_len, refresh_tokens=batches * cfg.refresh_batch_size * seq_len,
                    refresh_steps=cfg.selection.refresh_steps, refreshes=not static)
 
-    def flops(self, shape: ModelShape, counts: dict[str, int], refresh_log: list[dict[str, Any]]) -> float:
-        """FLOPs of the work done: the scored steps (``counts["score_steps"]``) and the logged refreshes' steps."""
+    def flops(self, per_token: float, counts: dict[str, int], refresh_log: list[dict[str, Any]]) -> float:
+        """FLOPs of the work done with ``per_token`` forward FLOPs per token (the reference is the proxy's
+        architecture): the scored steps (``counts["score_steps"]``: a forward) and the logged refreshes' steps."""
         refresh_steps = sum(int(r.get("steps") or 0) for r in refresh_log)
-        return (forward_flops(shape, counts.get("score_steps", 0) * self.score_tokens)
-                + train_flops(shape, refresh_steps * self.refresh_tokens))
+        return per_token * (counts.get("score_steps", 0) * self.score_tokens
+                            + TRAIN_PASSES * refresh_steps * self.refresh_tokens)
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,11 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.1f}{unit}"
     return f"{x:.0f}"
+
+
+def _percent(x: float) -> str:
+    """``12.3%``; a small share with two significant digits (``0.015%``: a CPU run is not ``0.0%``)."""
+    return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
 
 
 @dataclass(frozen=True)
@@ -228,14 +254,15 @@ class Throughput(Callback):
     def _counts(self) -> dict[str, int]:
         return self.selections.counts if self.selections is not None else {}
 
-    def shape(self) -> ModelShape | None:
-        return self.proxy.shape(self.seq_len) if self.seq_len else None
+    def per_token(self) -> float | None:
+        """The model's forward FLOPs per token at the run's sequence length (None: not known yet, or unavailable)."""
+        return self.proxy.forward_per_token(self.seq_len) if self.seq_len else None
 
     def reference_flops(self) -> float:
-        shape = self.shape()
-        if self.reference is None or shape is None or self.selections is None:
+        per_token = self.per_token()
+        if self.reference is None or per_token is None or self.selections is None:
             return 0.0
-        return self.reference.flops(shape, self._counts(), self.selections.refresh_log)
+        return self.reference.flops(per_token, self._counts(), self.selections.refresh_log)
 
     def reference_seconds(self) -> float:
         t = self._timers()
@@ -249,10 +276,10 @@ class Throughput(Callback):
     def mfu(self, *, seconds: float, tokens: float, reference_flops: float = 0.0) -> float | None:
         """FLOPs utilisation of one device: the proxy's training FLOPs of ``tokens`` (every rank's) and this rank's
         ``reference_flops`` in ``seconds``, over the peak. None when the peak or the FLOPs model is unknown."""
-        shape, peak = self.shape(), self.peak
-        if shape is None or peak is None or seconds <= 0:
+        per_token, peak = self.per_token(), self.peak
+        if per_token is None or peak is None or seconds <= 0:
             return None
-        return (train_flops(shape, tokens) / dist.get_world_size() + reference_flops) / seconds / peak
+        return (TRAIN_PASSES * per_token * tokens / dist.get_world_size() + reference_flops) / seconds / peak
 
     # --- events ------------------------------------------------------------------------------------
     def memory(self) -> dict[str, Any]:
@@ -312,7 +339,7 @@ class Throughput(Callback):
         if dt <= 0:
             return {}
         out = {"throughput/kept_tokens_per_sec": (b.kept - a.kept) / dt}
-        if self.reference is not None and self.shape() is not None:
+        if self.reference is not None and self.per_token() is not None:
             out["throughput/device/reference_flops_per_sec"] = (b.reference_flops - a.reference_flops) / dt
             mfu = self.mfu(seconds=dt, tokens=b.tokens - a.tokens, reference_flops=b.reference_flops - a.reference_flops)
             if mfu is not None:
@@ -361,7 +388,7 @@ class Throughput(Callback):
         if a is not None and dt > 0:
             tok, kept = _si((b.tokens - a.tokens) / dt), _si((b.kept - a.kept) / dt)
             value = self.mfu(seconds=dt, tokens=b.tokens - a.tokens)
-            mfu = f"{value:.1%}" if value is not None else "-"
+            mfu = _percent(value) if value is not None else "-"
         return (f"step {b.steps}/{self.total_steps} | loss {'-' if loss is None else f'{loss:.4f}'} | tok/s {tok} | "
                 f"kept/s {kept} | mfu {mfu} | eta {'-' if eta is None else format_seconds(eta)}")
 
@@ -375,7 +402,7 @@ class Throughput(Callback):
             shown["kept/s"] = _si(metrics["throughput/kept_tokens_per_sec"])
         mfu = self.mfu(seconds=b.seconds - a.seconds, tokens=b.tokens - a.tokens)
         if mfu is not None:
-            shown["mfu"] = f"{mfu:.1%}"
+            shown["mfu"] = _percent(mfu)
         if "time/eta_seconds" in metrics:
             shown["eta"] = format_seconds(metrics["time/eta_seconds"])
         for bar in bars:  # the training bar shows only `loss/train` metrics of its own: these go first
@@ -387,7 +414,7 @@ class Throughput(Callback):
         """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU."""
         seconds = state.timestamp.total_wct.total_seconds()
         tokens = float(state.timestamp.token.value)
-        shape = self.shape()
+        per_token = self.per_token()
         ref_flops = self.reference_flops()
         return {
             "steps": int(state.timestamp.batch), "tokens": tokens, "kept_tokens": self.kept_tokens,
@@ -395,9 +422,11 @@ class Throughput(Callback):
             "tokens_per_sec": tokens / seconds if seconds > 0 else None,
             "kept_tokens_per_sec": self.kept_tokens / seconds if seconds > 0 else None,
             "world_size": dist.get_world_size(),
-            "forward_flops_per_token": forward_flops(shape, 1) if shape is not None else None,
-            "proxy_flops": train_flops(shape, tokens) if shape is not None else None,
-            "reference_flops_per_device": ref_flops if shape is not None else None,
+            "forward_flops_per_token": per_token,
+            "flops_method": self.proxy.method if per_token is not None else None,
+            "flops_unavailable": self.proxy.unavailable,
+            "proxy_flops": TRAIN_PASSES * per_token * tokens if per_token is not None else None,
+            "reference_flops_per_device": ref_flops if per_token is not None else None,
             "reference_seconds": {"score": float(self._timers().get("score", 0.0)),
                                   "refresh": float(self._timers().get("refresh", 0.0))},
             "peak_flops_per_device": self.peak,
@@ -425,11 +454,8 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
                          selections: StepSelections | None = None, reference: ReferenceWork | None = None,
                          schedule: Schedule | None = None, validation: bool = True) -> tuple[SpeedMonitor, Throughput]:
     """Composer's ``SpeedMonitor`` and :class:`Throughput` for ``cfg``'s trainer of ``model`` (a
-    :class:`~training.blocks.model.MaskedCausalLM`, given its ``flops_per_batch`` when its architecture has a FLOPs
-    model)."""
-    proxy = ProxyFlops(model.model.config)
-    if proxy.shape(1) is not None:
-        model.flops_per_batch = proxy
+    :class:`~training.blocks.model.MaskedCausalLM`, given its ``flops_per_batch``: :class:`ProxyFlops`)."""
+    model.flops_per_batch = proxy = ProxyFlops(model.model, owner=model)
     speed = SpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
                          time_unit="seconds")
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,

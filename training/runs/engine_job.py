@@ -48,6 +48,11 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
         return
     if cfg.prepare is None:
         raise ValueError(f"{cand} holds no candidate shards: run jobs/prepare.py first (or set `prepare`)")
+    writes = os.path.join(cfg.prepare.output_dir, "candidates")
+    if os.path.abspath(writes) != os.path.abspath(cand):  # (e.g. the default's demo `prepare`, merged under a file)
+        raise ValueError(f"train.data.candidates: {storage.display(cand)} holds no candidate shards, and `prepare` "
+                         f"writes {storage.display(writes)}: set train.data.candidates (and validation) to its output, "
+                         "or prepare.output_dir to the folder above it, or prepare: null")
     print(f"preparing the corpus into {storage.display(cfg.prepare.output_dir)} ...", flush=True)
     prepare(cfg.prepare)
 

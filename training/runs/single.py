@@ -16,6 +16,7 @@ from typing import Any
 
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
+from curation.io.hf_export import run_tokenizer
 from curation.io.models import model_vocab_size
 from curation.io.outputs import localize, open_output
 from curation.io.shards import check_tokenizer, shard_dir_info
@@ -80,7 +81,7 @@ def build_replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> TrainRu
     trainer = make_trainer(cfg, model=model, loader=loader, total_steps=total, device=device, resume=resume,
                            callbacks=[*callbacks, stopper, speed, meter])
     return TrainRun(trainer=trainer, model=model, output_dir=cfg.output_dir, resumed_from=resume, throughput=meter,
-                    stopper=stopper)
+                    stopper=stopper, tokenizer=run_tokenizer(infos, cfg.tokenizer))
 
 
 def replay(cfg: ReplayConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:

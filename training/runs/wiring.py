@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
 from curation.engine.scorer import ScoredShards
 from curation.io import storage
+from curation.io.hf_export import TokenizerFiles, run_tokenizer, save_tokenizer
 from curation.io.models import model_vocab_size, save_weights, weights_fingerprint
 from curation.io.outputs import urls_in
 from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
@@ -76,6 +78,7 @@ class TrainingInputs:
     tokenizer_fingerprint: str | None
     model: MaskedCausalLM
     vocab: int  # ids the model embeds (token ids read are checked against it)
+    tokenizer: TokenizerFiles | None = None  # the shards' tokenizer (final/ gets a copy)
 
 
 def training_inputs(cfg: TrainConfig) -> TrainingInputs:
@@ -99,7 +102,8 @@ def training_inputs(cfg: TrainConfig) -> TrainingInputs:
         raise ValueError(f"batch_size {cfg.batch_size} is more than the {sequences} candidate sequences of "
                          f"{cand.path}: a step takes batch_size of them; lower batch_size")
     model = build_model(cfg.model, infos)
-    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model))
+    return TrainingInputs(device, cand, val, fingerprint, model, model_vocab_size(model.model),
+                          run_tokenizer(infos, cfg.data.tokenizer))
 
 
 @dataclass
@@ -115,6 +119,7 @@ class TrainRun:
     manifest_extra: dict[str, Any] = field(default_factory=dict)
     stopper: StopAtStepEnd | None = None  # ends the fit at a step end on a stop request (SIGTERM, SIGINT)
     throughput: Throughput | None = None  # tokens/s, MFU, time left (the summary's `throughput`)
+    tokenizer: TokenizerFiles | None = None  # the shards' tokenizer (copied into final/)
 
     @property
     def stopped_at(self) -> int | None:
@@ -148,6 +153,7 @@ class TrainRun:
             ref = self.algorithm.reference_state_dict(copy=False)  # finish_run writes it right away
         throughput = self.throughput.summary(self.trainer.state) if self.throughput is not None else None
         return RunOutputs(weights=full_state_dict(hf) if is_sharded(hf) else hf, config=hf.config, reference=ref,
+                          tokenizer=self.tokenizer,
                           stats=self.stats.summary_data() if self.stats is not None else None,
                           extra={"resumed_from": self.resumed_from, "stream": self.manifest_extra.get("stream"),
                                  "throughput": throughput, **dict(extra)})
@@ -159,13 +165,15 @@ class RunOutputs:
 
     weights: nn.Module | Mapping[str, torch.Tensor] | None = None
     config: Any = None  # the model's HF config (final/config.json)
+    tokenizer: TokenizerFiles | None = None  # written beside the weights (final/tokenizer.json, ...)
     reference: Mapping[str, torch.Tensor] | str | None = None  # weights, or a safetensors file copied as is
     stats: dict[str, Any] | None = None  # SelectionStats.summary_data(): the summary is written from it
     extra: dict[str, Any] = field(default_factory=dict)  # more summary fields
 
 
 def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, Any]:
-    """Write ``final/`` (the trained model as ``model.safetensors`` + the HF ``config.json``, the last reference
+    """Write ``final/`` (the trained model as ``model.safetensors`` + the HF ``config.json`` + its tokenizer's files,
+    so that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it; the last reference
     ``w̃`` as ``reference.safetensors``; each file atomically) and ``summary.json`` (+ ``plots/``; the trainer's
     peak memory, measured with its throughput, as the summary's ``memory``). Returns the
     paths written. Every path that finishes a run comes here: single process, a data-parallel group's rank 0 and
@@ -176,6 +184,11 @@ def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, An
         paths["final_weights"] = os.path.join(final, "model.safetensors")
         save_weights(out.weights, paths["final_weights"])
         out.config.to_json_file(os.path.join(final, "config.json"))
+        if out.tokenizer is not None:
+            paths["final_tokenizer"] = save_tokenizer(out.tokenizer, final)
+        else:
+            print(f"note: {final} has no tokenizer (the shards' manifests name none that is still there; set the "
+                  "data's tokenizer to have it copied)", file=sys.stderr, flush=True)
     if out.reference is not None:
         target = paths["final_reference"] = os.path.join(final, "reference.safetensors")
         if isinstance(out.reference, str):
@@ -210,7 +223,8 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     """
     resume = resume_path(cfg.output_dir, cfg.checkpoint.resume)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr)  # (a diverging proxy stops the run)
+    stats = SelectionStats(algorithm, vocab_size=inputs.vocab, lr=cfg.optim.lr,  # (a diverging proxy stops the run)
+                           log_interval=cfg.throughput.log_interval, max_steps=cfg.max_steps)
     stopper = stopper or StopAtStepEnd()
     speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
                                         reference=reference, schedule=schedule or Schedule.of(cfg))
@@ -218,7 +232,8 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
                            device=inputs.device, resume=resume, algorithms=[algorithm],
                            callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper, throughput=meter)
+                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper, throughput=meter,
+                    tokenizer=inputs.tokenizer)
 
 
 def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,

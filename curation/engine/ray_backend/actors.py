@@ -54,6 +54,8 @@ from curation.engine.state import EngineState, RefreshTask, gpu_shares
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
+from curation.io import objects
+from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
 
@@ -203,8 +205,10 @@ class _CoordinatorActor:
     def report(self) -> dict[str, Any]:
         return self.state.report()
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: dict[str, Any] | None = None) -> int:
+        """Finish the ledger; the objects this process (the coordinator) uploaded in all."""
         self.state.finish(extra)
+        return objects.uploads()
 
     def stop(self) -> None:
         self.state.core.stop()
@@ -267,7 +271,7 @@ class _WorkerActor:
             ray.get(report)
         times["report_s"] += time.perf_counter() - t4
         return {**self.worker.stats, **times, "unit_run_s": unit_run_s, "restarted": self.restarted,
-                "niceness": os.nice(0)}
+                "niceness": os.nice(0), "uploaded": objects.uploads()}
 
 
 class _RefreshActor:
@@ -382,10 +386,8 @@ class RayEngine(EngineClient):
             StopRequested: a stop signal came (inside a :class:`curation.io.stop.GracefulStop`); polled about once a
                 second. Leaving the engine's ``with`` block then lets the workers finish their units (:meth:`close`).
         """
-        from tqdm import tqdm
-
         total = self.progress()["units_total"]
-        with tqdm(total=total, desc=desc, unit="part", disable=not progress) as bar:
+        with progress_bar(total, desc=desc, unit="part", enabled=progress) as bar:
             def show() -> None:
                 p = self.progress()
                 bar.n = p["units_done"]
@@ -415,8 +417,10 @@ class RayEngine(EngineClient):
         rep["workers"] = self.worker_results
         return rep
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
-        self._get(self.coordinator.finish.remote(extra))
+    def finish(self, extra: dict[str, Any] | None = None) -> int:
+        """Finish the ledger; returns the objects the coordinator uploaded (the scoring workers' are in
+        :attr:`worker_results` once they returned, after :meth:`close` at the latest)."""
+        return self._get(self.coordinator.finish.remote(extra))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (they finish their unit), then end every actor."""

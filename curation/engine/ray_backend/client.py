@@ -20,15 +20,33 @@ from curation.engine.plan import REFERENCE, EngineError
 from curation.engine.state import save_snapshot
 from curation.engine.weights import Weights
 
-__all__ = ["EngineClient", "error_message"]
+__all__ = ["EngineClient", "error_message", "RERUN"]
+
+#: What to do after the engine stopped because one of its processes died (killed, out of memory, its node lost).
+RERUN = "finished work is kept: rerun the same command to resume"
 
 
 def error_message(err: BaseException) -> str:
-    """The original error's message out of Ray's wrappers."""
+    """The original error's message out of Ray's wrappers; an actor that died (not one whose start failed: its
+    error is the message) in one line saying which and what to do."""
     cause = getattr(err, "cause", None)
     if isinstance(err, RayTaskError) and cause is not None:
         return error_message(cause)
+    if isinstance(err, RayActorError) and not getattr(err, "actor_init_failed", False):
+        return _actor_death(str(err))
     return str(err)
+
+
+def _actor_death(text: str) -> str:
+    """Ray's multi-line report of a dead actor ("The actor died unexpectedly ...", tab-indented fields, then why) as
+    one line: which actor, its pid, why, and :data:`RERUN`."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    fields = dict(line.strip().split(": ", 1) for line in lines if line.startswith("\t") and ": " in line)
+    why = " ".join(line.strip() for line in lines[1:] if not line.startswith("\t")) or (lines[0] if lines else "")
+    name = fields.get("class_name", "actor").strip("_").removesuffix("Actor") or "actor"  # _CoordinatorActor: Coordinator
+    who = f"the engine's {name}" + (f" (pid {fields['pid']})" if "pid" in fields else "")
+    why = why if len(why) <= 300 else why[:300] + "..."
+    return f"{who} died: {why}; {RERUN}"
 
 
 class EngineClient:
@@ -53,8 +71,8 @@ class EngineClient:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
             raise EngineError(error_message(e)) from None
-        except RayActorError as e:  # e.g. the coordinator failed to start: its error is in the message
-            raise EngineError(str(e)) from None
+        except RayActorError as e:  # killed (one line, with the rerun), or failed to start (its error is the message)
+            raise EngineError(error_message(e)) from None
 
     def check(self) -> None:
         """Nothing to check in a trainer worker: the driver checks the engine."""

@@ -8,6 +8,7 @@ MB resident in the job process, for nothing). ``actors`` re-exports :func:`ray_s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -17,6 +18,8 @@ __all__ = ["ray_session"]
 
 #: the raylet's setting of its workers' niceness (Ray's default: 15)
 WORKER_NICENESS = "RAY_worker_niceness"
+#: the logger of Ray's notice that a new local instance uses token authentication (Ray 2.60)
+AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 @contextlib.contextmanager
@@ -29,6 +32,10 @@ def ray_session(address: str | None = None, *, num_cpus: int | None = None, incl
     ``max(os.cpu_count(), need_cpus)`` CPUs (or ``num_cpus``) whose workers import this checkout;
     ``"local"`` always starts one; anything else is a cluster address (its nodes need the packages).
     Already connected (e.g. tests): nothing is started or shut down.
+
+    A new local instance is secured with Ray's token authentication, Ray's own default since 2.60 (a token in
+    ``~/.ray/auth_token``, made on first use; ``RAY_AUTH_MODE=disabled`` turns it off); the notice Ray prints about
+    that choice at the start of every run is left out (README, "Set-up", explains it once).
 
     A local instance runs its workers at the driver's priority (``RAY_worker_niceness=0``, unless set): Ray's
     default lowers them by 15, so a scoring worker's host side (reading, staging, writing a part) lost the CPU to
@@ -55,11 +62,15 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         ours = WORKER_NICENESS not in os.environ
         os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
+        notice = logging.getLogger(AUTH_NOTICE_LOGGER)
+        level = notice.level
+        notice.setLevel(logging.ERROR)  # its warning "Token authentication is enabled for this Ray cluster ..."
         try:
             ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
                      include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
                      runtime_env={"env_vars": {"PYTHONPATH": path}})
         finally:
+            notice.setLevel(level)
             if ours:
                 os.environ.pop(WORKER_NICENESS, None)
         return True

@@ -4,6 +4,7 @@ back-pressure over the trainer, the refresh actor and the weights registry."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -124,6 +125,24 @@ def test_a_worker_killed_mid_unit_is_restarted_and_redoes_it_once(ray_local, bat
     names = [r.name for r in Manifest.load(out).shards]
     assert len(names) == len(set(names)) == len(plan_batch_units(batch_setup["order"].num_steps, 12))
     assert not [e for e in os.listdir(os.path.join(out, "worker-01")) if e.endswith(".tmp")]
+
+
+def test_a_killed_coordinator_ends_the_engine_in_one_line_saying_to_rerun(ray_local, batch_setup, tmp_path):
+    """P33 (issue 55): killing the coordinator ended the job with Ray's 7-line actor dump and no word of the rerun
+    (which is exact: tests/jobs/test_soak.py)."""
+    from curation.engine.plan import EngineError
+
+    engine = _engine(batch_setup, str(tmp_path / "sel"), range_steps=12)
+    try:
+        pid = ray_local.get(engine.coordinator.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineError) as e:
+            engine.run(progress=False)
+    finally:
+        engine.close()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"the engine's Coordinator (pid {pid}) died: "), msg
+    assert msg.endswith("; finished work is kept: rerun the same command to resume"), msg
 
 
 def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, tmp_path):

@@ -189,3 +189,89 @@ def test_a_pre_tokenized_format_is_not_read_as_text(tmp_path):
     (tmp_path / "x.arrow").write_bytes(b"ARROW1")
     items = _docs(SourceConfig(name="s", paths=[str(tmp_path / "x.arrow")], format="arrow"))
     assert [str(e) for e in items] == [f"{tmp_path}/x.arrow: format 'arrow' holds token ids, not text (source 's')"]
+
+
+# ------------------------------------------------------------------------------------------------
+# text no tokenizer can take: a bad record naming file:line in every text format (issue 55, P25)
+# ------------------------------------------------------------------------------------------------
+SURROGATE = "the text holds the lone surrogate \\ud800 (character 6), which is not Unicode text: no tokenizer can encode it"
+
+
+def test_a_lone_surrogate_is_a_bad_record_in_jsonl_and_in_a_template(tmp_path):
+    p = tmp_path / "s.jsonl"  # valid JSON (an escaped lone surrogate, common in scraped dumps)
+    p.write_text('{"text": "fine"}\n{"text": "lone \\ud800 surrogate", "q": "a", "a": "b \\udfff"}\n'
+                 '{"text": "pair \\ud83d\\ude00 is fine"}\n')
+    items = _docs(SourceConfig(name="s", paths=[str(p)]))
+    assert [d.text for d in items if isinstance(d, Document)] == ["fine", "pair \U0001F600 is fine"]
+    assert str(items[1]) == f"{p}:2: {SURROGATE}"
+    t = _docs(SourceConfig(name="s", paths=[str(p)], template="{q}: {a}"), )
+    assert [str(x) for x in t if isinstance(x, BadRecordError)] == [
+        f"{p}:1: missing field 'q' used by the template (fields present: text)",
+        f"{p}:2: the text holds the lone surrogate \\udfff (character 6), which is not Unicode text: no tokenizer can "
+        "encode it",
+        f"{p}:3: missing field 'q' used by the template (fields present: text)"]
+
+
+def test_text_that_is_not_utf8_is_a_bad_record_in_parquet_and_txt(tmp_path):
+    """A parquet string column holding bytes that are not UTF-8 (a writer that did not check: pyarrow reads them with
+    a UnicodeDecodeError), and a .txt holding a surrogate's CESU-8 bytes, name the row / line."""
+    raw = pa.array([b"ok text", b"lone \xed\xa0\x80 x", b"also fine"], type=pa.binary())
+    column = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # unchecked bytes in a string column
+    pq.write_table(pa.table({"text": column}), tmp_path / "p.parquet")
+    items = _docs(SourceConfig(name="s", paths=[str(tmp_path / "p.parquet")]))
+    assert [d.text for d in items if isinstance(d, Document)] == ["ok text", "also fine"]
+    assert str(items[1]) == f"{tmp_path / 'p.parquet'}:2: not valid UTF-8 (byte 0xed at column 6)"
+    (tmp_path / "t.txt").write_bytes(b"one\n\nlone \xed\xa0\x80 x\n\ntwo\nbad \xff\n\nthree\n")
+    items = _docs(SourceConfig(name="s", paths=[str(tmp_path / "t.txt")]))
+    assert [d.text if isinstance(d, Document) else str(d) for d in items] == [
+        "one", f"{tmp_path / 't.txt'}:3: not valid UTF-8 (byte 0xed at column 6)",
+        f"{tmp_path / 't.txt'}:6: not valid UTF-8 (byte 0xff at column 5)", "three"]  # every bad line, on its own
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs that are no regular files, and read errors (issue 55: P26, P27)
+# ------------------------------------------------------------------------------------------------
+def test_a_fifo_or_a_device_among_the_inputs_is_refused_up_front(tmp_path):
+    """P26: a FIFO among the inputs hung prepare for ever (open waits for a writer)."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    for paths, bad in (([str(tmp_path / "pipe.jsonl")], tmp_path / "pipe.jsonl"),
+                       ([str(tmp_path / "*.jsonl")], tmp_path / "pipe.jsonl"),  # a glob matching it too
+                       (["/dev/zero"], "/dev/zero")):
+        kind = "a device" if str(bad).startswith("/dev") else "a FIFO (named pipe)"
+        with pytest.raises(BadRecordError) as e:
+            resolve_paths(SourceConfig(name="s", paths=paths))
+        assert str(e.value) == f"{bad}: is {kind}, not a regular file: inputs are read as files, more than once " \
+                               "(source 's')"
+
+
+def test_a_stop_signal_ends_a_wait_for_input_at_once(tmp_path):
+    """P26: inside GracefulStop, the first SIGTERM was swallowed while open() waited on a FIFO (the handler returns,
+    Python retries the call). A FIFO that appears after the check (read as the given file list): the signal stops
+    the wait."""
+    import os
+    import signal
+    import threading
+
+    from curation.io.stop import GracefulStop, StopRequested
+
+    fifo = tmp_path / "late.jsonl"
+    os.mkfifo(fifo)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with GracefulStop(), pytest.raises(StopRequested) as e:
+        list(iter_documents(SourceConfig(name="s", paths=[str(fifo)]), files=[str(fifo)]))
+    timer.join()
+    assert str(e.value) == f"stopped on SIGTERM while opening {fifo}"
+
+
+def test_a_read_error_names_the_input(tmp_path):
+    """P27: an input that fails on read (EIO) was reported as `preparing into <out> failed: Input/output error`.
+    /proc/self/mem is a regular file whose read at offset 0 fails with EIO."""
+    import errno
+
+    with pytest.raises(OSError) as e:
+        _docs(SourceConfig(name="s", paths=["/proc/self/mem"], format="jsonl"))
+    assert e.value.errno == errno.EIO and e.value.filename == "/proc/self/mem"

@@ -45,7 +45,7 @@ def _read(path, stream, **kw):
 TEXTS = [
     "plain words and more words here",
     'escapes \\n\\t\\"quoted\\" back\\\\slash \\/ \\b\\f\\r é € 😀 \\u00e9\\u20ac \\ud83d\\ude00 end',
-    "\\ud83d\\ude00\\ud83d\\ude00\\ud83d\\ude00\\ud83d\\ude00 pairs in a row, and a lone \\udc80 low half",
+    "\\ud83d\\ude00\\ud83d\\ude00\\ud83d\\ude00\\ud83d\\ude00 pairs in a row, and \\ud83d\\ude00 one more",
     "ünïcödé wörds ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3,
     "\\\\\\\\\\\\\\\\\\\"\\\\ backslash runs \\\\\\u0041",
 ]
@@ -121,6 +121,12 @@ HOSTILE = {
                                                      "not valid UTF-8 (byte 0xff at column 44)"),
     "empty document": ('{"text": "  \\n\\t \\u0020 \\r\\n        "}', "empty document"),
     "not an object": ('["abcdefghijklmnopqrstuvwxyz"]', "expected a JSON object, got list"),
+    # a lone surrogate is valid JSON but no text: a bad record (issue 55), found also in the streamed pieces of a pair
+    "a lone low surrogate": ('{"text": "abcdefghijklmnopqrstuvwxyz \\ud83d\\ude00 \\udc80 end"}', "the text holds the "
+                             "lone surrogate \\udc80 (character 30), which is not Unicode text: no tokenizer can encode it"),
+    "a lone high surrogate before another escape": ('{"text": "abcdefghijklmnopqrstuvwxyz\\ud83d\\n"}', "the text holds the "
+                                                    "lone surrogate \\ud83d (character 27), which is not Unicode text: "
+                                                    "no tokenizer can encode it"),
     "a high surrogate cut at the line's end": ('{"text": "abcdefghijklmnopqrstuvwxyz\\ud83d', "malformed JSON (Invalid "
                                                "\\uXXXX escape at column 38)"),
 }

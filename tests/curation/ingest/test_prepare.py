@@ -475,3 +475,57 @@ def test_shards_without_hashes_stay_readable_and_garbage_is_named(tmp_path, flip
     flip_bit(shard, offset=len(shard.read_bytes()) - 6)
     with pytest.raises(ShardIntegrityError, match=rf"^{shard}: corrupt shard"):
         [ShardReader(str(d))[i] for i in range(5)]
+
+
+# ------------------------------------------------------------------------------------------------
+# text the tokenizer refuses (issue 55, P25)
+# ------------------------------------------------------------------------------------------------
+def _refusing_corpus(tmp_path):
+    tok = train_bpe_tokenizer(iter(_texts(9, 50)), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    good = _texts(5, 12)
+    long_bad = " ".join(["alpha beta"] * 60) + " lone \ud800 end"  # a long text: encoded in pieces, refused late
+    rows = [*good[:4], "short lone \ud800 one", *good[4:8], long_bad, *good[8:]]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))  # the surrogates escaped: valid JSON
+    src = SourceConfig(name="s", paths=[str(path)])
+    return tok, src, good, path
+
+
+def test_a_lone_surrogate_is_a_counted_bad_record_or_one_line_naming_file_and_line(tmp_path):
+    """P25: it ended in a 30-line TypeError from the tokenizer, also with skip_bad_records."""
+    tok, src, good, path = _refusing_corpus(tmp_path)
+    kw = dict(sources=[src], validation=[], tokenizer=TokenizerConfig(path=tok.path), seq_len=32, progress=False)
+    res = prep.prepare(PrepareConfig(output_dir=str(tmp_path / "skip"), skip_bad_records=True, **kw))
+    m = Manifest.load(res.dirs["candidates"])
+    assert m.sources["s"].bad_records == 2 and m.sources["s"].documents == len(good)
+    assert [(b.line, b.reason.split(" (")[0]) for b in m.bad_records] == [
+        (5, "the text holds the lone surrogate \\ud800"), (10, "the text holds the lone surrogate \\ud800")]
+    expect, _ = pack_documents(tok.encode_batch(good), seq_len=32, eos_id=tok.eos_id)
+    assert sorted(_rows(res.dirs["candidates"])[0]) == sorted(expect.tolist())
+    with pytest.raises(BadRecordError, match=rf"^{path}:5: the text holds the lone surrogate \\ud800 \(character 12\)"):
+        prep.prepare(PrepareConfig(output_dir=str(tmp_path / "strict"), **kw))
+
+
+def test_text_the_tokenizer_itself_refuses_is_a_bad_record_or_stops_the_unit_when_partly_packed(tmp_path,
+                                                                                                 monkeypatch):
+    """With the readers' check off, the tokenizer's own refusal (a TypeError) is caught: in a batch of short texts, or
+    in the first piece of a long one, a bad record naming file:line; in a later piece, once some of the text's tokens
+    are packed, the unit stops on it, naming it, also with skip_bad_records (the packed tokens cannot be taken
+    back)."""
+    import curation.ingest.jsonstream as jsonstream
+
+    tok, src, good, path = _refusing_corpus(tmp_path)
+    monkeypatch.setattr(jsonstream, "find_surrogate", lambda text: None)
+    monkeypatch.setattr(units, "PIECE_CHARS", 100)
+    kw = dict(sources=[src], validation=[], tokenizer=TokenizerConfig(path=tok.path), seq_len=32, progress=False,
+              skip_bad_records=True, sequences_per_part=2)
+    with pytest.raises(BadRecordError) as e:
+        prep.prepare(PrepareConfig(output_dir=str(tmp_path / "late"), **kw))
+    assert str(e.value).startswith(f"{path}:10: the tokenizer cannot encode it (TypeError: ")
+    assert str(e.value).endswith(" of its tokens were packed (it cannot be skipped then): fix the text")
+    m = Manifest.load(os.path.join(tmp_path / "late", "candidates"))
+    assert [(b.line, b.reason.split(" (")[0]) for b in m.bad_records] == [(5, "the tokenizer cannot encode it")]
+    monkeypatch.setattr(units, "PIECE_CHARS", 10_000)  # the long text in one piece: refused before any is packed
+    res = prep.prepare(PrepareConfig(output_dir=str(tmp_path / "early"), **kw))
+    m = Manifest.load(res.dirs["candidates"])
+    assert [b.line for b in m.bad_records] == [5, 10] and m.sources["s"].documents == len(good)

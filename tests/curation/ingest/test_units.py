@@ -290,3 +290,93 @@ def test_config_records_written_before_unit_bytes_still_resume(tmp_path):
     dumped = cfg.model_dump(mode="json")
     assert "unit_bytes" not in dumped and dumped["workers"] is None
     assert cfg.model_copy(update={"unit_bytes": 100}).model_dump(mode="json")["unit_bytes"] == 100
+
+
+# ------------------------------------------------------------------------------------------------
+# a huge line first in a unit, stopped inside it, and cut into many small units (issue 55: P22, P23)
+# ------------------------------------------------------------------------------------------------
+def _huge_first(tmp_path, monkeypatch, *, short_before: int):
+    """A jsonl whose huge line (streamed: the threshold lowered) comes after ``short_before`` short lines, then 8
+    more; a tokenizer; the texts."""
+    import curation.ingest.jsonstream as jsonstream
+
+    monkeypatch.setattr(jsonstream, "STREAM_LINE_BYTES", 300)
+    monkeypatch.setattr(jsonstream, "STREAM_CHUNK", 64)
+    monkeypatch.setattr(units, "PIECE_CHARS", 200)
+    rng = np.random.default_rng(5)
+    texts = [" ".join(rng.choice(WORDS, 8)) for _ in range(short_before)] + [" ".join(rng.choice(WORDS, 600))]
+    texts += [" ".join(rng.choice(WORDS, 8)) for _ in range(8)]
+    path = tmp_path / "huge.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = train_bpe_tokenizer(iter(_texts(12, 200)), vocab_size=300, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    return path, tok, texts
+
+
+def _direct(tok, texts, seq_len):
+    seqs, rest = pack_documents(tok.encode_batch(texts), seq_len=seq_len, eos_id=tok.eos_id)
+    return sorted(seqs.tolist()), len(rest)
+
+
+@pytest.mark.parametrize("short_before", [0, 3])
+def test_a_huge_line_first_in_a_unit_and_a_stop_inside_it_give_the_direct_encoding(tmp_path, monkeypatch,
+                                                                                    short_before):
+    """P22: the huge line first (it crashed on an unset `ends`); P23: killed after a part that ends inside it, the
+    rerun resumes there; a damaged part whose state is inside it is regenerated the same."""
+    path, tok, texts = _huge_first(tmp_path, monkeypatch, short_before=short_before)
+    src = SourceConfig(name="s", paths=[str(path)])
+
+    def cfg(out):
+        return PrepareConfig(sources=[src], tokenizer=TokenizerConfig(path=tok.path), output_dir=str(tmp_path / out),
+                             seq_len=32, sequences_per_part=5, progress=False, workers=1)
+
+    clean = prep.prepare(cfg("clean")).dirs["candidates"]
+    want, dropped = _direct(tok, texts, 32)
+    assert sorted(_rows(clean)[0]) == want and Manifest.load(clean).sources["s"].dropped_tokens == dropped
+    real, calls = units.write_part, {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise _Killed()
+        return real(*a, **k)
+
+    monkeypatch.setattr(units, "write_part", dying)
+    with pytest.raises(_Killed):
+        prep.prepare(cfg("killed"))
+    monkeypatch.setattr(units, "write_part", real)
+    out = str(tmp_path / "killed" / "candidates")
+    state = Manifest.load(out).shards[-1].state
+    assert state["record"] == short_before and state["skip"] > 0  # the last finished part ends inside the huge line
+    prep.prepare(cfg("killed"))
+    assert _rows(out) == _rows(clean)
+    inside = next(p for p in Manifest.load(out).shards if p.state.get("record") == short_before)
+    index = os.path.join(out, inside.name, "index.json")
+    os.remove(index)  # a part whose state is inside the huge line, damaged: regenerated exactly
+    assert prep.prepare(cfg("killed")).regenerated == [os.path.join(out, inside.name)]
+    assert _rows(out) == _rows(clean)
+
+
+def test_a_long_line_cut_into_many_units_makes_units_only_where_lines_start_and_is_read_once(tmp_path, monkeypatch):
+    """unit_bytes far below a line's length: no unit for a stretch inside the line (there were ~5,000 for a 5 MB line,
+    each reading to the line's end), and the plan reads the file at most once."""
+    path, tok, texts = _huge_first(tmp_path, monkeypatch, short_before=2)
+    size = os.path.getsize(path)
+    read = {"bytes": 0}
+    real_skip = units.skip_line
+
+    def counting_skip(f):
+        before = f.tell()
+        real_skip(f)
+        read["bytes"] += f.tell() - before
+
+    monkeypatch.setattr(units, "skip_line", counting_skip)
+    src = SourceConfig(name="s", paths=[str(path)])
+    plan = plan_units("out", 0, src, [str(path)], 50)
+    assert read["bytes"] <= size  # each byte at most once (it was once per unit inside the line)
+    assert len(plan) < size // 50 / 4 and [u.index for u in plan] == list(range(len(plan)))
+    per_unit = [[d.text for d in iter_documents(src, spans=list(u.spans))] for u in plan]
+    assert all(per_unit) and [t for docs in per_unit for t in docs] == texts  # every unit has a line; all, once
+    monkeypatch.setattr(units, "skip_line", real_skip)
+    out = prep.prepare(PrepareConfig(sources=[src], tokenizer=TokenizerConfig(path=tok.path), unit_bytes=50,
+                                     output_dir=str(tmp_path / "o"), seq_len=32, progress=False, workers=1))
+    assert Manifest.load(out.dirs["candidates"]).extra["units"] == {"s": len(plan)}

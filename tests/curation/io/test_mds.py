@@ -203,3 +203,56 @@ def test_the_batch_decoder_leaves_what_it_cannot_decode_whole_to_the_rows(tmp_pa
     assert decode([(data[:name_at] + b"\xff\xfe" + data[name_at + 2:], 1)]) is None  # not UTF-8
     size_too_big = data[:begin] + struct.pack("=I", 1 << 30) + data[begin + 4:]
     assert decode([(size_too_big, 1)]) is None and decode([(b"", 0)]) is None
+
+
+@pytest.mark.parametrize("full", ["shard.00000.mds.zstd", "index.json"])
+def test_a_full_disk_names_the_shard_file_being_written(tmp_path, full):
+    """P36 (issue 55): a full disk while writing selected shards named no file (write() and close() errors carry
+    none), though docs/FAILURES.md promises one. The file is a link to /dev/full: the kernel's own ENOSPC."""
+    import errno
+
+    from curation.io.outdir import describe_os_error
+
+    out = tmp_path / "part"
+    out.mkdir()
+    os.symlink("/dev/full", out / full)
+    rows = list(_samples(SELECTED, 512, 5, np.random.default_rng(0)))
+    with pytest.raises(OSError) as e:
+        write_mds(str(out), SELECTED.mds_columns(vocab_size=512), rows, size_limit=1 << 20)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / full)
+    assert describe_os_error(e.value, "training into runs/x failed").startswith(
+        f"training into runs/x failed ({out / full}): No space left on device; the disk is full: free space")
+
+
+@pytest.mark.parametrize("spec", [CANDIDATE, SELECTED], ids=lambda s: s.name)
+def test_our_shards_are_read_without_importing_streaming_or_torch(tmp_path, spec):
+    """An index entry of the kind write_mds writes is read by the project's own reader (the run inspector reads shards
+    without torch): the same fields as streaming's reader, the same samples, and neither streaming nor torch imported
+    in a fresh interpreter; any other entry is still streaming's."""
+    from streaming.base.format import reader_from_json
+
+    from curation.io.shard_files import ShardEntry, shard_entries
+
+    rows = list(_samples(spec, 2048, 30, np.random.default_rng(3)))
+    write_mds(str(tmp_path), spec.mds_columns(vocab_size=2048), iter(rows), size_limit=1 << 12)
+    import json
+
+    with open(tmp_path / "index.json", encoding="utf-8") as f:
+        infos = json.load(f)["shards"]
+    ours, theirs = shard_entries(str(tmp_path), infos), [reader_from_json(str(tmp_path), None, i) for i in infos]
+    assert len(ours) > 1 and all(isinstance(e, ShardEntry) for e in ours)
+    for a, b in zip(ours, theirs, strict=True):
+        for k in ("column_names", "column_encodings", "column_sizes", "compression", "hashes", "samples"):
+            assert getattr(a, k) == getattr(b, k), k
+        for k in ("raw_data", "zip_data"):
+            assert vars(getattr(a, k)) == vars(getattr(b, k)), k
+    other = [{**infos[0], "compression": "gz"}]
+    assert not isinstance(shard_entries(str(tmp_path), other)[0], ShardEntry)  # streaming's own reader
+    probe = ("import sys; from curation.io.shards import ShardReader; r = ShardReader(sys.argv[1]); "
+             "n = sum(int(r[i]['tokens'].sum()) for i in range(len(r))); "
+             "print(n, sorted(m for m in ('streaming', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__)))))})
+    assert out.stdout.split() == [str(sum(int(r["tokens"].sum()) for r in rows)), "[]"], out.stderr

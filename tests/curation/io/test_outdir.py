@@ -70,6 +70,42 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         assert lock.holder["pid"] == os.getpid()
 
 
+def test_an_output_dir_inside_or_around_a_live_run_is_refused(tmp_path):
+    """P18 (issue 55): a second job writing into a live run's folder (or a folder holding it) was accepted. A sibling
+    is not refused, nor, in the same process, a directory inside its own run's (the main job's prepare); once the run
+    ends, both are accepted."""
+    run = tmp_path / "runs" / "live"
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from curation.io.outdir import OutputDirLock
+        lock = OutputDirLock({str(run)!r}, "train")
+        print("locked", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirBusy) as inside:
+            OutputDirLock(str(run / "selected" / "x"), "curate")
+        assert str(inside.value).startswith(f"{run / 'selected' / 'x'} is inside {run}, the output directory of a "
+                                            f"live run (train pid {proc.pid} on host ")
+        assert str(inside.value).endswith("a job must not write into another run's directory or around it; use an "
+                                          "output_dir outside it")
+        with pytest.raises(OutputDirBusy, match=rf"^{tmp_path / 'runs'} holds {run}, the output directory of a live "
+                                                rf"run \(train pid {proc.pid} on host "):
+            OutputDirLock(str(tmp_path / "runs"), "prepare")
+        assert not os.path.exists(tmp_path / "runs" / LOCK_NAME)  # (refused before it wrote its holder)
+        with OutputDirLock(str(tmp_path / "runs" / "sibling"), "train"):
+            with OutputDirLock(str(tmp_path / "runs" / "sibling" / "data"), "prepare"):  # this process's own
+                pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    OutputDirLock(str(run / "selected" / "x"), "curate").release()
+    OutputDirLock(str(tmp_path / "runs"), "prepare").release()
+
+
 def test_config_diff_names_exactly_the_differing_leaf_keys():
     old = {"a": 1, "sel": {"gamma": 0.6, "lam": 1.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "b"]}], "bar": True}
     new = {"a": 1, "sel": {"gamma": 0.6, "lam": 2.0, "tau": 30}, "src": [{"name": "x", "p": ["a", "c"]}],
@@ -329,3 +365,55 @@ def test_a_record_that_protects_no_output_is_replaced_by_the_corrected_rerun(tmp
     with pytest.raises(ConfigMismatch):
         open_output_dir(str(out), "train", {"config.yaml": cfg})
     assert yaml.safe_load((out / "config.yaml").read_text())["batch_size"] == 32
+
+
+def test_a_failed_first_run_removes_what_it_wrote_and_a_started_one_keeps_it(tmp_path):
+    """issue 57: a first run that fails before its first output leaves no record, lock or directory (it would look
+    started); one that wrote an output, or a failed rerun of a directory that held a run, keeps everything."""
+    cfg = TrainConfig.demo_default(str(tmp_path))
+    out = tmp_path / "new"
+    with pytest.raises(ValueError, match="bad input"), open_output_dir(str(out), "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+        (out / "candidates").mkdir()
+        (out / "candidates" / "manifest.json").write_text(json.dumps({"shards": [], "complete": False}))
+        raise ValueError("bad input")
+    assert not out.exists()
+    with pytest.raises(ValueError), open_output_dir(str(out), "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()
+        (out / "tokenizer.json").write_text("{}")  # an output: the record protects it
+        raise ValueError("later")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "config.yaml", "tokenizer.json"]
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ValueError), open_output_dir(str(out), "train", {"config.yaml": cfg}):
+        raise ValueError("a rerun fails")  # the directory held a record when this run took it: not its to remove
+    assert (out / "config.yaml").exists()
+    with open_output_dir(str(tmp_path / "ok"), "train", {"config.yaml": cfg}) as lock:
+        lock.write_records()  # no failure: nothing is removed
+    assert (tmp_path / "ok" / "config.yaml").exists()
+
+
+def test_a_lock_file_removed_while_another_run_opened_it_is_opened_again(tmp_path, monkeypatch):
+    """A run that discards its directory removes the lock file while holding it: another run that opened the old
+    file in between (and locks it once released) must not hold that orphan while a third locks the new file; it
+    sees the path names another file and opens it again."""
+    from curation.io import outdir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    real = outdir.OutputDirLock._open
+    orphans = []
+
+    def first_an_orphan(self):
+        if not orphans:  # the old lock file: opened and locked, then removed by its owner
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            outdir.fcntl.flock(fd, outdir.fcntl.LOCK_EX | outdir.fcntl.LOCK_NB)
+            orphans.append(os.fstat(fd))
+            os.unlink(self.path)
+            return fd
+        orphans.append(None)
+        return real(self)
+
+    monkeypatch.setattr(outdir.OutputDirLock, "_open", first_an_orphan)
+    with open_output_dir(str(out), "train") as lock:
+        assert len(orphans) == 2  # the orphan seen (closed: its inode number may be the new file's) and opened again
+        assert os.path.samestat(os.fstat(lock._fd), os.stat(out / ".lock"))

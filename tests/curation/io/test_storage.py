@@ -38,6 +38,48 @@ def test_cache_paths_map_both_ways(tmp_path, monkeypatch):
         objects.check_scheme("gs://b/x")
 
 
+def test_an_s3_scheme_in_another_case_is_refused_not_written_as_a_local_folder(tmp_path, monkeypatch, capsys):
+    """P7 (issue 55): output_dir=S3://… wrote a local folder ``S3:/…`` and exited 0."""
+    from tests.conftest import load_job
+
+    monkeypatch.chdir(tmp_path)
+    assert load_job("prepare").main(["--set", "output_dir=S3://bkt/x", "--set", "workers=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: S3://bkt/x: write the scheme in lower case (s3://bkt/x): S3:// is not read as the object "
+                   "store"]
+    assert not os.path.exists(tmp_path / "S3:") and not os.path.exists(tmp_path / "runs")
+    cfg = TrainConfig.demo_default("runs/demo")
+    with pytest.raises(ValueError, match=r"^S3://b/c: write the scheme in lower case \(s3://b/c\)"):
+        localize(cfg.model_copy(update={"data": cfg.data.model_copy(update={"candidates": "S3://b/c"})}))
+    with pytest.raises(ValueError, match=r"^S3://b/run: write the scheme in lower case"):
+        open_output("S3://b/run", "train")
+    assert not objects.is_url("S3://b/x") and objects.is_url("s3://b/x")
+
+
+def test_a_cache_dir_that_cannot_hold_directories_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
+    """P40 (issue 55): a BLADE_CACHE_DIR that is a file, or /proc/self, gave 16-line NotADirectoryError /
+    FileNotFoundError tracebacks on s3:// reads, not naming the variable. Local paths never need the cache."""
+    from tests.conftest import load_job
+
+    (tmp_path / "a-file").write_text("x")
+    for bad, why in ((str(tmp_path / "a-file"), "Not a directory"), ("/proc/self", "No such file or directory")):
+        monkeypatch.setenv("BLADE_CACHE_DIR", bad)
+        with pytest.raises(ValueError) as e:
+            storage.local_path("s3://bkt/data")
+        assert str(e.value).startswith(f"BLADE_CACHE_DIR={bad} cannot hold the object-store cache ({why}: ")
+        assert str(e.value).endswith("; set BLADE_CACHE_DIR to a directory this user can write")
+        assert storage.local_path("runs/x") == "runs/x" and storage.url_of("runs/x") is None
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert load_job("train").main(["--set", "data.candidates=s3://bkt/data/candidates", "--set",
+                                   "data.tokenizer=null", "--set", "output_dir=out"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: BLADE_CACHE_DIR=/proc/self cannot hold the object-store cache (No such file or directory: "
+        "/proc/self/s3); set BLADE_CACHE_DIR to a directory this user can write"]
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "cache"))  # a usable one
+    assert storage.local_path("s3://bkt/data") == str(tmp_path / "cache" / "s3" / "bkt" / "data")
+
+
 def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
     cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
@@ -287,3 +329,26 @@ def test_a_missing_bucket_on_read_is_named_and_an_invalid_bucket_name_is_one_lin
         storage.local_path("s3://my bucket!/data")
     assert str(e.value) == ("s3://my bucket!/data: 'my bucket!' is not a valid bucket name (1 to 255 letters, digits, "
                             "'.', '-', '_'; S3 itself wants 3 to 63 lowercase letters, digits, '.' and '-')")
+
+
+def test_an_object_store_prepare_counts_the_files_it_uploaded_as_it_went(s3, tmp_path):
+    """P41 (issue 55): an s3:// prepare ended `uploaded 0 files to s3://…` although it had uploaded every part as it
+    was written. A rerun of the finished preparation uploads nothing, and says so."""
+    import json as _json
+
+    from curation.ingest.prepare import prepare
+    from curation.ingest.tokenizer import train_bpe_tokenizer
+    from schemas.config import SourceConfig, TokenizerConfig
+
+    texts = [" ".join(["alpha beta gamma delta"] * (3 + i % 7)) for i in range(200)]
+    (tmp_path / "a.jsonl").write_text("".join(_json.dumps({"text": t}) + "\n" for t in texts))
+    tok = train_bpe_tokenizer(iter(texts), vocab_size=260, save_to=str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = PrepareConfig(sources=[SourceConfig(name="s", paths=[str(tmp_path / "a.jsonl")])], seq_len=16,
+                        tokenizer=TokenizerConfig(path=tok.path), output_dir=s3.url("prep"), sequences_per_part=20,
+                        unit_bytes=4000, progress=False, workers=1)
+    first = prepare(cfg).uploaded
+    held = objects.list_objects(s3.url("prep"))
+    assert len(held) > 10 and first == f"uploaded {len(held)} files to {s3.url('prep')}; it holds {len(held)} " \
+                                       f"objects ({sum(o.size for o in held.values()) / 2**20:.1f} MiB)"
+    again = prepare(cfg).uploaded
+    assert again.startswith(f"uploaded 0 files to {s3.url('prep')}; it holds {len(held)} objects")
