@@ -121,7 +121,7 @@ def test_help_of_an_unknown_section_exits_2_naming_the_nearest(capsys):
 
 def test_help_of_a_section_answers_before_torch_composer_or_ray_load(tmp_path):
     probe = _PROBE.replace('sys.argv = [job, "--help"]', 'sys.argv = [job, "--help", "train.selection"]')
-    proc = subprocess.run([sys.executable, "-c", probe, str(REPO / "jobs" / "curate_and_train.py"), ",".join(HEAVY)],
+    proc = timing.run([sys.executable, "-c", probe, str(REPO / "jobs" / "curate_and_train.py"), ",".join(HEAVY)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["code"] == 0 and "train.selection.gamma = 0.6" in got["help"] and not got["heavy"], got

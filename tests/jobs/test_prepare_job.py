@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -143,7 +144,7 @@ def test_a_piped_prepare_prints_a_line_per_interval_and_no_carriage_return(tmp_p
     characters; now whole lines, at most one per tenth of the units and the last, as the trainer prints."""
     paths = _own_text(tmp_path, 3)
     sources = ", ".join(f"{{name: s{i}, paths: [{p}]}}" for i, p in enumerate(paths))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--set", f"sources=[{sources}]",
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--set", f"sources=[{sources}]",
                            "--set", "validation=[]", "--set", "demo=false", "--set", "seq_len=16", "--set", "workers=1",
                            "--set", "tokenizer.vocab_size=300", "--set", f"output_dir={tmp_path / 'out'}",
                            "--set", "unit_bytes=20000"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

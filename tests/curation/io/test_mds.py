@@ -2,6 +2,7 @@
 importing ``streaming``."""
 
 import os
+import subprocess
 import sys
 
 import numpy as np
