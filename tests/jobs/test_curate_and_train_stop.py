@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests import timing
-from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run, assert_same_run
+from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run_here, assert_same_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -85,29 +85,25 @@ def _ray_left(sid: int) -> list[int]:
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid and int(p) != sid]
 
 
-def _resume(cfg: str) -> None:
-    rerun = _run(cfg)
-    assert "resuming from" in rerun.stdout and "latest-rank0.pt" in rerun.stdout
+def _resume(cfg: str, capfd) -> None:  # noqa: ANN001 - pytest's capfd
+    """The rerun, in this test process (the stopped run was a fresh one): it resumes from the stop's checkpoint."""
+    rerun = _run_here(cfg, capfd)
+    assert "resuming from" in rerun and "latest-rank0.pt" in rerun
 
 
 def test_sigterm_stops_the_exact_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
+        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
     _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg)
+    _resume(cfg, capfd)
     # the uninterrupted reference: the single-process trainer (which the uninterrupted Ray exact run equals bit for
     # bit: tests/jobs/test_curate_and_train.py::test_ray_exact_mode_equals_the_single_process_trainer)
-    single = str(tmp_path / "single")
-    train(TrainConfig.model_validate(tiny_train(single)))
-    assert_same_run(single, out)
+    assert_same_run(single_run["out"], out)
 
 
 def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
+        tmp_path, tiny_train, session_killer, ray_local, capfd):
     from schemas.config import load_config
     from schemas.engine_config import CurateAndTrainConfig
     from training.runs.engine_job import curate_and_train
@@ -116,7 +112,7 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine=engine)
     _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg)
+    _resume(cfg, capfd)
     full = str(tmp_path / "uninterrupted")
     curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
                                                                      engine=engine)))
@@ -124,10 +120,7 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
 
 
 def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
+        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
     with open(tmp_path / "stderr.txt", "w+") as err:
@@ -161,7 +154,5 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
     assert not left, "the job left its Ray instance running"
     assert not os.path.exists(os.path.join(out, "final"))
 
-    _resume(cfg)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
-    single = str(tmp_path / "single")
-    train(TrainConfig.model_validate(tiny_train(single)))
-    assert_same_run(single, out)
+    _resume(cfg, capfd)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
+    assert_same_run(single_run["out"], out)

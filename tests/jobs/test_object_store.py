@@ -1,7 +1,7 @@
 """The jobs end to end on a real S3 server (SeaweedFS, the ``s3`` fixture): prepare into ``s3://``, train and the Ray
 main job reading from and writing to the bucket, a kill and a resume from the bucket with the local cache wiped in
 between (the outputs equal a local run's bit for bit), and a bit flip in a stored shard detected by name and
-repaired by a rerun of prepare."""
+repaired by a rerun of prepare. The killed runs are fresh job processes; the reruns run in the test process."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # minutes each on a 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_JOB = os.path.join(REPO, "jobs", "train.py")
-CURATE_JOB = os.path.join(REPO, "jobs", "curate.py")
 
 
 def _prepare_into(s3, engine_demo: str, prefix: str = "data") -> PrepareConfig:
@@ -75,10 +74,17 @@ def _kill_after_first_checkpoint(proc: subprocess.Popen, s3, run: str, killer) -
     assert proc.returncode == -9, "the job ended before it could be killed:\n" + out[-3000:]
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    out = timing.communicate(proc, timeout=600)[0]
-    assert proc.returncode == 0, out[-5000:]
-    return out
+def _finish_here(job: str, config: dict, path, capfd) -> str:  # noqa: ANN001 - pytest's capfd
+    """The rerun of a job, in this test process (its environment points at the test server: the s3 fixture):
+    ``jobs/<job>.py``'s ``main`` on ``config``; returns its stdout and stderr. A Ray job here starts a local instance
+    of its own (fixture ``own_ray``), whose workers see this environment."""
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    capfd.readouterr()
+    rc = load_job(job, "_s3_here").main(["--config", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return out + err
 
 
 def _pulled(s3, run: str) -> str:
@@ -88,20 +94,15 @@ def _pulled(s3, run: str) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def local_run(tiny_train, tmp_path_factory) -> str:
+@pytest.fixture
+def local_run(single_run) -> str:
     """The tiny blade run of ``tiny_train`` on the local copy of the data, uninterrupted (what the bucket's runs
     must equal bit for bit)."""
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
-    out = str(tmp_path_factory.mktemp("local") / "run")
-    train(TrainConfig.model_validate(tiny_train(out)))
-    return out
+    return single_run["out"]
 
 
 def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, local_run, tmp_path, session_killer,
-                                                   capsys):
+                                                   capfd):
     # prepare into the bucket: the same shards as a local prepare, readable by StreamingDataset from the bucket
     cfg = _prepare_into(s3, engine_demo)
     stored = objects.list_objects(s3.url("data"))
@@ -120,7 +121,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     train_cfg = tiny_train(s3.url("run"), data=_s3_data(s3))
     _kill_after_first_checkpoint(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3), s3, "run", session_killer)
     shutil.rmtree(s3.cache)
-    out = _finish(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3))
+    out = _finish_here("train", train_cfg, tmp_path / "train.yaml", capfd)  # the rerun, in this process
     assert "took over the lock" in out and "resumed from" in out, out[-3000:]
     assert ".lock" not in objects.list_objects(s3.url("run"))
     # issue 34: the run's outputs named by their URLs, never by cache paths, and the upload confirmed by the bucket
@@ -148,7 +149,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     os.environ["BLADE_CACHE_DIR"] = cold  # (restored by the s3 fixture's monkeypatch)
     rc = load_job("train", "_s3").main(["--config", str(tmp_path / "train.yaml"), "--set",
                                         f"output_dir={s3.url('run2')}"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert rc == 1
     assert f"error: {s3.url(key)}: corrupt shard (" in err
     assert ("part target/part-00000-00000 can be regenerated: rerun jobs/prepare.py with the same config and "
@@ -168,14 +169,14 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
 
 @pytest.mark.ray
 def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, tiny_train, local_run, tmp_path,
-                                                              session_killer):
+                                                              session_killer, own_ray, capfd):
     _prepare_into(s3, engine_demo)
     config = {"train": tiny_train(s3.url("run"), data=_s3_data(s3)), "workers": {"count": 2, "range_steps": 2},
               "engine": {"lookahead": 4}}
     _kill_after_first_checkpoint(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3), s3, "run", session_killer)
     assert not Manifest.load(_pulled(s3, "run/scored")).complete
     shutil.rmtree(s3.cache)
-    out = _finish(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3))
+    out = _finish_here("curate_and_train", config, tmp_path / "main.yaml", capfd)  # the rerun, in this process
     assert "took over the lock" in out and "resuming from" in out, out[-3000:]
     stored = objects.list_objects(s3.url("run"))
     assert {"engine_config.yaml", "config.yaml", "scored/manifest.json", "selected/manifest.json",
@@ -195,7 +196,7 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
                   "batch_size": 8, "reference_weights": s3.url("run/final/reference.safetensors"),
                   "proxy_weights": s3.url("run/final/model.safetensors"), "output_dir": s3.url("curate"),
                   "progress": False, "workers": {"count": 2, "range_steps": 10}}
-    _finish(_start(CURATE_JOB, curate_cfg, tmp_path / "curate.yaml", s3))
+    _finish_here("curate", curate_cfg, tmp_path / "curate.yaml", capfd)
     shutil.rmtree(s3.cache)
     selected = os.path.join(_pulled(s3, "curate"), "selected")
     manifest, rows = Manifest.load(selected), ShardReader(selected)
@@ -204,7 +205,7 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
 
 
 @pytest.mark.ray
-def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run):
+def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run, own_ray):
     """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
     from curation.engine.ray_backend import ray_session
     from schemas.train_config import TrainConfig

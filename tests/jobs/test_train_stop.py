@@ -16,6 +16,7 @@ import pytest
 from schemas.config import load_config
 from schemas.train_config import TrainConfig
 from tests import timing
+from tests.conftest import load_job
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
 from training.runs.single import train
 
@@ -60,11 +61,16 @@ def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     assert proc.poll() is None and os.path.exists(path), proc.stderr.read() if proc.poll() is not None else ""
 
 
-def _rerun(config: str) -> str:
-    done = timing.run([sys.executable, JOB, "--config", config], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+_TRAIN = load_job("train", "_stop")
+
+
+def _rerun(config: str, capfd) -> str:  # noqa: ANN001 - pytest's capfd
+    """The rerun of the stopped job, in this test process (the stopped run was a fresh one): its stdout."""
+    capfd.readouterr()
+    rc = _TRAIN.main(["--config", config])
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-3000:]
+    return out
 
 
 def _read(path: str) -> bytes:
@@ -85,7 +91,7 @@ def uninterrupted(small_demo, tmp_path):  # noqa: F811
 
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_equals_an_uninterrupted_run(
-        small_demo, tmp_path, uninterrupted):  # noqa: F811
+        small_demo, tmp_path, uninterrupted, capfd):  # noqa: F811
     out = str(tmp_path / "run")
     config = _config_file(small_demo, out, tmp_path / "t.yaml", max_steps=12)
     proc = _start(config, step_delay=0.3)
@@ -103,13 +109,13 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_equals_an_un
     assert m[2] == os.path.join(out, "checkpoints", f"ep0-ba{step}-rank0.pt") and os.path.isfile(m[2])
     assert not os.path.exists(os.path.join(out, "final")) and not os.path.exists(os.path.join(out, "summary.json"))
 
-    stdout = _rerun(config)
+    stdout = _rerun(config, capfd)
     assert f"(resumed from {os.path.join(out, 'checkpoints', 'latest-rank0.pt')})" in stdout
     assert _read(os.path.join(out, "final", "model.safetensors")) == uninterrupted(config)
 
 
 def test_a_second_sigterm_stops_at_once_and_a_rerun_still_equals_an_uninterrupted_run(
-        small_demo, tmp_path, uninterrupted):  # noqa: F811
+        small_demo, tmp_path, uninterrupted, capfd):  # noqa: F811
     out = str(tmp_path / "run")
     config = _config_file(small_demo, out, tmp_path / "t.yaml", max_steps=12)
     proc = _start(config, step_delay=0.3, save_delay=2.0)  # the stop's checkpoint takes ≥ 2 s to write
@@ -122,5 +128,5 @@ def test_a_second_sigterm_stops_at_once_and_a_rerun_still_equals_an_uninterrupte
     assert proc.returncode == -signal.SIGTERM and not at_once.expired(), at_once  # ended by the signal, not at a step end
     assert not os.path.exists(os.path.join(out, "final"))
 
-    _rerun(config)
+    _rerun(config, capfd)
     assert _read(os.path.join(out, "final", "model.safetensors")) == uninterrupted(config)
