@@ -27,7 +27,14 @@ from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
-from curation.io.models import build_causal_lm, load_weights, resolve_device
+from curation.io.bad_shards import blame
+from curation.io.models import (
+    build_causal_lm,
+    check_token_range,
+    load_weights,
+    model_vocab_size,
+    resolve_device,
+)
 from curation.io.paths import UnsafeNameError
 from curation.io.shards import open_shards
 from schemas.train_config import ModelConfig, SelectionConfig
@@ -116,7 +123,18 @@ class RefreshRunner:
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
-        return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
+        """The rows ``ids`` of ``dataset``; an id outside the model's vocabulary names the sample and blames its shard
+        (:mod:`curation.io.bad_shards`), as the trainer's loaders do, instead of an embedding's index error."""
+        rows = np.stack([np.asarray(dataset[int(i)]["tokens"]) for i in ids])
+        vocab = model_vocab_size(self.proxy)
+        if rows.size and int(rows.max()) >= vocab:  # one reduction; the first bad row named
+            bad = int(np.argmax((rows >= vocab).any(axis=1)))
+            try:
+                check_token_range(rows[bad], vocab, f"{dataset.path} (sample {int(ids[bad])})")
+            except ValueError as e:
+                blame(e, dataset.shard_path(int(ids[bad])))
+                raise
+        return torch.from_numpy(rows.astype(np.int64))
 
     def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
         return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}

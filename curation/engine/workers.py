@@ -32,6 +32,7 @@ from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
 from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
+from curation.io.bad_shards import blame
 from curation.io.mds import RowBlock
 from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
@@ -184,7 +185,11 @@ class ScoringWorker:
             batch, sources = self._read_rows(ids, step)
         if batch.size and int(batch.max()) >= self.model_vocab:  # one reduction per step; the bad row named
             bad = int(np.argmax((batch >= self.model_vocab).any(axis=1)))
-            check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+            try:
+                check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+            except ScoringDataError as e:
+                blame(e, self.candidates.shard_path(int(ids[bad])))
+                raise
         return batch, sources, ids
 
     def _read_rows(self, ids: np.ndarray, step: int) -> tuple[np.ndarray, list[str]]:
@@ -194,10 +199,11 @@ class ScoringWorker:
                 row = self.candidates[int(i)]
                 tokens = np.asarray(row["tokens"])
             except Exception as e:  # a corrupt shard: name it
-                raise ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})") from e
+                raise blame(ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})"),
+                            self.candidates.shard_path(int(i))) from e
             if tokens.ndim != 1 or (length is not None and tokens.shape[0] != length):
-                raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
-                                       f"({length},)")
+                raise blame(ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, "
+                                             f"expected ({length},)"), self.candidates.shard_path(int(i)))
             length = tokens.shape[0]
             rows.append((tokens, str(row["source"])))
         return np.stack([t for t, _ in rows]), [s for _, s in rows]

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from curation.core.distributed import Ranks
 from curation.core.losses import target_valid
 from curation.core.stream import CandidateStream
+from curation.io.bad_shards import blame
 from curation.io.models import check_token_range
 from curation.io.shards import open_shards
 from curation.io.stream_reader import StreamReader
@@ -123,7 +124,12 @@ class StreamBatches(StepBatches):
         if sb is None:
             sb = self.reader.read(step)
             if self.model_vocab is not None:
-                check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+                try:
+                    check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+                except ValueError as e:  # blames the shards of the rows holding such ids
+                    bad = sb.sample_ids[(sb.tokens >= self.model_vocab).any(axis=1)]
+                    blame(e, *_shard_paths(self.reader.dataset, bad))
+                    raise
             self._read[step] = sb
         return {
             "tokens": torch.from_numpy(sb.tokens.astype(np.int64)),
@@ -249,11 +255,22 @@ class TokenRows(Dataset):
         row = self.dataset[int(i)]
         tokens = np.asarray(row["tokens"])
         if self.model_vocab is not None:
-            check_token_range(tokens, self.model_vocab, f"{self.path} (sample {i})")
+            try:
+                check_token_range(tokens, self.model_vocab, f"{self.path} (sample {i})")
+            except ValueError as e:
+                blame(e, *_shard_paths(self.dataset, [i]))
+                raise
         out: dict[str, Any] = {"tokens": torch.from_numpy(tokens.astype(np.int64)), "source": str(row.get("source", ""))}
         if self.use_mask:
             out["loss_mask"] = torch.from_numpy(np.asarray(row["loss_mask"]).astype(bool))
         return out
+
+
+def _shard_paths(dataset: Any, ids: Any) -> list[str]:
+    """The shard files holding samples ``ids`` of ``dataset`` (a :class:`~curation.io.shards.ShardReader`; none
+    for another dataset)."""
+    where = getattr(dataset, "shard_path", None)
+    return sorted({where(int(i)) for i in ids}) if where is not None else []
 
 
 def collate_rows(items: list[dict[str, Any]]) -> dict[str, Any]:
