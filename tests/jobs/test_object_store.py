@@ -206,13 +206,15 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
 
 @pytest.mark.ray
 def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run, own_ray):
-    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
+    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache): 6 of the
+    local run's 14 steps (the constant learning rate makes them its first 6; one checkpoint, at step 5), what the
+    bucket's paths need (tests/training/test_parallel.py compares whole data-parallel runs)."""
     from curation.engine.ray_backend import ray_session
     from schemas.train_config import TrainConfig
     from training.runs.group import train_parallel
 
     _prepare_into(s3, engine_demo)
-    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}))
+    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}, max_steps=6))
     with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
         train_parallel(cfg)
     stored = objects.list_objects(s3.url("dp"))
@@ -221,8 +223,8 @@ def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tin
 
     shutil.rmtree(s3.cache)
     a, b = ShardReader(os.path.join(local_run, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
-    assert len(a) == len(b) == cfg.max_steps * cfg.batch_size
-    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
+    assert len(b) == cfg.max_steps * cfg.batch_size < len(a)
+    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(b)))  # the same candidate stream
     first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
     assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)
 
