@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curation.core.host_sync import set_matmul_precision
 from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import CONTINUE, RefreshSettings, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
-from curation.engine.weights import Weights
+from curation.engine.weights import FlatStaging, Weights
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.bad_shards import blame
@@ -103,6 +104,8 @@ class RefreshRunner:
         self.cfg = spec.selection
         self.policy = get_policy(self.cfg.policy)
         self.device = resolve_device(spec.device)
+        self.matmul = set_matmul_precision(self.device)  # the trainer's and the workers' setting
+        self.staging = FlatStaging()  # a proxy snapshot's way to the device (one copy per dtype, reused)
         self.model_cfg = spec.model
         self.proxy = build_causal_lm(self.model_cfg).to(self.device)
         self.validation = open_shards(spec.validation, "candidate")
@@ -179,7 +182,7 @@ class RefreshRunner:
         kept in memory and saved next to the reference (so a restarted actor or a resumed job continues it).
         """
         start = time.perf_counter()
-        proxy.load_into(self.proxy)
+        proxy.load_into(self.proxy, staging=self.staging)
         continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
         prev_sd = None
         opt_state = None

@@ -29,13 +29,15 @@ CHARTS = ("chart-share", "chart-threshold", "chart-delta", "chart-validation", "
 @pytest.fixture(scope="module")
 def runs(tiny_train, tmp_path_factory):
     """blade and rho1, 14 steps each, on the same candidates (the same stream: the same rows at every step); selected
-    parts of 5 steps (the checkpoint interval)."""
+    parts of 5 steps (the checkpoint interval); ‖u − w̃‖ every 2 steps (its default, the log interval of 10 steps,
+    would measure it once in 14 steps: no curve)."""
     from training.runs.single import train
 
     root = tmp_path_factory.mktemp("inspected")
     out = {}
     for policy in ("blade", "rho1"):
-        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy}))
+        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy},
+                                                       distance_interval=2))
         train(cfg)
         out[policy] = cfg.output_dir
     return out

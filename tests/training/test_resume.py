@@ -28,13 +28,18 @@ from training.runs.single import train
 
 
 class Kill(Callback):
-    """Raise (like a kill) at the end of step ``at - 1``: after its selected part, before its checkpoint."""
+    """Raise (like a kill) at the end of step ``at - 1``: after its selected part, before its checkpoint. (A step's
+    record is delivered a step later, or when a checkpoint's state is taken: the kill comes right after that
+    delivery, as a kill between the writer's flush and Composer's write of the checkpoint file would.)"""
 
     def __init__(self, at: int) -> None:
         self.at = at
 
     def batch_end(self, state, logger):
         if int(state.timestamp.batch) == self.at:
+            for algorithm in state.algorithms:
+                if hasattr(algorithm, "drain"):
+                    algorithm.drain()
             raise KeyboardInterrupt(f"killed after {self.at} steps")
 
 

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from curation.core.distributed import Ranks
+from curation.core.host_sync import pinned, queues
 from curation.core.losses import target_valid
 from curation.core.stream import CandidateStream
 from curation.io.bad_shards import blame
@@ -71,6 +72,7 @@ class StepBatches(IterableDataset):
         self.start_step = 0
         self.stop_step = stop_step
         self.model_vocab = model_vocab
+        self.pin_for: torch.device | None = None  # the trainer's device: batches are pinned for it (stream_loader)
 
     def batch(self, step: int) -> dict[str, Any]:
         raise NotImplementedError
@@ -78,7 +80,10 @@ class StepBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for t in range(self.start_step, self.stop_step):
             self.release_before(t)
-            yield self.batch(t)
+            batch = self.batch(t)
+            if self.pin_for is not None:  # (on a GPU: copied to the device without blocking)
+                batch = {k: pinned(v, self.pin_for) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            yield batch
 
     def release_before(self, step: int) -> None:
         """The loader is at ``step``: rows kept in memory for earlier steps are not needed any more."""
@@ -224,8 +229,11 @@ def make_data_spec(dataloader: Any):
     )
 
 
-def stream_loader(dataset: StepBatches) -> DataLoader:
-    """The training DataLoader: batches are pre-collated by step, read in the main process."""
+def stream_loader(dataset: StepBatches, device: torch.device | None = None) -> DataLoader:
+    """The training DataLoader: batches are pre-collated by step, read in the main process; for a GPU ``device``
+    each batch's tensors are pinned as they are yielded (what ``DataLoader(pin_memory=True)`` does without worker
+    processes), so Composer's copies to the device do not block."""
+    dataset.pin_for = device if queues(device) else None
     return DataLoader(dataset, batch_size=None, num_workers=0)
 
 

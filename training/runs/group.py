@@ -150,7 +150,7 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                          stopper=StopAtStepEnd(GroupStop(cfg.output_dir)))
     sync = None
     if engine is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
-        sync = EngineSync(engine.handle, engine.plan, algorithm=run.algorithm, distance_interval=cfg.distance_interval)
+        sync = EngineSync(engine.handle, engine.plan, algorithm=run.algorithm, distance_interval=cfg.effective_distance_interval)
         run.trainer.state.callbacks.insert(0, sync)
     _record_attempt(cfg.output_dir, ranks, run.resumed_from)
     run.fit()
