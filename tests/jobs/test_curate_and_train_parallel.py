@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,27 +13,25 @@ import yaml
 from curation.core.selection import num_selected
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
+from tests.conftest import load_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train):
-    from schemas.train_config import TrainConfig
-    from training.runs.single import train
-
+def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train, single_run, ray_local,
+                                                                       capfd):
+    """The job's ``main`` in this test process, on its Ray instance (4 CPUs: 2 scoring workers, 2 trainer workers)."""
     out = str(tmp_path / "par")
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"train": tiny_train(out), "workers": {"count": 2, "range_steps": 2},
-                                   "engine": {"lookahead": 4}}), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "curate_and_train.py"), "--config", str(cfg),
-                           "--set", "train.parallel.workers=2"], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "trainer: 2 Ray Train workers" in proc.stdout
+    cfg.write_text(yaml.safe_dump({"train": tiny_train(out), "workers": {"count": 2, "range_steps": 2, "device": "cpu"},
+                                   "engine": {"lookahead": 4, "refresh_device": "cpu"}}), encoding="utf-8")
+    capfd.readouterr()
+    rc = load_job("curate_and_train", "_parallel").main(["--config", str(cfg), "--set", "train.parallel.workers=2"])
+    stdout, stderr = capfd.readouterr()
+    assert rc == 0, stdout[-3000:] + stderr[-5000:]
+    assert "trainer: 2 Ray Train workers" in stdout
 
-    single = train(TrainConfig.model_validate(tiny_train(str(tmp_path / "single"))))
+    single = single_run  # tiny_train's config in one process
     steps, b, w = 14, 8, 2
     a = {c: read_column(single["selected"], c) for c in ("step", "tokens", "loss_mask")}
     p = {c: read_column(os.path.join(out, "selected"), c) for c in ("step", "tokens", "loss_mask")}
