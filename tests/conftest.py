@@ -264,12 +264,13 @@ def single_run(tiny_train, tmp_path_factory) -> dict:
     with P = 1, stopped or killed and resumed, from an object store). ``train``'s outputs (``final_weights``,
     ``summary``, ``selected``, ...), ``out`` (the run directory) and ``config`` (``tiny_train(out)``)."""
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = str(tmp_path_factory.mktemp("single") / "run")
     config = tiny_train(out)
     res = train(TrainConfig.model_validate(config))
-    return {**{k: v for k, v in res.items() if k != "run"}, "out": out, "config": config}
+    return {"final_weights": res.final_weights, "summary": res.summary, "selected": res.selected, "out": out,
+            "config": config}
 
 
 class _ProcessRay:

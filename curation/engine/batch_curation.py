@@ -88,7 +88,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
         ) as engine:
             engine.run(progress=cfg.progress, desc="curate")
             report = engine.report()
-            elsewhere = engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
+            elsewhere = engine.finish({"report": {"stats": report.stats.to_dict(), "progress": report.progress.to_dict()}})
     except StopRequested as e:
         kept = Manifest.load_if_exists(out)
         n = len({s.state.get("unit") for s in kept.shards if s.complete}) if kept is not None else 0
@@ -104,8 +104,8 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
         "selected_dir": out, "parts": len(manifest.shards), "sequences": manifest.totals().sequences,
         "tokens": manifest.totals().tokens, "kept_tokens": manifest.totals().kept_tokens, "per_source": per_source,
         "proxy": cfg.proxy_weights or "base model (reference-only pass)", "reference": cfg.reference_weights,
-        "gamma": cfg.gamma, "workers": cfg.workers.count, "redone_units": report["progress"]["redone"],
-        "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
+        "gamma": cfg.gamma, "workers": cfg.workers.count, "redone_units": report.progress.redone,
+        "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report.stats.tokens / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
     uploaded = storage.push_all(cfg.output_dir, since=mark, elsewhere=elsewhere)  # an object-store output_dir: the rest

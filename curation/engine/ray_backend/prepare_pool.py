@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import ray
+from ray import ObjectRef
 from ray.exceptions import RayTaskError
 
 from curation.engine.ray_backend.session import ray_session  # not actors: that imports torch and the engine
@@ -61,7 +61,7 @@ class RayUnitPool:
         units finish; so does a stop signal (for ``STOP_WAIT_S``), which then raises
         :class:`~curation.io.stop.StopRequested`."""
         todo = list(units)[::-1]
-        running: dict[Any, WorkUnit] = {}
+        running: dict[ObjectRef, WorkUnit] = {}
         settings_ref = ray.put(settings)
         finished = False
         try:
@@ -90,7 +90,7 @@ class RayUnitPool:
                 self._settle(running)
 
     @staticmethod
-    def _settle(running: dict[Any, WorkUnit]) -> None:
+    def _settle(running: dict[ObjectRef, WorkUnit]) -> None:
         """Let the running units finish (their results are on disk, in their records)."""
         for ref in list(running):
             with contextlib.suppress(Exception):
