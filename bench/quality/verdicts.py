@@ -179,7 +179,8 @@ OUTCOMES: tuple[dict[str, str], ...] = (
 def outcomes(settings: Mapping[str, Mapping[str, Any]], seeds: int, paper: str = "paper") -> list[dict[str, Any]]:
     """The pre-stated outcomes decided from the results' settings (``settings[name]``: ``blade_vs_fullval`` and
     ``fullval_vs_blade`` per set, ``blade_vs_rho1``, ``lam1_vs_blade``, ``best``): each with ``held`` (True, False,
-    or None when the arms it needs were not run; the λ outcome, a question, has a ``finding`` per setting instead)
+    or None when the arms it needs were not run or too few seeds decide nothing; the λ outcome, a question, has a
+    ``finding`` per setting instead)
     and the numbers it rests on."""
     out = []
     target = "gsm8k_test"
@@ -196,10 +197,12 @@ def outcomes(settings: Mapping[str, Mapping[str, Any]], seeds: int, paper: str =
             else:
                 forget = {k: direction(bf[k], seeds) for k in general}
                 row["held"] = d == "better" and "worse" not in forget.values()
+            if d == "undecided":  # fewer than MIN_SEEDS: nothing is decided
+                row["held"] = None
             row["evidence"] = {"blade − full+val": _short(bf[target]), "target": d, "forgetting": forget}
         elif o["id"] == "tie-rho1" and st.get("blade_vs_rho1"):
             d = direction(st["blade_vs_rho1"][target], seeds)
-            row["held"] = d == "no significant difference"
+            row["held"] = None if d == "undecided" else d == "no significant difference"
             row["evidence"] = {"blade − rho1": _short(st["blade_vs_rho1"][target]), "target": d,
                                "rho1": (st.get("best") or {}).get("rho1")}
         elif o["id"] == "lambda":
