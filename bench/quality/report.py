@@ -236,9 +236,10 @@ def _stage_table(r: dict[str, Any]) -> list[str]:
                                                                  r["plan"]["contingencies_minutes"].items()) + "."
                      if r.get("plan") else "")]
     if p:
-        rows += ["", f"The pause log (`pauses.jsonl`, written by the stage clock) holds {p['count']} stopped "
-                 f"interval{'s' if p['count'] != 1 else ''}, {p['minutes']:.1f} min in all, none of it counted: "
-                 + ", ".join(f"{x['stage']} {x['seconds'] / 60:.1f} min from {x['from']}" for x in p["log"]) + "."]
+        rows += ["", "The pause log (`pauses.jsonl`, written by the stage clock) holds " + (
+            f"{p['count']} stopped interval{'s' if p['count'] != 1 else ''}, {p['minutes']:.1f} min in all, none of it "
+            "counted: " + ", ".join(f"{x['stage']} {x['seconds'] / 60:.1f} min from {x['from']}" for x in p["log"]) + "."
+            if p["count"] else "no stopped interval.")]
     return rows
 
 
