@@ -2,14 +2,16 @@
 at equal tokens and at equal compute, on held-out sets for the target, other math styles and forgetting, in two
 settings (GSM8K train in the pool; the paper's regime without it).
 
-    python jobs/bench_quality.py --out /work/qruns/v3                # CPU preset, ≈ 6 h on 2 cores (planned)
+    python jobs/bench_quality.py --preset cpu --out /work/qruns/v8   # CPU preset, ≈ 3 h on 2 idle cores (planned)
     python jobs/bench_quality.py --preset gpu --out runs/quality-gpu # one H100-class GPU (not run)
     python jobs/bench_quality.py --quick --out /tmp/q                # CI smoke version (a few minutes)
 
 The setting (data, models, presets, compute model) is in bench/quality/setting.py, the runs in
 bench/quality/runs.py, the verdict rules in bench/quality/verdicts.py and the report in
-bench/quality/report.py. Everything that is chosen (BLADE's refresh setting, RHO-1's reference length) is
-chosen at equal compute on a dev split of GSM8K train, never on an evaluation set. Outputs under ``--out``:
+bench/quality/report.py. Everything that is chosen (BLADE's refresh setting, RHO-1's reference, full+val's share)
+is chosen at equal compute on a dev split of GSM8K train, never on an evaluation set. The CPU preset uses the arms
+of the v7 report (docs/results/v7/results.json) while this machine reproduces its floats bit for bit
+(bench/quality/recorded.py; --recorded none trains them). Outputs under ``--out``:
 RESULTS.md, results.json, figures/*.png, models/<policy>-seed<k>/ (HF save_pretrained + tokenizer),
 runs/<run>/ (each training run). A rerun with the same ``--out`` reuses every finished run whose settings
 match and resumes unfinished ones from their checkpoints, so a preset can be run in pieces.
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel-runs", type=int, default=None, metavar="N",
                     help="training runs at a time in the sweep, main and reuse stages (default: the preset's; each "
                     "run keeps the preset's threads, so any N gives the same results)")
+    ap.add_argument("--recorded", default=None, metavar="PATH",
+                    help="a results.json of an earlier run of the same preset whose arms stand in while this machine "
+                    "reproduces its floats (default: the preset's; 'none': train every arm)")
     ap.add_argument("--until", default=None, help="train the stages up to this one (data, bases, sweep, main, reuse), "
                     "then stop without evaluating: a piece of a run resumed by the next invocation")
     args = ap.parse_args(argv)
@@ -54,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, seeds=args.seeds)
     if args.steps:
         s = replace(s, steps=args.steps)
+    if args.recorded is not None:
+        path = None if args.recorded == "none" else os.path.abspath(args.recorded)
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"--recorded {args.recorded}: no such file")
+        s = replace(s, recorded=path)
     if args.parallel_runs is not None:
         if args.parallel_runs < 1:
             ap.error(f"--parallel-runs must be at least 1, got {args.parallel_runs}")
@@ -63,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python jobs/bench_quality.py" + (" --quick" if args.quick else f" --preset {args.preset}") + \
         (f" --seeds {args.seeds}" if args.seeds else "") + (f" --steps {args.steps}" if args.steps else "") + \
         (f" --parallel-runs {args.parallel_runs}" if args.parallel_runs is not None else "") + \
+        (f" --recorded {args.recorded}" if args.recorded is not None else "") + \
         f" --out {args.out}"
     report = run_benchmark(s, args.out, until=args.until, command=command,
                            preset="quick" if args.quick else args.preset)

@@ -144,6 +144,11 @@ class DataConfig(StrictModel):
         None, description="scored-shard directory with ref_loss for the stream; None = in-process reference",
         json_schema_extra=INPUT,
     )
+    validation_share: float = Field(
+        0.0, ge=0, lt=1, description="share of every step's rows taken from the validation shards instead of the "
+        "stream's (target examples mixed into every batch, in a seeded order that goes through all of them once "
+        "per pass: the `full+val` baseline; the batch keeps batch_size rows); policy full only; 0 = none"
+    )
 
 
 class SelectionConfig(StrictModel):
@@ -314,6 +319,12 @@ class TrainConfig(StrictModel):
                     f"set microbatch_size to null or {per_rank}, or use more workers")
             if self.parallel.gpus_per_worker == 0 and self.device == "cuda":
                 raise ValueError("device=cuda with parallel.workers > 1 needs parallel.gpus_per_worker > 0")
+        if self.data.validation_share:
+            if self.selection.policy != "full" or n > 1 or self.data.scored is not None:
+                raise ValueError(
+                    f"data.validation_share ({self.data.validation_share}) mixes validation rows into the batches of "
+                    "a plain run: it needs selection.policy=full, parallel.workers=1 and no data.scored (got "
+                    f"policy {self.selection.policy}, {n} worker(s), scored {self.data.scored})")
         if self.model.compile and self.parallel.strategy == "fsdp":
             raise ValueError("model.compile is not wired for parallel.strategy=fsdp (each FSDP unit would have to be "
                              "compiled); use strategy=ddp or model.compile=false")

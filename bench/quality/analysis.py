@@ -3,14 +3,21 @@
 * **native selection** (the proxy): each policy vs ``full`` at equal proxy steps and at equal FLOPs, BLADE vs
   RHO-1 and vs its no-sync ablation, paired by seed with 95% t intervals; target-set curves over steps;
   the Δ distribution over time; when the proxies pass the static RHO-1 reference;
-* **the refresh frontier**: validation loss versus FLOPs of each refresh strength, and the one chosen;
-* **reused selection** (the target): each reused policy vs the target's ``full`` at equal target steps, at
-  equal total compute with the selector's whole run amortized over ``R`` target runs (``full`` read off its
-  loss-versus-compute curve, per-document sums interpolated, so the difference keeps a paired bootstrap), and
-  the total FLOPs each needs to reach ``full``'s final target-set loss.
+* **the baselines a team has**: every arm vs ``full+val`` (the target examples mixed into every batch) at equal
+  compute; ``blade-lam1`` (the paper's λ) vs ``blade``;
+* **forgetting**: each arm's loss on C4, WikiText-2 and LAMBADA against ``full`` (equal compute), ``full+val`` and
+  the base model;
+* **the choices**: dev loss versus FLOPs of every candidate of every family, the ones chosen, and each family's
+  search FLOPs (a column of its own, charged to no verdict);
+* **reused selection** (the target): each reused policy vs the target's ``full`` (and ``full+val``) at equal target
+  steps, at equal total compute with the selector's whole run amortized over ``R`` target runs (``full`` read off
+  its loss-versus-compute curve, per-document sums interpolated), the total FLOPs each needs to reach ``full``'s
+  (and ``full+val``'s) final target-set loss, and the goal (``verdicts.GOAL``).
 
-Nothing here chooses anything: the only choice (the refresh strength) was made on validation loss in
-``bench.quality.experiment``.
+Every paired interval gets its family's pooled-SD interval beside it before any verdict is read
+(``Intervals``, ``verdicts.pool``); then the verdicts and the pre-stated outcomes (``verdicts.outcomes``). Arms of
+a recorded report (``bench.quality.recorded``) enter with their recorded per-seed means. Nothing here chooses
+anything: every choice was made on the dev split in ``bench.quality.experiment``.
 """
 
 from __future__ import annotations
@@ -24,28 +31,26 @@ from typing import Any
 
 import torch
 
-from bench.quality.compute import (
-    amortized_total,
-    break_even_runs,
-    charged_selection,
-    flops_to_reach,
-    loss_at,
-    mean_curve,
-    run_flops,
-    selection_flops,
-    smooth,
-)
-from bench.quality.experiment import Runs, StageClock, run_prefix, train_all
-from bench.quality.report import make_figures, results_md, seed_interval
+from bench.quality.clock import PAUSES, StageClock
+from bench.quality.compute import run_flops
+from bench.quality.experiment import train_all
+from bench.quality.figures import make_figures
+from bench.quality.plan import plan
+from bench.quality.report import results_md
 from bench.quality.runs import REUSED, Evaluator, final_val
 from bench.quality.setting import (
+    ARM_TEXT,
+    BUDGET_MIN,
     CPU_ESTIMATE_MIN,
     EVAL_SETS,
+    GENERAL_SETS,
     POLICIES,
+    SELECTORS,
     SETTINGS,
     SOURCES,
     TARGET_SET,
     Setting,
+    arm_policy,
     data_configs,
     dev_source,
     document_hashes,
@@ -53,49 +58,26 @@ from bench.quality.setting import (
     model_config,
     run_shape,
 )
+from bench.quality.stats import Intervals, compare_seeds, general_only, interpolate_scores
+from bench.quality.target import reuse_analysis, reuse_verdicts
+from bench.quality.trainer import FAMILIES, Runs, arms_of, curve_steps, run_prefix, score_means
 from bench.quality.verdicts import (
+    GOAL,
     VERDICT_RULES,
     blade_vs_rho1_verdict,
     direction,
     native_verdict,
-    reuse_summary,
-    reuse_verdict,
+    outcomes,
+    outcomes_json,
 )
 from curation.core.stats import Histogram
-from curation.evaluation.heldout import DocScores, export_hf, paired_difference
+from curation.evaluation.heldout import DocScores, export_hf
 from curation.io.atomic import atomic_write_text
 from curation.io.models import build_causal_lm
 
 __all__ = ["run_benchmark", "analyse", "compare_seeds", "interpolate_scores", "share_above", "delta_over_time", "passed_at"]
 
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
-
-
-def _means(scores: dict[str, DocScores]) -> dict[str, float]:
-    return {k: v.mean for k, v in scores.items()}
-
-
-def compare_seeds(a: list[dict[str, DocScores]], b: list[dict[str, DocScores]]) -> dict[str, dict[str, Any]]:
-    """Per set: mean of a − b over seeds with a 95% interval (t over seeds; one seed: document bootstrap)."""
-    out = {}
-    for name in a[0]:
-        diffs = [x[name].mean - y[name].mean for x, y in zip(a, b, strict=True)]
-        if len(diffs) > 1:
-            iv, method = seed_interval(diffs), f"t over {len(diffs)} seeds"
-        else:
-            iv, method = paired_difference(a[0][name], b[0][name], rounds=1000, seed=0), "document bootstrap, 1 seed"
-        out[name] = {"mean": iv.value, "lo": iv.lo, "hi": iv.hi, "per_seed": diffs, "method": method}
-    return out
-
-
-def interpolate_scores(points: list[tuple[float, DocScores]], flops: float) -> DocScores | None:
-    """Per-document loss sums at ``flops`` on a (compute, scores) curve, linear between the two snapshots around
-    it (token counts are the same documents'); the mean of the result is :func:`loss_at` of the means."""
-    for (x0, s0), (x1, s1) in zip(points, points[1:], strict=False):
-        if x0 <= flops <= x1:
-            w = (flops - x0) / (x1 - x0)
-            return DocScores((1 - w) * s0.sums + w * s1.sums, s0.counts)
-    return points[0][1] if len(points) == 1 and points[0][0] == flops else None
 
 
 def share_above(h: Histogram, x: float) -> float:
@@ -130,141 +112,130 @@ def passed_at(curve: list[tuple[int, float]], reference: float, margin: float) -
     return next((n for n, v in curve if v < reference - margin), None)
 
 
-def _native(r: Runs, setting: str, ev: Evaluator, base_ev: dict[str, DocScores]) -> dict[str, Any]:
-    """One setting's proxy runs scored and compared (the first two questions)."""
-    s, out, shape = r.s, r.out, run_shape(r.s)
-    small, target_only, pre, main = model_config(s), (TARGET_SET,), run_prefix(setting), r.main[setting]
+def _final_w(arm: str, res: dict[str, Any], steps: int) -> str:
+    return res["snapshots"][str(steps)] if arm in ("full", "full+val") else res["final_weights"]
 
-    def snap(res: dict[str, Any], step: int) -> str:
-        return res["snapshots"][str(step)]
 
-    def final_w(p: str, res: dict[str, Any]) -> str:
-        return snap(res, s.steps) if p == "full" else res["final_weights"]
-
-    ev_main = {p: [ev(f"{pre}{p}-seed{k}@{s.steps}", small, final_w(p, res)) for k, res in enumerate(rs)]
-               for p, rs in main.items()}
-    ev_eq = {p: [ev(f"{pre}full-seed{k}@{r.eq_steps[p]}", small, snap(full, r.eq_steps[p]))
-                 for k, full in enumerate(main["full"])] for p in POLICIES[1:]}
-    for p, rs in main.items():  # models/<setting-><policy>-seed<k>/: HF directories for jobs/evaluate.py
-        for k, res in enumerate(rs):
-            export_hf(build_causal_lm(small.model_copy(update={"weights": final_w(p, res)})), r.tokenizer,
-                      os.path.join(out, "models", f"{pre}{p}-seed{k}"))
-    curve_steps = sorted(int(n) for n in main["rho1"][0]["snapshots"] if int(n) <= s.steps)
-    test_curves = {p: [[(0, base_ev[TARGET_SET].mean)] + [
-        (n, ev(f"{pre}{p}-seed{k}@{n}", small, snap(res, n), sets=target_only)[TARGET_SET].mean) for n in curve_steps]
-        for k, res in enumerate(rs)] for p, rs in main.items()}
-    ref_w = main["rho1"][0].get("final_reference")
-    val_src = data_configs(s, out)["pool"].validation[0]
-    static_ref = _means(ev(f"{pre}static-reference", small, ref_w, extra=(val_src, dev_source(s))))
-    margin = 0.1  # nats: "passed by a wide margin"
-    passed = {p: [passed_at(c, static_ref[TARGET_SET], margin) for c in cs] for p, cs in test_curves.items()}
-    compute_curves = {p: [[(run_flops(shape, p, pt["step"], r.best).total, pt["loss"]) for pt in res["validation"]]
-                          for res in rs] for p, rs in main.items()}
-    full_val_curve = [(run_flops(shape, "full", pt["step"]).total, pt["loss"]) for pt in main["full"][0]["validation"]]
-    data = r.data["pool" if setting == SETTINGS[0] else "pool-paper"]
-    domain = {src[0]: src[3] for src in SOURCES}
-    pool_m = data.manifests["candidates"]
-    pool_share = {k: c.sequences / pool_m.totals().sequences for k, c in pool_m.sources.items()}
-    eq_tokens = {p: compare_seeds(ev_main[p], ev_main["full"]) for p in POLICIES[1:]}
-    eq_compute = {p: compare_seeds(ev_main[p], ev_eq[p]) for p in POLICIES[1:]}
-    blade_rho1 = compare_seeds(ev_main["blade"], ev_main["rho1"])
-    seeds = len(main["full"])
+def _arm_data(r: Runs, setting: str, arm: str, ev: Evaluator, base_ev: dict[str, DocScores]) -> dict[str, Any]:
+    """One arm's per-seed numbers in one setting: trained (scored here) or from the recorded report."""
+    s, shape, small, pre = r.s, run_shape(r.s), model_config(r.s), run_prefix(setting)
+    if r.uses_recorded(setting, arm):
+        d = r.recorded.native(setting, arm)
+        d["scores"] = d["eval"]  # means only (paired t intervals need no more)
+        d["recorded"] = True
+        return d
+    rs = r.main[setting][arm]
+    scores = [ev(f"{pre}{arm}-seed{k}@{s.steps}", small, _final_w(arm, res, s.steps)) for k, res in enumerate(rs)]
+    snaps = sorted(curve_steps(s.curve_interval, s.steps))
+    sel = r.selection(setting, arm)
+    policy = arm_policy(arm)
+    summaries = [res["summary"] for res in rs]
     return {
-        "pool_share": pool_share, "math_share": sum(v for k, v in pool_share.items() if domain[k] == "math"),
-        "pool_counts": {k: c.model_dump() for k, c in pool_m.sources.items()},
-        "eval": {p: [_means(e) for e in es] for p, es in ev_main.items()},
-        "eval_equal_compute_full": {p: [_means(e) for e in es] for p, es in ev_eq.items()},
-        "vs_full_equal_tokens": eq_tokens, "vs_full_equal_compute": eq_compute, "blade_vs_rho1": blade_rho1,
-        "blade_vs_nosync": compare_seeds(ev_main["blade"], ev_main["blade-nosync"]),
-        "verdicts": {"blade_vs_rho1": blade_vs_rho1_verdict(blade_rho1[TARGET_SET], seeds),
-                     "native": {p: native_verdict(eq_compute[p][TARGET_SET], seeds) for p in POLICIES[2:]},
-                     "native_all_sets": {p: {k: direction(v, seeds) for k, v in eq_compute[p].items()}
-                                         for p in POLICIES[2:]}},
-        "compute_curves": compute_curves, "full_val_compute_curve": full_val_curve,
-        "test_curves": test_curves, "static_reference": static_ref, "passed_static_reference": passed,
-        "pass_margin": margin,
-        "step_seconds": {p: [res["step_seconds"] for res in rs] for p, rs in main.items()},
-        "part_seconds": {p: {k: statistics.fmean(res["summary"]["seconds"].get(k, 0.0) / res["summary"]["steps"]
-                                                for res in rs) for k in ("refresh", "score", "select")}
-                         for p, rs in main.items()},
-        "final_val": {p: [final_val(res, s.steps) for res in rs] for p, rs in main.items()},
-        "val_curves": {p: [[pt for pt in res["validation"] if pt["step"] <= s.steps] for res in rs]
-                       for p, rs in main.items()},
-        "kept_share": {p: {k: v["kept_fraction"] for k, v in sorted(rs[0]["summary"]["tokens"]["per_source"].items())}
-                       for p, rs in main.items()},
-        "param_distance": {p: rs[0]["summary"].get("param_distance", []) for p, rs in main.items()},
-        "delta_over_time": {p: delta_over_time([res["summary"] for res in main[p]])
-                            for p in ("rho1", "blade", "blade-nosync")},
+        "recorded": False, "scores": scores, "eval": [score_means(e) for e in scores],
+        "test_curves": [[(0, base_ev[TARGET_SET].mean)] + [
+            (n, ev(f"{pre}{arm}-seed{k}@{n}", small, res["snapshots"][str(n)], sets=(TARGET_SET,))[TARGET_SET].mean)
+            for n in snaps] for k, res in enumerate(rs)],
+        "val_curves": [[pt for pt in res["validation"] if pt["step"] <= s.steps] for res in rs],
+        "compute_curves": [[(run_flops(shape, policy, pt["step"], sel).total, pt["loss"]) for pt in res["validation"]
+                            if pt["step"] <= s.steps] for res in rs],
+        "final_val": [final_val(res, s.steps) for res in rs],
+        "step_seconds": [res["step_seconds"] for res in rs],
+        "part_seconds": {k: statistics.fmean(x["seconds"].get(k, 0.0) / x["steps"] for x in summaries)
+                         for k in ("refresh", "score", "select")},
+        "kept_share": {k: v["kept_fraction"] for k, v in sorted(rs[0]["summary"]["tokens"]["per_source"].items())},
+        "param_distance": rs[0]["summary"].get("param_distance", []),
+        "delta_over_time": delta_over_time(summaries) if arm in SELECTORS else None,
     }
 
 
-def _reuse(r: Runs, setting: str, ev: Evaluator, tbase: dict[str, DocScores]) -> dict[str, Any]:
-    """One setting's target runs, every reuse seed: replay − the same seed's `full`, at equal target steps and at
-    equal total compute for every R in both accountings; "reaches" and break-even R on smoothed mean curves."""
-    s, shape, tshape = r.s, run_shape(r.s), run_shape(r.s, target=True)
-    big, target_only, pre, entry = model_config(s, target=True), (TARGET_SET,), run_prefix(setting), r.reuse[setting]
-    per_step = run_flops(tshape, "full", 1).total
-    T, base = s.steps * per_step, r.bases["proxy"]["flops"]
-    seeds = len(entry["full"])
+def _native(r: Runs, setting: str, ev: Evaluator, base_ev: dict[str, DocScores], iv: Intervals) -> dict[str, Any]:
+    """One setting's proxy arms scored and compared (the first two questions, forgetting, full+val)."""
+    s, out, shape = r.s, r.out, run_shape(r.s)
+    small, pre, main = model_config(s), run_prefix(setting), r.main[setting]
+    arms = arms_of(s, setting)
+    eq = r.eq_steps[setting]
+    data = {a: _arm_data(r, setting, a, ev, base_ev) for a in arms}
+    for a in arms:  # models/<setting-><arm>-seed<k>/: HF directories for jobs/evaluate.py (trained arms only)
+        for k, res in enumerate(main.get(a, []) if not data[a]["recorded"] else []):
+            export_hf(build_causal_lm(small.model_copy(update={"weights": _final_w(a, res, s.steps)})), r.tokenizer,
+                      os.path.join(out, "models", f"{pre}{a}-seed{k}"))
 
-    def snap(res: dict[str, Any], step: int) -> str:
-        return res["snapshots"][str(step)]
+    def at_eq(base: str, a: str) -> list[dict[str, DocScores]]:  # the baseline's snapshot at a's equal-compute step
+        return [ev(f"{pre}{base}-seed{k}@{eq[a]}", small, res["snapshots"][str(eq[a])]) for k, res in enumerate(main[base])]
 
-    full_pts = []  # per seed: [(FLOPs, scores)]
-    for k, tfull in enumerate(entry["full"]):
-        steps = sorted(int(n) for n in tfull["snapshots"])
-        full_pts.append([(0.0, tbase)] + [(n * per_step, ev(f"{pre}target-full-seed{k}@{n}", big, snap(tfull, n),
-                                                              sets=None if n >= s.steps else target_only))
-                                          for n in steps])
-    full_final = [next(sc for x, sc in pts if x == T) for pts in full_pts]
-    full_mean = mean_curve([[(x, sc[TARGET_SET].mean) for x, sc in pts] for pts in full_pts])
-    level = loss_at(smooth(full_mean, s.smooth_window), T)  # full's final target loss, smoothed
-    out: dict[str, Any] = {
-        "seeds": seeds, "target_steps": s.steps, "full_steps": entry["full"][0]["config"]["max_steps"],
-        "target_step_flops": per_step, "full_flops": T, "proxy_base_flops": base, "base_vs_target_run": base / T,
-        "full_final": [_means(f) for f in full_final], "full_curve": full_mean, "full_level_smoothed": level,
-        "base": _means(tbase), "policies": {}, "break_even": {}}
-    for p, reps in entry["replays"].items():
-        sel = selection_flops(shape, p, s.steps, r.best)
-        finals, curves = [], []
-        for k, rep in enumerate(reps):
-            steps_p = sorted(int(n) for n in rep["snapshots"])
-            pts = [(0, tbase)] + [(n, ev(f"{pre}target-replay-{p}-seed{k}@{n}", big, snap(rep, n),
-                                         sets=None if n == s.steps else target_only)) for n in steps_p]
-            finals.append(pts[-1][1])
-            curves.append([(n, sc[TARGET_SET].mean) for n, sc in pts])
-        rep_mean = mean_curve(curves)
-        rep_level = rep_mean[-1][1]  # the replay's final loss, mean over seeds (an end: smoothing keeps it)
-        e: dict[str, Any] = {
-            "selection_flops": sel, "selection_vs_target_run": sel / T, "final": [_means(f) for f in finals],
-            "curve_steps": rep_mean, "equal_steps": compare_seeds(finals, full_final), "accountings": {}}
-        e["equal_steps_verdict"] = direction(e["equal_steps"][TARGET_SET], seeds)
-        for acct in ("charged", "free"):
-            c = charged_selection(p, sel, base, charged=acct == "charged")
-            per_r = {}
-            for runs in s.reuse_runs:
-                total = amortized_total(T, c, runs)
-                ats, bound = [], False
-                for pts in full_pts:
-                    at = {k: interpolate_scores([(x, sc[k]) for x, sc in pts if k in sc], total) for k in finals[0]}
-                    if any(v is None for v in at.values()):  # beyond full's run: its last snapshot, a bound
-                        at, bound = dict(pts[-1][1]), True
-                    ats.append(at)
-                diff = compare_seeds(finals, ats)
-                curve = smooth([(c / runs + n * per_step, v) for n, v in rep_mean], s.smooth_window)
-                need = flops_to_reach(curve, level)
-                per_r[str(runs)] = {
-                    "total_flops": total, "curve": curve, "bound": bound,
-                    "full_at_equal_compute": {k: statistics.fmean(a[k].mean for a in ats) for k in finals[0]},
-                    "equal_compute": diff, "verdict": reuse_verdict(diff[TARGET_SET], seeds, bound=bound),
-                    "flops_to_reach_full": need, "vs_full_flops": None if need is None else need / T}
-            e["accountings"][acct] = {"selection": c, "runs": per_r,
-                                      "summary": reuse_summary({n: v["verdict"] for n, v in per_r.items()},
-                                                               s.reuse_runs)}
-            out["break_even"].setdefault(p, {})[acct] = break_even_runs(c, T, full_mean, rep_level,
-                                                                        window=s.smooth_window)
-        out["policies"][p] = e
+    fv = "full+val" in arms
+    ev_eq = {a: at_eq("full", a) for a in arms if a != "full"}
+    ev_eqv = {a: at_eq("full+val", a) for a in arms if fv and a not in ("full", "full+val")}
+    sc = {a: data[a]["scores"] for a in arms}
+    fam = f"proxy/{setting}"
+    if data["rho1"]["recorded"]:
+        static_ref = data["rho1"]["static_reference"]
+    else:
+        val_src = data_configs(s, out)["pool"].validation[0]
+        static_ref = score_means(ev(f"{pre}static-reference", small, main["rho1"][0]["final_reference"],
+                               extra=(val_src, dev_source(s))))
+    margin = 0.1  # nats: "passed by a wide margin"
+    passed = {a: [passed_at(c, static_ref[TARGET_SET], margin) for c in data[a]["test_curves"]] for a in arms}
+    full_val_curve = [(run_flops(shape, "full", pt["step"]).total, pt["loss"]) for pt in main["full"][0]["validation"]]
+    pool_m = r.data["pool" if setting == SETTINGS[0] else "pool-paper"].manifests["candidates"]
+    domain = {src[0]: src[3] for src in SOURCES}
+    pool_share = {k: c.sequences / pool_m.totals().sequences for k, c in pool_m.sources.items()}
+    base_rows = [dict(base_ev) for _ in range(len(sc["full"]))]
+    st: dict[str, Any] = {
+        "arms": list(arms), "recorded_arms": [a for a in arms if data[a]["recorded"]],
+        "best": r.best[setting], "equal_compute_steps": eq,
+        "selection": {a: r.selection(setting, a) for a in arms},
+        "validation_share": r.best[setting].get("full+val", {}).get("validation_share"),
+        "pool_share": pool_share, "math_share": sum(v for k, v in pool_share.items() if domain[k] == "math"),
+        "pool_counts": {k: c.model_dump() for k, c in pool_m.sources.items()},
+        "eval": {a: data[a]["eval"] for a in arms},
+        "eval_equal_compute_full": {a: [score_means(e) for e in es] for a, es in ev_eq.items()},
+        "eval_equal_compute_fullval": {a: [score_means(e) for e in es] for a, es in ev_eqv.items()},
+        "vs_full_equal_tokens": {a: iv.compare(fam, sc[a], sc["full"]) for a in arms if a != "full"},
+        "vs_full_equal_compute": {a: iv.compare(fam, sc[a], ev_eq[a]) for a in arms if a != "full"},
+        "vs_fullval_equal_compute": {a: iv.compare(fam, sc[a], ev_eqv[a]) for a in ev_eqv},
+        "blade_vs_rho1": iv.compare(fam, sc["blade"], sc["rho1"]),
+        "blade_vs_nosync": iv.compare(fam, sc["blade"], sc["blade-nosync"]),
+        "lam1_vs_blade": iv.compare(fam, sc["blade-lam1"], sc["blade"]),
+        "forgetting_vs_base": {a: general_only(iv.compare(f"{fam}/vs base", sc[a], base_rows)) for a in arms},
+        "compute_curves": {a: data[a]["compute_curves"] for a in arms}, "full_val_compute_curve": full_val_curve,
+        "test_curves": {a: data[a]["test_curves"] for a in arms}, "static_reference": static_ref,
+        "passed_static_reference": passed, "pass_margin": margin,
+        "step_seconds": {a: data[a]["step_seconds"] for a in arms},
+        "part_seconds": {a: data[a]["part_seconds"] for a in arms},
+        "final_val": {a: data[a]["final_val"] for a in arms}, "val_curves": {a: data[a]["val_curves"] for a in arms},
+        "kept_share": {a: data[a]["kept_share"] for a in arms},
+        "param_distance": {a: data[a]["param_distance"] for a in arms},
+        "delta_over_time": {a: data[a]["delta_over_time"] for a in arms if a in SELECTORS},
+    }
+    if fv:  # blade against full+val at blade's equal compute (the outcomes read it both ways round)
+        st["blade_vs_fullval"] = st["vs_fullval_equal_compute"]["blade"]
+    return st
+
+
+def _negated(iv: dict[str, Any]) -> dict[str, Any]:
+    """``b − a`` from ``a − b`` (the same interval mirrored, its pooled one too)."""
+    out = {"mean": -iv["mean"], "lo": -iv["hi"], "hi": -iv["lo"], "per_seed": [-x for x in iv["per_seed"]],
+           "method": iv["method"]}
+    if "pooled" in iv:
+        out["pooled"] = {**iv["pooled"], "lo": -iv["pooled"]["hi"], "hi": -iv["pooled"]["lo"]}
     return out
+
+
+def _native_verdicts(st: dict[str, Any], seeds: int) -> dict[str, Any]:
+    t = TARGET_SET
+    sel = [a for a in st["arms"] if a in SELECTORS]
+    v = {"blade_vs_rho1": blade_vs_rho1_verdict(st["blade_vs_rho1"][t], seeds),
+         "native": {a: native_verdict(st["vs_full_equal_compute"][a][t], seeds) for a in sel},
+         "native_all_sets": {a: {k: direction(x, seeds) for k, x in st["vs_full_equal_compute"][a].items()}
+                             for a in st["vs_full_equal_compute"]},
+         "lam1_vs_blade": direction(st["lam1_vs_blade"][t], seeds)}
+    if st["vs_fullval_equal_compute"]:
+        v["vs_fullval"] = {a: {k: direction(x, seeds) for k, x in st["vs_fullval_equal_compute"][a].items()}
+                           for a in st["vs_fullval_equal_compute"]}
+    v["forgetting_vs_base"] = {a: {k: direction(x, seeds) for k, x in d.items()}
+                               for a, d in st["forgetting_vs_base"].items()}
+    return v
 
 
 def dev_split(s: Setting) -> dict[str, Any]:
@@ -289,42 +260,102 @@ def analyse(r: Runs) -> dict[str, Any]:
     return _analyse(r, ev)
 
 
+def _search(r: Runs, setting: str, full_run: float) -> dict[str, Any]:
+    """Each family's search in one setting: its candidates' whole runs' FLOPs, in `full` runs (charged to no
+    verdict: the report's "search" column)."""
+    out = {}
+    for fam in FAMILIES:
+        rows = [x for x in r.sweep if x["in_setting"] == setting and x["policy"] == fam]
+        if rows:
+            out[fam] = {"candidates": len(rows), "flops": sum(x["flops"]["total"] for x in rows),
+                        "full_runs": sum(x["flops"]["total"] for x in rows) / full_run,
+                        "recorded": any(x.get("recorded") for x in rows)}
+    return out
+
+
+def _arm_search(search: dict[str, Any], arm: str) -> float:
+    """The search FLOPs (in `full` runs) charged to an arm: its family's (blade-lam1 and blade-nosync take BLADE's,
+    whose choice they follow or were among)."""
+    fam = "blade" if arm.startswith("blade") else arm
+    return search.get(fam, {}).get("full_runs", 0.0)
+
+
 def _analyse(r: Runs, ev: Evaluator) -> dict[str, Any]:
     s = r.s
     shape, tshape = run_shape(s), run_shape(s, target=True)
     small, big = model_config(s), model_config(s, target=True)
     base_ev = ev("base-proxy", small, r.bases["proxy"]["final_weights"])
     tbase = ev("base-target", big, r.bases["target"]["final_weights"])
+    iv = Intervals()
     settings = {}
     for name in SETTINGS:
-        settings[name] = _native(r, name, ev, base_ev)
-        settings[name]["reuse"] = _reuse(r, name, ev, tbase) if r.reuse else {}
+        settings[name] = _native(r, name, ev, base_ev, iv)
+        settings[name]["reuse"] = reuse_analysis(r, name, ev, tbase, iv) if r.reuse else {}
+    iv.pool()  # every interval of the analysis is made: pool each family's seed SD, then decide
     full_step = run_flops(shape, "full", 1).total
+    for name, st in settings.items():
+        st["verdicts"] = _native_verdicts(st, len(st["eval"]["full"]))
+        if "blade_vs_fullval" in st:
+            st["fullval_vs_blade"] = {k: _negated(v) for k, v in st["blade_vs_fullval"].items()}
+        if st["reuse"]:
+            reuse_verdicts(st["reuse"], s)
+        st["flops"] = {a: run_flops(shape, arm_policy(a), s.steps, r.selection(name, a)).as_dict() for a in st["arms"]}
+        st["search"] = _search(r, name, full_step * s.steps)
+        st["search_full_runs"] = {a: _arm_search(st["search"], a) for a in st["arms"]}
     sweep = [{k: v for k, v in c.items() if k != "run"}
-             | {"name": c["run"]["name"], "flops_vs_full": c["flops"]["total"] / (full_step * s.steps)}
+             | {"name": c["run"]["name"] if c.get("run") else c.get("name"),
+                "flops_vs_full": c["flops"]["total"] / (full_step * s.steps)}
              | ({"kt": c["setting"]["refresh_steps"] / s.tau} if c["policy"] == "blade" else {})
-             for c in [*r.sweep, *r.rho1_sweep]]
+             for c in r.sweep]
+    seeds = min(len(st["eval"]["full"]) for st in settings.values())
+    choices = {name: {fam: {"chosen": r.best[name][fam], "budget": r.budgets.get(name, {}).get(fam),
+                            "candidates": [x["setting"] for x in sweep if x["in_setting"] == name and x["policy"] == fam],
+                            "dev_at_budget": [x["dev_at_budget"] for x in sweep
+                                              if x["in_setting"] == name and x["policy"] == fam]}
+                      for fam in r.best[name]} for name in SETTINGS}
+    rec = r.recorded
     return {
-        "verdict_rules": list(VERDICT_RULES), "settings": settings, "reuse_seeds": list(range(s.reuse_seeds)),
-        "reuse_runs": list(s.reuse_runs),
+        "verdict_rules": list(VERDICT_RULES), "outcomes_stated": outcomes_json(),
+        "outcomes": outcomes(settings, seeds, paper=SETTINGS[1]), "goal": dict(GOAL),
+        "settings": settings, "reuse_seeds": list(range(s.reuse_seeds)), "reuse_runs": list(s.reuse_runs),
+        "arms": list(POLICIES), "arm_text": ARM_TEXT,
         "break_even": {name: st["reuse"].get("break_even", {}) for name, st in settings.items()},
-        "setting": _setting_dict(s), "best_refresh": r.best, "sweep": sweep, "sweep_budget": r.sweep_budget,
-        "rho1_budget": r.rho1_budget, "dev_split": dev_split(s) | {"base_loss": r.dev_base},
-        "eval_sets": EVAL_SETS, "target_set": TARGET_SET, "eval_documents": dict(ev.documents),
+        "setting": _setting_dict(s), "best": r.best, "choices": choices, "sweep": sweep, "sweep_budgets": r.budgets,
+        "dev_split": dev_split(s) | {"base_loss": r.dev_base},
+        "eval_sets": EVAL_SETS, "target_set": TARGET_SET, "general_sets": list(GENERAL_SETS),
+        "eval_documents": dict(ev.documents),
         "bases": {role: {k: b[k] for k in ("parameters", "tokens", "tokens_per_parameter", "epochs", "unique_tokens",
                                            "flops")}
                   | {"curve": b["validation"], "final_val": final_val(b), "run_seconds": b.get("run_seconds")}
                   for role, b in r.bases.items()},
-        "base_eval": _means(base_ev), "target_base_eval": _means(tbase),
+        "base_eval": score_means(base_ev), "target_base_eval": score_means(tbase),
         "flops_ratio": tshape.forward_flops / shape.forward_flops,
-        "equal_compute_steps": r.eq_steps, "flops": {p: run_flops(shape, p, s.steps, r.best).as_dict() for p in POLICIES},
-        "full_step_flops": full_step, "estimate_minutes": CPU_ESTIMATE_MIN,
+        "equal_compute_steps": r.eq_steps, "flops": {name: st["flops"] for name, st in settings.items()},
+        "full_step_flops": full_step, "target_steps": r.target_steps,
+        "target_full_decides_r": min(s.reuse_runs),
+        "estimate_minutes": CPU_ESTIMATE_MIN, "budget_minutes": BUDGET_MIN, "plan": plan(s),
+        "recorded": None if rec is None else {
+            "path": s.recorded, "sha256": rec.sha256, "used": r.recorded_ok(), "differences": r.recorded_differences,
+            "checks": r.checks.rows, "trained_after_a_failed_check": r.trained_recorded,
+            "arms": {name: st["recorded_arms"] for name, st in settings.items()},
+            "replays": {name: (st["reuse"] or {}).get("recorded_replays", []) for name, st in settings.items()}},
         "reused_runs": sorted(set(REUSED)),
     }
 
 
 def _setting_dict(s) -> dict[str, Any]:
     return asdict(s)
+
+
+def pauses(out: str) -> dict[str, Any]:
+    """The pause log the stage clock wrote (``out/pauses.jsonl``): every stopped interval, their count and
+    minutes."""
+    path = os.path.join(out, PAUSES)
+    rows = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return {"count": len(rows), "minutes": sum(x["seconds"] for x in rows) / 60, "log": rows}
 
 
 def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, preset: str) -> str | None:
@@ -337,7 +368,7 @@ def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, pres
     with clock.stage("evaluate"):  # timed like the training stages (the evaluation cache makes a rerun cheap)
         results = analyse(runs)
         figs = make_figures(results, os.path.join(out, "figures"))
-    results.update(preset=preset, stage_times=clock.times)
+    results.update(preset=preset, stage_times=clock.times, pauses=pauses(out))
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                 else f"{platform.processor() or platform.machine()}, {s.all_threads} CPU threads"

@@ -4,240 +4,74 @@
    and the base text (+ base validation);
 2. ``bases``: the proxy's base model, pretrained from scratch on the general base text for a set number of tokens
    per parameter (at most ``MAX_EPOCHS`` passes); the target's, likewise, trains in the ``main`` stage beside its
-   runs (it is needed only from ``reuse`` on; alone it would leave one core idle, and beside the sweep's few runs
-   it outlasted them);
-3. ``sweep``: blade (seed 0) with each refresh setting and rho1 (seed 0) with each reference length; in each
-   family the one with the lowest *dev* loss at equal compute (the cheapest candidate's FLOPs) is chosen;
-4. ``main``: ``full``, ``random``, ``rho1``, ``blade`` and ``blade-nosync`` for ``steps`` proxy steps, every seed,
-   in both settings (``full`` runs on to the FLOPs of the costliest policy, with snapshots at each policy's
-   equal-compute step);
+   runs (it is needed only from ``reuse`` on; alone it would leave one core idle);
+3. ``sweep``: the choices, each at equal compute on the *dev* split (seed 0; the candidate with the lowest dev
+   loss at the cheapest candidate's FLOPs): in the first setting BLADE's refresh setting and RHO-1's reference
+   length (from the recorded report when its arms are used, ``bench.quality.recorded``); in the paper's pool,
+   again, BLADE's λ and η_w, RHO-1's reference length and η_w, and full+val's share of target examples;
+4. ``main``: every arm (``setting.POLICIES``) for ``steps`` proxy steps, every seed, in both settings (``full`` and
+   ``full+val`` run on to the FLOPs of the costliest arm of their setting, with snapshots at each arm's
+   equal-compute step); a chosen candidate that trained exactly as an arm's seed 0 is that run;
 5. ``reuse``: for seeds < ``reuse_seeds`` in both settings, the target continued from its base on that seed's
-   selected shards of each reused policy, and the target's ``full`` of the same seed for as long as the
-   equal-total-compute points need (``target_extra_steps``).
+   selected shards of each reused policy, the target's ``full`` of the same seed for as long as the smallest R's
+   equal-total-compute point needs (``target_extra_steps``), and the target's ``full+val`` for ``steps``.
 
-Every run saves snapshots along the way (curves on the target evaluation set). :func:`train_all` runs the
-stages up to ``until`` and returns the finished runs; ``bench.quality.analysis`` evaluates them.
+Arms of a recorded report (``Setting.recorded``) are used instead of trained while the checks of
+``bench.quality.recorded`` pass; a check that fails trains them from that stage on. Every run saves snapshots
+along the way (curves on the target evaluation set). :func:`train_all` runs the stages up to ``until`` and
+returns the finished runs; ``bench.quality.analysis`` evaluates them.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from bench.quality.compute import base_flops, equal_compute_steps, loss_at, run_flops, selection_flops
-from bench.quality.pool import Job, run_jobs
-from bench.quality.runs import REUSED, Evaluator, final_val, same_training
+from bench.quality.clock import PAUSES, StageClock
+from bench.quality.compute import base_flops, equal_compute_steps, run_flops, selection_flops
+from bench.quality.pool import Job
+from bench.quality.recorded import Recorded, blade_keys
+from bench.quality.runs import REUSED, same_training
 from bench.quality.setting import (
     MAX_EPOCHS,
-    POLICIES,
+    RECORDED_ARMS,
     SETTINGS,
+    TARGET_SET,
     Setting,
+    arm_policy,
     data_configs,
-    dev_source,
-    eval_sources,
     forward_flops,
     model_config,
+    recorded_path,
     run_shape,
+)
+from bench.quality.sweep import stage_sweep
+from bench.quality.trainer import (
+    FAMILIES,
+    Runs,
+    Trainer,
+    arms_of,
+    count_parameters,
+    curve_steps,
+    evaluator,
+    pool_of,
+    reuse_policies,
+    run_prefix,
+    score_means,
+    start_model,
+    sweep_choice,
+    target_extra_steps,
 )
 from curation.ingest.prepare import prepare
 from curation.io.atomic import atomic_write_text
-from curation.io.models import build_causal_lm
-from schemas.train_config import (
-    CheckpointConfig,
-    DataConfig,
-    EvalConfig,
-    ModelConfig,
-    OptimConfig,
-    ReplayConfig,
-    SelectionConfig,
-    TrainConfig,
-)
 
-__all__ = ["STAGES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice", "target_extra_steps",
-           "run_prefix"]
+__all__ = ["STAGES", "FAMILIES", "PAUSES", "Runs", "StageClock", "train_all", "count_parameters", "sweep_choice",
+           "target_extra_steps", "run_prefix", "arms_of", "reuse_policies"]
 
 STAGES = ("data", "bases", "sweep", "main", "reuse")
-
-
-def _cpu() -> float:
-    """CPU seconds of this process and of its ended child processes (a stage's parallel runs: their CPU counts
-    once their pool has closed, at the stage's end)."""
-    t = os.times()
-    return time.process_time() + t.children_user + t.children_system
-
-
-class StageClock:
-    """Wall and process-CPU seconds per stage, added up over the invocations that ran it
-    (``out/stage_times.json``, flushed every :attr:`PERIOD` s so a killed piece keeps most of its time).
-
-    Time the process spent stopped (``SIGSTOP``, e.g. paused while a shared machine runs something else) is not
-    the stage's: the monotonic clock counts it, so a flush that comes more than :attr:`STOPPED_AFTER` seconds after
-    the previous one counts its interval beyond one period as ``stopped`` (kept beside ``wall``, not in it)."""
-
-    PERIOD = 30.0
-    STOPPED_AFTER = 90.0  # three periods late: only a stopped (or suspended) process is that late
-
-    def __init__(self, out: str):
-        self.path = os.path.join(out, "stage_times.json")
-        self.times: dict[str, dict[str, float]] = json.load(open(self.path)) if os.path.exists(self.path) else {}
-        self._lock = threading.Lock()
-        self._open: tuple[str, float, float] | None = None
-
-    def _flush(self, final: bool = False, now: float | None = None) -> None:
-        with self._lock:
-            if self._open is None:
-                return
-            name, t0, c0 = self._open
-            now, cpu = time.perf_counter() if now is None else now, _cpu()
-            entry = self.times.setdefault(name, {"wall": 0.0, "cpu": 0.0, "pieces": 0})
-            gap = now - t0
-            stopped = gap - self.PERIOD if gap > self.STOPPED_AFTER else 0.0
-            entry["wall"] += gap - stopped
-            entry["cpu"] += cpu - c0
-            if stopped:
-                entry["stopped"] = entry.get("stopped", 0.0) + stopped
-            if final:
-                entry["pieces"] += 1
-                self._open = None
-            else:
-                self._open = (name, now, cpu)
-            atomic_write_text(self.path, json.dumps(self.times, indent=1))
-
-    def stage(self, name: str):
-        clock = self
-
-        class _Stage:
-            def __enter__(self):
-                clock._open = (name, time.perf_counter(), _cpu())
-                stop = threading.Event()
-                self._stop = stop
-
-                def tick():
-                    while not stop.wait(clock.PERIOD):
-                        clock._flush()
-
-                self._thread = threading.Thread(target=tick, daemon=True)
-                self._thread.start()
-
-            def __exit__(self, *exc):
-                self._stop.set()
-                self._thread.join()
-                clock._flush(final=True)
-                return False
-
-        return _Stage()
-
-
-def count_parameters(mcfg: ModelConfig) -> int:
-    """Parameters of a model config (tied weights counted once)."""
-    return sum(p.numel() for p in build_causal_lm(mcfg).parameters())
-
-
-def sweep_choice(curves: list[list[tuple[float, float]]]) -> tuple[int, float, list[float]]:
-    """The refresh candidate chosen at equal compute: each candidate's (FLOPs, dev loss) curve read at
-    the budget of the cheapest candidate's whole run; returns (chosen index, budget, loss of each)."""
-    budget = min(c[-1][0] for c in curves)
-    losses = [loss_at(c, budget) for c in curves]
-    if any(v is None for v in losses):
-        raise ValueError(f"a sweep curve does not reach back to the budget {budget:.3g}")
-    return min(range(len(curves)), key=lambda i: losses[i]), budget, losses
-
-
-@dataclass
-class Runs:
-    """Everything trained, as recorded results (``bench.quality.runs``)."""
-
-    s: Setting
-    out: str
-    tokenizer: str = ""
-    data: dict[str, Any] = field(default_factory=dict)  # prepare results by name
-    bases: dict[str, dict[str, Any]] = field(default_factory=dict)  # "proxy" / "target" → result (+ params)
-    sweep: list[dict[str, Any]] = field(default_factory=list)  # per blade candidate: setting, run, dev curve, …
-    rho1_sweep: list[dict[str, Any]] = field(default_factory=list)  # per reference length: the same
-    best: dict[str, Any] = field(default_factory=dict)  # the chosen refresh setting (+ the chosen rho1_steps)
-    sweep_budget: float | None = None
-    rho1_budget: float | None = None
-    dev_base: float | None = None  # the proxy base's dev loss (every dev curve's first point)
-    # setting → policy → result per seed
-    main: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
-    eq_steps: dict[str, int] = field(default_factory=dict)  # full's steps at each policy's FLOPs
-    # setting → {"full": [result per seed], "replays": {policy: [result per seed]}}
-    reuse: dict[str, dict[str, Any]] = field(default_factory=dict)
-    target_steps: int = 0  # target full's length
-
-
-def _curve_steps(interval: int, last: int) -> set[int]:
-    return set(range(interval, last + 1, interval)) | {last}
-
-
-# relative time per step, to start a stage's longest runs first: a target step ≈ 3 proxy steps at 1 thread (322
-# against 110 ms), a refresh adds ≈ 0.6 of a step at K/τ = 0.3, RHO-1's reference trains once
-_COST = {"full": 1.0, "random": 0.9, "rho1": 1.2, "blade": 1.6, "blade-nosync": 1.6}
-_TARGET_COST = 3.0
-
-
-class _Trainer:
-    """Builds the configs of the benchmark's runs and runs them (one place for the shared settings)."""
-
-    def __init__(self, runs: Runs):
-        self.r, self.s = runs, runs.s
-
-    def config(self, name: str, *, policy: str, seed: int, mcfg: ModelConfig, data: str = "pool",
-               steps: int | None = None, batch: int | None = None, lr: float | None = None,
-               eval_interval: int | None = None, write_selected: bool = False, threads: int | None = None,
-               **sel: Any) -> TrainConfig:
-        s, dirs = self.s, self.r.data
-        sel = {**dict(policy=policy, gamma=s.gamma, warmup_steps=s.warmup, tau=s.tau, rho1_steps=s.rho1_steps,
-                      seed=seed), **self.r.best, **sel}
-        n = steps or s.steps
-        return TrainConfig(
-            data=DataConfig(candidates=dirs[data].dirs["candidates"], validation=dirs[data].dirs["validation"],
-                            tokenizer=self.r.tokenizer),
-            model=mcfg, selection=SelectionConfig(**sel), optim=OptimConfig(lr=lr or s.lr),
-            eval=EvalConfig(interval=eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
-            checkpoint=CheckpointConfig(interval=min(n, s.checkpoint_interval or n), keep=1),
-            output_dir=os.path.join(self.r.out, "runs", name), batch_size=batch or s.batch, max_steps=n, seed=seed,
-            threads=threads or s.threads, precision=s.precision, progress_bar=False, plots=False,
-            write_selected=write_selected,
-            distance_interval=max(1, s.tau // 10),
-        )
-
-    def job(self, name: str, snapshots: set[int] | tuple[int, ...] = (), **kw: Any) -> Job:
-        cfg = self.config(name, **kw)
-        target = cfg.model.hf_config["hidden_size"] == self.s.target_hidden and self.s.target_hidden != self.s.hidden
-        cost = cfg.max_steps * (_TARGET_COST if target else 1.0) * _COST[cfg.selection.policy]
-        return Job(name, cfg, os.path.join(self.r.out, "runs", name, "result.json"), tuple(sorted(snapshots)), cost)
-
-    def run_all(self, jobs: list[Job]) -> list[dict[str, Any]]:
-        """Independent runs, ``parallel_runs`` at a time; their results in the order of ``jobs``."""
-        return run_jobs(jobs, self.s.parallel_runs, self.report)
-
-    @staticmethod
-    def report(job: Job, res: dict[str, Any], seconds: float) -> None:
-        speed = "" if isinstance(job.cfg, ReplayConfig) else \
-            f", {res['step_seconds'] * 1e3:.0f} ms/step ({res.get('step_clock', 'process CPU')})"
-        print(f"[run] {job.name}: val {final_val(res):.3f}{speed} ({f'{seconds:.0f}s' if seconds else 'recorded'})",
-              flush=True)
-
-    def replay_job(self, name: str, selected: str, mcfg: ModelConfig, snapshots: set[int]) -> Job:
-        s = self.s
-        cfg = ReplayConfig(
-            selected=selected, validation=self.r.data["pool"].dirs["validation"], tokenizer=self.r.tokenizer,
-            model=mcfg, optim=OptimConfig(lr=s.target_lr),
-            eval=EvalConfig(interval=s.target_eval_interval or s.eval_interval, batch_size=32, max_batches=s.eval_batches),
-            checkpoint=CheckpointConfig(interval=min(s.steps, s.checkpoint_interval or s.steps), keep=1),
-            output_dir=os.path.join(self.r.out, "runs", name), batch_size=s.batch, epochs=1, threads=s.threads,
-            precision=s.precision, progress_bar=False,
-        )
-        return Job(name, cfg, os.path.join(self.r.out, "runs", name, "result.json"), tuple(sorted(snapshots)),
-                   s.steps * _TARGET_COST)
 
 
 def _stage_data(r: Runs) -> None:
@@ -250,7 +84,7 @@ def _stage_data(r: Runs) -> None:
     r.tokenizer = r.data["pool"].tokenizer.path
 
 
-def _base_job(r: Runs, t: _Trainer, role: str) -> tuple[Job, dict[str, Any]]:
+def _base_job(r: Runs, t: Trainer, role: str) -> tuple[Job, dict[str, Any]]:
     """The proxy's or the target's base pretraining run on the general text, and what its record adds."""
     s = r.s
     sequences = r.data["base"].manifests["candidates"].totals().sequences
@@ -273,153 +107,234 @@ def _base_job(r: Runs, t: _Trainer, role: str) -> tuple[Job, dict[str, Any]]:
                  "flops": base_flops(forward_flops(s, target=role == "target"), tokens)}
 
 
-def _stage_bases(r: Runs, t: _Trainer) -> None:
+def _stage_bases(r: Runs, t: Trainer) -> None:
     """The proxy's base, which the sweep starts from (the target's base trains in the main stage, beside its runs)."""
     job, meta = _base_job(r, t, "proxy")
     r.bases["proxy"] = {**t.run_all([job])[0], **meta}  # alone: trained in this process
 
 
-def _start(r: Runs, role: str = "proxy") -> ModelConfig:
-    return model_config(r.s, target=role == "target", weights=r.bases[role]["final_weights"])
-
-
-def _dev_curve(r: Runs, ev: Evaluator, res: dict[str, Any], policy: str, sel: dict[str, Any]) -> list[tuple[float, float]]:
-    """(FLOPs, dev loss) of a sweep run: the base at 0, then each snapshot."""
-    shape, small = run_shape(r.s), model_config(r.s)
-    dev = dev_source(r.s)
-    pts = [(0.0, r.dev_base)]
-    for n in sorted(int(k) for k in res["snapshots"]):
-        loss = ev(f"{res['name']}@{n}", small, res["snapshots"][str(n)], sets=(), extra=(dev,))[dev.name].mean
-        pts.append((run_flops(shape, policy, n, sel).total, loss))
-    return pts
-
-
-def _stage_sweep(r: Runs, t: _Trainer) -> None:
-    """BLADE's refresh settings and RHO-1's reference lengths, each chosen at equal compute on the dev split."""
+def _eq_steps(r: Runs, setting: str) -> dict[str, int]:
     s, shape = r.s, run_shape(r.s)
-    snaps = _curve_steps(s.curve_interval, s.steps)
-    ev = Evaluator(r.out, r.tokenizer, eval_sources(s), max_len=s.seq_len, threads=s.threads, parallel=s.parallel_runs)
-    dev = dev_source(s)
-    r.dev_base = ev("base-proxy", model_config(s), r.bases["proxy"]["final_weights"], sets=(), extra=(dev,))[dev.name].mean
-    done = t.run_all([t.job(f"sweep{i}-blade", policy="blade", seed=0, mcfg=_start(r), write_selected=True,
-                            snapshots=snaps, **cand) for i, cand in enumerate(s.sweep)])
-    curves = lambda: [_dev_curve(r, ev, res, "blade", cand) for cand, res in zip(s.sweep, done, strict=True)]  # noqa: E731
-    ev.prefetch(curves)
-    for cand, res, curve in zip(s.sweep, done, curves(), strict=True):
-        r.sweep.append({"policy": "blade", "setting": dict(cand), "run": res, "curve": curve,
-                        "val_loss": final_val(res), "flops": run_flops(shape, "blade", s.steps, cand).as_dict()})
-    _choose(r, r.sweep, "sweep_budget")
-    r.best = dict(next(c["setting"] for c in r.sweep if c["chosen"]))
-    # RHO-1's reference trains with the refresh's η_w and batch (ref_lr, refresh_batch_size): the length sweep runs
-    # with BLADE's chosen setting, as the main stage's rho1 runs do, so that its chosen run is their seed 0
-    done = t.run_all([t.job(f"sweep-rho1-{n}", policy="rho1", seed=0, mcfg=_start(r), write_selected=True,
-                            snapshots=snaps, rho1_steps=n) for n in s.rho1_sweep])
-    sels = [{**r.best, "rho1_steps": n} for n in s.rho1_sweep]
-    curves = lambda: [_dev_curve(r, ev, res, "rho1", sel) for sel, res in zip(sels, done, strict=True)]  # noqa: E731
-    ev.prefetch(curves)
-    for n, res, sel, curve in zip(s.rho1_sweep, done, sels, curves(), strict=True):
-        cand = {"rho1_steps": n}
-        r.rho1_sweep.append({"policy": "rho1", "setting": cand, "run": res, "curve": curve,
-                             "val_loss": final_val(res), "flops": run_flops(shape, "rho1", s.steps, sel).as_dict()})
-    _choose(r, r.rho1_sweep, "rho1_budget")
-    r.best["rho1_steps"] = next(c["setting"]["rho1_steps"] for c in r.rho1_sweep if c["chosen"])
-    print(f"[sweep] chosen at equal compute on the dev split: {r.best}", flush=True)
+    return {a: equal_compute_steps(shape, arm_policy(a), s.steps, r.selection(setting, a)) for a in arms_of(s, setting)}
 
 
-def _choose(r: Runs, rows: list[dict[str, Any]], budget_attr: str) -> None:
-    """Mark the candidate of one family with the lowest dev loss at the cheapest candidate's FLOPs as chosen."""
-    chosen, budget, losses = sweep_choice([c["curve"] for c in rows])
-    setattr(r, budget_attr, budget)
-    for c, v in zip(rows, losses, strict=True):
-        c["dev_at_budget"] = v
-        c["chosen"] = c is rows[chosen]
+def _candidate_runs(r: Runs) -> dict[tuple[str, str], dict[str, Any]]:
+    """(setting, arm) → a trained seed-0 candidate that may be that arm's seed 0 (the chosen one of its family;
+    blade-lam1's setting when a BLADE candidate had it)."""
+    out = {}
+    for row in r.sweep:
+        if row.get("run") is None or row["policy"] == "full+val":
+            continue
+        setting = row["in_setting"]
+        if row["chosen"]:
+            out[(setting, row["policy"])] = row["run"]
+        if row["policy"] == "blade" and blade_keys(row["setting"]) == blade_keys(r.s.lam1):
+            out[(setting, "blade-lam1")] = row["run"]
+    return out
 
 
-def _reuse_policies(s: Setting, setting: str) -> tuple[str, ...]:
-    return s.reuse_policies if setting == SETTINGS[0] else s.paper_reuse_policies
-
-
-def run_prefix(setting: str) -> str:
-    """The run names' prefix of a setting: none for the first (its runs keep the single-setting names)."""
-    return "" if setting == SETTINGS[0] else f"{setting}-"
-
-
-def _stage_main(r: Runs, t: _Trainer) -> None:
-    s, shape = r.s, run_shape(r.s)
-    r.eq_steps = {p: equal_compute_steps(shape, p, s.steps, r.best) for p in POLICIES}
-    snaps = _curve_steps(s.curve_interval, s.steps)
-    # a chosen sweep run is the first setting's seed-0 run of its policy when it trained exactly as that run would
-    # (same data, model, schedule, selection and seed; its name, snapshots and progress output aside)
-    chosen = {"blade": next(c["run"] for c in r.sweep if c["chosen"]),
-              "rho1": next(c["run"] for c in r.rho1_sweep if c["chosen"])}
-    slots: list[tuple[str, str, dict[str, Any] | int]] = []  # (setting, policy, a result or an index into jobs)
+def _proxy_jobs(r: Runs, t: Trainer, arms: set[tuple[str, str]]) -> tuple[list[tuple[str, str, Any]], list[Job]]:
+    """The main stage's proxy runs of the (setting, arm) pairs given: slots (setting, arm, a result or an index into
+    the jobs) in seed order, and the jobs to run."""
+    s = r.s
+    snaps = curve_steps(s.curve_interval, s.steps)
+    cands = _candidate_runs(r)
+    slots: list[tuple[str, str, Any]] = []
     jobs: list[Job] = []
     for setting in SETTINGS:
-        data, pre, reused = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting), _reuse_policies(s, setting)
+        long = snaps | set(r.eq_steps[setting].values())
+        reused = reuse_policies(s, setting)
         for seed in range(s.seeds):
-            full_snaps = snaps | set(r.eq_steps.values())
-            slots.append((setting, "full", len(jobs)))
-            jobs.append(t.job(f"{pre}full-seed{seed}", policy="full", seed=seed, mcfg=_start(r), data=data,
-                              steps=max(full_snaps), snapshots=full_snaps))
-            for p in POLICIES[1:]:
-                kw = dict(policy=p, seed=seed, mcfg=_start(r), data=data, snapshots=snaps,
-                          write_selected=seed < s.reuse_seeds and p in reused)
-                if p in chosen and seed == 0 and setting == SETTINGS[0]:
-                    own = t.config(f"{pre}{p}-seed{seed}", **{k: v for k, v in kw.items() if k != "snapshots"})
-                    if same_training(chosen[p]["config"], own.model_dump(mode="json")):
-                        slots.append((setting, p, chosen[p]))
-                        continue
-                    print(f"[main] {p}-seed0: the chosen sweep run trained otherwise; training it", flush=True)
-                slots.append((setting, p, len(jobs)))
-                jobs.append(t.job(f"{pre}{p}-seed{seed}", **kw))
+            for arm in arms_of(s, setting):
+                if (setting, arm) not in arms:
+                    continue
+                if arm in ("full", "full+val"):  # on to the costliest arm's FLOPs, snapshots at each one's
+                    kw = dict(steps=max(long), snapshots=long)
+                else:
+                    kw = dict(snapshots=snaps, write_selected=seed < s.reuse_seeds and arm in reused)
+                job = t.arm_job(setting, arm, seed, **kw)
+                cand = cands.get((setting, arm)) if seed == 0 else None
+                if cand is not None and same_training(cand["config"], job.cfg.model_dump(mode="json")) and \
+                        set(job.snapshots) <= {int(n) for n in cand["snapshots"]}:
+                    slots.append((setting, arm, cand))
+                    continue
+                if cand is not None:
+                    print(f"[main] {job.name}: the chosen candidate trained otherwise; training it", flush=True)
+                slots.append((setting, arm, len(jobs)))
+                jobs.append(job)
+    return slots, jobs
+
+
+def _fill(r: Runs, slots: list[tuple[str, str, Any]], done: list[dict[str, Any]]) -> None:
+    for setting, arm, _ in slots:
+        r.main.setdefault(setting, {})[arm] = []
+    for setting, arm, res in slots:  # seeds in order within each (setting, arm)
+        r.main[setting][arm].append(done[res] if isinstance(res, int) else res)
+
+
+def _recorded_pairs(r: Runs) -> set[tuple[str, str]]:
+    return {(st, a) for st in SETTINGS for a in RECORDED_ARMS if r.uses_recorded(st, a)}
+
+
+def _stage_main(r: Runs, t: Trainer) -> None:
+    s = r.s
+    for setting in SETTINGS:
+        r.eq_steps[setting] = _eq_steps(r, setting)
+    recorded = _recorded_pairs(r)
+    pairs = {(st, a) for st in SETTINGS for a in arms_of(s, st)} - recorded
+    if recorded:
+        print("[main] from the recorded report: " + ", ".join(f"{st}/{a}" for st, a in sorted(recorded)), flush=True)
+    slots, jobs = _proxy_jobs(r, t, pairs)
     # the target's base, needed only from the reuse stage on, trains beside these runs: started first (the longest
     # run), it fills one slot while the main runs take turns in the other, then both
     tjob, tmeta = _base_job(r, t, "target")
     tres, *done = t.run_all([tjob, *jobs])
     r.bases["target"] = {**tres, **tmeta}
+    _fill(r, slots, done)
+    if recorded:
+        _check_main(r)
+        if not r.recorded_ok():
+            _train_recorded(r, t)
+
+
+def _check_main(r: Runs) -> None:
+    """Each seed's ``full`` (after ``steps`` and at the recorded arms' equal-compute steps) and the target's base
+    against the recorded ones."""
+    rec, small, ev = r.recorded.r, model_config(r.s), evaluator(r)
+    big = model_config(r.s, target=True)
+
+    def uses():
+        out = {}
+        for setting in SETTINGS:
+            pre = run_prefix(setting)
+            for k, full in enumerate(r.main[setting]["full"]):
+                rec_eq = r.recorded.equal_compute_steps(setting)
+                steps = {r.s.steps} | {r.eq_steps[setting][p] for p in RECORDED_ARMS
+                                       if r.eq_steps[setting][p] == rec_eq[p]}
+                for n in sorted(steps):
+                    out[(setting, k, n)] = score_means(ev(f"{pre}full-seed{k}@{n}", small, full["snapshots"][str(n)]))
+        out["target"] = score_means(ev("base-target", big, r.bases["target"]["final_weights"]))
+        return out
+
+    ev.prefetch(uses)
+    got = uses()
     for setting in SETTINGS:
-        r.main[setting] = {p: [] for p in POLICIES}
-    for setting, p, res in slots:  # seeds in order within each (setting, policy)
-        r.main[setting][p].append(done[res] if isinstance(res, int) else res)
+        st = rec["settings"][setting]
+        for k in range(len(r.main[setting]["full"])):
+            r.checks.compare(f"{setting} full seed {k} after {r.s.steps} steps: evaluation sets",
+                             got[(setting, k, r.s.steps)], st["eval"]["full"][k])
+            for p in RECORDED_ARMS:
+                n = r.eq_steps[setting][p]
+                if n != r.s.steps and n == r.recorded.equal_compute_steps(setting)[p]:
+                    r.checks.compare(f"{setting} full seed {k} at {p}'s equal-compute step {n}",
+                                     got[(setting, k, n)], st["eval_equal_compute_full"][p][k])
+    r.checks.compare("target base: validation curve", [p["loss"] for p in r.bases["target"]["validation"]],
+                     [p["loss"] for p in rec["bases"]["target"]["curve"]])
+    r.checks.compare("target base: evaluation sets", got["target"], rec["target_base_eval"])
 
 
-def target_extra_steps(s: Setting, selections: list[float], base: float, per_step: float) -> int:
-    """Target ``full``'s steps beyond ``steps``: to the equal total compute of the costliest selection with the
-    proxy's base charged, amortized over the second-smallest R (the smallest R's point, further out, is compared
-    with ``full``'s last snapshot: a bound)."""
-    if s.target_extra_steps is not None:
-        return s.target_extra_steps
-    runs = sorted(s.reuse_runs)
-    r2 = runs[1] if len(runs) > 1 else runs[0]
-    return math.ceil((max([0.0, *selections]) + base) / r2 / per_step)
+def _train_recorded(r: Runs, t: Trainer) -> None:
+    """A float check failed: the recorded arms are trained after all (their seed-0 candidates reused where they
+    trained alike)."""
+    print(f"[recorded] not used: {', '.join(r.checks.failed())} differ; training its arms", flush=True)
+    r.trained_recorded = True
+    pairs = {(st, a) for st in SETTINGS for a in RECORDED_ARMS} - {(st, a) for st, d in r.main.items() for a in d}
+    slots, jobs = _proxy_jobs(r, t, pairs)
+    _fill(r, slots, t.run_all(jobs))
 
 
-def _stage_reuse(r: Runs, t: _Trainer) -> None:
+def _stage_reuse(r: Runs, t: Trainer) -> None:
     s = r.s
     shape, tshape = run_shape(s), run_shape(s, target=True)
     per_step = run_flops(tshape, "full", 1).total
-    sels = [selection_flops(shape, p, s.steps, r.best) for p in {*s.reuse_policies, *s.paper_reuse_policies}]
+    sels = [selection_flops(shape, arm_policy(p), s.steps, r.selection(st, p))
+            for st in SETTINGS for p in reuse_policies(s, st)]
     extra = target_extra_steps(s, sels, r.bases["proxy"]["flops"], per_step)
     r.target_steps = s.steps + extra  # snapshots every target_curve_interval steps and at the end
-    start = _start(r, "target")
+    jobs, slots = _reuse_jobs(r, t, replays_of_recorded=False)
+    _reuse_fill(r, slots, t.run_all(jobs))
+    if r.recorded_ok() and any(r.uses_recorded(st, p, replay=True) for st in SETTINGS for p in reuse_policies(s, st)):
+        _check_reuse(r)
+        if not r.recorded_ok():
+            if not r.trained_recorded:
+                _train_recorded(r, t)
+            jobs, slots = _reuse_jobs(r, t, replays_of_recorded=True)
+            _reuse_fill(r, slots, t.run_all(jobs))
+
+
+def _reuse_jobs(r: Runs, t: Trainer, *, replays_of_recorded: bool) -> tuple[list[Job], list[tuple]]:
+    """The reuse stage's runs: the target's full (and full+val) of each seed and the replays not taken from the
+    recorded report (``replays_of_recorded``: only the replays of the recorded arms, trained after all)."""
+    s = r.s
+    start = start_model(r, "target")
     jobs: list[Job] = []
+    slots: list[tuple] = []
     for setting in SETTINGS:
-        data, pre = ("pool" if setting == SETTINGS[0] else "pool-paper"), run_prefix(setting)
+        pre = run_prefix(setting)
         for seed in range(s.reuse_seeds):
-            jobs.append(t.job(
-                f"{pre}target-full-seed{seed}", policy="full", seed=seed, mcfg=start, data=data, steps=r.target_steps,
-                lr=s.target_lr, eval_interval=s.target_eval_interval, snapshots=_curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
-            for p in _reuse_policies(s, setting):
+            if not replays_of_recorded:
+                slots.append((setting, "full", seed))
+                jobs.append(t.job(
+                    f"{pre}target-full-seed{seed}", policy="full", seed=seed, mcfg=start, data=pool_of(setting),
+                    steps=r.target_steps, lr=s.target_lr, eval_interval=s.target_eval_interval,
+                    snapshots=curve_steps(s.target_curve_interval, r.target_steps) | {s.steps}))
+                if setting in s.full_val_settings:
+                    slots.append((setting, "full+val", seed))
+                    jobs.append(t.job(
+                        f"{pre}target-full+val-seed{seed}", policy="full", seed=seed, mcfg=start, data=pool_of(setting),
+                        steps=s.steps, lr=s.target_lr, eval_interval=s.target_eval_interval,
+                        validation_share=r.validation_share(setting, "full+val"),
+                        snapshots=curve_steps(s.target_curve_interval, s.steps)))
+            for p in reuse_policies(s, setting):
+                if (p not in RECORDED_ARMS) if replays_of_recorded else r.uses_recorded(setting, p, replay=True):
+                    continue
                 selected = r.main[setting][p][seed]["summary"]["selected_dir"]
+                slots.append((setting, ("replay", p), seed))
                 jobs.append(t.replay_job(f"{pre}target-replay-{p}-seed{seed}", selected, start,
-                                         _curve_steps(s.target_curve_interval, s.steps)))
-    done = iter(t.run_all(jobs))
-    for setting in SETTINGS:  # the jobs' order
-        entry = r.reuse[setting] = {"full": [], "replays": {p: [] for p in _reuse_policies(s, setting)}}
-        for _seed in range(s.reuse_seeds):
-            entry["full"].append(next(done))
-            for p in entry["replays"]:
-                entry["replays"][p].append(next(done))
+                                         curve_steps(s.target_curve_interval, s.steps)))
+    return jobs, slots
+
+
+def _reuse_fill(r: Runs, slots: list[tuple], done: list[dict[str, Any]]) -> None:
+    for (setting, what, _seed), res in zip(slots, done, strict=True):  # seeds in order
+        entry = r.reuse.setdefault(setting, {"full": [], "replays": {}})
+        if isinstance(what, tuple):
+            entry["replays"].setdefault(what[1], []).append(res)
+        else:
+            entry.setdefault(what, []).append(res)
+
+
+def _check_reuse(r: Runs) -> None:
+    """Each seed's target ``full`` after ``steps`` (the evaluation sets) and the mean target-set curve up to there
+    against the recorded ones."""
+    rec, big, ev, s = r.recorded.r, model_config(r.s, target=True), evaluator(r), r.s
+
+    def uses():
+        out = {}
+        for setting in SETTINGS:
+            pre = run_prefix(setting)
+            for k, full in enumerate(r.reuse[setting]["full"]):
+                for n in sorted(int(x) for x in full["snapshots"]):
+                    if n <= s.steps:
+                        out[(setting, k, n)] = score_means(ev(f"{pre}target-full-seed{k}@{n}", big, full["snapshots"][str(n)],
+                                                         sets=None if n >= s.steps else (TARGET_SET,)))
+        return out
+
+    ev.prefetch(uses)
+    got = uses()
+    for setting in SETTINGS:
+        ru = rec["settings"][setting].get("reuse") or {}
+        if not ru:
+            continue
+        seeds = len(r.reuse[setting]["full"])
+        for k in range(seeds):
+            r.checks.compare(f"{setting} target full seed {k} after {s.steps} steps: evaluation sets",
+                             got[(setting, k, s.steps)], ru["full_final"][k])
+        steps = sorted(n for (st, k, n) in got if st == setting and k == 0)
+        ours = [[n * ru["target_step_flops"], sum(got[(setting, k, n)][TARGET_SET] for k in range(seeds)) / seeds]
+                for n in steps]
+        theirs = [pt for pt in ru["full_curve"] if 0 < pt[0] <= s.steps * ru["target_step_flops"]]
+        r.checks.compare(f"{setting} target full: mean {TARGET_SET} curve up to {s.steps} steps", ours, theirs)
 
 
 def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
@@ -432,9 +347,18 @@ def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
     torch.set_num_threads(s.all_threads)
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
     runs, clock = Runs(s=s, out=out), StageClock(out)
-    trainer = _Trainer(runs)
+    path = recorded_path(s)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"the preset's recorded report {path} (Setting.recorded) is absent")
+        runs.recorded = Recorded(path)
+        runs.recorded_differences = runs.recorded.setting_differences(s)
+        print(f"[recorded] {path} (sha256 {runs.recorded.sha256[:12]}): " + (
+            "its arms stand in while this machine reproduces its floats" if not runs.recorded_differences else
+            "not used: the preset differs in " + "; ".join(runs.recorded_differences)), flush=True)
+    trainer = Trainer(runs)
     steps = {"data": lambda: _stage_data(runs), "bases": lambda: _stage_bases(runs, trainer),
-             "sweep": lambda: _stage_sweep(runs, trainer), "main": lambda: _stage_main(runs, trainer),
+             "sweep": lambda: stage_sweep(runs, trainer), "main": lambda: _stage_main(runs, trainer),
              "reuse": lambda: _stage_reuse(runs, trainer)}
     for name in STAGES:
         with clock.stage(name):
@@ -442,3 +366,4 @@ def train_all(s: Setting, out: str, *, until: str | None = None) -> Runs:
         if name == until:
             break
     return runs
+

@@ -171,9 +171,14 @@ def _reusable(result_path: str, config: dict[str, Any], inputs: tuple[str, ...] 
     if os.path.isdir(run_dir):
         stale = os.path.exists(result_path) or bool(remade)
         if not stale and os.path.exists(saved):  # an unfinished run resumes only with the same config
+            body: Any = {k: v for k, v in config.items() if k != "snapshots"}
+            schema = ReplayConfig if "selected" in body else TrainConfig
+            try:  # as the model: a setting added since the run was recorded, at its default, is no difference
+                body = schema.model_validate(body)
+            except ValueError:
+                pass  # not a config the schema reads: compared as it is
             try:
-                check_config_record(saved, {k: v for k, v in config.items() if k != "snapshots"},
-                                    ignore=_OPERATIONAL)
+                check_config_record(saved, body, ignore=_OPERATIONAL)
             except ConfigMismatch:
                 stale = True
         if stale:

@@ -37,15 +37,46 @@ from curation.evaluation.heldout import read_set
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.train_config import ModelConfig
 
-__all__ = ["SHARED", "POLICIES", "SOURCES", "EVAL_SETS", "VAL_DOCS", "DEV_DOCS", "MAX_EPOCHS", "SETTINGS", "Setting",
-           "PRESETS", "QUICK", "CPU_ESTIMATE_MIN", "data_configs", "dev_source", "document_hashes", "eval_sources", "model_config",
-           "run_shape", "forward_flops"]
+__all__ = ["SHARED", "POLICIES", "SELECTORS", "RECORDED_ARMS", "ARM_POLICY", "ARM_TEXT", "SOURCES", "EVAL_SETS",
+           "GENERAL_SETS", "VAL_DOCS", "DEV_DOCS", "MAX_EPOCHS", "SETTINGS", "Setting", "PRESETS", "QUICK",
+           "CPU_ESTIMATE_MIN", "BUDGET_MIN", "data_configs", "dev_source", "document_hashes", "eval_sources",
+           "model_config", "run_shape", "forward_flops", "arm_policy", "recorded_path"]
 
 #: the shared data, resolved: the configs every run records name the same files from any checkout on the machine, so
 #: a run started in one checkout resumes from another
 SHARED = os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                        "..", "shared", "data"))
-POLICIES = ("full", "random", "rho1", "blade", "blade-nosync")
+#: the arms: the five policies of SelectionConfig, BLADE with the paper's λ = 1 as an arm of its own, and ``full``
+#: with the target examples (the validation slice the references train on) mixed into every batch
+POLICIES = ("full", "random", "rho1", "blade", "blade-nosync", "blade-lam1", "full+val")
+#: the arms that choose tokens with a reference (a selector's run emits shards a target can replay)
+SELECTORS = ("rho1", "blade", "blade-nosync", "blade-lam1")
+#: the SelectionConfig policy each arm trains with (``full+val``: ``full`` with ``data.validation_share``)
+ARM_POLICY = {"blade-lam1": "blade", "full+val": "full"}
+#: the arms a recorded report (``Setting.recorded``) may supply, when this machine reproduces its floats
+RECORDED_ARMS = ("random", "rho1", "blade", "blade-nosync")
+#: what each arm is, in one line (the report's setting section)
+ARM_TEXT = {
+    "full": "every token of the pool (Base-CT)",
+    "random": "a uniform γ share of the tokens (no model)",
+    "rho1": "RHO-1: excess loss against a static reference, trained once on the validation slice and never "
+            "refreshed",
+    "blade": "BLADE with the setting chosen on the dev split: excess loss against a reference re-synchronised to "
+             "the proxy every τ steps, then trained K steps",
+    "blade-nosync": "BLADE without the re-sync: the reference is forked from the proxy at step W, then every τ "
+                    "steps trained K more steps from where it was (never re-synchronised; not a frozen copy)",
+    "blade-lam1": "BLADE with the paper's λ = 1 (the masked candidate loss in the refresh objective), η_w and K as "
+                  "given, whatever the dev split chose",
+    "full+val": "`full` with the target examples (the 500 validation problems the references train on) mixed into "
+                "every batch at the share chosen on the dev split",
+}
+
+
+def arm_policy(arm: str) -> str:
+    """The SelectionConfig policy an arm trains with."""
+    return ARM_POLICY.get(arm, arm)
+
+
 MAX_EPOCHS = 2  # passes over the base text, at most
 #: the two pools every policy is run on: GSM8K train in the pool (the first design), and the paper's regime
 SETTINGS = ("gsm8k-in-pool", "paper")
@@ -81,6 +112,8 @@ EVAL_FILES: list[tuple[str, list[str], dict[str, Any], int | None, str]] = [
 EVAL_SETS: dict[str, str] = {**{n: g for n, _, _, _, g in EVAL_FILES},
                              **{f"{n}_heldout": "general (forgetting)" for n, *_, held, _ in SOURCES if held}}
 TARGET_SET = "gsm8k_test"
+#: the general held-out sets forgetting is measured on
+GENERAL_SETS = ("c4_heldout", "wikitext2_heldout", "lambada_heldout")
 VAL_DOCS = 500  # first GSM8K train problems: the validation (target) slice, skipped in the pool
 DEV_DOCS = 500  # GSM8K train problems right after the pool's: the dev split every choice is made on
 _GSM8K = ("gsm8k/train.jsonl", "{question}\n{answer}")
@@ -137,10 +170,30 @@ class Setting:
     ))
     # RHO-1's static reference length (steps on the validation slice), chosen on the same dev split
     rho1_sweep: tuple[int, ...] = (100, 200, 400)
+    # the choices made again in the paper's pool (seed 0, dev split, equal compute), each family's candidates
+    # (SelectionConfig keys): BLADE's refresh (λ and η_w), RHO-1's reference (length and η_w; the first is the
+    # first setting's choice), full+val's share of target examples per batch
+    paper_sweep: tuple[dict[str, Any], ...] = field(default_factory=lambda: (
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 8},  # the first setting's choice
+        {"refresh_steps": 30, "ref_lr": 1e-3, "lam": 0.0, "refresh_batch_size": 8},
+        {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 1.0, "refresh_batch_size": 8},  # the paper's λ
+    ))
+    paper_rho1_sweep: tuple[dict[str, Any], ...] = field(default_factory=lambda: (
+        {"rho1_steps": 400, "ref_lr": 3e-3, "refresh_batch_size": 8},  # the first setting's choice
+        {"rho1_steps": 800, "ref_lr": 3e-3, "refresh_batch_size": 8},
+        {"rho1_steps": 1600, "ref_lr": 3e-3, "refresh_batch_size": 8},
+        {"rho1_steps": 400, "ref_lr": 1e-3, "refresh_batch_size": 8},
+    ))
+    full_val_shares: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4)
+    # the settings with a full+val arm (its share chosen in each on the dev split)
+    full_val_settings: tuple[str, ...] = ("paper",)
+    # blade-lam1's setting: the paper's λ = 1 with the first setting's chosen η_w, K and refresh batch
+    lam1: dict[str, Any] = field(default_factory=lambda: {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 1.0,
+                                                          "refresh_batch_size": 8})
     # reuse: the target replays the selected shards of every seed < reuse_seeds of these policies, against the
     # target's own `full` of the same seed (the paper setting replays fewer policies: the budget)
     reuse_policies: tuple[str, ...] = ("rho1", "blade", "blade-nosync", "random")
-    paper_reuse_policies: tuple[str, ...] = ("rho1", "blade")
+    paper_reuse_policies: tuple[str, ...] = ("rho1", "blade", "blade-lam1")
     reuse_seeds: int = 3
     reuse_runs: tuple[int, ...] = (1, 4, 16)  # target runs one selection is amortized over
     smooth_window: int = 3  # snapshots averaged (centred) before reading "reaches" and break-even R
@@ -149,8 +202,8 @@ class Setting:
     # the target runs' in-run validation (printed only: their curves are the snapshots' scores on the evaluation
     # sets); None = eval_interval
     target_eval_interval: int | None = 500
-    # target `full` beyond `steps` (None: to the equal total compute of the costliest selection, base charged, at
-    # the second-smallest R; the smallest R's point beyond that compares with full's last snapshot, a bound)
+    # target `full` beyond `steps` (None: to the equal total compute of the costliest reused selection, base
+    # charged, at the smallest R, so that every R is decided)
     target_extra_steps: int | None = None
     eval_docs: int | None = None  # cap on the documents of every evaluation set (None = the sizes above)
     # torch threads of each training run; the sweep, main and reuse stages train `parallel_runs` runs at a time
@@ -162,6 +215,10 @@ class Setting:
     base_threads: int = 2
     precision: str = "fp32"
     checkpoint_interval: int | None = 500  # None = only at the end of a run
+    # a report of an earlier run of this preset (results.json; relative to the checkout) whose arms
+    # (RECORDED_ARMS, with their replays) are used instead of training them again, when they were trained with the
+    # same settings and this machine reproduces that run's floats exactly (bench.quality.recorded); None = train
+    recorded: str | None = None
 
     @property
     def all_threads(self) -> int:
@@ -169,17 +226,14 @@ class Setting:
         return max(self.threads * self.parallel_runs, self.base_threads)
 
 
-CPU = Setting()
-#: The CPU preset's planned wall minutes per stage on an idle 2-core machine, from the stages of its last runs and
-#: runs of its models timed alone: data ≈ 35M tokens to tokenize (v7: 0.7 min); bases: the proxy alone at 2 threads
-#: (4.8k steps of 16 × 128 at 30 tokens/parameter; v6 10.5 min, v7 9.2); sweep, main and reuse two 1-thread runs at a
-#: time, ≈ 100-110 and 322-360 ms of CPU per proxy and target step: sweep 9 blade runs of 2,000 steps (≈ 3.6 min each
-#: in v7), 3 rho1 and their dev scores; main 2 settings × 15 runs less the 2 chosen sweep runs (v6: 75 min on an idle
-#: machine) beside the target's base (1.86M parameters at 10 tokens/parameter: 9.1k steps, ≈ 55 min on one core:
-#: + 28); reuse 3 seeds × (full ≈ 2,584 + 4 replays × 2,000 target steps) + 3 seeds × (full + 2 replays); evaluate:
-#: 62 min of one 2-thread process, prefetched by two 1-thread ones (÷ 1.4). Total 326 min (5.4 h) of the 360 allowed;
-#: the lever if it runs over is the sweep's horizon (1,000-step candidates: ≈ −12 min).
-CPU_ESTIMATE_MIN = {"data": 2, "bases": 10, "sweep": 40, "main": 103, "reuse": 127, "evaluate": 44}
+CPU = Setting(recorded=os.path.join("docs", "results", "v7", "results.json"))
+#: The CPU preset's planned wall minutes per stage on an idle 2-core machine: ``bench.quality.plan.plan``
+#: computes them from the preset and its cost model (v7's measured rates on this machine kind); a test keeps these
+#: equal. They assume the recorded v7 arms stand in (``Setting.recorded``) and that the paper pool's choices come
+#: out as the first setting's; its ``contingencies_minutes`` add what trains otherwise.
+CPU_ESTIMATE_MIN = {"data": 1, "bases": 10, "sweep": 18, "main": 61, "reuse": 71, "evaluate": 21}
+#: The wall-time budget of the CPU preset (issue 54: ≤ 3 hours on this 2-core machine)
+BUDGET_MIN = 180
 # One H100-class GPU (not run: no GPU was available): the same design with a longer context, a larger batch and
 # a larger target (5.4× the proxy's FLOPs per token), sized so that 10 tokens per parameter stay within 2 passes
 # over the base text.
@@ -189,7 +243,13 @@ GPU = Setting(
     base_tokens_per_parameter=20.0, target_base_tokens_per_parameter=10.0,
     sweep=tuple({**c, "refresh_steps": c["refresh_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
                 for c in CPU.sweep),
-    rho1_sweep=(200, 400, 800), target_curve_interval=500, threads=16, parallel_runs=1, base_threads=16,
+    rho1_sweep=(200, 400, 800),
+    paper_sweep=tuple({**c, "refresh_steps": c["refresh_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
+                      for c in CPU.paper_sweep),
+    paper_rho1_sweep=tuple({**c, "rho1_steps": c["rho1_steps"] * 2, "refresh_batch_size": c["refresh_batch_size"] * 4}
+                           for c in CPU.paper_rho1_sweep),
+    lam1={**CPU.lam1, "refresh_steps": 60, "refresh_batch_size": 32},
+    target_curve_interval=500, threads=16, parallel_runs=1, base_threads=16,
     precision="amp_bf16", checkpoint_interval=1000,
 )
 QUICK = Setting(
@@ -200,7 +260,13 @@ QUICK = Setting(
     eval_batches=2, curve_interval=6,
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
            {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),
-    rho1_sweep=(2, 3), reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1",), reuse_seeds=2,
+    rho1_sweep=(2, 3),
+    paper_sweep=({"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4},
+                 {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 1.0, "refresh_batch_size": 4}),
+    paper_rho1_sweep=({"rho1_steps": 3, "ref_lr": 3e-3, "refresh_batch_size": 4},
+                      {"rho1_steps": 6, "ref_lr": 3e-3, "refresh_batch_size": 4}),
+    full_val_shares=(1 / 8, 1 / 4), lam1={"refresh_steps": 1, "ref_lr": 3e-3, "lam": 1.0, "refresh_batch_size": 4},
+    reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1", "blade-lam1"), reuse_seeds=2,
     target_curve_interval=4, target_eval_interval=8, eval_docs=40, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
@@ -209,6 +275,14 @@ PRESETS = {"cpu": CPU, "gpu": GPU}
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------
+def recorded_path(s: Setting) -> str | None:
+    """The preset's recorded report, resolved against this checkout (None: none)."""
+    if s.recorded is None:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return s.recorded if os.path.isabs(s.recorded) else os.path.join(root, s.recorded)
+
+
 def _cap(n: int | None, scale: float, limit: int | None = None) -> int | None:
     n = None if n is None else max(1, int(round(n * scale)))
     return limit if n is None else (n if limit is None else min(n, limit))

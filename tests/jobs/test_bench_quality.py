@@ -24,35 +24,52 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
                           capture_output=True, text=True, timeout=3300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
-    policies = {"full", "random", "rho1", "blade", "blade-nosync"}
+    arms = {"full", "random", "rho1", "blade", "blade-nosync", "blade-lam1"}
     sets = {"gsm8k_test", "math_test", "aqua", "c4_heldout", "wikitext2_heldout", "lambada_heldout"}
+    general = {"c4_heldout", "wikitext2_heldout", "lambada_heldout"}
     assert set(res["eval_sets"]) == sets
-    # the keys a script reads: both settings, the rules, 3-seed reuse, both accountings, the sweep, the dev split
+    # the keys a script reads: both settings, the rules and outcomes, 3-seed reuse, both accountings, the choices
     assert list(res["settings"]) == ["gsm8k-in-pool", "paper"]
     assert res["verdict_rules"] and all(isinstance(x, str) for x in res["verdict_rules"])
-    assert res["reuse_seeds"] == [0, 1] and res["reuse_runs"] == [1, 4, 16]
+    assert [o["id"] for o in res["outcomes"]] == ["mix", "select", "tie-rho1", "lambda"]
+    assert all(o["held"] in (False, None) for o in res["outcomes"])  # 2 seeds: 'undecided' holds nothing
+    assert res["reuse_seeds"] == [0, 1] and res["reuse_runs"] == [1, 4, 16] and res["recorded"] is None
     assert res["bases"]["target"]["tokens_per_parameter"] == pytest.approx(
         res["bases"]["target"]["tokens"] / res["bases"]["target"]["parameters"])
     assert res["dev_split"]["documents"] > 0 and set(res["dev_split"]["overlap"].values()) == {0}
     assert {"gsm8k_test", "validation", "pool:gsm8k"} <= set(res["dev_split"]["overlap"])
+    assert res["plan"]["estimate_minutes"] and res["budget_minutes"] == 180
     steps = res["setting"]["steps"]
-    eq = res["equal_compute_steps"]
-    assert eq["full"] == eq["random"] == steps and min(eq["blade"], eq["rho1"]) > steps
-    for p in policies:
-        assert res["flops"][p]["total"] == pytest.approx(sum(res["flops"][p][k] for k in ("proxy", "scoring", "refresh")))
     for name, st in res["settings"].items():
-        assert set(st["eval"]) == policies
+        eq = st["equal_compute_steps"]
+        assert eq["full"] == eq["random"] == steps and min(eq["blade"], eq["rho1"]) > steps
+        assert eq["blade-lam1"] > steps and eq.get("full+val", steps) == steps
+        assert set(st["arms"]) == arms | ({"full+val"} if name == "paper" else set())
+        for p in st["arms"]:
+            assert st["flops"][p]["total"] == pytest.approx(sum(st["flops"][p][k] for k in ("proxy", "scoring", "refresh")))
+        assert set(st["eval"]) == set(st["arms"])
         assert all(set(e) == sets and all(0 < v < 20 for v in e.values()) for es in st["eval"].values() for e in es)
         assert st["vs_full_equal_tokens"]["random"] == st["vs_full_equal_compute"]["random"]
         assert st["part_seconds"]["full"]["refresh"] == 0 and st["part_seconds"]["blade"]["refresh"] > 0
         d = st["vs_full_equal_compute"]["blade"]["gsm8k_test"]
-        assert d["lo"] <= d["mean"] <= d["hi"]
+        assert d["lo"] <= d["mean"] <= d["hi"] and d["pooled"]["lo"] <= d["mean"] <= d["pooled"]["hi"]
+        assert d["pooled"]["family"] == f"proxy/{name}/gsm8k_test" and d["pooled"]["df"] >= 8
         assert d["mean"] == pytest.approx(statistics.fmean(
             b["gsm8k_test"] - f["gsm8k_test"] for b, f in zip(st["eval"]["blade"], st["eval_equal_compute_full"]["blade"],
                                                               strict=True)))
         assert st["verdicts"]["blade_vs_rho1"] == "undecided"  # 2 seeds in --quick: the rules decide nothing
         assert all(v == 1.0 for v in st["kept_share"]["full"].values())
         assert st["test_curves"]["blade"][0][0] == [0, pytest.approx(res["base_eval"]["gsm8k_test"])]
+        # forgetting against the base: the arm's loss minus the base's, per seed
+        fb = st["forgetting_vs_base"]["blade"]
+        assert set(fb) == general and fb["c4_heldout"]["per_seed"] == pytest.approx(
+            [e["c4_heldout"] - res["base_eval"]["c4_heldout"] for e in st["eval"]["blade"]])
+        lam = st["lam1_vs_blade"]["gsm8k_test"]
+        assert lam["per_seed"] == pytest.approx([a["gsm8k_test"] - b["gsm8k_test"] for a, b in
+                                                 zip(st["eval"]["blade-lam1"], st["eval"]["blade"], strict=True)])
+        assert st["selection"]["blade-lam1"]["lam"] == 1.0
+        assert st["search_full_runs"]["blade"] == st["search_full_runs"]["blade-lam1"] > 1.5  # two candidates
+        assert st["search_full_runs"]["full"] == st["search_full_runs"]["random"] == 0
         reuse = st["reuse"]
         assert reuse["seeds"] == 2 and len(reuse["full_final"]) == 2
         for p, e in reuse["policies"].items():
@@ -65,27 +82,56 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
                 diff = charged["runs"][n]["equal_compute"]["gsm8k_test"]
                 assert diff["mean"] == pytest.approx(statistics.fmean(e["final"][k]["gsm8k_test"] for k in range(2))
                                                      - charged["runs"][n]["full_at_equal_compute"]["gsm8k_test"])
+                # the target's full runs to R = 1's point of the costliest reused selection: every R decided
+                assert not charged["runs"][n]["bound"]
             assert set(res["break_even"][name][p]) == {"charged", "free"}
+            assert set(reuse["goal"]["policies"][p]["vs_full"]["forgetting"]) == general
+        assert ("fullval_final" in reuse) == (name == "paper")
     assert set(res["settings"]["gsm8k-in-pool"]["reuse"]["policies"]) == {"blade", "rho1", "random"}
-    assert res["settings"]["paper"]["pool_share"].get("gsm8k") is None  # no GSM8K train in the paper's pool
-    assert res["settings"]["paper"]["reuse"]["policies"]["rho1"]["selection_flops"] > 0
-    # the choices: every setting tried is listed, one chosen per family, at equal compute on the dev split
+    assert set(res["settings"]["paper"]["reuse"]["policies"]) == {"rho1", "blade-lam1"}
+    paper = res["settings"]["paper"]
+    assert paper["pool_share"].get("gsm8k") is None  # no GSM8K train in the paper's pool
+    assert paper["reuse"]["policies"]["rho1"]["selection_flops"] > 0
+    # full+val: the chosen share of every batch from the validation slice (its source in the kept shares), its own
+    # comparisons, the outcomes' reading of blade against it, the goal against it
+    share = paper["validation_share"]
+    assert share in (1 / 8, 1 / 4) and paper["best"]["full+val"] == {"validation_share": share}
+    assert paper["kept_share"]["full+val"]["gsm8k_val"] == 1.0 and "gsm8k_val" not in paper["kept_share"]["full"]
+    cfg = json.loads((out / "runs" / "paper-full+val-seed1" / "result.json").read_text())["config"]
+    assert cfg["data"]["validation_share"] == share and cfg["selection"]["policy"] == "full"
+    assert paper["blade_vs_fullval"] == paper["vs_fullval_equal_compute"]["blade"]
+    assert paper["fullval_vs_blade"]["gsm8k_test"]["mean"] == -paper["blade_vs_fullval"]["gsm8k_test"]["mean"]
+    assert paper["reuse"]["goal"]["policies"]["rho1"]["vs_fullval"]["reach"] is None or \
+        paper["reuse"]["goal"]["policies"]["rho1"]["vs_fullval"]["reach"] > 0
+    tsteps = res["target_steps"]
+    assert json.loads((out / "runs" / "paper-target-full-seed0" / "result.json").read_text())["config"]["max_steps"] == tsteps
+    assert json.loads((out / "runs" / "paper-target-full+val-seed0" / "result.json").read_text())["config"]["data"][
+        "validation_share"] == share
+    # the choices: every candidate listed, one chosen per family and setting, at equal compute on the dev split;
+    # the paper's pool chooses again, RHO-1's reference steps integers
     sweep = res["sweep"]
-    assert len([x for x in sweep if x["policy"] == "blade"]) == 2 and len([x for x in sweep if x["policy"] == "rho1"]) == 2
-    for policy, budget in (("blade", "sweep_budget"), ("rho1", "rho1_budget")):
-        rows = [x for x in sweep if x["policy"] == policy]
+    fams = {("gsm8k-in-pool", "blade"): 2, ("gsm8k-in-pool", "rho1"): 2, ("paper", "blade"): 2, ("paper", "rho1"): 2,
+            ("paper", "full+val"): 2}
+    assert {k: len([x for x in sweep if (x["in_setting"], x["policy"]) == k]) for k in fams} == fams
+    for (setting, family) in fams:
+        rows = [x for x in sweep if (x["in_setting"], x["policy"]) == (setting, family)]
         chosen = min(rows, key=lambda row: row["dev_at_budget"])
         assert chosen["chosen"] and sum(x["chosen"] for x in rows) == 1
-        assert res[budget] == pytest.approx(min(row["flops"]["total"] for row in rows))
+        assert res["sweep_budgets"][setting][family] == pytest.approx(min(row["flops"]["total"] for row in rows))
         assert all(row["curve"][0] == [0.0, pytest.approx(res["dev_split"]["base_loss"])] for row in rows)
-    assert res["best_refresh"]["rho1_steps"] == next(x["setting"]["rho1_steps"] for x in sweep
-                                                     if x["policy"] == "rho1" and x["chosen"])
-    # RHO-1's reference trains with BLADE's chosen η_w and batch, in the sweep as in the main stage
-    for n in (x["setting"]["rho1_steps"] for x in sweep if x["policy"] == "rho1"):
+        assert res["best"][setting][family] == chosen["setting"]
+    assert all(isinstance(x["setting"]["rho1_steps"], int) for x in sweep if x["policy"] == "rho1")
+    assert res["choices"]["paper"]["rho1"]["chosen"] == res["best"]["paper"]["rho1"]
+    # in the first setting, RHO-1's reference trains with BLADE's chosen η_w and batch (the recorded run's way)
+    for n in (x["setting"]["rho1_steps"] for x in sweep if x["policy"] == "rho1" and x["in_setting"] == "gsm8k-in-pool"):
         sel = json.loads((out / "runs" / f"sweep-rho1-{n}" / "result.json").read_text())["config"]["selection"]
-        assert (sel["ref_lr"], sel["refresh_batch_size"]) == (res["best_refresh"]["ref_lr"],
-                                                               res["best_refresh"]["refresh_batch_size"])
-    assert "trained otherwise" not in proc.stdout  # so its chosen run is the main stage's seed 0
+        assert (sel["ref_lr"], sel["refresh_batch_size"]) == (res["best"]["gsm8k-in-pool"]["blade"]["ref_lr"],
+                                                               res["best"]["gsm8k-in-pool"]["blade"]["refresh_batch_size"])
+    assert "trained otherwise" not in proc.stdout  # so the chosen candidates are the arms' seed 0
+    for setting, family in (("gsm8k-in-pool", "blade"), ("paper", "rho1")):
+        chosen = next(x for x in sweep if x["in_setting"] == setting and x["policy"] == family and x["chosen"])
+        assert f"[run] {('paper-' if setting == 'paper' else '')}{family}-seed0:" not in proc.stdout  # not trained again
+        assert chosen["name"] in res["reused_runs"] or chosen["name"] in proc.stdout
     clock = json.loads((out / "runs" / "full-seed0" / "result.json").read_text())["step_clock"]
     assert clock in ("process CPU", "wall") and f"ms/step ({clock})" in proc.stdout
     for role in ("proxy", "target"):
@@ -94,9 +140,12 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
         assert b["epochs"] <= 2
     md = (out / "RESULTS.md").read_text()
     head = md.split("## Verdict rules")[0]
-    assert "## Three answers, both settings" in head and "| 1. BLADE vs RHO-1" in head and "| 3. Reused selection" in head
-    assert "GSM8K train in the pool" in head and "the paper's regime" in head
+    assert "## Answers, both settings" in head and "| 1. BLADE vs RHO-1" in head and "| 3. Reused selection" in head
+    assert "| 4. Against `full+val`" in head and "## Pre-stated outcomes" in head and "## The goal" in head
+    assert "Forgetting (a selection policy's loss" in head and "## Forgetting: loss on held-out" in head
+    assert "GSM8K train in the pool" in head and "the paper's regime" in head and "⟨" in head
     assert md.index("## Verdict rules") < md.index("## Setting") and "break-even R, base charged" in md
+    assert "not a frozen copy" in md and "| search |" in md
     for fig in ("bases.png", "sweep_frontier.png", "curves-gsm8k-in-pool.png", "curves-paper.png",
                 "reuse-gsm8k-in-pool.png", "reuse-paper.png"):
         assert (out / "figures" / fig).stat().st_size > 1000
@@ -119,8 +168,7 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     rec = lambda n: json.loads((out / "runs" / n / "result.json").read_text())["config"]["threads"]  # noqa: E731
     assert pid("base-target") in pids and pid("base-proxy") not in pids and (rec("base-proxy"), rec("base-target")) == (2, 1)
     order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith(("[run] ", "[sweep] "))]
-    assert order.index("[run] base-proxy") < order.index("[sweep] chosen at equal compute on the dev split") < \
-        order.index("[run] base-target")
+    assert order.index("[run] base-proxy") < order.index("[sweep] paper") < order.index("[run] base-target")
     retrained = ("full-seed1", "paper-blade-nosync-seed0")
     weights = {n: sha256((out / "runs" / n / "final" / "model.safetensors").read_bytes()).hexdigest() for n in retrained}
     for n in retrained:
@@ -147,6 +195,29 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     times = json.loads((out / "results.json").read_text())["stage_times"]
     assert times["evaluate"]["pieces"] == 2 and times["evaluate"]["wall"] > res["stage_times"]["evaluate"]["wall"]
     assert times["main"]["pieces"] == 2
+    # the arms of a recorded report stand in when this machine reproduces its floats: this run's own report,
+    # recorded, gives the same numbers without training (every check equal, bit for bit)
+    recorded = tmp_path / "recorded.json"
+    shutil.copy(out / "results.json", recorded)
+    third = timing.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out),
+                            "--recorded", str(recorded)], capture_output=True, text=True, timeout=1700, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    rec = json.loads((out / "results.json").read_text())
+    assert rec["recorded"]["used"] and rec["recorded"]["checks"] and all(c["equal"] for c in rec["recorded"]["checks"])
+    assert {c["what"] for c in rec["recorded"]["checks"]} >= {
+        "proxy base: validation curve", "target base: evaluation sets",
+        "gsm8k-in-pool full seed 1 after 12 steps: evaluation sets", "paper target full seed 0 after 12 steps: evaluation sets"}
+    assert set(rec["recorded"]["arms"]["gsm8k-in-pool"]) == {"random", "rho1", "blade", "blade-nosync"}
+    assert set(rec["recorded"]["replays"]["gsm8k-in-pool"]) == {"random", "rho1", "blade"}
+    assert not [line for line in third.stdout.splitlines() if line.startswith("[run] ") and not line.endswith("(recorded)")]
+    for name, st in rec["settings"].items():
+        assert st["eval"] == res["settings"][name]["eval"] and st["verdicts"] == res["settings"][name]["verdicts"]
+        assert st["vs_full_equal_compute"] == res["settings"][name]["vs_full_equal_compute"]
+        for p, e in st["reuse"]["policies"].items():
+            assert e["equal_steps"] == res["settings"][name]["reuse"]["policies"][p]["equal_steps"]
+            assert e["accountings"]["charged"]["runs"] == res["settings"][name]["reuse"]["policies"][p]["accountings"][
+                "charged"]["runs"]
+    assert rec["outcomes"] == res["outcomes"] and "## Arms from the recorded report" in (out / "RESULTS.md").read_text()
 
 
 def _bench_module():

@@ -206,3 +206,54 @@ def test_the_trainer_steps_adamw_without_a_closure_and_counts_one_process_time_o
     run.fit()
     ts = run.trainer.state.timestamp
     assert (int(ts.batch), int(ts.sample)) == (3, 3 * cfg.batch_size)
+
+
+def test_mixed_batches_replace_the_last_rows_with_every_validation_row_once_per_pass(demo_root):
+    """data.validation_share (the full+val baseline): floor(t · b · share) mixed rows up to step t, in the last
+    rows of each batch, the other rows the same seed's stream rows; each pass over the validation rows shows
+    every row once; the order depends on (seed, slot) only, so a resumed loader mixes the same rows."""
+    from training.blocks.data import MixedBatches, TokenRows
+
+    val = TokenRows(os.path.join(demo_root, "data", "validation"), "candidate")
+    n = len(val)
+    reader = StreamReader.open(_cand(demo_root), batch_size=8, seed=3)
+    plain = list(StreamBatches(reader, stop_step=9))
+    for share, per_two_steps in ((1 / 16, 1), (1 / 8, 2), (1 / 4, 4)):
+        mixed = list(MixedBatches(reader, stop_step=9, rows=val, share=share, seed=3))
+        counts = [int((b["sample_id"] < 0).sum()) for b in mixed]
+        assert [sum(counts[:t]) for t in range(10)] == [t * per_two_steps // 2 for t in range(10)]
+        for m, p, k in zip(mixed, plain, counts, strict=True):
+            assert torch.equal(m["tokens"][:8 - k], p["tokens"][:8 - k]) and m["tokens"].shape == (8, 128)
+            assert m["sample_id"][:8 - k].tolist() == p["sample_id"][:8 - k].tolist()
+            assert all(i < 0 for i in m["sample_id"][8 - k:].tolist())
+            for row, sid in zip(m["tokens"][8 - k:], m["sample_id"][8 - k:].tolist(), strict=True):
+                assert torch.equal(row, val[-1 - sid]["tokens"])
+            assert m["source"][8 - k:] == [val[-1 - i]["source"] for i in m["sample_id"][8 - k:].tolist()]
+    # the first n slots are a permutation of the rows, the next n another one
+    mixed = MixedBatches(reader, stop_step=40, rows=val, share=1 / 4, seed=3)
+    order = [mixed.row_of(j) for j in range(2 * n)]
+    assert sorted(order[:n]) == list(range(n)) == sorted(order[n:]) and order[:n] != order[n:]
+    again = MixedBatches(reader, stop_step=40, rows=val, share=1 / 4, seed=3)
+    assert [again.row_of(j) for j in reversed(range(2 * n))] == order[::-1]  # any order of asking: the same rows
+    assert [MixedBatches(reader, stop_step=40, rows=val, share=1 / 4, seed=4).row_of(j) for j in range(n)] != order[:n]
+    state = mixed.state_dict(num_samples=37 * 8, from_beginning=True)
+    resumed = MixedBatches(reader, stop_step=40, rows=val, share=1 / 4, seed=3)
+    resumed.load_state_dict(state)
+    first = next(iter(resumed))
+    assert first["step"] == 37 and torch.equal(first["tokens"], mixed.batch(37)["tokens"])
+    with pytest.raises(ValueError, match="share must be in"):
+        MixedBatches(reader, stop_step=4, rows=val, share=1.0, seed=0)
+
+
+def test_validation_share_is_refused_outside_a_plain_full_run(demo_root, tmp_path):
+    from schemas.train_config import TrainConfig
+
+    base = TrainConfig.demo_default(demo_root, policy="full").model_dump(mode="json")
+    ok = TrainConfig.model_validate({**base, "data": {**base["data"], "validation_share": 0.125}})
+    assert ok.data.validation_share == 0.125
+    for bad in ({"selection": {**base["selection"], "policy": "blade"}},
+                {"parallel": {**base["parallel"], "workers": 2}, "batch_size": 16}):
+        with pytest.raises(ValueError, match="data.validation_share .* needs selection.policy=full"):
+            TrainConfig.model_validate({**base, **bad, "data": {**base["data"], "validation_share": 0.125}})
+    with pytest.raises(ValueError, match="less than 1"):
+        TrainConfig.model_validate({**base, "data": {**base["data"], "validation_share": 1.0}})

@@ -20,6 +20,7 @@ replayed). The directory checks (shard schema, manifest, tokenizer) are in :mod:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ Row = dict[str, "Tensor | str"]
 __all__ = [
     "StepBatches",
     "StreamBatches",
+    "MixedBatches",
     "RankBatches",
     "rank_slice",
     "TokenRows",
@@ -154,6 +156,64 @@ class StreamBatches(StepBatches):
     def release_before(self, step: int) -> None:
         for old in [t for t in self._read if t < step - self.keep_behind]:
             del self._read[old]
+
+
+class MixedBatches(StreamBatches):
+    """The stream's batches with a share of every step's rows taken from other rows (``data.validation_share``:
+    the target examples mixed into every batch, the ``full+val`` baseline).
+
+    Up to step ``t`` the batches hold ``floor(t · b · share)`` mixed rows in all (exact fractions): step ``t``
+    holds the difference, in its last rows, which replace the stream's last rows of that step (the batch keeps
+    ``b`` rows: a run with mixing costs what one without does, and its other rows are the same seed's stream
+    rows). The mixed rows go through ``rows`` in a seeded permutation per pass, so each pass shows every row
+    once, and the order depends only on (seed, slot): a resumed run mixes exactly as an uninterrupted one.
+    Mixed rows carry their own ``source`` label and ``sample_id`` ``-1 - row``.
+
+    Args:
+        reader: the candidate stream and shards.
+        stop_step: the step after the last one (``max_steps``).
+        rows: the rows mixed in (:class:`TokenRows` of the validation shards).
+        share: the share of the rows, in (0, 1).
+        seed: the permutations' seed (the run's).
+    """
+
+    def __init__(self, reader: StreamReader, stop_step: int, *, rows: TokenRows, share: float, seed: int,
+                 model_vocab: int | None = None) -> None:
+        super().__init__(reader, stop_step, model_vocab=model_vocab)
+        if not 0 < share < 1:
+            raise ValueError(f"share must be in (0, 1), got {share}")
+        if len(rows) == 0:
+            raise ValueError(f"{rows.path} has no rows to mix in")
+        self.rows, self.share, self.seed = rows, Fraction(share).limit_denominator(1_000_000), seed
+        self._order: dict[int, np.ndarray] = {}  # pass → permutation of the rows
+
+    def slots(self, step: int) -> range:
+        """The mixed-row slots of ``step`` (numbered from the run's first step)."""
+        b = self.stream.batch_size
+        return range(int(step * b * self.share), int((step + 1) * b * self.share))  # floor (non-negative)
+
+    def row_of(self, slot: int) -> int:
+        """The row of ``rows`` a slot holds."""
+        n = len(self.rows)
+        p, i = divmod(slot, n)
+        if p not in self._order:
+            self._order = {p: np.random.default_rng([self.seed, p, 0x6D6978]).permutation(n)}
+        return int(self._order[p][i])
+
+    def batch(self, step: int) -> Batch:
+        out = super().batch(step)
+        slots = self.slots(step)
+        if not slots:
+            return out
+        k, b = len(slots), int(out["tokens"].shape[0])
+        if k > b:
+            raise ValueError(f"{k} mixed rows do not fit a batch of {b}")
+        picked = [self.row_of(j) for j in slots]
+        rows = [self.rows[i] for i in picked]
+        tokens, ids = out["tokens"].clone(), out["sample_id"].clone()
+        tokens[b - k:] = torch.stack([r["tokens"] for r in rows])
+        ids[b - k:] = torch.tensor([-1 - i for i in picked], dtype=ids.dtype)
+        return {**out, "tokens": tokens, "sample_id": ids, "source": [*out["source"][:b - k], *(r["source"] for r in rows)]}
 
 
 class RankBatches(StepBatches):

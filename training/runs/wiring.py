@@ -54,7 +54,14 @@ from curation.io.stream_reader import StreamReader
 from schemas.train_config import TrainConfig
 from training.blocks.callbacks import SelectedShardWriter, SelectionStats
 from training.blocks.checkpoint import checkpoint_write_errors
-from training.blocks.data import RankBatches, StepBatches, StreamBatches, TokenRows, stream_loader
+from training.blocks.data import (
+    MixedBatches,
+    RankBatches,
+    StepBatches,
+    StreamBatches,
+    TokenRows,
+    stream_loader,
+)
 from training.blocks.meters import Meters
 from training.blocks.model import MaskedCausalLM
 from training.blocks.preemption import StopAtStepEnd
@@ -196,8 +203,13 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
     if scored is None and cfg.data.scored is not None:
         scored = ScoredShards(cfg.data.scored, reader.stream)
     in_process = select.policy.needs_reference and scored is None
-    stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab,
-                           keep_behind=cfg.selection.refresh_candidate_batches if in_process else 0)
+    if cfg.data.validation_share:  # the target examples mixed into every batch (policy full only: TrainConfig)
+        stream = MixedBatches(reader, cfg.max_steps, rows=TokenRows(cfg.data.validation, "candidate",
+                                                                    model_vocab=inputs.vocab),
+                              share=cfg.data.validation_share, seed=cfg.seed, model_vocab=inputs.vocab)
+    else:
+        stream = StreamBatches(reader, cfg.max_steps, model_vocab=inputs.vocab,
+                               keep_behind=cfg.selection.refresh_candidate_batches if in_process else 0)
     schedule = schedule or Schedule.of(cfg)
     meters = meters if meters is not None else Meters()
     seq_len = inputs.candidates.seq_len or reader.dataset[0]["tokens"].shape[0]
@@ -218,7 +230,8 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
                                scored=ShardScores(scored, ranks) if scored else None, meters=meters)
     extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
              "gamma": cfg.selection.gamma, "candidates": storage.canonical(cfg.data.candidates),
-             "world_size": cfg.parallel.workers}
+             "world_size": cfg.parallel.workers,
+             **({"validation_share": cfg.data.validation_share} if cfg.data.validation_share else {})}
     cbs: list[Callback] = []
     if cfg.write_selected:
         cand = inputs.candidates

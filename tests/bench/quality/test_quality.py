@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from safetensors.torch import load_file
@@ -116,9 +117,19 @@ def test_presets_meet_the_brief(preset):
     assert 0.0 in {c["lam"] for c in s.sweep}
     assert s.target_base_tokens_per_parameter >= 10
     assert set(s.reuse_policies) == {"blade", "blade-nosync", "rho1", "random"} and s.reuse_seeds == 3
-    assert s.reuse_runs == (1, 4, 16) and set(s.paper_reuse_policies) <= set(s.reuse_policies)
+    assert s.reuse_runs == (1, 4, 16)
     assert s.checkpoint_interval is not None and s.checkpoint_interval < s.steps
     assert s.steps % s.curve_interval == 0 and s.steps % s.target_curve_interval == 0
+    # issue 54: the choices made again in the paper's pool: BLADE's λ (0 and the paper's 1) and η_w, RHO-1's
+    # reference at 400, 800 and 1,600 steps and at a lower η_w, full+val's share among 1/16, 1/8, 1/4; blade-lam1
+    # the paper's λ; its replays in the paper's regime
+    assert {c["lam"] for c in s.paper_sweep} == {0.0, 1.0} and len({c["ref_lr"] for c in s.paper_sweep}) == 2
+    steps = [c["rho1_steps"] for c in s.paper_rho1_sweep]
+    assert all(isinstance(n, int) for n in steps) and max(steps) == 4 * min(steps)
+    assert len({c["ref_lr"] for c in s.paper_rho1_sweep}) == 2
+    assert s.full_val_shares == (1 / 16, 1 / 8, 1 / 4) and "paper" in s.full_val_settings
+    assert s.lam1["lam"] == 1.0 and s.lam1 in s.paper_sweep and "blade-lam1" in s.paper_reuse_policies
+    assert set(s.paper_reuse_policies) - {"blade-lam1"} <= set(s.reuse_policies)
 
 
 def test_gpu_target_base_fits_two_epochs_of_the_cpu_preset_text():
@@ -142,6 +153,87 @@ def test_cpu_preset_model_sizes():
     assert forward_flops(s, target=True) == 2 * (1529600 + 327680) + 2 * 5 * 128 * 160 == 3919360
     assert forward_flops(s, target=True) / forward_flops(s) == pytest.approx(5.4679, abs=1e-4)
     assert QUICK.steps < s.steps  # the CI smoke is smaller
+
+
+def test_the_cpu_plan_is_the_stated_estimate_and_its_target_full_decides_every_r():
+    """CPU_ESTIMATE_MIN is what plan() computes from the preset (the plan is stated before the run, in
+    results.json); the target's full runs to R = 1's equal-compute point of the costliest reused selection, base
+    charged (the issue's 4,340 steps were v7's blade at 1.60×; blade-lam1 at 1.89× needs more)."""
+    from bench.quality.plan import plan
+    from bench.quality.setting import BUDGET_MIN, CPU_ESTIMATE_MIN
+
+    p = plan(PRESETS["cpu"])
+    assert p["estimate_minutes"] == CPU_ESTIMATE_MIN and p["budget_minutes"] == BUDGET_MIN == 180
+    assert p["total_minutes"] == sum(CPU_ESTIMATE_MIN.values())
+    assert p["over_budget_minutes"] == max(0, p["total_minutes"] - 180)
+    assert p["target_steps"] >= 4340 and p["full_steps"]["paper"] == p["equal_compute_steps"]["paper"]["blade-lam1"]
+    assert p["recorded_arms"] == ["blade", "blade-nosync", "random", "rho1"]
+
+
+def test_target_full_runs_to_the_smallest_rs_point():
+    from dataclasses import replace
+
+    from bench.quality.experiment import target_extra_steps
+
+    s = PRESETS["cpu"]
+    # (selection 300 + base 900) / R = 1 / 2 FLOPs per step = 600 steps; with an R of 4 the smallest: 150
+    assert target_extra_steps(s, [100.0, 300.0], 900.0, 2.0) == 600
+    assert target_extra_steps(replace(s, reuse_runs=(4, 16)), [100.0, 300.0], 900.0, 2.0) == 150
+    assert target_extra_steps(replace(s, target_extra_steps=7), [300.0], 900.0, 2.0) == 7
+
+
+def test_recorded_report_checks_compare_bit_for_bit_and_name_what_differs(tmp_path, capsys):
+    import json
+    from dataclasses import asdict, replace
+
+    from bench.quality.recorded import Checks, Recorded, same_choice
+
+    s = PRESETS["cpu"]
+    rec_path = tmp_path / "results.json"
+    setting = json.loads(json.dumps(asdict(s)))
+    setting["parallel_runs"] = 1  # operational: may differ
+    rec_path.write_text(json.dumps({
+        "setting": setting, "settings": {"paper": {"eval": {"blade": [{"x": 1.0}]}}},
+        "best_refresh": {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 8, "rho1_steps": 400},
+        "bases": {}, "base_eval": {}, "sweep": [], "equal_compute_steps": {}}))
+    rec = Recorded(str(rec_path))
+    assert rec.setting_differences(s) == []
+    assert rec.setting_differences(replace(s, steps=1000)) == ["steps: 1000 vs 2000"]
+    assert rec.best("paper") == {"blade": {"refresh_steps": 30, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 8},
+                          "rho1": {"rho1_steps": 400, "ref_lr": 3e-3, "refresh_batch_size": 8}}
+    assert same_choice("rho1", s.paper_rho1_sweep[0], rec.best("paper")["rho1"])
+    assert not same_choice("rho1", s.paper_rho1_sweep[3], rec.best("paper")["rho1"])  # η_w 1e-3
+    assert same_choice("blade", s.paper_sweep[0], rec.best("paper")["blade"]) and not same_choice("blade", s.lam1, rec.best("paper")["blade"])
+    assert rec.has("paper", "blade") and not rec.has("paper", "rho1") and not rec.has_replay("paper", "blade")
+    checks = Checks()
+    assert checks.compare("a", {"x": [1.0, 2.5]}, {"x": [1.0, 2.5]}) and checks.passed
+    assert not checks.compare("b", {"x": [1.0, 2.5]}, {"x": [1.0, 2.5 + 2 ** -50]})  # one ulp-sized difference
+    assert not checks.compare("c", {"x": [1.0]}, {"x": [1.0, 2.0]})  # a missing number differs too
+    assert not checks.passed and checks.failed() == ["b", "c"]
+    assert checks.rows[1]["max_abs_diff"] == pytest.approx(2 ** -50)
+    assert checks.compare("b", 1.0, 1.0) and checks.failed() == ["c"]  # a check made again replaces its row
+    assert "b: DIFFERS" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a quality benchmark report"):
+        Recorded(str(tmp_path / "other.json"))
+
+
+def test_an_unfinished_run_recorded_before_a_new_defaulted_setting_resumes(tmp_path):
+    """The lookup of an unfinished run compares its config.yaml as the schema reads it: a setting added since (at
+    its default, e.g. data.validation_share) leaves the run directory in place to resume; a changed one does not."""
+    import yaml
+
+    from bench.quality.runs import lookup
+    from schemas.train_config import TrainConfig
+
+    cfg = TrainConfig.demo_default().model_copy(update={"output_dir": str(tmp_path / "run")})
+    old = cfg.model_dump(mode="json")
+    del old["data"]["validation_share"]
+    os.makedirs(cfg.output_dir)
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(old))
+    assert lookup(cfg, str(tmp_path / "run" / "result.json")) is None and (tmp_path / "run").is_dir()
+    other = cfg.model_copy(update={"max_steps": cfg.max_steps + 1})
+    assert lookup(other, str(tmp_path / "run" / "result.json")) is None and not (tmp_path / "run").exists()
 
 
 def test_a_run_recorded_before_new_defaulted_settings_is_still_reused():
@@ -199,6 +291,11 @@ def test_the_stage_clock_leaves_out_the_time_a_stopped_process_spent(tmp_path):
     again._flush(final=True, now=90.0)
     entry = json.loads((tmp_path / "stage_times.json").read_text())["sweep"]
     assert entry["wall"] == pytest.approx(160) and entry["stopped"] == pytest.approx(970) and entry["pieces"] == 2
+    # each stopped interval is a line of the pause log, which the report counts
+    from bench.quality.analysis import pauses
+
+    log = pauses(str(tmp_path))
+    assert log["count"] == 1 and log["log"][0]["stage"] == "sweep" and log["minutes"] == pytest.approx(970 / 60)
 
 
 def test_prefetched_scores_equal_the_scores_of_this_process(make_config, tmp_path, capsys):
