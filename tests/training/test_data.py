@@ -246,9 +246,17 @@ def test_mixed_batches_replace_the_last_rows_with_every_validation_row_once_per_
 
 
 def test_validation_share_is_refused_outside_a_plain_full_run(demo_root, tmp_path):
+    """The mixed rows are the stream's rows of no engine part and no rank slice: a selecting policy (the engine-fed
+    trainer's, jobs/curate_and_train.py, included), a worker group or scored shards refuse the setting in one line
+    naming it, before anything runs."""
+    from schemas.engine_config import CurateAndTrainConfig
     from schemas.train_config import TrainConfig
 
     base = TrainConfig.demo_default(demo_root, policy="full").model_dump(mode="json")
+    engine = CurateAndTrainConfig.demo_default(demo_root).model_dump(mode="json")
+    engine["train"]["data"]["validation_share"] = 0.125
+    with pytest.raises(ValueError, match=r"data.validation_share \(0.125\) mixes .* needs selection.policy=full, .*\(got policy blade"):
+        CurateAndTrainConfig.model_validate(engine)
     ok = TrainConfig.model_validate({**base, "data": {**base["data"], "validation_share": 0.125}})
     assert ok.data.validation_share == 0.125
     for bad in ({"selection": {**base["selection"], "policy": "blade"}},

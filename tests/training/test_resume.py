@@ -47,14 +47,16 @@ def _columns(path: str) -> dict[str, list]:
     return {c: read_column(path, c) for c in ("step", "episode", "tokens", "loss_mask", "score", "source")}
 
 
-@pytest.mark.parametrize("policy", ["blade", "blade-nosync", "random"])
+@pytest.mark.parametrize("policy", ["blade", "blade-nosync", "random", "full+val"])
 def test_resume_mid_episode_gives_the_same_masks_and_weights(make_config, policy):
     # W=2, τ=3: refreshes before steps 2, 5, 8. Checkpoints every 4 steps; the kill comes after step 8's
     # selected part was written but before its checkpoint, so the rerun resumes at step 4, mid-episode
     # (reference and the episode's remaining scores restored from the checkpoint), and must drop and redo
-    # part [4, 8).
-    full = train(make_config(policy, "uninterrupted"))
-    cfg = make_config(policy, "killed")
+    # part [4, 8). full+val: policy full with a quarter of every batch's rows from the validation shards
+    # (data.validation_share), which the resumed run mixes in alike.
+    kind, mixed = ("full", {"data": {"validation_share": 0.25}}) if policy == "full+val" else (policy, {})
+    full = train(make_config(kind, "uninterrupted", **mixed))
+    cfg = make_config(kind, "killed", **mixed)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, callbacks=[Kill(8)])
     sel = os.path.join(cfg.output_dir, "selected")
@@ -75,8 +77,14 @@ def test_resume_mid_episode_gives_the_same_masks_and_weights(make_config, policy
     sa, sb = (x.run.stats.summary_data() for x in (full, resumed))
     assert [s["kept"] for s in sa["steps"]] == [s["kept"] for s in sb["steps"]]
     assert sa["refreshes"] == sb["refreshes"]
-    if policy != "random":  # step 4's scores came from the checkpoint: nothing was scored twice
+    if policy in ("blade", "blade-nosync"):  # step 4's scores came from the checkpoint: nothing was scored twice
         assert full.run.algorithm.counts["score_steps"] == resumed.run.algorithm.counts["score_steps"]
+    if policy == "full+val":  # 2 of every step's 8 rows are validation rows, the last two (their own sources)
+        val_sources = set(Manifest.load(cfg.data.validation).sources)
+        assert not val_sources & set(Manifest.load(cfg.data.candidates).sources)
+        assert [sum(str(x) in val_sources for x in b["source"][t * 8:(t + 1) * 8]) for t in range(cfg.max_steps)] \
+            == [2] * cfg.max_steps
+        assert all(str(x) in val_sources for t in range(cfg.max_steps) for x in b["source"][t * 8 + 6:(t + 1) * 8])
 
 
 def test_checkpoint_holds_the_blade_state_and_loads_weights_only(make_config):
