@@ -36,6 +36,7 @@ from bench.quality.compute import run_flops
 from bench.quality.experiment import train_all
 from bench.quality.figures import make_figures
 from bench.quality.plan import plan
+from bench.quality.procs import shared_workers
 from bench.quality.report import results_md
 from bench.quality.runs import REUSED, Evaluator, final_val
 from bench.quality.setting import (
@@ -360,14 +361,16 @@ def pauses(out: str) -> dict[str, Any]:
 
 def run_benchmark(s: Setting, out: str, *, until: str | None, command: str, preset: str) -> str | None:
     """Train every stage up to ``until``; without ``until``, evaluate, and write ``results.json``, the figures and
-    ``RESULTS.md`` (with ``out/READING.md``, the hand-written reading, when present). Returns RESULTS.md's path."""
-    runs = train_all(s, out, until=until)
-    if until is not None:
-        return None
-    clock = StageClock(out)
-    with clock.stage("evaluate"):  # timed like the training stages (the evaluation cache makes a rerun cheap)
-        results = analyse(runs)
-        figs = make_figures(results, os.path.join(out, "figures"))
+    ``RESULTS.md`` (with ``out/READING.md``, the hand-written reading, when present). Returns RESULTS.md's path.
+    Every stage's worker processes are one pool (:func:`~bench.quality.procs.shared_workers`)."""
+    with shared_workers(s.parallel_runs):
+        runs = train_all(s, out, until=until)
+        if until is not None:
+            return None
+        clock = StageClock(out)
+        with clock.stage("evaluate"):  # timed like the training stages (the evaluation cache makes a rerun cheap)
+            results = analyse(runs)
+            figs = make_figures(results, os.path.join(out, "figures"))
     results.update(preset=preset, stage_times=clock.times, pauses=pauses(out))
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()

@@ -9,6 +9,8 @@ import threading
 import time
 from datetime import UTC, datetime
 
+import psutil
+
 from curation.io.atomic import atomic_write_text
 
 __all__ = ["StageClock", "PAUSES"]
@@ -18,10 +20,17 @@ PAUSES = "pauses.jsonl"
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and of its ended child processes (a stage's parallel runs: their CPU counts
-    once their pool has closed, at the stage's end)."""
+    """CPU seconds of this process, of its ended child processes and of the running ones (the worker pool lives
+    through every stage, ``bench.quality.procs.shared_workers``: a stage counts what its workers did while it ran)."""
     t = os.times()
-    return time.process_time() + t.children_user + t.children_system
+    live = 0.0
+    for child in psutil.Process().children():
+        try:
+            c = child.cpu_times()
+        except psutil.Error:  # ended since: its time is in children_user/system once it is reaped
+            continue
+        live += c.user + c.system + c.children_user + c.children_system
+    return time.process_time() + t.children_user + t.children_system + live
 
 
 class StageClock:

@@ -271,6 +271,33 @@ def test_same_training_sets_aside_only_what_does_not_change_the_run():
     assert not same_training(blade, {**blade, "selection": {**blade["selection"], "lam": 0.0}})
 
 
+def test_one_worker_pool_serves_every_stage_and_the_stage_clock_counts_its_cpu(tmp_path):
+    """Inside shared_workers, every ``with process_pool(n)`` block (n up to its size) gets the same spawned worker
+    processes, which outlive the block; a stage's CPU counts what those running workers did during it (they are
+    reaped only when the benchmark ends). Outside, a pool of its own."""
+    import json
+    import time
+
+    from bench.quality.clock import StageClock
+    from bench.quality.procs import process_pool, shared_workers
+
+    clock = StageClock(str(tmp_path))
+    with shared_workers(1):
+        with process_pool(1) as pool:
+            first = pool.submit(os.getpid).result()
+        with clock.stage("sweep"), process_pool(1) as pool:
+            assert pool.submit(os.getpid).result() == first  # the same worker, still running
+            before = pool.submit(time.process_time).result()
+            pool.submit(sum, range(20_000_000)).result()  # CPU work in the worker
+            worked = pool.submit(time.process_time).result() - before
+        with pytest.raises(RuntimeError, match="do not nest"), shared_workers(1):
+            pass
+    assert worked > 0.05
+    assert json.loads((tmp_path / "stage_times.json").read_text())["sweep"]["cpu"] >= worked
+    with process_pool(1) as pool:  # no shared pool open: a pool of its own
+        assert pool.submit(os.getpid).result() != first
+
+
 def test_the_stage_clock_leaves_out_the_time_a_stopped_process_spent(tmp_path):
     """A flush more than three periods after the previous one (the process was SIGSTOPped) counts one period of
     that interval as the stage's wall and the rest as `stopped`; the totals add up over pieces and survive a reload."""
