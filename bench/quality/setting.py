@@ -253,11 +253,11 @@ GPU = Setting(
     precision="amp_bf16", checkpoint_interval=1000,
 )
 QUICK = Setting(
-    doc_scale=0.02, pool_doc_cap=30, base_doc_cap=60, skip_sources=("openintro", "hott", "novels", "folktales"),
-    vocab=1024, seq_len=64, hidden=32, layers=1, target_hidden=96, target_layers=1, base_tokens_per_parameter=0.5,
-    target_base_tokens_per_parameter=0.2,
+    doc_scale=0.02, pool_doc_cap=20, base_doc_cap=30, skip_sources=("openintro", "hott", "novels", "folktales"),
+    vocab=512, seq_len=64, hidden=32, layers=1, target_hidden=96, target_layers=1, base_tokens_per_parameter=0.3,
+    target_base_tokens_per_parameter=0.1,
     base_batch=8, base_eval_interval=10, batch=8, steps=12, seeds=2, warmup=2, tau=3, rho1_steps=3, eval_interval=4,
-    eval_batches=2, curve_interval=6,
+    eval_batches=1, curve_interval=6,
     sweep=({"refresh_steps": 3, "ref_lr": 3e-3, "lam": 0.25, "refresh_batch_size": 4},
            {"refresh_steps": 1, "ref_lr": 3e-3, "lam": 0.0, "refresh_batch_size": 4}),
     rho1_sweep=(2, 3),
@@ -267,7 +267,7 @@ QUICK = Setting(
                       {"rho1_steps": 6, "ref_lr": 3e-3, "refresh_batch_size": 4}),
     full_val_shares=(1 / 8, 1 / 4), lam1={"refresh_steps": 1, "ref_lr": 3e-3, "lam": 1.0, "refresh_batch_size": 4},
     reuse_policies=("rho1", "blade", "random"), paper_reuse_policies=("rho1", "blade-lam1"), reuse_seeds=2,
-    target_curve_interval=4, target_eval_interval=8, eval_docs=40, checkpoint_interval=6,
+    target_curve_interval=4, target_eval_interval=8, eval_docs=16, checkpoint_interval=6,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
