@@ -4,7 +4,7 @@ settings (GSM8K train in the pool; the paper's regime without it).
 
     python jobs/bench_quality.py --preset cpu --out /work/qruns/v8   # CPU preset, ≈ 3 h on 2 idle cores (planned)
     python jobs/bench_quality.py --preset gpu --out runs/quality-gpu # one H100-class GPU (not run)
-    python jobs/bench_quality.py --quick --out /tmp/q                # CI smoke version (a few minutes)
+    python jobs/bench_quality.py --quick --out /tmp/q                # CI smoke version (≈ 1 min of CPU)
 
 The setting (data, models, presets, compute model) is in bench/quality/setting.py, the runs in
 bench/quality/runs.py, the verdict rules in bench/quality/verdicts.py and the report in
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("runs", "quality"), help="output directory")
     ap.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="cpu (default) or gpu (one H100-class GPU)")
-    ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, a few minutes)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke setting (tiny data and models, ≈ 1 min of CPU)")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--steps", type=int, default=None, help="override the proxy steps per run")
     ap.add_argument("--parallel-runs", type=int, default=None, metavar="N",

@@ -32,9 +32,9 @@ def _rerun_here(capfd, *args: str) -> str:  # noqa: ANN001 - pytest's capfd
 
 
 @pytest.mark.slow
-# The first invocation (every arm in two settings, 2 seeds, 10 sweep candidates, 16 target runs; its process and two
-# workers) takes ≈ 70 s of CPU, the two reruns in this process ≈ 25 s (both draw the figures again); 105 s of CPU for
-# the whole file under a load of 6 on the 2-core machine (310 s before the worker pool was shared and the preset cut)
+# The first invocation (every arm in two settings, 2 seeds, 10 sweep candidates, 16 target runs; a job process and its
+# two workers) and the two reruns in this process: 80 s of CPU for the whole file, 149 s of wall under a load of 5.7 on
+# the 2-core machine (before the shared worker pool, the smaller preset and the reruns here: 310 s of CPU, 865 s)
 @pytest.mark.timeout(7200)
 def test_quick_quality_benchmark(tmp_path, shared_data, capfd):
     out = tmp_path / "q"
