@@ -8,9 +8,9 @@ i.e. ≈ 1.6× and 1.4× the steps per second (the CPU preset's ``full`` runs: `
 config at 100 and 300 steps, the difference; two 1-thread runs side by side do not slow each other down on
 this machine's 2 cores).
 
-:func:`run_jobs` runs a stage's independent runs ``parallel_runs`` at a time, each in a process of its own
-(``bench.quality.procs``) with the threads its config names, and returns their results in the order given;
-finished runs are taken from their records without starting a process. A run's result does not depend on what
+:func:`run_jobs` runs a stage's independent runs ``parallel_runs`` at a time in worker processes
+(``bench.quality.procs``: within a benchmark, one pool for every stage), each with the threads its config names, and
+returns their results in the order given; finished runs are taken from their records without starting a process. A run's result does not depend on what
 runs beside it (its config fixes its threads, data order and seeds), so one run at a time gives the same numbers
 bit for bit (``tests/jobs/test_bench_quality.py``).
 """
