@@ -25,6 +25,7 @@ from curation.core.selection import num_selected
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.conftest import load_job
+from tests.training.conftest import tiny_config
 from training.runs.group import ATTEMPTS_FILE
 from training.runs.train_job import train
 
@@ -188,23 +189,40 @@ def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
-def test_rank_scope_selects_like_microbatches_of_one_process(make_config, ray_local):
+#: The steps of the 2-worker ``random`` runs (scope: rank) that the rank-scope and SIGTERM tests share: the driver
+#: hands a signal on within 0.5 s, so the run must outlast that after its first checkpoint (step 4).
+RANDOM_STEPS = 80
+
+
+_TWO_RANDOM: dict = {}
+
+
+@pytest.fixture
+def two_random(demo_root, tmp_path_factory, ray_local):
+    """The uninterrupted 2-worker ``random`` run with ``selection.scope: rank``, made once per test process (one
+    group start for two tests): ``train``'s :class:`~training.runs.finish.Finished`."""
+    if demo_root not in _TWO_RANDOM:
+        out = str(tmp_path_factory.mktemp("two-random") / "two-rank")
+        _TWO_RANDOM[demo_root] = train(tiny_config(demo_root, out, "random", max_steps=RANDOM_STEPS,
+                                                   parallel={"workers": 2}, selection={"scope": "rank"}))
+    return _TWO_RANDOM[demo_root]
+
+
+def test_rank_scope_selects_like_microbatches_of_one_process(make_config, two_random):
     """``selection.scope: rank``: each rank's b/N rows keep their own γ share, with no collective for the choice;
     that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,
     so the masks must agree at every step (not only the first selecting one); each rank's block has its own k."""
-    single = train(make_config("random", "single-mb", max_steps=STEPS, microbatch_size=B // 2))
-    two = train(make_config("random", "two-rank", max_steps=STEPS, parallel={"workers": 2},
-                                     selection={"scope": "rank"}))
-    a, b = _columns(single.selected), _columns(two.selected)
-    assert b["step"] == [t for t in range(STEPS) for _ in range(B)]
+    single = train(make_config("random", "single-mb", max_steps=RANDOM_STEPS, microbatch_size=B // 2))
+    a, b = _columns(single.selected), _columns(two_random.selected)
+    assert b["step"] == [t for t in range(RANDOM_STEPS) for _ in range(B)]
     ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
     assert np.array_equal(ma, mb)
-    blocks = mb.reshape(STEPS, 2, B // 2, -1)
+    blocks = mb.reshape(RANDOM_STEPS, 2, B // 2, -1)
     valid = (B // 2) * (blocks.shape[-1] - 1)
     gamma = make_config("random").selection.gamma
-    for t in range(W, STEPS):  # each rank's block keeps exactly its own share
+    for t in range(W, RANDOM_STEPS):  # each rank's block keeps exactly its own share
         assert [int(blocks[t, r].sum()) for r in range(2)] == [num_selected(gamma, valid)] * 2, t
-    sa, sb = (json.load(open(o.summary, encoding="utf-8")) for o in (single, two))
+    sa, sb = (json.load(open(o.summary, encoding="utf-8")) for o in (single, two_random))
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
@@ -227,17 +245,16 @@ def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.timeout(1200)  # three group start-ups; 370 s on a loaded 2-core machine
+@pytest.mark.timeout(1200)  # two group start-ups (three with the shared run's); 370 s on a loaded 2-core machine
 def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_uninterrupted_run(make_config,
-                                                                                                 ray_local):
+                                                                                                 two_random):
     """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
     all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
     from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""
     from curation.io.stop import GracefulStop, StopRequested
 
-    steps = 80  # the driver hands the signal on within 0.5 s: the run must outlast that after its first checkpoint
-    full = train(make_config("random", "two-full", max_steps=steps, parallel={"workers": 2}))
-    cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2})
+    steps, full = RANDOM_STEPS, two_random  # the uninterrupted run of this config
+    cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2}, selection={"scope": "rank"})
     done = threading.Event()
     sender = threading.Thread(target=_signal_after_first_checkpoint, args=(cfg.output_dir, done))
     sender.start()
