@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         with ray_session(RayConfig().address, need_cpus=max(counts)):
             for n in counts:
-                def pool(workers, units, n=n):  # noqa: ANN001, ANN202 - the prepare pool factory, n workers
+                def pool(workers, units, needs, n=n):  # noqa: ANN001, ANN202 - the prepare pool factory, n workers
                     return ray_unit_pool(RayConfig(), n, units)
 
                 warm = _warm_up(args, path, tmp, pool, n)

@@ -55,6 +55,7 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
+from curation.io.carried import Carried, carry
 from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
@@ -63,8 +64,13 @@ __all__ = ["ray_session", "RayEngine"]
 
 
 @ray.remote(num_cpus=0)
-def _load_weights(path: str) -> Weights:
-    return Weights.load(path)
+def _load_weights(path: Carried[str]) -> Weights:
+    return Weights.load(path.here())
+
+
+def _load_from(path: str) -> ray.ObjectRef:
+    """Load saved weights into the object store in a task (on any node: the path travels carried)."""
+    return _load_weights.remote(carry(path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,14 +81,16 @@ class _CoordinatorActor:
     (``next_unit``, ``wait_part``) do not block others; handles are ``ObjectRef``; refreshes are tasks of the
     refresh actor, awaited here."""
 
-    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: LedgerSpec, engine_dir: str,
-                 plan: TrainingPlan | None, refresh_mode: RefreshMode, refresh: Any = None) -> None:
+    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: Carried[LedgerSpec],
+                 engine_dir: Carried[str], plan: TrainingPlan | None, refresh_mode: RefreshMode,
+                 refresh: Any = None) -> None:
         self.refresh_actor = refresh
+        ledger, engine_dir = ledger.here(), engine_dir.here()  # (at this node's cache paths)
         self._event: asyncio.Event | None = None
         self._tasks: set[Any] = set()
         self.state = EngineState(
             units, ledger=ledger.open(), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
-            refresh_mode=refresh_mode, load=_load_weights.remote, launch=self._launch,
+            refresh_mode=refresh_mode, load=_load_from, launch=self._launch,
         )
 
     # --- refreshes -----------------------------------------------------------------------------
@@ -218,8 +226,8 @@ class _CoordinatorActor:
 class _WorkerActor:
     """A :class:`~curation.engine.workers.ScoringWorker` serving units from the coordinator."""
 
-    def __init__(self, spec: WorkerSpec, worker_id: int) -> None:
-        self.worker = ScoringWorker(spec, worker_id)
+    def __init__(self, spec: Carried[WorkerSpec], worker_id: int) -> None:
+        self.worker = ScoringWorker(spec.here(), worker_id)
         with warnings.catch_warnings():  # the property reads a deprecated attribute internally
             warnings.simplefilter("ignore")
             self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -277,8 +285,8 @@ class _WorkerActor:
 class _RefreshActor:
     """A :class:`~curation.engine.refresh_runner.RefreshRunner`; each result is returned into the object store."""
 
-    def __init__(self, spec: RefreshSpec) -> None:
-        self.runner = RefreshRunner(spec)
+    def __init__(self, spec: Carried[RefreshSpec]) -> None:
+        self.runner = RefreshRunner(spec.here())
 
     def refresh(self, version: int, proxy: Weights, recent: RecentMasks, *, source_step: int,
                 previous: Weights | None = None) -> tuple[Weights, dict[str, Any]]:
@@ -320,17 +328,18 @@ class RayEngine(EngineClient):
         if work.refresh_spec is not None:
             refresh = ray.remote(_RefreshActor).options(
                 num_cpus=0, num_gpus=gpu_r, max_restarts=restarts, max_task_retries=restarts,
-            ).remote(work.refresh_spec)
+            ).remote(carry(work.refresh_spec))
         self.refresh = refresh
         super().__init__(ray.remote(_CoordinatorActor).options(num_cpus=0, max_concurrency=1000).remote(
-            units=list(work.units), lookahead=lookahead, ledger=work.ledger, engine_dir=work.engine_dir,
+            units=list(work.units), lookahead=lookahead, ledger=carry(work.ledger), engine_dir=carry(work.engine_dir),
             plan=work.plan, refresh_mode=RefreshMode(work.refresh_mode), refresh=refresh,
         ), work.engine_dir)
         # Every actor is created before waiting on any: they start (import torch, load models) in parallel.
         self.workers = [
             ray.remote(_WorkerActor).options(
                 num_cpus=workers.threads, num_gpus=gpu_w, max_restarts=restarts, max_task_retries=restarts,
-            ).remote(work.worker_spec, i)
+                resources=dict(workers.resources),
+            ).remote(carry(work.worker_spec), i)
             for i in range(workers.count)
         ]
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up

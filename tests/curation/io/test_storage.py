@@ -91,11 +91,17 @@ def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     plain = TrainConfig.demo_default("runs/demo")
     assert localize(plain) is plain
     prep = PrepareConfig.demo_default("runs/demo")
-    bad = prep.model_copy(update={"sources": [prep.sources[0].model_copy(update={"paths": ["s3://bkt/raw.jsonl"]})]})
-    with pytest.raises(ValueError, match=r"^sources.0.paths.0: object-store URLs are supported for shard and output "
-                                         r"directories only \(candidates, output_dir, proxy_weights, "
-                                         r"reference_weights, scored, selected, tokenizer, validation\); "
-                                         "got s3://bkt/raw.jsonl"):
+    inputs = prep.model_copy(update={"sources": [prep.sources[0].model_copy(
+        update={"paths": ["s3://bkt/raw/*.jsonl", "local.jsonl"]})], "stage_inputs": "s3://bkt/staged"})
+    local = localize(inputs)  # a source's paths (each item, globs too) and the staging prefix: their cache paths
+    assert local.sources[0].paths == [str(tmp_path / "c" / "s3" / "bkt" / "raw" / "*.jsonl"), "local.jsonl"]
+    assert local.stage_inputs == "s3://bkt/staged"
+    assert urls_in(local.model_dump(mode="json")) == inputs.model_dump(mode="json")
+    bad = prep.model_copy(update={"tokenizer": prep.tokenizer.model_copy(update={"path": "s3://bkt/tok.json"})})
+    with pytest.raises(ValueError, match=r"^tokenizer.path: object-store URLs are supported for shard and output "
+                                         r"directories and inputs only \(candidates, output_dir, paths, "
+                                         r"proxy_weights, reference_weights, scored, selected, stage_inputs, "
+                                         r"tokenizer, validation\); got s3://bkt/tok.json"):
         localize(bad)
 
 
