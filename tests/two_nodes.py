@@ -2,7 +2,9 @@
 
 A head (``ray start --head``) and a second node (``ray start --address``), each in the foreground of its own session
 (``--block``: ending that process ends the node's processes; never ``ray stop``, which ends every Ray instance of the
-machine), every port a free one, the head's session under a temporary directory of its own. Each node's processes
+machine), every port a free one, each node's Ray session under a temporary directory of its own (as on two
+machines: with one, a ``ray job submit --working-dir`` package unpacked by the second node's runtime-env agent
+replaced the directory the job's driver on the head was running in). Each node's processes
 (its raylet, every Ray worker it starts, and the drivers a test runs "on" it) have their own ``BLADE_CACHE_DIR`` and
 working directory, a custom resource named after the node (``{"node_a": 100}``) plus the role resources the test
 gives (``{"rank": 1, "scorer": 1}`` on each, so two of a role land on two nodes), and ``tests/node_guard`` on their
@@ -80,9 +82,10 @@ class Node:
         cmd = ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
                "--num-cpus", str(self.cpus), "--object-store-memory", str(200 << 20),
                "--resources", json.dumps({self.name: 100, **self.resources}),
+               "--temp-dir", os.path.join(c.root, f"ray-{self.name}"),
                *[a for p in ports for a in (p, str(free_port()))]]
         if head:
-            cmd += ["--head", "--port", str(c.port), "--temp-dir", os.path.join(c.root, "ray"),
+            cmd += ["--head", "--port", str(c.port),
                     "--ray-client-server-port", str(free_port()), "--include-dashboard", "true",
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(c.dashboard_port)]
         else:
@@ -175,10 +178,13 @@ class TwoNodes:
 
     def _alive(self) -> int:
         """Alive nodes as the GCS counts them (asked from a process of its own: this one stays out of Ray)."""
-        code = ("import ray; ray.init(address=%r, logging_level='ERROR'); "
-                "print(sum(n['Alive'] for n in ray.nodes()))" % self.address)
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env=self.nodes["node_a"].env(), cwd=self.nodes["node_a"].work)
+        code = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+                "print(sum(n['Alive'] for n in ray.nodes()))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                  env=self.nodes["node_a"].env(), cwd=self.nodes["node_a"].work)
+        except subprocess.TimeoutExpired:  # (the head's GCS is not up yet: ray.init waits for it)
+            return 0
         return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
 
     def _wait(self, count: int, timeout: float, node: Node) -> bool:

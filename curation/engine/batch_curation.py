@@ -101,11 +101,13 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
             report = engine.report()
             elsewhere = engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
     except StopRequested as e:
+        storage.refresh(Manifest.path_in(out))  # (the coordinator's, written on whatever node it ran)
         kept = Manifest.load_if_exists(out)
         n = len({s.state.get("unit") for s in kept.shards if s.complete}) if kept is not None else 0
         raise StopRequested(e.signum, f"with {n} of {len(units)} work units finished in {out}; rerun the same "
                                       f"command to do the other {len(units) - n} (finished parts are kept)") from None
     elsewhere += sum(r.get("uploaded", 0) for r in engine.worker_results.values())  # (the workers, once closed)
+    storage.refresh(Manifest.path_in(out))  # (the coordinator's, written on whatever node it ran)
     manifest = Manifest.load(out)
     seconds = time.perf_counter() - start
     per_source = {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens,

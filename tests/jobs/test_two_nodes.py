@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -164,4 +165,162 @@ def test_prepare_on_two_nodes_equals_one_process_object_for_object(cluster, env,
 
 
 def test_no_process_of_a_node_touched_the_other_nodes_directories(cluster, prepared):
+    assert cluster.guard_events() == []
+
+
+# ------------------------------------------------------------------------------------------------
+# ray job submit: batch curation and replay
+# ------------------------------------------------------------------------------------------------
+def _submit(cluster, job: str, *sets: str, resources: dict | None = None) -> str:  # noqa: ANN001 - a TwoNodes
+    """``ray job submit`` of ``jobs/<job>.py --set ...`` from this process (a third machine) to the head's job server,
+    on the node that has ``resources`` (the head when none); its logs, once it succeeded. A submission the job server
+    did not take (its agent not up yet on a loaded machine: no job id printed) is made again, as a user would."""
+    env = {**cluster.base_env, "BLADE_CACHE_DIR": cluster.private[0]}
+    where = ["--entrypoint-resources", json.dumps(resources)] if resources else []
+    cmd = ["ray", "job", "submit", "--address", cluster.dashboard, "--working-dir", REPO, *where, "--", "python",
+           f"jobs/{job}.py", *[a for s in sets for a in ("--set", s)]]
+    deadline, logs = time.monotonic() + 180, ""
+    while True:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        logs = done.stdout + done.stderr
+        ids = [w.strip("'") for w in logs.split() if w.strip("'").startswith("raysubmit_")]
+        if ids or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    assert ids, f"ray job submit never printed a job id:\n{logs[-3000:]}"
+    status = subprocess.run(["ray", "job", "status", "--address", cluster.dashboard, ids[0]], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert f"Job '{ids[0]}' succeeded" in status.stdout + status.stderr, logs[-5000:]
+    return logs
+
+
+def _model() -> dict:
+    from schemas.train_config import demo_model_config
+
+    return demo_model_config(ENGINE_VOCAB, hidden=32, layers=1).model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def reference_weights(env, tmp_path_factory):
+    """A reference for batch curation: the tiny model of another seed, in the bucket."""
+    from curation.engine.weights import Weights
+    from curation.io.models import build_causal_lm
+    from schemas.train_config import ModelConfig
+
+    path = str(tmp_path_factory.mktemp("weights") / "reference.safetensors")
+    Weights.from_state_dict(build_causal_lm(ModelConfig.model_validate({**_model(), "init_seed": 1}))).save(path)
+    objects.upload(path, _url(env, "weights/reference.safetensors"))
+    return _url(env, "weights/reference.safetensors")
+
+
+def _curate_sets(env: dict, out: str, workers: dict, reference: str) -> list[str]:
+    return [f"candidates={_url(env, 'two/data/candidates')}", f"tokenizer={_url(env, 'two/data/tokenizer/tokenizer.json')}",
+            f"model={json.dumps(_model())}", f"reference_weights={reference}", "proxy_weights=null", "gamma=0.5",
+            "batch_size=8", f"output_dir={out}", "progress=false", f"workers={json.dumps(workers)}"]
+
+
+def _rows(url: str) -> dict[str, np.ndarray]:
+    """Every column of the shards under ``url`` (pulled into this process's cache), rows in index order."""
+    from curation.io import storage
+    from curation.io.shards import ShardReader
+
+    local = storage.local_path(url)
+    storage.pull(local)
+    reader = ShardReader(local)
+    rows = [reader[i] for i in range(len(reader))]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "source"} | {
+        "source": np.array([r["source"] for r in rows])}
+
+
+def test_batch_curation_submitted_with_its_workers_on_the_other_node_selects_what_one_node_selects(
+        cluster, env, prepared, reference_weights):
+    # the scoring workers on node B, the driver (the job's entrypoint) on node A, the head
+    logs = _submit(cluster, "curate", *_curate_sets(env, _url(env, "two/curate"), {
+        "count": 2, "range_steps": 5, "resources": {"node_b": 1}}, reference_weights))
+    assert f"selected-token shards: {_url(env, 'two/curate/selected')}" in logs, logs[-3000:]
+    _submit(cluster, "curate", *_curate_sets(env, _url(env, "one/curate"), {
+        "count": 2, "range_steps": 5, "resources": {"node_a": 1}}, reference_weights))
+    two, one = _rows(_url(env, "two/curate/selected")), _rows(_url(env, "one/curate/selected"))
+    assert sorted(two) == sorted(one) and all(
+        np.array_equal(two[k], one[k], equal_nan=two[k].dtype.kind == "f") for k in two)
+    assert int(two["loss_mask"].sum()) > 0
+    b = _cache_files(cluster.nodes["node_b"])
+    # node B's workers wrote parts of the first run, node A's of the second (a coordinator on either node reads them)
+    a = _cache_files(cluster.nodes["node_a"])
+    assert any("/two/curate/selected/worker-" in f for f in b), b
+    assert any("/one/curate/selected/worker-" in f for f in a), a
+
+
+def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(cluster, env, prepared):
+    from schemas.train_config import ReplayConfig
+    from training.runs.single import replay
+
+    def settings(out: str) -> dict:
+        return {"selected": _url(env, "two/curate/selected"), "validation": _url(env, "two/data/validation"),
+                "tokenizer": _url(env, "two/data/tokenizer/tokenizer.json"), "model": _model(), "output_dir": out,
+                "batch_size": 8, "max_steps": 4, "progress_bar": False, "threads": 1, "device": "cpu",
+                "eval": {"interval": 2, "batch_size": 16, "max_batches": 1}, "checkpoint": {"interval": 2}}
+
+    logs = _submit(cluster, "replay", *[f"{k}={json.dumps(v)}" for k, v in settings(_url(env, "two/replay")).items()],
+                   resources={"node_b": 1})
+    assert _url(env, "two/replay") in logs, logs[-3000:]
+    replay(ReplayConfig.model_validate(settings(_url(env, "one/replay"))))
+    two, one = _objects(_url(env, "two/replay")), _objects(_url(env, "one/replay"))
+    assert two["final/model.safetensors"] == one["final/model.safetensors"]
+    assert {k for k in two if k.startswith("checkpoints/")} == {k for k in one if k.startswith("checkpoints/")}
+    assert any("/two/replay/" in f for f in _cache_files(cluster.nodes["node_b"]))
+    assert not any("/two/replay/" in f for f in _cache_files(cluster.nodes["node_a"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the second node lost mid-run
+# ------------------------------------------------------------------------------------------------
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 600) -> None:  # noqa: ANN001 - a callable
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, "the run wrote nothing on node B in time"
+        time.sleep(0.05)
+
+
+def test_prepare_rerun_after_the_second_nodes_raylet_was_killed_mid_run_equals_an_uninterrupted_run(
+        cluster, env, corpus, prepared):
+    """Node B's raylet SIGKILLed once it wrote a part (its workers end; Ray runs their units again on node A), node B
+    started again as a new machine (its cache empty), the same command rerun: the objects equal an in-process run's."""
+    from curation.ingest.prepare import prepare
+    from schemas.config import PrepareConfig
+
+    node_a, node_b = cluster.nodes["node_a"], cluster.nodes["node_b"]
+    small = {"unit_bytes": 2_000}  # (dozens of units: node B is lost with most of them to do)
+    cfg = _write_yaml(os.path.join(node_a.work, "kill.yaml"), _prepare_config(
+        env, corpus, _url(env, "kill/data"), workers=2, resources={"prep": 1}, ray={"address": cluster.address},
+        **small))
+    cmd = [PREPARE, "--config", cfg]
+    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=node_a.env(), cwd=node_a.work)
+    try:
+        _wait_for(lambda: any("/kill/data/candidates/" in f and "/part-" in f for f in _cache_files(node_b)), proc)
+        node_b.kill_raylet()
+        first = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 1), first  # (finished on node A, or failed naming the lost node: either is fine)
+    cluster.restart("node_b")
+    done = cluster.run("node_a", *cmd, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    prepare(PrepareConfig.model_validate(_prepare_config(env, corpus, _url(env, "one/kill"), workers=1, **small)))
+    two, one = _objects(_url(env, "kill/data")), _objects(_url(env, "one/kill"))
+    assert sorted(two) == sorted(one)
+    assert [k for k in two if two[k] != one[k] and os.path.basename(k) not in {"config.yaml", "inputs.json",
+                                                                                   "manifest.json"}] == []
+    for group in ("candidates", "validation"):
+        a, b = (_json(_url(env, f"{run}/{group}/manifest.json")) for run in ("kill/data", "one/kill"))
+        a.pop("config"), b.pop("config")
+        for m in (a, b):
+            m["extra"].pop("tokenizer_path")
+        assert a == b
+
+
+def test_no_process_of_a_node_touched_the_other_nodes_directories_in_the_end(cluster):
     assert cluster.guard_events() == []

@@ -55,6 +55,7 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
+from curation.io.cache import urls_in_text
 from curation.io.carried import Carried, carry
 from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
@@ -262,6 +263,7 @@ class _WorkerActor:
                 result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
             except Exception as e:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
+                message = urls_in_text(message)  # (this node's cache paths as their URLs: the driver's differ)
                 ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}"))
                 raise
             t2 = time.perf_counter()
