@@ -17,6 +17,9 @@ are not wall-clock times side by side (:data:`TOGETHER`); the report holds each 
   ÷ the bare PyTorch loop of the same model (goal ≤ 1.05), host peak RSS and GPU peak BLADE ÷ plain (goal
   ≤ 1.10), with GPU-shaped models (``--heads 12``: head_dim 64);
 * ``selection``: Δ + top-γ ÷ forward (goal < 0.02);
+* ``host_reads``: host reads per steady step of the trainer (every policy, engine-fed) and of a scoring worker, per
+  episode start and per weight load (``jobs/bench_host_reads.py``: counted on the CPU, the GPU run's branches
+  taken; the ``gpu`` test ``tests/bench/test_host_reads_gpu.py`` checks the same steps under CUDA's sync detector);
 * ``gpu_tests``: passed / failed / skipped; ``main_job``: exit status and seconds.
 
 Needs only what the offline kit of ``../shared/gpu/`` installs (torch, numpy, composer, ray, transformers, pydantic,
@@ -42,12 +45,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # inside the first training step made it run out of its time on the H200 on 2026-11-27).
 # b = 8 and 32 of the training bench in one invocation (each policy's process runs both: 3 process starts, not 6;
 # on the H200 the two invocations took 89 + 102 s, most of it start-up, for 43 steps per policy and size).
-STEPS = ("prepare", "scoring_b8", "scoring_b32", "training", "selection", "scoring_ray", "pipeline_only", "gpu_tests",
-         "main_job")
+STEPS = ("prepare", "scoring_b8", "scoring_b32", "training", "selection", "scoring_ray", "host_reads", "pipeline_only",
+         "gpu_tests", "main_job")
 # Run side by side at the end, none of them a wall-clock figure: the host cost per token is CPU time of one
 # process, the tests and the main job report pass/fail (and seconds, for information). One after the other they
 # took 16 + 46 + 50 s of the H200's 6 minutes on 2026-11-27, which the whole check overran.
-TOGETHER = ("pipeline_only", "gpu_tests", "main_job")
+# The host-read counts (jobs/bench_host_reads.py: on the CPU, the GPU run's branches taken) are counts, not times.
+TOGETHER = ("host_reads", "pipeline_only", "gpu_tests", "main_job")
 
 # The GPU shapes of issue 31 (bench_scoring's Llama of 134M parameters; bench_training's of 86.7M with head_dim 64).
 _MODEL = ["--seq-len", "1024", "--hidden", "768", "--layers", "12", "--heads", "12"]
@@ -84,6 +88,7 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
                           "--select-repeats", "3", "--json"],
             "main_job": [*job("curate_and_train"), "--set", f"train.output_dir={data}/main-job",
                          "--set", "train.max_steps=6"],
+            "host_reads": [*job("bench_host_reads"), "--only", "trainer_full", "weight_load", "--json"],
         }
     scoring = [*job("bench_scoring"), "--device", "cuda", *_MODEL, "--range-steps", "9", "--json"]
     training = [*job("bench_training"), "--device", "cuda", "--clock", "wall", "--precision", "amp_bf16", *_MODEL,
@@ -100,6 +105,7 @@ def commands(tiny: bool, data: str) -> dict[str, list[str]]:
         "selection": [*job("bench_selection"), "--device", "cuda", "--dtype", "bfloat16", "--seq-len", "1024",
                       "--hidden", "768", "--intermediate", "2048", "--layers", "12", "--heads", "12", "--json"],
         "main_job": [*job("curate_and_train"), "--set", f"train.output_dir={data}/main-job"],
+        "host_reads": [*job("bench_host_reads"), "--json"],  # every scenario (on the CPU: counts, not times)
     }
 
 
@@ -220,6 +226,12 @@ def headline(steps: dict[str, dict]) -> dict:
         },
         "selection_over_forward": get("selection", "delta_select_over_forward"),
         "selection_queued_over_forward": get("selection", "queued_delta_select_over_forward"),  # device time
+        # host reads per steady step (trainer, every policy; engine-fed; workers), per episode start and weight load,
+        # counted on the CPU with the GPU run's branches taken (issue 52: targets <= 1, 2)
+        "host_reads": {**{k: v.get("per_step") for k, v in r.get("host_reads", {}).items()
+                          if isinstance(v, dict) and "per_step" in v},
+                       "met": get("host_reads", "met"), "sites": get("host_reads", "sites")} if r.get("host_reads")
+        else None,
         "gpu_tests": r.get("gpu_tests") or None,
         "main_job_ok": steps["main_job"]["rc"] == 0 if "main_job" in steps else None,
         "main_job_seconds": steps["main_job"]["seconds"] if "main_job" in steps else None,

@@ -12,7 +12,9 @@ Warm-up steps and the first episode (one-off allocations) are excluded: whole ep
 each with exactly one refresh. Times are process CPU time with one torch thread by default, and the
 fastest measured episode of each policy is compared (runs alternate ``full``/``blade``), so that other
 load on a shared machine does not decide the ratio; ``--clock wall --threads N`` for wall-clock time. Evaluation, checkpoints and shard
-writing are off in both runs; ‖u − w‖ is measured once per episode.
+writing are off in both runs; ‖u − w‖ is measured once per episode. Neither run synchronises per step or per phase
+(as in production); ``--phase-pass`` times BLADE's phases with CUDA events instead (read once, at the end). GPU-shaped
+models (``--heads``): head_dim ``hidden / heads`` and an MLP width that is a multiple of 128.
 
 Predicted ratio from counting passes (docs/DESIGN.md §6, issue 4): plain step = 1 forward+backward over
 b sequences; scoring the same batch with the reference ≈ 1/3 (a forward only); a refresh step =
@@ -62,6 +64,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: the demo's hidden/16, head_dim 16; GPU-shaped models: head_dim 64)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--phase-pass", action="store_true",
+                   help="time BLADE's phases (select, score, refresh, distance) on the device with CUDA events, read "
+                        "once at the end (phase_device_seconds); the headline ratios never synchronise per phase")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is then a stable measure)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="cpu: process CPU time (robust to other load on a shared machine); wall: elapsed time")
@@ -110,8 +115,9 @@ def _model(args: argparse.Namespace) -> dict:
 
     model = demo_model_config(_vocab(args.data), hidden=args.hidden, layers=args.layers,
                               seq_len=args.seq_len).model_dump(mode="json")
-    if args.heads is not None:
-        model["hf_config"].update(num_attention_heads=args.heads, num_key_value_heads=args.heads)
+    if args.heads is not None:  # GPU-shaped: head_dim = hidden / heads, the MLP width a multiple of 128 (2048 at 768)
+        model["hf_config"].update(num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                                  intermediate_size=max(128, round(args.hidden * 8 / 3 / 128) * 128))
     return model
 
 
@@ -148,12 +154,12 @@ def worker_run(args: argparse.Namespace) -> dict:
             self.marks: list[tuple[float, dict[str, float]]] = []
 
         def batch_end(self, state, logger) -> None:
-            if state.device.name == "gpu":
-                import torch
-
-                torch.cuda.synchronize()
             step = int(state.timestamp.batch)  # steps done; a step's time includes its refresh and scoring
-            if step >= first and (step - first) % args.tau == 0:
+            if step >= first and (step - first) % args.tau == 0:  # (a synchronisation at the marks only)
+                if state.device.name == "gpu":
+                    import torch
+
+                    torch.cuda.synchronize()
                 self.marks.append((clock(), dict(run.algorithm.timers)))
 
     import torch
@@ -161,14 +167,17 @@ def worker_run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(args, args.worker, tmp)
         episode_clock = EpisodeClock()
-        # BLADE's phase timers synchronise around each phase (its breakdown); the plain step runs as in production
-        run = build_training(cfg, callbacks=[episode_clock],
-                             meters=Meters(clock=clock, sync_cuda=args.worker != "full"))
+        # Both policies run as in production: no synchronisation around BLADE's phases (on a GPU, ~2 device-wide
+        # syncs per step, which production does not have, biased the ratio); with --phase-pass the phases' device
+        # times come from CUDA events in this run (read once, at its end)
+        meters = Meters(clock=clock, events=args.phase_pass and args.worker == "blade")
+        run = build_training(cfg, callbacks=[episode_clock], meters=meters)
         refresh_ms = _time_refreshes(run, args) if args.worker == "blade" else []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         run.trainer.fit()
         run.trainer.close()
+        phase_device_seconds = meters.resolve() if meters.events else None
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     # What of the host RSS is pinned memory (the reference's compact copy, the tokens staged for the GPU): the
     # caching host allocator rounds each block up to a power of two, so its reserved bytes may exceed the buffers'.
@@ -194,6 +203,7 @@ def worker_run(args: argparse.Namespace) -> dict:
         "threads": __import__("torch").get_num_threads(),
         "refresh_batch_size": cfg.refresh_batch_size,
         "refresh_ms": refresh_ms,
+        "phase_device_seconds": phase_device_seconds,
         "refresh_joint_forward": joint_forward_on(cfg.selection.refresh_joint_forward,
                                                   next(run.model.parameters()).device),
     }

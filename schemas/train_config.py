@@ -284,7 +284,9 @@ class TrainConfig(StrictModel):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None = torch's default")
     write_selected: bool = Field(True, description="write selected-token shards to output_dir/selected")
-    distance_interval: int = Field(1, ge=1, description="log ‖u − w‖ every this many steps")
+    distance_interval: int | None = Field(
+        None, ge=1, description="log ‖u − w‖ every this many steps; None = throughput.log_interval (it is computed "
+        "on the device and read with the step's record: no host read of its own)")
     progress_bar: bool = Field(True, description="a progress bar on a terminal; else (a pipe, a log file) a progress line "
                                "every throughput.log_interval steps; false: neither", json_schema_extra=OPERATIONAL)
     plots: bool = Field(True, description="write plots/*.png with the summary", json_schema_extra=OPERATIONAL)
@@ -332,6 +334,11 @@ class TrainConfig(StrictModel):
     def effective_microbatch_size(self) -> int:
         """Sequences per forward/backward: ``microbatch_size``, else a worker's whole share ``b / workers``."""
         return self.microbatch_size or self.batch_size // self.parallel.workers
+
+    @property
+    def effective_distance_interval(self) -> int:
+        """Steps between two measures of ``‖u − w‖``: ``distance_interval``, else ``throughput.log_interval``."""
+        return self.distance_interval or self.throughput.log_interval
 
     @property
     def score_batch_size(self) -> int:

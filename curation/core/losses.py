@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from curation.core.host_sync import pinned, queues
+
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
     "autocast",
@@ -326,8 +328,8 @@ class TokenBatch:
         def move(t: Tensor | None) -> Tensor | None:
             if t is None or t.device == device:
                 return t
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
+            if queues(device) and t.device.type == "cpu":
+                return pinned(t, device).to(device, non_blocking=True)
             return t.to(device)
 
         return TokenBatch(move(self.tokens), move(self.valid), move(self.mask))

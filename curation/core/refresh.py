@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from curation.core.divergence import check_reference
+from curation.core.host_sync import queues
 from curation.core.losses import TokenBatch, as_token_batch
 from curation.core.refresh_losses import joint_losses, mean_loss
 
@@ -117,10 +118,17 @@ class RefreshSettings:
                    joint_forward=selection.refresh_joint_forward)
 
 
+def reference_adamw(params: list[Tensor], **settings: Any) -> torch.optim.AdamW:
+    """The reference's AdamW over ``params``: fused (one kernel for every tensor) where they are on a GPU
+    (:func:`~curation.core.host_sync.queues`); torch's default AdamW on a CPU (the bit-exact oracle tests)."""
+    fused = bool(params) and queues(params[0].device)
+    return torch.optim.AdamW(params, **settings, fused=True if fused else None)
+
+
 def joint_forward_on(setting: bool | None, device: torch.device) -> bool:
     """Whether a refresh on ``device`` runs its steps' validation and candidate rows in one forward
     (:attr:`RefreshSettings.joint_forward`; ``None``: on a GPU only)."""
-    return device.type == "cuda" if setting is None else setting
+    return queues(device) if setting is None else setting
 
 
 @dataclass
@@ -244,7 +252,7 @@ class RefreshWorkspace:
         opt = self.optimizer
         held = [p for g in opt.param_groups for p in g["params"]] if opt is not None else []
         if opt is None or len(held) != len(params) or any(a is not b for a, b in zip(held, params, strict=True)):
-            self.optimizer = opt = torch.optim.AdamW(params, **settings)
+            self.optimizer = opt = reference_adamw(params, **settings)
         if isinstance(state, Mapping):
             opt.load_state_dict(state)
         elif state is None:
@@ -396,7 +404,7 @@ def refresh_reference(
     elif optimizer_state == CONTINUE:
         raise ValueError(f"optimizer_state={CONTINUE!r} continues a workspace's AdamW: pass the workspace")
     else:
-        opt = torch.optim.AdamW(params, **adamw)
+        opt = reference_adamw(params, **adamw)
         if optimizer_state is not None:
             opt.load_state_dict(optimizer_state)
             for group in opt.param_groups:  # this call's settings win over the carried ones

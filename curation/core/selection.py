@@ -15,6 +15,8 @@ from numbers import Real
 import torch
 from torch import Tensor
 
+from curation.core.host_sync import queues
+
 __all__ = [
     "check_gamma",
     "excess_loss",
@@ -77,13 +79,16 @@ def num_selected(gamma: float, n_valid: int) -> int:
     return min(n_valid, max(1, math.floor(g * n_valid + 0.5)))
 
 
-def random_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> Tensor:
+def random_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator,
+                  device: torch.device | None = None) -> Tensor:
     """Uniform random scores in [0, 1) drawn from ``generator`` (the ``random`` policy).
 
-    Drawn on the generator's device, so a CPU generator gives the same scores whatever device the
-    batch lives on. Top-γ of these is a uniformly random γ-subset of the valid tokens.
+    Drawn on the generator's device (``device``: the device of the batch, of the generator's type; a CPU
+    generator's draw stays on the CPU unless ``device`` is a CPU device too), so a CPU generator gives the same
+    scores whatever device the batch lives on. Top-γ of these is a uniformly random γ-subset of the valid tokens.
     """
-    return torch.rand(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
+    on = device if device is not None and torch.device(device).type == generator.device.type else generator.device
+    return torch.rand(tuple(shape), generator=generator, device=on, dtype=torch.float32)
 
 
 def select_top_fraction(
@@ -117,7 +122,8 @@ def select_top_fraction(
         gamma: fraction to keep, in (0, 1].
         generator: only with ``scores=None``: the seeded generator random scores come from.
         sync: ``True``: the ``kthvalue`` path (host reads); ``False``: the synchronisation-free path;
-            ``None``: ``True`` on a CPU, ``False`` on other devices. Both give the same mask.
+            ``None``: ``False`` where the device queues its work (:func:`~curation.core.host_sync.queues`: CUDA),
+            ``True`` elsewhere (a CPU). Both give the same mask.
 
     Returns:
         Boolean mask of the shape of ``valid`` (or ``scores``), on the same device.
@@ -151,7 +157,7 @@ def select_top_fraction(
     v = valid.reshape(-1).to(s.device)
     bad = v & ~torch.isfinite(s)
     if sync is None:
-        sync = s.device.type == "cpu"
+        sync = not queues(s.device)
     if not sync:
         torch._assert_async(~bad.any(), "select_top_fraction: non-finite score at a valid position")
         return _top_k_without_sync(s, v, g).view(valid.shape)

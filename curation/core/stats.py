@@ -4,7 +4,8 @@
 * :class:`Histogram`: fixed-edge histogram of Δ with under/overflow bins (mergeable with ``+``;
   approximate quantiles of merged data).
 * :func:`delta_quantiles`: exact quantiles of Δ over the valid positions of one batch.
-* :func:`param_distance`: ``‖u − w‖₂`` between two models or state dicts.
+* :func:`param_distance_tensor`: ``‖u − w‖₂`` between two models or state dicts, on their device (no read);
+  :func:`param_distance`: the same as a Python float.
 * :func:`batch_stats`: all of the per-batch ones at once.
 * :class:`SelectionRecord`: what one proxy step trained on (the input of the above in a run).
 * :class:`IntervalStats`: the steps of one log interval: each source's share of the kept tokens and of the
@@ -38,6 +39,7 @@ __all__ = [
     "batch_stats",
     "delta_quantiles",
     "param_distance",
+    "param_distance_tensor",
 ]
 
 #: Quantile levels reported for Δ.
@@ -202,12 +204,20 @@ def _named_tensors(x: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
     return dict(x)
 
 
-def param_distance(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[str, Tensor]) -> float:
-    """``‖a − b‖₂`` over all floating-point tensors (e.g. ``‖u − w‖``), accumulated in float64.
+#: Tensors per group of :func:`param_distance_tensor` (bounds its temporaries: one group's differences).
+DISTANCE_GROUP = 32
 
-    Modules contribute their named parameters (tied weights once); mappings (state dicts)
-    every floating entry. Both sides must have the same names and shapes. Sharded on both sides
-    (``DTensor``, FSDP), each rank sums its shards and the sums are added over the ranks: a collective.
+
+def param_distance_tensor(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[str, Tensor]) -> Tensor:
+    """``‖a − b‖₂`` over all floating-point tensors (e.g. ``‖u − w‖``) as a 0-d float32 tensor on ``a``'s device:
+    nothing is read on the host (on a GPU the host does not wait for it).
+
+    One pass over the tensors in groups of :data:`DISTANCE_GROUP` (``torch._foreach_sub`` and ``_foreach_norm``: a few
+    kernels per group, one group's differences at a time, in ``a``'s dtype; ``b`` is cast to it, and copied to ``a``'s
+    device when it lives elsewhere, e.g. a compact bfloat16 reference on the host); the squared group norms are summed
+    in float64. Modules contribute their named parameters (tied weights once); mappings (state dicts) every floating
+    entry. Both sides must have the same names and shapes. Sharded on both sides (``DTensor``, FSDP), each rank sums
+    its shards and the sums are added over the ranks: a collective, on the device.
 
     Raises:
         ValueError: on mismatched names or shapes.
@@ -218,23 +228,34 @@ def param_distance(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[s
     if ta.keys() != tb.keys():
         only_a, only_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
         raise ValueError(f"parameter names differ: only in a {only_a[:5]}, only in b {only_b[:5]}")
-    total = 0.0
     group = None  # sharded weights (DTensor, FSDP): local squares, summed over the shards' process group
+    pairs: list[tuple[Tensor, Tensor]] = []
+    for k, va in ta.items():
+        vb = tb[k]
+        if va.shape != vb.shape:
+            raise ValueError(f"{k}: shape {tuple(va.shape)} vs {tuple(vb.shape)}")
+        if isinstance(va, DTensor) and isinstance(vb, DTensor):
+            group = va.device_mesh.get_group()
+            va, vb = va.to_local(), vb.to_local()
+        pairs.append((va.detach(), vb.detach()))
+    device = pairs[0][0].device if pairs else torch.device("cpu")
+    squares = []
     with torch.no_grad():
-        for k, va in ta.items():
-            vb = tb[k]
-            if va.shape != vb.shape:
-                raise ValueError(f"{k}: shape {tuple(va.shape)} vs {tuple(vb.shape)}")
-            if isinstance(va, DTensor) and isinstance(vb, DTensor):
-                group = va.device_mesh.get_group()
-                va, vb = va.to_local(), vb.to_local()
-            d = va.detach().double() - vb.detach().to(va.device).double()
-            total += float(torch.dot(d.reshape(-1), d.reshape(-1)))
+        for i in range(0, len(pairs), DISTANCE_GROUP):
+            chunk = pairs[i:i + DISTANCE_GROUP]
+            xs = [x for x, _ in chunk]
+            ys = [y.to(device=x.device, dtype=x.dtype, non_blocking=True) for x, y in chunk]
+            norms = torch._foreach_norm(torch._foreach_sub(xs, ys))
+            squares.append(torch.stack(norms).double().square().sum())
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
     if group is not None:
-        summed = torch.tensor([total], dtype=torch.float64, device=va.device)
-        torch.distributed.all_reduce(summed, group=group)
-        total = float(summed[0])
-    return math.sqrt(total)
+        torch.distributed.all_reduce(total, group=group)
+    return total.sqrt().float()
+
+
+def param_distance(a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[str, Tensor]) -> float:
+    """:func:`param_distance_tensor` as a Python float (one read on the host)."""
+    return float(param_distance_tensor(a, b))
 
 
 @dataclass
@@ -318,6 +339,7 @@ class SelectionRecord:
         sources: one label per row.
         sample_ids: ``(b,)`` candidate ids.
         distance: ``‖u − w‖₂`` after the step (``None`` when not measured).
+        loss: the step's training loss (``None`` when not known).
     """
 
     step: int
@@ -330,6 +352,7 @@ class SelectionRecord:
     sources: list[str]
     sample_ids: np.ndarray
     distance: float | None = None
+    loss: float | None = None
 
     @property
     def n_kept(self) -> int:

@@ -37,9 +37,15 @@ from curation.core.selection import num_selected, random_scores
 __all__ = ["SelectionStep", "step_generator", "kept_per_block"]
 
 
-def step_generator(seed: int, step: int, offset: int = 0) -> torch.Generator:
-    """The ``random`` policy's CPU generator for the block of ``step`` whose first row is ``offset``."""
-    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step, offset]).generate_state(1)[0]))
+def step_generator(seed: int, step: int, offset: int = 0, device: torch.device | str | None = None
+                   ) -> torch.Generator:
+    """The ``random`` policy's generator for the block of ``step`` whose first row is ``offset``: on ``device`` where
+    it is a GPU (the draw is made there, no copy to the device), else on the CPU. A GPU's generator draws other
+    numbers than a CPU's from the same seed: a GPU run's ``random`` masks are its own (every rank of a group, on GPUs
+    alike, draws the same ones)."""
+    on = torch.device(device) if device is not None and torch.device(device).type == "cuda" else None
+    generator = torch.Generator(device=on) if on is not None else torch.Generator()
+    return generator.manual_seed(int(np.random.SeedSequence([seed, step, offset]).generate_state(1)[0]))
 
 
 def kept_per_block(valid: Tensor, gamma: float, block_rows: int) -> list[int]:
@@ -91,12 +97,14 @@ class SelectionStep:
             return self.policy.scores(proxy_losses, ref_losses)
         rows, length = proxy_losses.shape
         n = self.ranks.world_size
+        device = proxy_losses.device
         if n > 1 and self.scope == "global":  # one draw for the whole batch; this rank's rows of it
-            drawn = random_scores((rows * n, length), step_generator(self.seed, step, 0))[self.ranks.rows(rows * n)]
+            g = step_generator(self.seed, step, 0, device)
+            drawn = random_scores((rows * n, length), g, device)[self.ranks.rows(rows * n)]
         else:
             first = offset + (self.ranks.rank * rows if n > 1 else 0)
-            drawn = random_scores((rows, length), step_generator(self.seed, step, first))
-        return drawn.to(proxy_losses.device)
+            drawn = random_scores((rows, length), step_generator(self.seed, step, first, device), device)
+        return drawn.to(device)  # (a no-op where the draw was made on the device)
 
     def __call__(self, step: int, proxy_losses: Tensor | None, valid: Tensor, ref_losses: Tensor | None = None, *,
                  selecting: bool = True, offset: int = 0) -> GlobalSelection:

@@ -9,9 +9,8 @@ import bisect
 from collections.abc import Iterable
 from typing import Any
 
-from curation.engine.plan import (
-    WorkUnit,
-)
+from curation.engine.plan import EngineError, WorkUnit
+from curation.io.bad_shards import blame
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,6 +53,7 @@ class Coordinator:
         self.lookahead = lookahead
         self.trainer_step = 0
         self.failed: str | None = None
+        self.failed_shards: tuple[str, ...] = ()  # the input shard files the failure blames (bad data)
         self.stopped = False
         self.redone = 0
         self.handed_out = 0
@@ -69,9 +69,16 @@ class Coordinator:
         """The trainer is about to take ``step`` (monotone)."""
         self.trainer_step = max(self.trainer_step, int(step))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, shards: Iterable[str] = ()) -> None:
+        """The engine fails with ``message`` (the first failure wins); ``shards``: the input shard files whose data
+        it blames (:mod:`curation.io.bad_shards`)."""
         if self.failed is None:
             self.failed = message
+            self.failed_shards = tuple(shards)
+
+    def error(self) -> EngineError:
+        """The failure as the error every caller of the engine raises (blaming its shard files)."""
+        return blame(EngineError(self.failed or "the engine failed"), *self.failed_shards)
 
     def stop(self) -> None:
         self.stopped = True

@@ -19,15 +19,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curation.core.host_sync import set_matmul_precision
 from curation.core.policies import RefreshMode, get_policy
 from curation.core.refresh import CONTINUE, RefreshSettings, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
-from curation.engine.weights import Weights
+from curation.engine.weights import FlatStaging, Weights
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
-from curation.io.models import build_causal_lm, load_weights, resolve_device
+from curation.io.bad_shards import blame
+from curation.io.models import (
+    build_causal_lm,
+    check_token_range,
+    load_weights,
+    model_vocab_size,
+    resolve_device,
+)
 from curation.io.paths import UnsafeNameError
 from curation.io.shards import open_shards
 from schemas.train_config import ModelConfig, SelectionConfig
@@ -96,6 +104,8 @@ class RefreshRunner:
         self.cfg = spec.selection
         self.policy = get_policy(self.cfg.policy)
         self.device = resolve_device(spec.device)
+        self.matmul = set_matmul_precision(self.device)  # the trainer's and the workers' setting
+        self.staging = FlatStaging()  # a proxy snapshot's way to the device (one copy per dtype, reused)
         self.model_cfg = spec.model
         self.proxy = build_causal_lm(self.model_cfg).to(self.device)
         self.validation = open_shards(spec.validation, "candidate")
@@ -116,7 +126,18 @@ class RefreshRunner:
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
     def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
-        return torch.stack([torch.from_numpy(np.asarray(dataset[int(i)]["tokens"]).astype(np.int64)) for i in ids])
+        """The rows ``ids`` of ``dataset``; an id outside the model's vocabulary names the sample and blames its shard
+        (:mod:`curation.io.bad_shards`), as the trainer's loaders do, instead of an embedding's index error."""
+        rows = np.stack([np.asarray(dataset[int(i)]["tokens"]) for i in ids])
+        vocab = model_vocab_size(self.proxy)
+        if rows.size and int(rows.max()) >= vocab:  # one reduction; the first bad row named
+            bad = int(np.argmax((rows >= vocab).any(axis=1)))
+            try:
+                check_token_range(rows[bad], vocab, f"{dataset.path} (sample {int(ids[bad])})")
+            except ValueError as e:
+                blame(e, dataset.shard_path(int(ids[bad])))
+                raise
+        return torch.from_numpy(rows.astype(np.int64))
 
     def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
         return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}
@@ -161,7 +182,7 @@ class RefreshRunner:
         kept in memory and saved next to the reference (so a restarted actor or a resumed job continues it).
         """
         start = time.perf_counter()
-        proxy.load_into(self.proxy)
+        proxy.load_into(self.proxy, staging=self.staging)
         continue_mode = self.policy.refresh_mode is RefreshMode.CONTINUE
         prev_sd = None
         opt_state = None

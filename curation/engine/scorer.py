@@ -18,7 +18,7 @@ steps refer to; a reader with a different stream is refused.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,8 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from curation.core.host_sync import HostCopies, pinned
 from curation.core.losses import autocast, model_token_losses
 from curation.core.stream import CandidateStream
+from curation.engine.weights import FlatStaging, load_state_flat
 from curation.io.models import build_causal_lm, load_weights, resolve_device
 from curation.io.shards import merge_part_indexes, open_shards, part_name, save_manifest, write_part
 from curation.io.stream_reader import StreamReader
@@ -78,13 +80,15 @@ class TokenLossScorer:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.version: int | None = None
+        self.staging = FlatStaging()
 
     def load_weights(self, weights: Mapping[str, Tensor] | str, version: int | None = None) -> None:
-        """Replace the weights (a state dict, or a safetensors path) and record their version."""
+        """Replace the weights (a state dict, or a safetensors path) and record their version; on a GPU in one
+        non-blocking copy per dtype from a reused pinned buffer (:func:`~curation.engine.weights.load_state_flat`)."""
         if isinstance(weights, str):
             load_weights(self.model, weights)
         else:
-            self.model.load_state_dict(weights, strict=True)
+            load_state_flat(self.model, weights, what="scorer weights", staging=self.staging)
         self.version = version
 
     def to(self, device: torch.device | str) -> TokenLossScorer:
@@ -134,8 +138,29 @@ class TokenLossScorer:
 
     def __call__(self, batch: Any) -> np.ndarray:
         """``ℓ(w̃)`` of a ``(b, L)`` token batch as numpy float16 (0 at position 0)."""
-        tokens = _as_tokens(batch)
-        return self.losses(tokens).to("cpu", torch.float16).numpy()
+        return self.score_many([batch])[0]
+
+    def score_many(self, batches: Sequence[Any]) -> list[np.ndarray]:
+        """:meth:`__call__` of several batches with one wait on the host: every forward is queued, then one
+        finiteness flag and the float16 losses of all of them are copied back together (non-blocking, into pinned
+        memory, one event). A non-finite loss raises ``ValueError`` naming the first ``(row, position)`` of the
+        first batch that has one (searched for only then)."""
+        if not batches:
+            return []
+        losses = [self.queue_losses(pinned(_as_tokens(b), self.device)) for b in batches]
+        stacked = torch.cat([x.to(torch.float16).reshape(-1) for x in losses])
+        finite = torch.stack([x.sum() for x in losses]).isfinite().all()  # (a sum that overflows: the exact check)
+        copies = HostCopies(self.device, slots=1)
+        host = copies.get(copies.put({"losses": stacked, "finite": finite}))
+        if not bool(host["finite"]):
+            for x in losses:
+                check_finite_losses(x, "reference")
+        out, offset = [], 0
+        for x in losses:
+            n = x.numel()
+            out.append(host["losses"][offset:offset + n].view(x.shape).numpy().copy())
+            offset += n
+        return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,10 +271,11 @@ class EngineState:
         self.refreshing[task.version] = task.source_step
         self.core.publish(REFERENCE, task.version)
 
-    def refresh_done(self, version: int, error: str | None = None) -> None:
-        """A launched refresh ended (``error``: its message; the engine then fails with it)."""
+    def refresh_done(self, version: int, error: str | None = None, shards: Sequence[str] = ()) -> None:
+        """A launched refresh ended (``error``: its message; the engine then fails with it, blaming ``shards``: the
+        input shard files of bad data it met)."""
         if error is not None:
-            self.core.fail(f"refresh of reference {version} failed: {error}")
+            self.core.fail(f"refresh of reference {version} failed: {error}", shards)
         self.refreshing.pop(version, None)
         self.prune()
 
@@ -317,7 +318,7 @@ class EngineState:
             EngineError: the engine failed, or no unit covers ``step``.
         """
         if self.core.failed is not None:
-            raise EngineError(self.core.failed)
+            raise self.core.error()
         unit = self.core.unit_for(step)
         if unit is None:
             raise EngineError(f"no work unit covers step {step}")

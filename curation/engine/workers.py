@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curation.core.host_sync import HostCopies, PinnedRing, Ticket, queues, set_matmul_precision
 from curation.core.losses import target_valid
 from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
@@ -32,6 +33,7 @@ from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
 from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
+from curation.io.bad_shards import blame
 from curation.io.mds import RowBlock
 from curation.io.models import check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
@@ -154,12 +156,18 @@ class ScoringWorker:
             self.scorers[PROXY] = TokenLossScorer(scorer_cfg)
         self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
         self.versions: dict[str, int | None] = {k: None for k in self.scorers}
-        self.cuda = self.scorers[REFERENCE].device.type == "cuda"
+        self.device = self.scorers[REFERENCE].device
+        self.cuda = queues(self.device)  # a GPU (or the host-read counter's stand-in): pipelined steps
+        self.matmul = set_matmul_precision(self.device)  # the trainer's and the refresh's setting
+        # A step's tokens in, its results out: pinned buffers in rings of 3 slots (the step being finished, the one
+        # launched after it, the next one loaded), reused step after step, one event per step
+        self.staging = PinnedRing(self.device, slots=3)
+        self.copies = HostCopies(self.device, slots=3)
         self.stats = {"units": 0, "tokens": 0, "seconds": 0.0, "weight_loads": 0, "host_waits": 0}
 
     # --- weights -----------------------------------------------------------------------------
     def set_weights(self, kind: str, version: int, weights: Weights) -> None:
-        scorer = self.scorers[kind]
+        scorer = self.scorers[kind]  # (on a GPU: one copy per dtype from the scorer's reused pinned buffer)
         scorer.load_weights(weights.state_dict(), version)
         self.versions[kind] = version
         self.stats["weight_loads"] += 1
@@ -184,7 +192,11 @@ class ScoringWorker:
             batch, sources = self._read_rows(ids, step)
         if batch.size and int(batch.max()) >= self.model_vocab:  # one reduction per step; the bad row named
             bad = int(np.argmax((batch >= self.model_vocab).any(axis=1)))
-            check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+            try:
+                check_token_range(batch[bad], self.model_vocab, self.where(int(ids[bad]), step), error=ScoringDataError)
+            except ScoringDataError as e:
+                blame(e, self.candidates.shard_path(int(ids[bad])))
+                raise
         return batch, sources, ids
 
     def _read_rows(self, ids: np.ndarray, step: int) -> tuple[np.ndarray, list[str]]:
@@ -194,10 +206,11 @@ class ScoringWorker:
                 row = self.candidates[int(i)]
                 tokens = np.asarray(row["tokens"])
             except Exception as e:  # a corrupt shard: name it
-                raise ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})") from e
+                raise blame(ScoringDataError(f"{self.where(int(i), step)}: cannot decode the record ({e})"),
+                            self.candidates.shard_path(int(i))) from e
             if tokens.ndim != 1 or (length is not None and tokens.shape[0] != length):
-                raise ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, expected "
-                                       f"({length},)")
+                raise blame(ScoringDataError(f"{self.where(int(i), step)}: sequence of shape {tokens.shape}, "
+                                             f"expected ({length},)"), self.candidates.shard_path(int(i)))
             length = tokens.shape[0]
             rows.append((tokens, str(row["source"])))
         return np.stack([t for t, _ in rows]), [s for _, s in rows]
@@ -222,8 +235,8 @@ class ScoringWorker:
         scorer's copy to the device is asynchronous)."""
         tokens_np, sources, ids = self.read_step(step)
         tokens = torch.from_numpy(tokens_np.astype(np.int64))
-        if self.cuda:
-            tokens = tokens.pin_memory()
+        if self.cuda:  # into the ring's pinned buffer (this slot's earlier copy is done: its step was finished)
+            tokens = self.staging.buffer(self.staging.next(), "tokens", tokens.shape, tokens.dtype).copy_(tokens)
         return tokens_np, sources, ids, tokens
 
     # --- one unit ----------------------------------------------------------------------------
@@ -241,6 +254,8 @@ class ScoringWorker:
     def _launch(self, unit: WorkUnit, step: int, loaded: tuple[np.ndarray, list[str], np.ndarray, Tensor]
                 ) -> _Launched:
         tokens_np, sources, ids, tokens = loaded
+        if self.cuda:  # (from the ring's pinned buffer: not a wait)
+            tokens = tokens.to(self.device, non_blocking=True)
         device, out = {}, {}
         if unit.ref_version >= 0:
             device[REFERENCE] = self.scorers[REFERENCE].queue_losses(tokens)
@@ -252,35 +267,35 @@ class ScoringWorker:
             # only sends the step to the exact check, which then passes).
             out["finite"] = device[REFERENCE].sum().isfinite()
         else:
-            valid = target_valid(tokens)
+            valid = target_valid(tokens)  # (on the device)
             selecting = REFERENCE in device  # else warm-up: every valid token, no score
             ref16, proxy = None, None
-            if selecting:  # a non-finite loss is named before the selection sees it (one wait per model)
-                self._check(REFERENCE, device[REFERENCE], ids, step)
-                ref16 = device[REFERENCE].to(torch.float16)  # as stored in a scored shard
-                proxy = self.scorers[PROXY].queue_losses(tokens)
-                self._check(PROXY, proxy, ids, step)
+            if selecting:
+                ref, proxy = device[REFERENCE], self.scorers[PROXY].queue_losses(tokens)
+                device[PROXY] = proxy
+                # One flag for both models, read with the results; a non-finite loss is named then (_finish) and
+                # the selection sees 0 in its place until that (a GPU's top-k would assert on it)
+                out["finite"] = ref.sum().isfinite() & proxy.sum().isfinite()
+                ref16 = torch.where(torch.isfinite(ref), ref, 0.0).to(torch.float16)  # as stored in a scored shard
+                proxy = torch.where(torch.isfinite(proxy), proxy, 0.0)
             # Exactly the trainer's exact-mode step: float32 ℓ(u), float16 ℓ(w̃) as stored in a scored shard.
-            sel = self.select(step, proxy, valid.to(proxy.device) if selecting else valid, ref16, selecting=selecting)
+            sel = self.select(step, proxy, valid, ref16, selecting=selecting)
             out["loss_mask"] = sel.mask.to(torch.uint8)
             out["score"] = sel.scores.float()
-        host, ready = out, None
-        if self.cuda:  # into pinned buffers, asynchronously; the event marks this step's results on the host
-            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
-                    for k, v in out.items()}
-            ready = torch.cuda.Event()
-            ready.record()
-        return _Launched(step, tokens_np, sources, ids, host, device, ready)
+        # into pinned buffers of the ring, asynchronously; the event marks this step's results on the host
+        return _Launched(step, tokens_np, sources, ids, self.copies.put(out), device)
 
     def _finish(self, unit: WorkUnit, launched: _Launched, counts: dict[str, dict[str, int]],
                 dtype: np.dtype) -> RowBlock:
         """Step ``launched``'s rows, once its results are on the host (counts per source accumulated)."""
-        if launched.ready is not None:
-            launched.ready.synchronize()  # this step's results alone; the next step's work stays queued
+        host = self.copies.get(launched.ticket)  # this step's results alone; the next step's work stays queued
+        if self.cuda:
             self.stats["host_waits"] += 1
-        host, step, sources, tokens_np = launched.host, launched.step, launched.sources, launched.tokens_np
+        step, sources, tokens_np = launched.step, launched.sources, launched.tokens_np
         if "finite" in host and not bool(host["finite"]):
-            self._check(REFERENCE, launched.device[REFERENCE], launched.ids, step)
+            for kind in (REFERENCE, PROXY):
+                if kind in launched.device:
+                    self._check(kind, launched.device[kind], launched.ids, step)
         length = tokens_np.shape[1]
         tokens = tokens_np.astype(dtype, copy=False)
         if unit.output == "scored":
@@ -288,9 +303,9 @@ class ScoringWorker:
                 c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
                 c["sequences"] += 1
                 c["tokens"] += length
-            return RowBlock({"tokens": tokens, "source": sources, "ref_loss": host["ref_loss"].numpy(),
+            return RowBlock({"tokens": tokens, "source": sources, "ref_loss": host["ref_loss"].numpy().copy(),
                              "episode": int(unit.ref_version)}, len(sources))
-        mask_np = host["loss_mask"].numpy()
+        mask_np = host["loss_mask"].numpy().copy()
         kept = mask_np.sum(axis=1, dtype=np.int64).tolist()
         for src, k in zip(sources, kept, strict=True):
             c = counts.setdefault(src, {"sequences": 0, "tokens": 0, "kept_tokens": 0})
@@ -359,6 +374,5 @@ class _Launched:
     tokens_np: np.ndarray
     sources: list[str]
     ids: np.ndarray
-    host: dict[str, Tensor]  # results on the host (on a GPU: pinned buffers, filled once ``ready`` has passed)
+    ticket: Ticket  # the results' copies to the host (on a GPU: pinned buffers of the ring, and an event)
     device: dict[str, Tensor]  # the losses on the device, to name a non-finite one
-    ready: Any  # torch.cuda.Event on a GPU, else None

@@ -2,7 +2,7 @@
 
 Bounded on a large run: the selected shards are read part by part within ``max_tokens`` (parts spread evenly over
 the run when it holds more), one shard file in memory at a time; what is kept per source over the whole run comes from
-the manifest, exactly. A progress bar counts the tokens read (tqdm on a terminal; a line every 10% otherwise).
+the manifest, exactly. A progress bar counts the tokens read (:mod:`curation.io.progress`: a bar on a terminal, a line every 10% otherwise).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO
 
 from curation.inspector.compare import Comparison
 from curation.inspector.page import render
@@ -20,50 +19,14 @@ from curation.inspector.scan import choose_parts, part_offsets, read_steps, spre
 from curation.inspector.stats import Scanned, ViewRows
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
+from curation.io.progress import progress as progress_bar
 
-__all__ = ["Shown", "show_selection", "scan_runs", "Progress", "DEFAULT_MAX_TOKENS", "PAGE"]
+__all__ = ["Shown", "show_selection", "scan_runs", "DEFAULT_MAX_TOKENS", "PAGE"]
 
 #: Tokens read per run by default (the demo's ≈ 0.2M are all read).
 DEFAULT_MAX_TOKENS = 8_000_000
 #: The page, under the (first) run's directory.
 PAGE = os.path.join("selection", "index.html")
-
-
-class Progress:
-    """Tokens read so far: a tqdm bar on a terminal, else a plain line at every 10% (no carriage returns)."""
-
-    def __init__(self, total: int, *, desc: str, enabled: bool = True, stream: IO[str] | None = None) -> None:
-        self.total, self.done, self.desc = max(int(total), 1), 0, desc
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.bar = None
-        self.next_line = 10
-        if enabled and _isatty(self.stream):
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, desc=desc, unit="tok", unit_scale=True, file=self.stream, leave=False)
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-            return
-        pct = 100 * self.done // self.total
-        if self.enabled and pct >= self.next_line:
-            print(f"{self.desc}: {min(pct, 100)}% ({self.done:,} of {self.total:,} tokens read)", file=self.stream,
-                  flush=True)
-            self.next_line = (pct // 10 + 1) * 10
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _isatty(stream: IO[str]) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 @dataclass
@@ -107,13 +70,14 @@ def scan_runs(runs: list[Run], *, max_tokens: int = DEFAULT_MAX_TOKENS, view_ste
         scanned.append(sb)
         cmp = Comparison(keep=keep_pairs, positions=positions)
     total = sum(p.tokens for s in scanned for p in s.read)
-    bar = Progress(total, desc="show_selection", enabled=progress)
+    bar = progress_bar(total, desc="show_selection", unit="token", enabled=progress, leave=False,
+                       stream=sys.stderr)
     try:
-        it_a = read_steps(read_a, part_offsets(parts_a), done=bar)
+        it_a = read_steps(read_a, part_offsets(parts_a), done=bar.update)
         it_b = None
         if sb is not None:
             want = set(steps)
-            it_b = read_steps(sb.read, part_offsets(sb.parts), wanted=want.__contains__, done=bar)
+            it_b = read_steps(sb.read, part_offsets(sb.parts), wanted=want.__contains__, done=bar.update)
         rb = next(it_b, None) if it_b is not None else None
         for ra in it_a:
             sa.add(ra)

@@ -113,6 +113,9 @@ class OutputDirLock:
         # run by write_records before it writes anything (the check of the run's inputs: curation.io.inputs)
         self.before_records: list[Callable[[], None]] = []
         self.replaced = False  # a record that produced no output is replaced: so is its record of inputs
+        # run with the error when the job fails holding the directory (the record of the input shards it blames:
+        # curation.io.inputs), before anything is released or discarded
+        self.on_failure: list[Callable[[BaseException], None]] = []
         self.on_discard: Callable[[str], None] | None = None  # run before a file is removed by discard_unstarted
         self.fresh = False  # the directory held nothing but its lock when this run took it (open_output_dir)
         self.records: set[str] = set()  # the names of the directory's config records
@@ -205,8 +208,13 @@ class OutputDirLock:
     def __enter__(self) -> OutputDirLock:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None:  # the job failed (or was stopped) holding the directory
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object) -> None:
+        if exc is not None:  # the job failed (or was stopped) holding the directory
+            for hook in self.on_failure:
+                try:
+                    hook(exc)
+                except Exception as e:  # noqa: BLE001 - the job's own error is the one to report
+                    print(f"warning: {self.name}: could not record what the run failed on ({e})", file=sys.stderr)
             self.discard_unstarted()
         self.release()
 

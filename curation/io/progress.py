@@ -132,15 +132,18 @@ class _Off:
     def __exit__(self, *exc: object) -> None: ...
 
 
-def progress(total: int, *, desc: str = "", unit: str = "it", enabled: bool = True, leave: bool = True) -> Any:
-    """A tqdm bar on a terminal (:func:`interactive`), else :class:`ProgressLines`; nothing when not ``enabled``."""
+def progress(total: int, *, desc: str = "", unit: str = "it", enabled: bool = True, leave: bool = True,
+             stream: TextIO | None = None) -> Any:
+    """A tqdm bar on a terminal (:func:`interactive`), else :class:`ProgressLines`; nothing when not ``enabled``.
+    ``stream``: where either goes (None: tqdm's stderr, the lines' stdout; a job whose stdout is its answer, like
+    ``jobs/show_selection.py``'s summary line, passes ``sys.stderr``)."""
     if not enabled:
         return _Off()
     if interactive():
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
-    return ProgressLines(total, desc=desc, unit=unit)
+        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=leave, file=stream)
+    return ProgressLines(total, desc=desc, unit=unit, stream=stream)
 
 
 def progress_iter(items: Iterable[T], *, total: int, desc: str = "", unit: str = "it", enabled: bool = True,

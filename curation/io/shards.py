@@ -37,6 +37,7 @@ import numpy as np
 
 from curation.io import storage
 from curation.io.atomic import atomic_write_text, write_manifest
+from curation.io.bad_shards import blame
 from curation.io.mds import SHARD_HASH, RowBlock, batch_decoder, sample_decoder, write_mds
 from curation.io.paths import safe_join
 from curation.io.shard_files import (
@@ -290,7 +291,7 @@ class ShardReader:
                 return self._mapped[i]
             data = load_shard_file(self.path, self.shards[i])
         except ShardIntegrityError as e:
-            raise ShardIntegrityError(f"{e}; {self._hint(self._name(i))}") from e
+            raise blame(ShardIntegrityError(f"{e}; {self._hint(self._name(i))}"), self._file(i)) from e
         self._cache[i] = data
         if len(self._cache) > self._cache_shards:
             self._cache.popitem(last=False)
@@ -326,6 +327,14 @@ class ShardReader:
         shard = self.shards[i]
         return (shard.zip_data or shard.raw_data).basename
 
+    def _file(self, i: int) -> str:
+        return os.path.join(self.path, self._name(i))
+
+    def shard_path(self, idx: int) -> str:
+        """The shard file holding sample ``idx`` (what an error about the sample blames:
+        :func:`curation.io.bad_shards.blame`)."""
+        return os.path.join(self.path, self.locate(idx)[0])
+
     def locate(self, idx: int) -> tuple[str, int]:
         """``(shard file, record index within it)`` of sample ``idx`` (for error messages)."""
         idx = int(idx)
@@ -347,10 +356,10 @@ class ShardReader:
             return decode_sample(self.shards[i], data, local, self._decoders[i])
         except Exception as e:  # noqa: BLE001 - numpy/struct/unicode errors of garbage bytes
             name = storage.display(os.path.join(self.path, self._name(i)))
-            raise ShardIntegrityError(
+            raise blame(ShardIntegrityError(
                 f"{name}: corrupt shard: sample {local} cannot be decoded ({type(e).__name__}: {e}); "
                 f"{self._hint(self._name(i))}"
-            ) from e
+            ), self._file(i)) from e
 
 
     def gather(self, ids: Sequence[int] | np.ndarray) -> dict[str, Any] | None:

@@ -29,13 +29,15 @@ CHARTS = ("chart-share", "chart-threshold", "chart-delta", "chart-validation", "
 @pytest.fixture(scope="module")
 def runs(tiny_train, tmp_path_factory):
     """blade and rho1, 14 steps each, on the same candidates (the same stream: the same rows at every step); selected
-    parts of 5 steps (the checkpoint interval)."""
+    parts of 5 steps (the checkpoint interval); ‖u − w̃‖ every 2 steps (its default, the log interval of 10 steps,
+    would measure it once in 14 steps: no curve)."""
     from training.runs.single import train
 
     root = tmp_path_factory.mktemp("inspected")
     out = {}
     for policy in ("blade", "rho1"):
-        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy}))
+        cfg = TrainConfig.model_validate(tiny_train(str(root / policy), selection={"policy": policy},
+                                                       distance_interval=2))
         train(cfg)
         out[policy] = cfg.output_dir
     return out
@@ -102,7 +104,7 @@ def test_the_page_shows_the_kept_tokens_of_the_shards(runs, chromium, capsys):
     (line,) = out.splitlines()
     assert re.match(r"blade \(train, 14 steps\): kept [\d,]+ of [\d,]+ candidates .*14 of 14 steps read; page "
                     rf"{re.escape(os.path.join(run, 'selection', 'index.html'))} \(\d+ KiB, [\d.]+ s\)$", line), line
-    assert "show_selection: 100% (" in err  # progress lines (no terminal here), not a bar's carriage returns
+    assert re.search(r"^show_selection: ([\d]+)/\1 tokens \(100%\)", err, re.M), err  # progress lines (no terminal here), not a bar's carriage returns
     assert "\r" not in err
     html = open(os.path.join(run, "selection", "index.html"), encoding="utf-8").read()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # self-contained: nothing from elsewhere

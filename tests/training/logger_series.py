@@ -9,6 +9,7 @@ import glob
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,6 +81,35 @@ def wandb_series(run_dir: str) -> dict[str, dict[int, float]]:
             rows += [(step, i.key or "/".join(i.nested_key), json.loads(i.value_json)) for i in record.history.item
                      if not (i.key or "/".join(i.nested_key)).startswith("_")]
     return series([r for r in rows if isinstance(r[2], int | float)])
+
+
+def wandb_tables(run_dir: str, prefix: str) -> dict[str, tuple[int, dict]]:
+    """key → (step, the table: ``columns``, ``data``) of the W&B tables whose key starts with ``prefix`` in the
+    offline run ``run_dir`` (the history holds a table as ``<key>/_type``, ``<key>/path`` (its file under
+    ``files/``), ...)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    store = datastore.DataStore()
+    store.open_for_scan(path)
+    fields: dict[tuple[int, str], dict[str, Any]] = {}
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        for i in record.history.item:
+            key = i.key or "/".join(i.nested_key)
+            if key.startswith(prefix):
+                table, _, name = key.rpartition("/")
+                fields.setdefault((record.history.step.num, table), {})[name] = json.loads(i.value_json)
+    out = {}
+    for (step, table), f in fields.items():
+        assert f["_type"] == "table-file" and table not in out, (table, f)
+        with open(os.path.join(run_dir, "files", f["path"]), encoding="utf-8") as fh:
+            out[table] = (step, json.load(fh))
+    return out
 
 
 def tensorboard_histograms(log_dir: str, tag: str) -> dict[int, dict]:

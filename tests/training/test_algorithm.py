@@ -39,6 +39,8 @@ class Capture(Callback):
                 self.proxy_forwards += 1
 
         proxy.register_forward_hook(hook)
+        # every step's record as it is delivered (a step later: training.blocks.step_reads)
+        self.algorithm_of().subscribe(lambda rec: self.records.append(copy.deepcopy(rec)))
 
     def batch_start(self, state, logger):
         step = int(state.timestamp.batch)
@@ -49,9 +51,6 @@ class Capture(Callback):
                 copy.deepcopy(alg.reference.module.state_dict()),
                 state.batch["tokens"].clone(),
             )
-
-    def batch_end(self, state, logger):
-        self.records.append(copy.deepcopy(self.algorithm_of().last))
 
 
 def _run(cfg, snapshot_steps=()):

@@ -42,6 +42,36 @@ def test_stream_batches_follow_the_stream_and_resume_by_step(demo_root):
         other.load_state_dict(state)
 
 
+def test_an_id_outside_the_vocabulary_blames_the_shards_that_hold_it(tmp_path):
+    """The trainer's loaders (the candidate stream, validation and selected rows) name the step or sample and blame
+    the shard files of the rows holding such an id (curation.io.bad_shards): a run stopped on it records them, and
+    the rerun accepts those shards fixed (curation.io.inputs)."""
+    from curation.io.bad_shards import blamed
+    from training.blocks.data import TokenRows
+
+    cand = str(tmp_path / "cand")
+    for k, part in enumerate(("part-a", "part-b")):
+        rows = [{"tokens": np.arange(i, i + 8, dtype=np.uint16), "source": "s"} for i in range(4)]
+        if k == 1:
+            rows[3]["tokens"][2] = 600
+        write_part(os.path.join(cand, part), CANDIDATE, rows, vocab_size=1000)
+    merge_part_indexes(cand, ["part-a", "part-b"])
+    reader = StreamReader.open(cand, batch_size=4, seed=0)
+    stream = StreamBatches(reader, stop_step=2, model_vocab=512)
+    bad = next(t for t in range(2) if 7 in reader.stream.batch_ids(t))
+    stream.batch(1 - bad)  # the other step reads
+    with pytest.raises(ValueError, match=rf"{cand} \(step {bad}\): token id 600 .* outside the model's vocabulary") \
+            as e:
+        stream.batch(bad)
+    shard = os.path.join(cand, "part-b", "shard.00000.mds.zstd")
+    assert blamed(e.value) == [shard]
+    rows = TokenRows(cand, "candidate", model_vocab=512)
+    assert rows[3]["tokens"].shape == (8,)
+    with pytest.raises(ValueError, match=rf"{cand} \(sample 7\): token id 600 at position 2") as e:
+        rows[7]
+    assert blamed(e.value) == [shard]
+
+
 def test_annotate_batch_counts_kept_loss_positions():
     tokens = torch.zeros(2, 5, dtype=torch.long)
     assert annotate_batch({"tokens": tokens})["kept_total"] == 8  # position 0 never counts

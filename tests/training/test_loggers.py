@@ -28,6 +28,7 @@ from .logger_series import (
     tensorboard_histograms,
     tensorboard_series,
     wandb_series,
+    wandb_tables,
 )
 
 STEPS = 11
@@ -97,10 +98,12 @@ def test_kept_shares_and_delta_quantiles_per_log_interval_match_the_selected_sha
     assert sorted(want["blade/kept_share/target"]) == [4, 8]  # per interval, not per step
 
 
-def test_delta_histograms_per_episode_in_tensorboard_and_mlflow(logged_run):
+def test_delta_histograms_per_episode_in_tensorboard_mlflow_and_wandb(logged_run):
     """Issue 57: each episode's Δ histogram when the episode ends (W = 2, τ = 3: episodes end before steps 5 and 8,
-    the last at the end, 11), its bins trimmed to those holding values: TensorBoard's histogram and MLflow's table
-    hold the summary's counts, and as many values as the episode's candidates in the selected shards."""
+    the last at the end, 11), its bins trimmed to those holding values: TensorBoard's histogram and MLflow's and
+    W&B's tables hold the summary's counts, and as many values as the episode's candidates in the selected shards.
+    An episode's end is known a step late (issue 52: its next step's record is read a step later); W&B, which drops
+    a value under a step below one it has seen, still holds each table at its step."""
     from curation.core.stats import Histogram
     from curation.io.shards import read_column
     from training.blocks.loggers import histogram_rows
@@ -114,6 +117,10 @@ def test_delta_histograms_per_episode_in_tensorboard_and_mlflow(logged_run):
                        "blade/delta_histogram")
     assert sorted(hists) == [0, 1, 2] and sorted(tb) == [5, 8, 11]
     assert sorted(ml) == ["episode_0000.json", "episode_0001.json", "episode_0002.json"]
+    (run_dir,) = glob.glob(os.path.join(cfg.output_dir, "logs", "wandb", "offline-run-*"))
+    wb = wandb_tables(run_dir, "blade/delta_histogram/")
+    assert {k: step for k, (step, _) in wb.items()} == {f"blade/delta_histogram/episode_{e:04d}": s
+                                                       for e, s in ((0, 5), (1, 8), (2, 11))}
     for e, step in zip((0, 1, 2), (5, 8, 11), strict=True):
         rows = histogram_rows(hists[e])
         candidates = sum(len(m) - 1 for m, ep in zip(masks, episodes, strict=True) if int(ep) == e)
@@ -122,6 +129,7 @@ def test_delta_histograms_per_episode_in_tensorboard_and_mlflow(logged_run):
         assert rows[0][2] > 0 and rows[-1][2] > 0  # the axis fitted to the data
         table = ml[f"episode_{e:04d}.json"]
         assert table["columns"] == ["left", "right", "count"] and table["data"] == rows
+        assert wb[f"blade/delta_histogram/episode_{e:04d}"][1]["data"] == rows
 
 
 def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):

@@ -28,13 +28,18 @@ from training.runs.single import train
 
 
 class Kill(Callback):
-    """Raise (like a kill) at the end of step ``at - 1``: after its selected part, before its checkpoint."""
+    """Raise (like a kill) at the end of step ``at - 1``: after its selected part, before its checkpoint. (A step's
+    record is delivered a step later, or when a checkpoint's state is taken: the kill comes right after that
+    delivery, as a kill between the writer's flush and Composer's write of the checkpoint file would.)"""
 
     def __init__(self, at: int) -> None:
         self.at = at
 
     def batch_end(self, state, logger):
         if int(state.timestamp.batch) == self.at:
+            for algorithm in state.algorithms:
+                if hasattr(algorithm, "drain"):
+                    algorithm.drain()
             raise KeyboardInterrupt(f"killed after {self.at} steps")
 
 
@@ -339,3 +344,52 @@ def test_a_run_resumed_or_extended_on_candidates_replaced_under_it_is_refused(ma
     shutil.rmtree(data / "candidates")
     os.rename(tmp_path / "seed0", data / "candidates")  # restored: the run goes ahead (finished: it only reports)
     assert train(cfg)["run"].resumed_from is not None
+
+
+@pytest.mark.parametrize("key", ["candidates", "validation"])
+def test_a_run_stopped_on_a_bad_record_resumes_once_its_shard_is_fixed(make_config, demo_root, tmp_path, capsys, key):
+    """docs/FAILURES.md: a run stops on a token id outside the vocabulary in one shard of its candidates (read by the
+    loader) or validation (read by the refresh and the evaluation), the user fixes that shard, and the same command
+    resumes from the run's checkpoint: the input changed only in the shard the run failed on (curation.io.inputs).
+    Issue 55's input check refused it."""
+    from curation.core.stream import CandidateStream
+    from curation.io.inputs import INPUTS_NAME
+    from curation.io.shards import ShardReader, merge_part_indexes, write_part
+    from schemas.shards import CANDIDATE
+
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(demo_root, "data"), data)
+    kw = {"data": {"candidates": str(data / "candidates"), "validation": str(data / "validation"),
+                   "tokenizer": str(data / "tokenizer" / "tokenizer.json")}}
+    cfg = make_config("blade", max_steps=8, **kw)
+    target = str(data / key)
+    reader = ShardReader(target)
+    stream = CandidateStream(len(reader), cfg.batch_size, cfg.seed)  # (candidates: a row of step 6, after the
+    sample = len(reader) - 1 if key == "validation" else int(stream.batch_ids(6)[3])  # checkpoint at step 4)
+    shard, record = reader.locate(sample)
+    part = os.path.dirname(shard)
+    parts = [s.name for s in Manifest.load(target).shards]
+    backup = str(tmp_path / "backup")
+    shutil.copytree(os.path.join(target, part), backup)
+    part_reader = ShardReader(os.path.join(target, part))
+    rows = [part_reader[i] for i in range(len(part_reader))]
+    rows[record]["tokens"] = rows[record]["tokens"].copy()
+    rows[record]["tokens"][5] = 65000  # outside the model's vocabulary
+    vocab = Manifest.load(target).vocab_size
+    write_part(os.path.join(target, part), CANDIDATE, rows, vocab_size=vocab)
+    merge_part_indexes(target, parts)
+    with pytest.raises(ValueError, match="token id 65000 .* outside the model's vocabulary"):
+        train(cfg)
+    with open(os.path.join(cfg.output_dir, INPUTS_NAME)) as f:
+        assert json.load(f)["failed"][f"data.{key}"]["shards"] == [shard]
+    assert "ep0-ba4-rank0.pt" in os.listdir(os.path.join(cfg.output_dir, "checkpoints"))
+
+    shutil.rmtree(os.path.join(target, part))
+    shutil.copytree(backup, os.path.join(target, part))  # the fix: the shard as it was prepared
+    merge_part_indexes(target, parts)
+    capsys.readouterr()
+    resumed = train(cfg)
+    assert resumed["run"].resumed_from is not None and os.path.exists(resumed["final_weights"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: data.")]
+    assert notes == [notes[0]] and notes[0].startswith(f"note: data.{key} ({target}) changed only in the shards "
+                                                       f"this run failed on, accepted: {shard};")

@@ -17,6 +17,12 @@ from training.blocks.callbacks import SelectedShardWriter
 class _NoSelection:
     last = None
 
+    def subscribe(self, fn):
+        pass
+
+    def drain(self):
+        pass
+
 
 def _rows(first: int, stop: int) -> list[dict]:
     return [{"tokens": np.arange(8, dtype=np.uint16), "loss_mask": np.ones(8, dtype=np.uint8),

@@ -14,9 +14,11 @@
 * :class:`JSONLinesLogger` is a Composer logger destination writing every metric as a JSON line.
 * :class:`StepTimes` records each step's wall and CPU time (``jobs/bench_scaling.py``).
 
-They read what a step trained on from a :class:`StepSelections`: the BLADE algorithm
+They receive what a step trained on from a :class:`StepSelections` they subscribe to: the BLADE algorithm
 (:class:`training.selection.BladeAlgorithm`) or the engine-fed trainer's record
-(:class:`training.selection.EngineSelection`).
+(:class:`training.selection.EngineSelection`), which deliver each step's record a step later
+(:class:`training.blocks.step_reads.StepReads`: the one host read of a steady step) and the step still pending when
+a checkpoint's state is taken (``state_dict`` drains it first).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,8 +53,9 @@ __all__ = ["StepSelections", "SelectedShardWriter", "SelectionStats", "Validatio
 
 
 class StepSelections(Protocol):
-    """What a trainer's selection shows its callbacks: the policy, the last step's record, the recent steps'
-    masks (the next refresh's ``L_train``), the refresh log, timers and counts."""
+    """What a trainer's selection shows its callbacks: the policy, the last delivered step's record, the recent steps'
+    masks (the next refresh's ``L_train``), the refresh log, timers and counts; every record as it is delivered
+    (:meth:`subscribe`), and the step still pending (:meth:`drain`)."""
 
     policy: SelectionPolicy
     last: SelectionRecord | None
@@ -60,6 +63,11 @@ class StepSelections(Protocol):
     refresh_log: list[dict[str, Any]]
     timers: dict[str, float]
     counts: dict[str, int]
+    extra_values: list[Any]
+
+    def subscribe(self, fn: Callable[[SelectionRecord], None]) -> None: ...
+
+    def drain(self) -> None: ...
 
 #: Δ quantile levels logged per step.
 LOGGED_QUANTILES = (0.1, 0.5, 0.9)
@@ -75,7 +83,7 @@ class SelectedShardWriter(Callback):
 
     Args:
         out_dir: output directory (parts ``steps-<first>-<stop>/``, merged ``index.json``, ``manifest.json``).
-        algorithm: the selection whose ``last`` record is written.
+        algorithm: the selection whose records are written (as they are delivered).
         vocab_size: tokenizer vocabulary (token column dtype).
         seq_len: ``L``.
         max_steps: the run's last step + 1 (the final part is flushed there).
@@ -102,6 +110,7 @@ class SelectedShardWriter(Callback):
         self.pending: list[dict[str, Any]] = []
         self.pending_counts: dict[str, SourceCounts] = {}
         self.resumed = False
+        algorithm.subscribe(self.on_record)
 
     # --- events ------------------------------------------------------------------------------
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -130,11 +139,9 @@ class SelectedShardWriter(Callback):
                 storage.remove(os.path.join(self.out_dir, entry))
         self._publish()
 
-    def batch_end(self, state: State, logger: Logger) -> None:
+    def on_record(self, rec: SelectionRecord) -> None:
         if self.rank > 0:
             return
-        rec = self.algorithm.last
-        assert rec is not None
         self._add(rec)
         if (rec.step + 1) % self.flush_every == 0 or rec.step + 1 >= self.max_steps:
             self.flush()
@@ -142,6 +149,7 @@ class SelectedShardWriter(Callback):
     def fit_end(self, state: State, logger: Logger) -> None:
         if self.rank > 0:
             return
+        self.algorithm.drain()
         self.flush()
         self.manifest.complete = int(state.timestamp.batch) >= self.max_steps
         self._publish()
@@ -213,6 +221,7 @@ class SelectedShardWriter(Callback):
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self.algorithm.drain()  # the step taken last is part of the checkpoint
         p = self.pending
         return {
             "manifest": self.manifest.model_dump(mode="json"),
@@ -271,15 +280,19 @@ class SelectionStats(Callback):
         self.valid: dict[str, int] = {}
         self.kept: dict[str, int] = {}
         self.figures = SelectionFigures(log_interval=log_interval, max_steps=max_steps)
+        self._logger: Logger | None = None
+        algorithm.subscribe(self.on_record)
 
-    def batch_end(self, state: State, logger: Logger) -> None:
-        rec = self.algorithm.last
-        assert rec is not None
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._logger = logger
+
+    def on_record(self, rec: SelectionRecord) -> None:
+        """A step's record, as it is delivered (a step later; its metrics are logged at the step after it, as
+        Composer logs what a step's end logs)."""
         metrics: dict[str, float] = {}
         entry: dict[str, Any] = {"step": rec.step, "episode": rec.episode, "kept": rec.n_kept, "valid": rec.n_valid}
-        loss = (state.total_loss_dict or {}).get("loss/train/total")
-        if loss is not None:
-            entry["loss"] = float(loss)
+        if rec.loss is not None:
+            entry["loss"] = float(rec.loss)
             if self.lr is not None:  # one line naming optim.lr, instead of a run that trains on at a uniform guess
                 self.recent_losses.append(entry["loss"])
                 check_proxy(self.recent_losses, vocab_size=self.vocab_size, lr=self.lr)
@@ -309,10 +322,13 @@ class SelectionStats(Callback):
             entry["param_distance"] = rec.distance
             metrics["blade/param_distance"] = rec.distance
         self.steps.append(entry)
-        logger.log_metrics({**metrics, **interval})
-        self.figures.histograms(logger, self.histograms, before=rec.episode, step=rec.step)
+        if self._logger is not None:
+            self._logger.log_metrics({**metrics, **interval}, step=rec.step + 1)
+            # (an episode's histogram at the step after its last: where that step's values are logged)
+            self.figures.histograms(self._logger, self.histograms, before=rec.episode, step=rec.step)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        self.algorithm.drain()  # (the fit's last step, delivered before its episode's histogram)
         self.figures.finish(logger, self.histograms, steps=int(state.timestamp.batch))
 
     def eval_end(self, state: State, logger: Logger) -> None:
@@ -340,6 +356,7 @@ class SelectionStats(Callback):
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self.algorithm.drain()  # the step taken last is part of the checkpoint
         return {
             "steps": json.dumps(self.steps),
             "val": json.dumps(self.val),
@@ -400,6 +417,8 @@ class JSONLinesLogger(LoggerDestination):
         self._write({"hyperparameters": hyperparameters})
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not metrics:  # (Composer logs its train metrics' empty dict every step: the model has none)
+            return
         self._write({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
 
     def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:

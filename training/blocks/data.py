@@ -27,8 +27,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from curation.core.distributed import Ranks
+from curation.core.host_sync import pinned, queues
 from curation.core.losses import target_valid
 from curation.core.stream import CandidateStream
+from curation.io.bad_shards import blame
 from curation.io.models import check_token_range
 from curation.io.shards import open_shards
 from curation.io.stream_reader import StreamReader
@@ -70,6 +72,7 @@ class StepBatches(IterableDataset):
         self.start_step = 0
         self.stop_step = stop_step
         self.model_vocab = model_vocab
+        self.pin_for: torch.device | None = None  # the trainer's device: batches are pinned for it (stream_loader)
 
     def batch(self, step: int) -> dict[str, Any]:
         raise NotImplementedError
@@ -77,7 +80,10 @@ class StepBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for t in range(self.start_step, self.stop_step):
             self.release_before(t)
-            yield self.batch(t)
+            batch = self.batch(t)
+            if self.pin_for is not None:  # (on a GPU: copied to the device without blocking)
+                batch = {k: pinned(v, self.pin_for) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            yield batch
 
     def release_before(self, step: int) -> None:
         """The loader is at ``step``: rows kept in memory for earlier steps are not needed any more."""
@@ -123,7 +129,12 @@ class StreamBatches(StepBatches):
         if sb is None:
             sb = self.reader.read(step)
             if self.model_vocab is not None:
-                check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+                try:
+                    check_token_range(sb.tokens, self.model_vocab, f"{self.reader.path} (step {step})")
+                except ValueError as e:  # blames the shards of the rows holding such ids
+                    bad = sb.sample_ids[(sb.tokens >= self.model_vocab).any(axis=1)]
+                    blame(e, *_shard_paths(self.reader.dataset, bad))
+                    raise
             self._read[step] = sb
         return {
             "tokens": torch.from_numpy(sb.tokens.astype(np.int64)),
@@ -218,8 +229,11 @@ def make_data_spec(dataloader: Any):
     )
 
 
-def stream_loader(dataset: StepBatches) -> DataLoader:
-    """The training DataLoader: batches are pre-collated by step, read in the main process."""
+def stream_loader(dataset: StepBatches, device: torch.device | None = None) -> DataLoader:
+    """The training DataLoader: batches are pre-collated by step, read in the main process; for a GPU ``device``
+    each batch's tensors are pinned as they are yielded (what ``DataLoader(pin_memory=True)`` does without worker
+    processes), so Composer's copies to the device do not block."""
+    dataset.pin_for = device if queues(device) else None
     return DataLoader(dataset, batch_size=None, num_workers=0)
 
 
@@ -249,11 +263,22 @@ class TokenRows(Dataset):
         row = self.dataset[int(i)]
         tokens = np.asarray(row["tokens"])
         if self.model_vocab is not None:
-            check_token_range(tokens, self.model_vocab, f"{self.path} (sample {i})")
+            try:
+                check_token_range(tokens, self.model_vocab, f"{self.path} (sample {i})")
+            except ValueError as e:
+                blame(e, *_shard_paths(self.dataset, [i]))
+                raise
         out: dict[str, Any] = {"tokens": torch.from_numpy(tokens.astype(np.int64)), "source": str(row.get("source", ""))}
         if self.use_mask:
             out["loss_mask"] = torch.from_numpy(np.asarray(row["loss_mask"]).astype(bool))
         return out
+
+
+def _shard_paths(dataset: Any, ids: Any) -> list[str]:
+    """The shard files holding samples ``ids`` of ``dataset`` (a :class:`~curation.io.shards.ShardReader`; none
+    for another dataset)."""
+    where = getattr(dataset, "shard_path", None)
+    return sorted({where(int(i)) for i in ids}) if where is not None else []
 
 
 def collate_rows(items: list[dict[str, Any]]) -> dict[str, Any]:

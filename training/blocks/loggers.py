@@ -5,10 +5,14 @@ same name and step.
 * **tensorboard** (``TensorboardLogger``): event files under ``log_dir/<run name>/`` (``train`` or ``replay``),
   flushed every ``checkpoint.interval`` steps, after each evaluation and at the end.
 * **mlflow** (``MLFlowLogger``): a run in ``experiment`` of the local store ``tracking_uri`` (SQLite by default: no
-  server; a new experiment's artifacts in ``mlflow-artifacts/`` beside the database), tagged ``blade.output_dir``; a resumed training run continues the MLflow run of its output directory.
+  server; a new experiment's artifacts in ``mlflow-artifacts/`` beside the database), tagged ``blade.output_dir``;
+  a resumed training run continues the MLflow run of its output directory.
   Every step's value is recorded (Composer's default skips a value equal to the last one).
-* **wandb** (``WandBLogger``): offline by default, a run directory under ``dir/wandb/`` (``wandb sync`` uploads
-  it later); each attempt of a resumed run is its own offline run.
+* **wandb** (``WandBLogger``, :class:`StepOrderedWandB`): offline by default, a run directory under ``dir/wandb/``
+  (``wandb sync`` uploads it later); each attempt of a resumed run is its own offline run. W&B drops a value logged
+  under a step below one it has seen; a step's loss is read (and logged, under its own step) a step later
+  (:mod:`training.blocks.step_reads`), so W&B's values (an episode's histogram table too) are handed over in step
+  order, a step's once a later step's have come (the rest at the end).
 
 Histograms (:func:`log_histogram`, e.g. each episode's Δ) go to TensorBoard as histograms and, through Composer's
 ``log_table``, to MLflow (a JSON table artifact) and W&B (a table), over the bins from the first to the last one
@@ -36,7 +40,7 @@ from curation.core.stats import Histogram, IntervalStats, SourceCounts
 from schemas.train_options import LOGGER_PACKAGES, LoggersConfig
 
 __all__ = ["check_installed", "experiment_loggers", "mlflow_resumption", "OUTPUT_DIR_TAG", "log_histogram",
-           "histogram_rows", "SelectionFigures"]
+           "histogram_rows", "SelectionFigures", "StepOrderedWandB"]
 
 #: MLflow tag naming the run's output directory (a resumed run continues the MLflow run that has it).
 OUTPUT_DIR_TAG = "blade.output_dir"
@@ -72,8 +76,8 @@ def experiment_loggers(cfg: LoggersConfig, output_dir: str, *, rank: int, flush_
         directory = cfg.wandb.resolved_dir(output_dir)
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
-        out.append(WandBLogger(project=cfg.wandb.project, entity=cfg.wandb.entity, name=name, rank_zero_only=True,
-                               init_kwargs={"mode": cfg.wandb.mode, "dir": directory}))
+        out.append(StepOrderedWandB(project=cfg.wandb.project, entity=cfg.wandb.entity, name=name,
+                                    rank_zero_only=True, init_kwargs={"mode": cfg.wandb.mode, "dir": directory}))
     return out
 
 
@@ -92,6 +96,46 @@ def mlflow_artifacts_beside_store(uri: str, experiment: str) -> str | None:
     folder = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])), "mlflow-artifacts")
     client.create_experiment(experiment, artifact_location=Path(folder).as_uri())
     return folder
+
+
+class StepOrderedWandB(WandBLogger):
+    """Composer's W&B destination, its values handed to W&B in step order (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: dict[int, dict[str, Any]] = {}
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if step is None:
+            super().log_metrics(metrics, step)
+            return
+        self._hold(int(step), metrics)
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+                  step: int | None = None) -> None:
+        """A table (an episode's Δ histogram, logged when its record arrives, a step late) in the same step order."""
+        if step is None:
+            super().log_table(columns, rows, name, step)
+            return
+        import wandb
+
+        self._hold(int(step), {name: wandb.Table(columns=columns, rows=rows)})
+
+    def _hold(self, step: int, values: dict[str, Any]) -> None:
+        self._held.setdefault(step, {}).update(values)
+        for s in sorted(k for k in self._held if k < step - 1):  # (a value comes at most a step late)
+            super().log_metrics(self._held.pop(s), s)
+
+    def flush_held(self) -> None:
+        for s in sorted(self._held):
+            super().log_metrics(self._held.pop(s), s)
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        self.flush_held()
+
+    def close(self, state: Any, logger: Any) -> None:
+        self.flush_held()
+        super().close(state, logger)
 
 
 @contextmanager

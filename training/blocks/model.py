@@ -64,7 +64,9 @@ class MaskedCausalLM(ComposerModel):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.train_metrics = {"TokenLoss": TokenLoss()}
+        # No per-step train metric: it repeated ``loss/train/total`` and cost a read on the host every step
+        # (Composer computes and logs train metrics after each batch); the loss is logged by StepReads.
+        self.train_metrics: dict[str, Metric] = {}
         self.val_metrics = {"TokenLoss": TokenLoss(), "TokenPerplexity": TokenPerplexity()}
         self.compiled: nn.Module | None = None  # not a submodule: the same weights, no second name for them
 

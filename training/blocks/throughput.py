@@ -2,11 +2,12 @@
 
 Every trainer gets :func:`throughput_callbacks` (``throughput:`` of its config):
 
-* Composer's ``SpeedMonitor`` logs the rolling (``window`` steps) ``throughput/tokens_per_sec``,
-  ``samples_per_sec``, ``flops_per_sec`` and ``throughput/device/mfu``: the proxy's FLOPs (a training step of
-  every candidate token, :class:`ProxyFlops` set on the model as ``flops_per_batch``: analytic for the Llama family,
-  :mod:`curation.evaluation.flops`; measured for any other causal LM, :mod:`curation.evaluation.flop_count`) per
-  second of training wall time, divided by the device's peak (``throughput.peak_flops``, or Composer's table of
+* Composer's ``SpeedMonitor`` (:class:`HostSpeedMonitor`: its FLOPs counted on the host) logs the rolling
+  (``window`` steps) ``throughput/tokens_per_sec``, ``samples_per_sec``, ``flops_per_sec`` and
+  ``throughput/device/mfu``: the proxy's FLOPs (a training step of every candidate token, :class:`ProxyFlops` set
+  on the model as ``flops_per_batch``: analytic for the Llama family, :mod:`curation.evaluation.flops`; measured for
+  any other causal LM once per sequence length, :mod:`curation.evaluation.flop_count`) per second of training wall
+  time, divided by the device's peak (``throughput.peak_flops``, or Composer's table of
   common GPUs at the run's precision; on a CPU only when given). The reference's work is part of that wall time:
   this MFU is the *useful* one.
 * :class:`Throughput`, over the same window and clock (Composer's training wall time, evaluation excluded), adds
@@ -43,9 +44,11 @@ import torch
 from composer.callbacks import SpeedMonitor
 from composer.core import Callback, State
 from composer.loggers import Logger, ProgressBarLogger
+from composer.models import ComposerModel
 from composer.utils import dist
 from torch import nn
 
+from curation.core.host_sync import matmul_settings
 from curation.core.schedule import Schedule
 from curation.evaluation.flop_count import measured_forward_flops_per_token
 from curation.evaluation.flops import TRAIN_PASSES, ModelShape, forward_flops_per_token
@@ -53,8 +56,8 @@ from curation.io.progress import interactive
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
 
-__all__ = ["ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds", "Throughput",
-           "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
+__all__ = ["HostSpeedMonitor", "ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds",
+           "Throughput", "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
 
 _GIB = float(1 << 30)
 
@@ -68,6 +71,29 @@ def host_peak_rss() -> int:
 def device_peak_allocated(device: torch.device) -> int | None:
     """The CUDA allocator's peak on ``device`` in bytes (``torch.cuda.max_memory_allocated``); None off a GPU."""
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+class HostSpeedMonitor(SpeedMonitor):
+    """Composer's ``SpeedMonitor`` without the round trip of a step's FLOPs through the device in one process: its
+    ``batch_end`` sums the ranks' FLOPs with an ``all_reduce`` and reads the sum (``.item()``, a host read every step);
+    one process's FLOPs are its own, counted on the host."""
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        model = state.model if isinstance(state.model, ComposerModel) else state.model.module
+        flops = getattr(model, "flops_per_batch", None)
+        if dist.get_world_size() > 1 or flops is None:
+            super().batch_end(state, logger)
+            return
+        n = float(flops(state.batch))  # (on the host: ProxyFlops measures once per length, on fake tensors)
+        if getattr(model, "flops_per_batch", None) is not flops:  # (ProxyFlops removed itself: no FLOPs to count)
+            super().batch_end(state, logger)
+            return
+        self.history_flops.append(n)
+        del model.flops_per_batch  # (super() appends none and logs the window's FLOPs rate from the history)
+        try:
+            super().batch_end(state, logger)
+        finally:
+            model.flops_per_batch = flops
 
 
 class ProxyFlops:
@@ -313,8 +339,8 @@ class Throughput(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         tokens = state.batch["tokens"]
         self.seq_len, self.rank_step_tokens = int(tokens.shape[1]), int(tokens.numel())
-        rec = self.selections.last if self.selections is not None else None
-        self.kept_tokens += float(rec.n_kept if rec is not None else state.batch.get("kept_total", tokens.numel()))
+        # The step's kept tokens, known on the host before the step (every rank's: the selection's K)
+        self.kept_tokens += float(state.batch.get("kept_total", tokens.numel()))
         self.history.append(_Point(state.timestamp.total_wct.total_seconds(), int(state.timestamp.batch),
                                    float(state.timestamp.token.value), self.kept_tokens, self.reference_flops(),
                                    self.reference_seconds()))
@@ -326,6 +352,9 @@ class Throughput(Callback):
         self._show(logger, metrics)
         step = int(state.timestamp.batch)
         if self.lines_every is not None and (step % self.lines_every == 0 or step >= self.total_steps):
+            for reads in state.algorithms:  # the step's loss (read once per line, not per step: StepReads)
+                if hasattr(reads, "drain"):
+                    reads.drain()
             loss = (state.total_loss_dict or {}).get("loss/train/total")
             print(self.line(None if loss is None else float(loss), metrics.get("time/eta_seconds")), flush=True)
 
@@ -434,6 +463,8 @@ class Throughput(Callback):
             "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
             if self.reference is not None else None,
             "memory": self.memory(),  # (finish_run writes it as the summary's own `memory`)
+            # fp32 matmul precision of this process (TF32 on a GPU), the same in the workers and the refresh actor
+            "matmul": matmul_settings(),
         }
 
     # --- checkpoint ----------------------------------------------------------------------------------
@@ -456,8 +487,8 @@ def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_s
     """Composer's ``SpeedMonitor`` and :class:`Throughput` for ``cfg``'s trainer of ``model`` (a
     :class:`~training.blocks.model.MaskedCausalLM`, given its ``flops_per_batch``: :class:`ProxyFlops`)."""
     model.flops_per_batch = proxy = ProxyFlops(model.model, owner=model)
-    speed = SpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
-                         time_unit="seconds")
+    speed = HostSpeedMonitor(window_size=cfg.throughput.window, gpu_flops_available=cfg.throughput.peak_flops,
+                             time_unit="seconds")
     meter = Throughput(speed, window=cfg.throughput.window, total_steps=total_steps, proxy=proxy,
                        selections=selections, reference=reference, schedule=schedule,
                        eval_interval=cfg.eval.interval if validation else None,

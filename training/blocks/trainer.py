@@ -12,6 +12,8 @@ Composer's FSDP2 (one unit per decoder layer, activation checkpointing through i
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 from collections.abc import Sequence
@@ -22,12 +24,15 @@ from composer import Callback, Trainer
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator, Event, State
 from composer.loggers import Logger
+from composer.trainer.trainer import TrainerMode
 from composer.utils import dist as composer_dist
+from composer.utils import ensure_tuple
 from composer.utils.parallelism import FSDP2Config
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from curation.core.distributed import current_ranks
+from curation.core.host_sync import queues, set_matmul_precision
 from curation.io import storage
 from curation.io.models import build_causal_lm, check_positions, check_vocab, model_vocab_size, resolve_device
 from curation.io.shards import ShardDirInfo
@@ -45,17 +50,20 @@ from training.blocks.sharding import (
     install_wrap_policy,
     is_sharded,
 )
+from training.blocks.step_reads import StepReads
 
 __all__ = ["make_trainer", "build_model", "setup_device", "resume_path", "rank_eval_loader"]
 
 
 def setup_device(threads: int | None, device: str, precision: str) -> torch.device:
-    """Apply the CPU thread count and resolve the device; a non-fp32 precision needs CUDA."""
+    """Apply the CPU thread count and resolve the device (and its fp32 matmul precision: the same in every process of
+    a run, :func:`curation.core.host_sync.set_matmul_precision`); a non-fp32 precision needs CUDA."""
     if threads is not None:
         torch.set_num_threads(threads)
     resolved = resolve_device(device)
     if precision != "fp32" and resolved.type != "cuda":
         raise ValueError(f"precision {precision!r} needs a CUDA device (device resolves to {resolved.type})")
+    set_matmul_precision(resolved)
     return resolved
 
 
@@ -111,9 +119,11 @@ def _every(interval: int, last: int, event_name: str, *, at_stop: bool = False):
     return due
 
 
-def _optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; fused (one kernel for every parameter, no host work per tensor) where the parameters are on a GPU. A
+    CPU run keeps torch's default AdamW (the bit-exact oracle tests)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, fused=True if queues(device) else None)
 
 
 def _evaluator(path: str | None, cfg: TrainConfig | ReplayConfig, model_vocab: int) -> Evaluator | None:
@@ -155,14 +165,19 @@ def make_trainer(
         model.compile_forward()
     clipping = [GradientClipping(clipping_type="norm", clipping_threshold=cfg.optim.grad_clip)] \
         if cfg.optim.grad_clip else []
+    # The step's deferred reads (its loss, and the selection's record: training.blocks.step_reads): the selection
+    # algorithm's own, else a plain one (replay)
+    step_reads = next((a for a in algorithms if isinstance(a, StepReads)), None)
+    reads = [] if step_reads is not None else [StepReads()]
+    step_reads = step_reads or reads[0]
     with weights_only_loading(), mlflow_resumption(cfg.loggers, cfg.output_dir, resuming=resume is not None,
                                                    rank=rank):
         trainer = LeanTrainer(
             model=model,
             train_dataloader=make_data_spec(loader),
             max_duration=f"{total_steps}ba",
-            optimizers=_optimizer(model, cfg.optim),
-            algorithms=[*algorithms, *clipping],
+            optimizers=_optimizer(model, cfg.optim, device),
+            algorithms=[*algorithms, *clipping, *reads],
             callbacks=list(callbacks),
             loggers=[*dests, *loggers],
             eval_dataloader=_evaluator(cfg.data.validation if train else cfg.validation, cfg,
@@ -183,6 +198,7 @@ def make_trainer(
             seed=cfg.seed,
             parallelism_config=parallelism,
         )
+    trainer.step_reads = step_reads
     if is_sharded(model.model):
         average_on_gloo(model.model)
     if storage.url_of(cfg.output_dir) is not None and current_ranks().rank == 0:
@@ -191,22 +207,103 @@ def make_trainer(
 
 
 class LeanTrainer(Trainer):
-    """Composer's trainer with fewer host synchronisations per step, each of which exposes the host work around it
-    on a GPU (issue 31: the plain step was 1.10-1.30× a bare PyTorch loop of the same model on an H200):
+    """Composer's trainer without host reads in a steady step of one process (docs/DESIGN.md §6; on a GPU each
+    read drains the device's queue: issue 31 measured the plain step at 1.10-1.30× a bare PyTorch loop of the same
+    model on an H200, issue 52 counted the reads left):
 
     * no optimizer closure: AdamW steps after the backward, as in a plain loop, instead of from a closure whose
       ``.item()`` waits for the whole backward before the AdamW kernels are queued (the same arithmetic; Composer
       itself uses no closure with ``amp_fp16``);
     * one process: a step's samples, tokens and time are this process's, without the round trip through the
-      device that sums them over the ranks (three ``.item()`` calls)."""
+      device that sums them over the ranks (three ``.item()`` calls), and neither the batch size nor the end of the
+      data goes through the device to be summed over ranks (two ``.item()`` calls);
+    * the step's loss stays on the device: Composer's loop would read it at once (``loss.cpu().item()``, a drain of
+      the whole step). It goes to the run's :class:`~training.blocks.step_reads.StepReads` (``step_reads``), which
+      reads it with the step's other figures a step later, logs ``loss/train/total`` and sets
+      ``state.total_loss_dict``.
+
+    With data-parallel ranks every one of these is Composer's own code."""
+
+    step_reads: StepReads | None = None
 
     def _use_closures(self) -> bool:
         return False
 
+    def _one_process(self) -> bool:
+        return composer_dist.get_world_size() == 1
+
     def _accumulate_time_across_ranks(self, num_samples, num_tokens, batch_time):  # noqa: ANN001, ANN202
-        if composer_dist.get_world_size() > 1:
+        if not self._one_process():
             return super()._accumulate_time_across_ranks(num_samples, num_tokens, batch_time)
         return int(round(num_samples)), int(num_tokens), batch_time
+
+    def _train_batch(self, use_grad_scaling: bool):  # noqa: ANN202
+        losses = super()._train_batch(use_grad_scaling)
+        if losses is None or self.step_reads is None or not self._one_process():
+            return losses
+        self.step_reads.loss = losses.get("loss/train/total")
+        return None  # (Composer's loop reads and logs a returned loss at once; None: nothing to read)
+
+    def _iter_dataloader(self, trainer_mode):  # noqa: ANN001, ANN202
+        if not self._one_process():
+            yield from super()._iter_dataloader(trainer_mode)
+            return
+        # Composer's loop, less the all-reduce of "this rank's data ended" (one process: its own end)
+        assert self.state.dataloader is not None, "the dataloader should be set before calling this method"
+        if self.state.dataloader_len is None:
+            dataloader_iter = iter(self.state.dataloader)
+        else:
+            dataloader_iter = itertools.islice(self.state.dataloader, int(self.state.dataloader_len))
+        while True:
+            try:
+                if trainer_mode == TrainerMode.TRAIN:
+                    self.engine.run_event(Event.BEFORE_DATALOADER)
+                batch = next(dataloader_iter)
+            except StopIteration:
+                if trainer_mode == TrainerMode.TRAIN:
+                    self.engine.run_marker_only_event(Event.AFTER_DATALOADER)
+                break
+            yield batch
+
+    def _train_microbatches(self, microbatches, total_loss_dict, ddp_sync=True):  # noqa: ANN001, ANN202
+        if not self._one_process():
+            return super()._train_microbatches(microbatches, total_loss_dict, ddp_sync)
+        # Composer 0.32's method, less the round trip of the batch size through the device (`.item()` of an
+        # all-reduce): one process's batch size is its own.
+        assert self._train_data_spec is not None
+        with contextlib.nullcontext():
+            self.engine.run_event(Event.BEFORE_TRAIN_BATCH)
+            assert self.state.optimizers is not None
+            assert self.state.scaler is not None
+            use_grad_scaling = self._use_grad_scaling(self.state.precision, self.state.scaler)
+            for optimizer in self.state.optimizers:
+                try:
+                    optimizer.zero_grad(set_to_none=True)
+                except TypeError:
+                    optimizer.zero_grad()
+            if self.accumulate_train_batch_on_tokens:
+                current_batch_size = sum(self._train_data_spec.get_num_tokens_in_batch(b, token_type="loss_generating")
+                                         for b in microbatches)
+            else:
+                current_batch_size = sum(self._train_data_spec.get_num_samples_in_batch(b) for b in microbatches)
+            current_batch_size = float(current_batch_size)  # (Composer: tensor.item() / world size, a float)
+            current_batch = self.state.batch
+            for microbatch_idx, self.state.batch in enumerate(microbatches):
+                self.state.batch = self.state.device.batch_to_device(self.state.batch)
+                self.state.batch = self._train_data_spec.microbatch_transforms(self.state.batch)
+                is_final_microbatch = microbatch_idx + 1 == len(microbatches)
+                microbatch_loss_dict = self._train_microbatch(use_grad_scaling, current_batch_size, is_final_microbatch)
+                for k, microbatch_loss in microbatch_loss_dict.items():
+                    loss_key = f"loss/train/{k}"
+                    if loss_key not in total_loss_dict:
+                        total_loss_dict[loss_key] = self.state.device.tensor_to_device(torch.zeros(size=(1,)))
+                    total_loss_dict[loss_key] += microbatch_loss
+            self.state.batch = current_batch
+            if use_grad_scaling:
+                for optimizer in ensure_tuple(self.state.optimizers):
+                    self.state.scaler.unscale_(optimizer)
+            self.engine.run_event(Event.AFTER_TRAIN_BATCH)
+            return total_loss_dict["loss/train/total"]
 
 
 class CheckpointUpload(Callback):

@@ -13,12 +13,11 @@ The engine is reached through its declared handle (:class:`curation.engine.handl
   records the summary needs.
 * both: :class:`EngineSync` publishes ``u^(s)`` at the plan's steps (refresh start points, pipelined
   snapshots), tells the engine which step the trainer is about to take (back-pressure), and measures
-  ``‖u − w‖`` against the engine's reference.
+  ``‖u − w‖`` against the engine's reference on the device (read with the step's record: no read of its own).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,10 +26,11 @@ import numpy as np
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
-from torch import nn
+from torch import Tensor, nn
 
+from curation.core.host_sync import pinned
 from curation.core.refresh_data import RecentMasks
-from curation.core.stats import SelectionRecord, param_distance
+from curation.core.stats import param_distance_tensor
 from curation.engine.handle import EngineFeed, EngineHandle
 from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
@@ -45,10 +45,8 @@ __all__ = ["EngineSync", "EngineMaskedBatches", "build_pipelined_training"]
 
 
 class EngineSync(Callback):
-    """Publishes proxy snapshots, reports the trainer's step, measures ``‖u − w‖``.
-
-    Put it *first* among the callbacks (``trainer.state.callbacks.insert(0, ...)``) so the distance is on
-    the step's record before the statistics callback reads it.
+    """Publishes proxy snapshots, reports the trainer's step, measures ``‖u − w‖`` (on the device, into the step's
+    record: :attr:`StepSelections.extra_values <training.blocks.callbacks.StepSelections>`).
 
     Args:
         engine: the running engine.
@@ -69,8 +67,9 @@ class EngineSync(Callback):
         self.log_every = log_every
         self.published: list[int] = []
         self.publish_seconds = 0.0
-        self._ref_module: nn.Module | None = None
+        self._ref: dict[str, Tensor] | None = None
         self._ref_version: int | None = None
+        algorithm.extra_values.append(self._distance_values)
 
     @staticmethod
     def _proxy(state: State) -> nn.Module:
@@ -82,6 +81,7 @@ class EngineSync(Callback):
         start = time.perf_counter()
         recent = None
         if step in self.refresh_sources:
+            self.algorithm.drain()  # the masks of every step before this one
             recent = RecentMasks.from_pairs(list(self.algorithm.recent))
         self.engine.publish_proxy(step, self._proxy(state), recent)
         self.published.append(step)
@@ -93,26 +93,26 @@ class EngineSync(Callback):
         self._publish(state, step)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        rec: SelectionRecord | None = self.algorithm.last
         nxt = int(state.timestamp.batch)  # after the step: the step about to be taken
         self.engine.trainer_at(nxt)
-        if rec is not None and rec.ref_version >= 0 and rec.distance is None and rec.step % self.distance_interval == 0:
-            rec.distance = self._distance(state, rec.ref_version)
         self._publish(state, nxt)
         if nxt % self.log_every == 0:
             p = self.engine.progress()
             logger.log_metrics({"engine/units_done": p["units_done"], "engine/tokens_scored": p["tokens"],
                                 "engine/redone": p["redone"], "engine/trainer_wait_s": self.engine.wait_seconds})
 
-    def _distance(self, state: State, version: int) -> float:
+    def _distance_values(self, state: State, step: int, version: int) -> dict[str, Tensor]:
+        """``{"distance": ‖u − w‖}`` of the step just taken (on the device) when it is measured."""
+        if not self.algorithm.policy.needs_reference or version < 0 or step % self.distance_interval:
+            return {}
         proxy = self._proxy(state)
-        if self._ref_version != version:
-            if self._ref_module is None:  # a CPU copy of the architecture, off the training device
-                self._ref_module = copy.deepcopy(proxy).to("cpu").eval()
-            self.engine.reference(version).load_into(self._ref_module)
+        if self._ref_version != version:  # the reference's parameters in pinned host memory, once per version
+            weights = self.engine.reference(version).state_dict()
+            device = next(proxy.parameters()).device
+            self._ref = {name: pinned(weights[name], device) for name, _ in proxy.named_parameters()}
             self._ref_version = version
-        assert self._ref_module is not None
-        return param_distance(proxy, self._ref_module)
+        assert self._ref is not None
+        return {"distance": param_distance_tensor(proxy, self._ref)}  # (each group copied without blocking)
 
 
 class EngineMaskedBatches(StepBatches):

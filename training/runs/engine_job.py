@@ -119,7 +119,7 @@ def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[s
                     feed, t.max_steps, model_vocab=vocab))
             else:
                 run = build_training(t, scored=EngineScores(feed), schedule=e.plan.schedule)
-            sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm, distance_interval=t.distance_interval)
+            sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm, distance_interval=t.effective_distance_interval)
             run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
                   f"{eng.mode} mode, {eng.refresh} refresh, "

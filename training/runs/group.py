@@ -26,8 +26,9 @@ where the rank shows (DESIGN.md §2, docs/dev/ray-train-composer.md):
 * **Failures**: the worker group runs under Ray Train's failure config. A killed worker makes Ray Train
   restart the group, and every worker resumes from ``checkpoints/latest-rank0.pt`` (the run's usual
   resume), so the outputs equal an uninterrupted run. Ray Train retries *every* worker error; data errors
-  (bad shards, diverged loss, bad settings) are recorded in ``parallel/fatal.json`` by the failing worker,
-  the retried group returns at once, and the driver raises the recorded message.
+  (bad shards, diverged loss, bad settings) are recorded in ``parallel/fatal.json`` by the failing worker (with
+  the input shard files a data error blames: :mod:`curation.io.bad_shards`), the retried group returns at once,
+  and the driver raises the recorded message.
 
 Ray itself is only imported by :mod:`curation.engine.ray_backend` (:func:`run_trainer_group`); this module
 uses plain ``torch.distributed`` for the rank.
@@ -49,6 +50,7 @@ from curation.engine.handle import EngineFeed
 from curation.engine.plan import EngineError
 from curation.engine.ray_backend import ray_session, run_trainer_group
 from curation.io.atomic import atomic_write_text
+from curation.io.bad_shards import blamed
 from curation.io.outputs import localize, open_output
 from curation.io.stop import GracefulStop, stop_signal
 from schemas.shards import ShardSchemaError
@@ -133,7 +135,7 @@ def train_worker(config: dict[str, Any]) -> None:
     except FATAL_ERRORS as e:
         os.makedirs(os.path.dirname(_fatal_path(out)), exist_ok=True)
         atomic_write_text(_fatal_path(out), json.dumps({"rank": ranks.rank, "error": type(e).__name__,
-                                                        "message": str(e)}))
+                                                        "message": str(e), "shards": blamed(e)}))
         raise
 
 
@@ -148,7 +150,7 @@ def _run_worker(cfg: TrainConfig, ranks: Ranks, config: dict[str, Any]) -> None:
                          stopper=StopAtStepEnd(GroupStop(cfg.output_dir)))
     sync = None
     if engine is not None and ranks.rank == 0:  # rank 0 publishes u and reports the trainer's step
-        sync = EngineSync(engine.handle, engine.plan, algorithm=run.algorithm, distance_interval=cfg.distance_interval)
+        sync = EngineSync(engine.handle, engine.plan, algorithm=run.algorithm, distance_interval=cfg.effective_distance_interval)
         run.trainer.state.callbacks.insert(0, sync)
     _record_attempt(cfg.output_dir, ranks, run.resumed_from)
     run.fit()

@@ -228,7 +228,7 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
     stopper = stopper or StopAtStepEnd()
     speed, meter = throughput_callbacks(cfg, inputs.model, total_steps=cfg.max_steps, selections=algorithm,
                                         reference=reference, schedule=schedule or Schedule.of(cfg))
-    trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data), total_steps=cfg.max_steps,
+    trainer = make_trainer(cfg, model=inputs.model, loader=stream_loader(data, inputs.device), total_steps=cfg.max_steps,
                            device=inputs.device, resume=resume, algorithms=[algorithm],
                            callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,

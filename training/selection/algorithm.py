@@ -12,8 +12,11 @@ One code path for every policy (``full``, ``random``, ``rho1``, ``blade``, ``bla
   proxy forward; the per-token losses are cached and reused by the loss), then the step's selection
   (:class:`curation.core.step.SelectionStep`: warm-up keeps every valid token; data-parallel ranks gather Δ and
   take the same global top-γ) and ``batch["loss_mask"] = α`` (this rank's rows) before the loss.
-* ``BATCH_END``: the step's record (the whole batch, in single-process row order) becomes :attr:`last` (read by
-  the shard writer and the statistics), and its mask joins the recent steps the next refresh's ``L_train`` uses.
+* ``BATCH_END``: the step's record (the whole batch, in single-process row order: mask, validity, scores, a
+  finiteness flag, ``‖u − w̃‖`` every ``distance_interval`` steps, all on the device) is copied to the host without
+  blocking and *delivered* a step later (:class:`~training.blocks.step_reads.StepReads`: the one host read of a
+  steady step): it becomes :attr:`last`, goes to the subscribers (the shard writer, the statistics), and its mask
+  joins the recent steps the next refresh's ``L_train`` uses (a refresh first delivers the step before it).
 
 Under microbatching in a single process the selection is per microbatch (the mask must exist before each
 microbatch's backward pass); the loss is still normalised by the whole batch's kept tokens.
@@ -30,20 +33,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from composer.core import Algorithm, Event, State
+import torch.distributed as dist
+from composer.core import Event, State
 from composer.loggers import Logger
 from torch import Tensor, nn
 
-from curation.core.distributed import all_ranks_true, global_rows
+from curation.core.distributed import global_rows
+from curation.core.host_sync import pinned
 from curation.core.losses import target_valid
 from curation.core.refresh_data import RecentMasks, recent_state, restore_recent
 from curation.core.schedule import WARMUP_EPISODE, Schedule
-from curation.core.stats import SelectionRecord, param_distance
+from curation.core.stats import SelectionRecord, param_distance_tensor
 from curation.core.step import SelectionStep
 from schemas.train_config import TrainConfig
 from training.blocks.checkpoint import rng_state, set_rng_state
 from training.blocks.data import StreamBatches
 from training.blocks.meters import Meters
+from training.blocks.step_reads import StepReads
 from training.selection.reference import InProcessReference
 from training.selection.shard_scores import ShardScores
 
@@ -62,13 +68,13 @@ class _Pending:
     rows_done: int = 0
 
 
-class BladeAlgorithm(Algorithm):
+class BladeAlgorithm(StepReads):
     """Online token selection for one policy; see the module docstring.
 
     Args:
         cfg: the run's config: ``effective_microbatch_size`` (a single process's selection blocks),
             ``selection.refresh_candidate_batches`` (the steps whose masks the next refresh's ``L_train`` uses) and
-            ``distance_interval`` (measure ``‖u − w̃‖`` every this many steps).
+            ``effective_distance_interval`` (measure ``‖u − w̃‖`` every this many steps).
         select: the run's selection step (policy, γ, seed, ranks, scope).
         schedule: the run's schedule.
         stream: the candidate stream's full batches.
@@ -80,6 +86,7 @@ class BladeAlgorithm(Algorithm):
     def __init__(self, cfg: TrainConfig, select: SelectionStep, schedule: Schedule, stream: StreamBatches, *,
                  reference: InProcessReference | None = None, scored: ShardScores | None = None,
                  meters: Meters | None = None) -> None:
+        super().__init__()
         self.select = select
         self.policy = select.policy
         self.ranks = select.ranks
@@ -88,14 +95,17 @@ class BladeAlgorithm(Algorithm):
         self.reference = reference
         self.scored = scored
         self.microbatch_size = cfg.effective_microbatch_size
-        self.distance_interval = cfg.distance_interval
+        self.distance_interval = cfg.effective_distance_interval
+        #: ``(state, step, version) → {name: device tensor}`` read with the step's record (the engine-fed trainer's
+        #: ``‖u − w‖``: :class:`training.runs.engine_feed.EngineSync`)
+        self.extra_values: list[Any] = []
         self.meters = meters if meters is not None else Meters()
         self.timers, self.counts = self.meters.timers, self.meters.counts
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=cfg.selection.refresh_candidate_batches)
         self.last: SelectionRecord | None = None
         self.next_step = 0
         self.device = torch.device("cpu")
-        self._pending: _Pending | None = None
+        self._pending_step: _Pending | None = None
         self._loaded_rng: dict[str, Any] | None = None
 
     @property
@@ -107,17 +117,21 @@ class BladeAlgorithm(Algorithm):
 
     # --- Composer hooks ----------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.FIT_START, Event.AFTER_DATALOADER, Event.AFTER_FORWARD, Event.BATCH_END)
+        return event in (Event.FIT_START, Event.AFTER_DATALOADER, Event.AFTER_FORWARD, Event.BATCH_END,
+                         Event.FIT_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.FIT_START:
+            self.start(state, logger)
             self._fit_start(state)
         elif event == Event.AFTER_DATALOADER:
             self._before_step(state)
         elif event == Event.AFTER_FORWARD:
             self._select(state)
         elif event == Event.BATCH_END:
-            self._after_step(state)
+            self.queue(state)
+        elif event == Event.FIT_END:
+            self.drain()
 
     @staticmethod
     def _proxy(state: State) -> nn.Module:
@@ -147,24 +161,25 @@ class BladeAlgorithm(Algorithm):
         warm = self.schedule.is_warmup(step)
         episode = self.schedule.episode(step)
         if self.reference is not None and self.policy.refreshes and self.schedule.refresh_due(step):
+            self.drain()  # the refresh's L_train reads the masks of the steps before it
             self.reference.refresh(self._proxy(state), episode, RecentMasks.from_pairs(list(self.recent)))
         version = WARMUP_EPISODE
         if self.policy.needs_reference and not warm:
             version = self.schedule.reference_version(step, refreshed=self.policy.refreshes)
             ref = (self.scored.losses(step, batch["tokens"].numpy(), version) if self.scored is not None
                    else self.reference.losses(step))
-            batch["ref_loss"] = torch.from_numpy(ref)
+            batch["ref_loss"] = pinned(torch.from_numpy(ref), self.device)  # (copied to the device without blocking)
         full = self.stream.batch(step) if self.ranks.world_size > 1 else batch  # (from memory: read once)
         v = full.get("valid")
         valid = target_valid(full["tokens"].cpu(), None if v is None else v.cpu().bool())
         kept = self.select.kept(valid, selecting=not warm, block_rows=self.microbatch_size)
         batch["kept_total"] = int(sum(kept))
         batch["rows_total"] = global_rows(int(batch["tokens"].shape[0]), self.ranks)
-        self._pending = _Pending(step, episode, version, not warm, kept, full)
+        self._pending_step = _Pending(step, episode, version, not warm, kept, full)
 
     # --- after the forward pass: select ------------------------------------------------------
     def _select(self, state: State) -> None:
-        p = self._pending
+        p = self._pending_step
         assert p is not None, "AFTER_FORWARD without AFTER_DATALOADER"
         batch = state.batch
         # ℓ(u) from the logits of this forward pass, computed once with the graph and reused by the loss
@@ -172,55 +187,80 @@ class BladeAlgorithm(Algorithm):
         losses, valid = getattr(state.model, "module", state.model).token_losses(state.outputs, batch)
         with self.meters.timed("select", self.device):
             proxy_losses = losses.detach()
-            # A non-finite loss fails the step in _after_step, once its results are read on the host; until then the
+            # A non-finite loss fails the step in finish(), once its record is read on the host; until then the
             # selection sees 0 there (on a GPU its own check is a device assertion that would end the process).
             finite = torch.isfinite(proxy_losses) | ~valid
             sel = self.select(p.step, torch.where(finite, proxy_losses, 0.0), valid, batch.get("ref_loss"),
                               selecting=p.selecting, offset=p.rows_done)
             batch["loss_mask"] = sel.local
             rows = slice(p.rows_done, p.rows_done + sel.mask.shape[0])  # the selection block's rows of the batch
-            # Device tensors, read on the host after the step (_after_step): a read here would make the host wait
-            # for the forward and the selection before queueing the backward (on a GPU, host work between a sync
-            # and the next kernel launch adds to the step).
+            # Device tensors, read on the host a step later (StepReads): a read here would make the host wait for
+            # the forward and the selection before queueing the backward.
             p.parts.append({
                 "tokens": p.full["tokens"][rows], "mask": sel.mask, "valid": sel.valid, "scores": sel.scores,
                 "sources": list(p.full["source"][rows]), "sample_ids": p.full["sample_id"][rows],
-                "finite": finite.all(),
+                "finite": finite.all(), "rows": int(sel.mask.shape[0]),
                 "kept": p.kept if self.ranks.world_size > 1 else p.kept[len(p.parts) : len(p.parts) + 1],
             })
             p.rows_done += proxy_losses.shape[0]
 
-    # --- after the step ----------------------------------------------------------------------
-    def _after_step(self, state: State) -> None:
-        p = self._pending
+    # --- after the step: the record, read a step later (StepReads) -------------------------------
+    def step_values(self, state: State) -> dict[str, Tensor]:
+        p = self._pending_step
         assert p is not None and p.parts, "BATCH_END without a selection"
-        # Before anything of the step is recorded or saved, and on every rank at once (data-parallel: a NaN on one
-        # rank has reached every rank's weights through the gradient all-reduce)
-        if not all_ranks_true(torch.stack([part["finite"] for part in p.parts]).all(), self.ranks):
+        parts = p.parts
+        one = len(parts) == 1
+        finite = parts[0]["finite"] if one else torch.stack([part["finite"] for part in parts]).all()
+        if self.ranks.world_size > 1:  # a NaN on one rank has reached every rank's weights: every rank stops
+            flag = finite.to(torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = flag[0].bool()
+        values = {"finite": finite}
+        for key in ("mask", "valid", "scores"):
+            values[key] = parts[0][key] if one else torch.cat([part[key] for part in parts])
+        reference = self.reference.for_distance() if self.reference is not None else None
+        if reference is not None and p.step % self.distance_interval == 0:
+            with self.meters.timed("distance", self.device):
+                values["distance"] = param_distance_tensor(self._proxy(state), reference)
+        for extra in self.extra_values:
+            values.update(extra(state, p.step, p.ref_version))
+        return values
+
+    def step_info(self, state: State) -> _Pending:
+        p, self._pending_step = self._pending_step, None
+        assert p is not None
+        self.next_step = p.step + 1
+        for part in p.parts:  # (the device tensors are in the step's copies)
+            for key in ("mask", "valid", "scores", "finite"):
+                part.pop(key, None)
+        return p
+
+    def finish(self, step: int, host: dict[str, Tensor], p: _Pending, loss: float | None) -> SelectionRecord:
+        # Before anything of the step is recorded or saved (a diverged step is never written)
+        if not bool(host["finite"]):
             raise ValueError(
                 f"step {p.step}: the proxy's token loss is not finite (training diverged?); "
                 "lower optim.lr or check the model weights"
             )
+        mask = host["mask"].numpy().copy()  # (the host buffers are reused two steps later)
+        first = 0
         for part in p.parts:
-            assert int(part["mask"].sum()) == sum(part["kept"]), (int(part["mask"].sum()), part["kept"])
-
-        def joined(key: str) -> np.ndarray:
-            return np.concatenate([part[key].detach().cpu().numpy() for part in p.parts])
-
+            rows = mask[first:first + part["rows"]] if self.ranks.world_size == 1 else mask
+            assert int(rows.sum()) == sum(part["kept"]), (int(rows.sum()), part["kept"])
+            first += part["rows"]
         rec = SelectionRecord(
-            step=p.step, episode=p.episode, ref_version=p.ref_version, tokens=joined("tokens"), mask=joined("mask"),
-            valid=joined("valid"), scores=joined("scores"), sources=[s for part in p.parts for s in part["sources"]],
-            sample_ids=joined("sample_ids"),
+            step=p.step, episode=p.episode, ref_version=p.ref_version,
+            tokens=np.concatenate([part["tokens"].numpy() for part in p.parts]), mask=mask,
+            valid=host["valid"].numpy().copy(), scores=host["scores"].numpy().copy(),
+            sources=[s for part in p.parts for s in part["sources"]],
+            sample_ids=np.concatenate([part["sample_ids"].numpy() for part in p.parts]), loss=loss,
         )
-        reference = self.reference.for_distance() if self.reference is not None else None
-        if reference is not None and p.step % self.distance_interval == 0:
-            with self.meters.timed("distance", self.device):
-                rec.distance = param_distance(self._proxy(state), reference)
+        if "distance" in host:
+            rec.distance = float(host["distance"])
         self.recent.append((p.step, rec.mask.astype(np.uint8)))
         self.counts["selected_steps"] += int(p.selecting)
         self.last = rec
-        self.next_step = p.step + 1
-        self._pending = None
+        return rec
 
     # --- checkpoint state --------------------------------------------------------------------
     def reference_state_dict(self, *, copy: bool = True) -> dict[str, Tensor] | None:
@@ -230,6 +270,7 @@ class BladeAlgorithm(Algorithm):
         return (self.reference.weights(copy=copy) or None) if self.reference is not None else None
 
     def state_dict(self) -> dict[str, Any]:
+        self.drain()  # the step taken last is part of the checkpoint
         ref = self.reference.state_dict(self.next_step) if self.reference is not None else {
             "ref_version": WARMUP_EPISODE, "reference": None, "ref_optimizer": None, "scores": {}, "refresh_log": []}
         return {

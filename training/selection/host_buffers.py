@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curation.core.host_sync import event, queues
+
 __all__ = ["CompactReference", "HostOptimizerState"]
 
 
@@ -68,9 +70,11 @@ class _HostBuffer:
     dtype: torch.dtype
 
     def __init__(self, *, pin: bool | None = None) -> None:
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._pin = pin  # None: pinned when the tensors stored come from a GPU (curation.core.host_sync.queues)
+        self.pin = bool(pin)
         self._buffer: Tensor | None = None
         self._registered: int | None = None  # the address pinned with cudaHostRegister (unregistered on release)
+        self._ready: Any = None  # the event after the last fill's copies (waited for before the buffer is read)
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +89,7 @@ class _HostBuffer:
         CUDA's last error for the next kernel launch to report, or pin unrelated tensors."""
         self._release()
         nbytes = size * self.dtype.itemsize
-        if not self.pin or nbytes < REGISTER_MIN_BYTES:
+        if not self.pin or nbytes < REGISTER_MIN_BYTES or not torch.cuda.is_available():
             self._buffer = torch.empty(size, dtype=self.dtype, pin_memory=self.pin and size > 0)
             return
         self._buffer = page_aligned(size, self.dtype)
@@ -101,7 +105,7 @@ class _HostBuffer:
         copy from or to it is in flight (the caching host allocator tracked that with events; these pages are not
         its)."""
         if self._registered is not None:
-            torch.cuda.synchronize()
+            self.wait()
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
 
@@ -116,18 +120,30 @@ class _HostBuffer:
         each converted to the buffer's dtype there first, so the copy is a DMA of the stored bytes with no
         host-side temporary)."""
         size = sum(t.numel() for t in tensors)
-        if self._buffer is None or self._buffer.numel() != size:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if self._pin is None:
+            self.pin = queues(device)
+        self.wait()  # (the last fill's copies, before the buffer is written again)
+        if self._buffer is None or self._buffer.numel() != size or (self.pin and not self._buffer.is_pinned()):
             self._allocate(size)
         offset = 0
+        on_device = queues(device)
         for t in tensors:
-            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t.to(self.dtype) if t.is_cuda else t,
+            self._buffer[offset : offset + t.numel()].view(t.shape).copy_(t.to(self.dtype) if on_device else t,
                                                                            non_blocking=self.pin)
             offset += t.numel()
-        if self.pin:
-            torch.cuda.synchronize()  # the buffer may be read on the host right after
+        # An event, not a device-wide synchronize: the buffer is read on the host only after wait()
+        self._ready = event(device) if self.pin else None
+
+    def wait(self) -> None:
+        """Wait for the last fill's copies (nothing when they are done, or were not asynchronous)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
 
     def _slice(self, offset: int, shape: torch.Size) -> Tensor:
         assert self._buffer is not None
+        self.wait()
         return self._buffer[offset : offset + shape.numel()].view(shape)
 
 

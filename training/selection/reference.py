@@ -5,8 +5,9 @@ After each refresh the new ``w̃`` scores the coming steps of its episode on the
 off it (the paper's offloading). Where its weights are, :attr:`InProcessReference.where`:
 
 * ``DEVICE``: the float32 module on the training device (it scores there; on a CPU it never leaves);
-* ``HOST``: the float32 module on the host (it will score again: ``rho1``'s static reference, ``blade-nosync``,
-  which continues from it, a ``score_lookahead`` shorter than the episode);
+* ``HOST``: the float32 module on the host (it will score again: ``blade-nosync``, which continues from it, a
+  ``score_lookahead`` shorter than the episode); ``rho1``'s static reference, which scores every episode, stays on the
+  device (it is never moved per episode);
 * ``COMPACT``: a bfloat16 copy in one host buffer reused by every refresh
   (:class:`~training.selection.host_buffers.CompactReference`): a ``blade`` reference that has scored its whole
   episode is read only by ``‖u − w̃‖``, checkpoints and ``final/reference.safetensors`` until the next refresh;
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from curation.core.distributed import Ranks
+from curation.core.host_sync import queues
 from curation.core.policies import RefreshMode, SelectionPolicy, get_policy
 from curation.core.refresh import CONTINUE, Clone, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
@@ -220,10 +222,15 @@ class InProcessReference:
             if self.module is None:
                 raise RuntimeError("no reference module to score with (it was compacted after scoring its episode)")
             scorer = self.scorer.to(self.train_device)
-            for t in range(step, max(end, step + 1)):
-                # One step per forward call, so a resumed run scores exactly the same batches.
+            steps = range(step, max(end, step + 1))
+            # One step per forward call, so a resumed run scores exactly the same batches; every forward queued,
+            # then one check and one copy back of all of them (TokenLossScorer.score_many: one wait)
+            batches = []
+            for t in steps:
                 tokens = self.stream.batch(t)["tokens"]
-                self.scores[t] = scorer(tokens[self.ranks.rows(tokens.shape[0])])
+                batches.append(tokens[self.ranks.rows(tokens.shape[0])])
+            for t, losses in zip(steps, scorer.score_many(batches), strict=True):
+                self.scores[t] = losses
                 self.meters.counts["score_steps"] += 1
             if self.settings.offload:
                 self.offload(compact=self._scored_episode(step))
@@ -262,7 +269,7 @@ class InProcessReference:
         per refresh, not there and back. Otherwise (at fit start, step ``step``) it is offloaded now."""
         self.version = version
         if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
-            where = "cuda" if next(module.parameters()).device.type == "cuda" else "cpu"
+            where = "cuda" if queues(next(module.parameters()).device) else "cpu"
             self.scorer = TokenLossScorer(ScorerConfig(model=self.settings.model, device=where,
                                                        precision=self.settings.precision,
                                                        batch_size=self.settings.score_batch_size), model=module)
@@ -284,8 +291,10 @@ class InProcessReference:
         (``compact``: it will not score again). The refresh workspace keeps its module and AdamW without their
         device memory (parked); a carried AdamW state goes to the host buffer."""
         assert self.module is not None
-        if self.train_device.type == "cpu" or self.sharded:
+        if not queues(self.train_device) or self.sharded:
             return
+        if self.policy.refresh_mode is RefreshMode.STATIC:
+            return  # rho1's static reference scores every episode: it stays on the device, never moved per episode
         if compact:
             self.compact.store(self.module, int(self.scorer.version or 0))
             self.scorer.model = None

@@ -33,7 +33,7 @@ import asyncio
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -47,7 +47,7 @@ from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import LedgerSpec, PartResult
 from curation.engine.plan import EngineError, ScoringDataError, TrainingPlan, WorkUnit
-from curation.engine.ray_backend.client import EngineClient, error_message
+from curation.engine.ray_backend.client import EngineClient, engine_error, error_message
 from curation.engine.ray_backend.session import ray_session  # re-exported: its home before session.py
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.state import EngineState, RefreshTask, gpu_shares
@@ -55,7 +55,8 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
-from curation.io.cache import urls_in_text
+from curation.io.bad_shards import blamed
+from curation.io.cache import url_of, urls_in_text
 from curation.io.carried import Carried, carry
 from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
@@ -110,12 +111,12 @@ class _CoordinatorActor:
         task.add_done_callback(self._tasks.discard)
 
     async def _await_refresh(self, version: int, log_ref: Any) -> None:
-        error = None
+        error, shards = None, []
         try:
             await log_ref
         except Exception as e:  # the refresh raised: the engine stops with its message
-            error = error_message(e)
-        self.state.refresh_done(version, error)
+            error, shards = error_message(e), blamed(e)
+        self.state.refresh_done(version, error, shards)
         self._notify()
 
     # --- change notification -------------------------------------------------------------------
@@ -141,7 +142,7 @@ class _CoordinatorActor:
         deadline = time.monotonic() + timeout
         while (result := answer()) is None:
             if self.state.core.failed is not None:
-                raise EngineError(self.state.core.failed)
+                raise self.state.core.error()
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -173,8 +174,8 @@ class _CoordinatorActor:
         self.state.complete(worker, result)
         self._notify()
 
-    def fail(self, worker: int, unit: str, message: str) -> None:
-        self.state.core.fail(message)
+    def fail(self, worker: int, unit: str, message: str, shards: Sequence[str] = ()) -> None:
+        self.state.core.fail(message, shards)
         self._notify()
 
     # --- trainer ---------------------------------------------------------------------------------
@@ -263,8 +264,9 @@ class _WorkerActor:
                 result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
             except Exception as e:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
-                message = urls_in_text(message)  # (this node's cache paths as their URLs: the driver's differ)
-                ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}"))
+                # (this node's cache paths as their URLs: the driver's cache is elsewhere)
+                message, shards = urls_in_text(message), [url_of(f) or f for f in blamed(e)]
+                ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}", shards))
                 raise
             t2 = time.perf_counter()
             times["run_s"] += t2 - t1
@@ -376,7 +378,7 @@ class RayEngine(EngineClient):
             except RayActorError as e:
                 raise EngineError(f"scoring worker {wid} died and was not restarted: {error_message(e)}") from None
             except RayTaskError as e:
-                raise EngineError(error_message(e)) from None
+                raise engine_error(e) from None
 
     # --- the trainer's workers, given weights ----------------------------------------------------
     def for_workers(self) -> EngineClient:

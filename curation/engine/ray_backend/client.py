@@ -19,8 +19,9 @@ from curation.core.refresh_data import RecentMasks
 from curation.engine.plan import REFERENCE, EngineError
 from curation.engine.state import save_snapshot
 from curation.engine.weights import Weights
+from curation.io.bad_shards import blame, blamed
 
-__all__ = ["EngineClient", "error_message", "RERUN"]
+__all__ = ["EngineClient", "engine_error", "error_message", "RERUN"]
 
 #: What to do after the engine stopped because one of its processes died (killed, out of memory, its node lost).
 RERUN = "finished work is kept: rerun the same command to resume"
@@ -35,6 +36,12 @@ def error_message(err: BaseException) -> str:
     if isinstance(err, RayActorError) and not getattr(err, "actor_init_failed", False):
         return _actor_death(str(err))
     return str(err)
+
+
+def engine_error(err: BaseException) -> EngineError:
+    """An error of the engine's actors as the :class:`EngineError` its callers raise: the original message
+    (:func:`error_message`), blaming the input shard files the original blames (:mod:`curation.io.bad_shards`)."""
+    return blame(EngineError(error_message(err)), *blamed(err))
 
 
 def _actor_death(text: str) -> str:
@@ -70,9 +77,9 @@ class EngineClient:
         try:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
-            raise EngineError(error_message(e)) from None
+            raise engine_error(e) from None
         except RayActorError as e:  # killed (one line, with the rerun), or failed to start (its error is the message)
-            raise EngineError(error_message(e)) from None
+            raise engine_error(e) from None
 
     def check(self) -> None:
         """Nothing to check in a trainer worker: the driver checks the engine."""

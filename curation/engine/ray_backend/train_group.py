@@ -8,6 +8,7 @@ imports ray.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -15,9 +16,21 @@ import ray
 
 from curation.engine.plan import WorkerGroupFailed
 from curation.engine.ray_backend.client import error_message
+from curation.io.bad_shards import blame
 from schemas.train_config import ParallelConfig
 
-__all__ = ["run_trainer_group"]
+__all__ = ["run_trainer_group", "recorded_fatal"]
+
+
+def recorded_fatal(fatal_file: str) -> ValueError | None:
+    """The error a worker recorded in ``fatal_file`` (``None``: none): its message, blaming the input shard files the
+    record lists (:mod:`curation.io.bad_shards`: the job records what the run failed on)."""
+    if not os.path.exists(fatal_file):
+        return None
+    with open(fatal_file, encoding="utf-8") as f:
+        fatal = json.load(f)
+    shards = fatal.get("shards") if isinstance(fatal.get("shards"), list) else []
+    return blame(ValueError(fatal["message"]), *[s for s in shards if isinstance(s, str)])
 
 
 def _group_fits(workers: int, cpus: float, gpus: float) -> None:
@@ -46,8 +59,9 @@ def run_trainer_group(
     start: it resumes from its own checkpoints). ``storage_path`` is Ray Train's run state: on a multi-node
     cluster a path every node can reach.
 
-    ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``); when it
-    exists after the run, its message is raised as a ValueError.
+    ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``, and ``shards``: the
+    input shard files it blames, :mod:`curation.io.bad_shards`); when it exists after the run, its message is raised
+    as a ValueError blaming those.
 
     ``monitor()``: called every ``monitor_every_s`` seconds while the group runs (the engine's ``check``, the
     driver's stop signal); when it raises, ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
@@ -59,8 +73,6 @@ def run_trainer_group(
     """
     workers, cpus_per_worker, gpus_per_worker = parallel.workers, parallel.cpus_per_worker, parallel.gpus_per_worker
     max_failures = parallel.max_failures
-    import json
-
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -108,9 +120,9 @@ def run_trainer_group(
             raise monitored
         if failure is not None and not isinstance(failure, TrainingFailedError):
             raise failure
-    if fatal_file is not None and os.path.exists(fatal_file):
-        with open(fatal_file, encoding="utf-8") as f:
-            raise ValueError(json.load(f)["message"]) from failure
+    fatal = recorded_fatal(fatal_file) if fatal_file is not None else None
+    if fatal is not None:
+        raise fatal from failure
     if failure is not None:
         per_rank = getattr(failure, "worker_failures", None) or {}
         detail = "; ".join(f"rank {r}: {error_message(err)}" for r, err in sorted(per_rank.items())) or error_message(failure)

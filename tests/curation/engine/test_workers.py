@@ -21,8 +21,9 @@ from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
 from curation.engine.scorer import TokenLossScorer
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+from curation.io.bad_shards import blamed
 from curation.io.models import build_causal_lm
-from curation.io.shards import ShardReader, open_shards, write_part
+from curation.io.shards import ShardReader, merge_part_indexes, open_shards, write_part
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig, demo_model_config
 from tests.conftest import cuda_syncs
@@ -122,16 +123,15 @@ def test_bad_token_names_the_shard_and_record(engine_demo, tmp_path, weights):
     cand = str(tmp_path / "cand")
     write_part(os.path.join(cand, "part-00000"), CANDIDATE, rows[:10], vocab_size=1000)
     write_part(os.path.join(cand, "part-00001"), CANDIDATE, rows[10:], vocab_size=1000)
-    from curation.io.shards import merge_part_indexes
-
     merge_part_indexes(cand, ["part-00000", "part-00001"])
     spec = _spec(engine_demo, str(tmp_path / "out"), candidates=cand, vocab=1000, needs_proxy=True)
     spec = dataclasses.replace(spec, order=BatchOrder("blocks", 20, 4), schedule=None)
     worker = ScoringWorker(spec, 0)
     worker.run(WorkUnit(0, 3, "selected", 0, 0), lambda k, v: weights[(k, v)])  # records 0..11 are fine
     with pytest.raises(ScoringDataError, match=r"cand: shard part-00001/shard.00000.mds.zstd, record 3 "
-                                               r"\(sample 13, step 3\): token id 900 at position 5"):
+                                               r"\(sample 13, step 3\): token id 900 at position 5") as e:
         worker.run(WorkUnit(3, 5, "selected", 0, 0), lambda k, v: weights[(k, v)])
+    assert blamed(e.value) == [os.path.join(cand, "part-00001", "shard.00000.mds.zstd")]  # (what the run failed on)
     # the bad step after a good one (its rows already in the part's .tmp): the part is not completed
     with pytest.raises(ScoringDataError, match="token id 900"):
         worker.run(WorkUnit(2, 4, "selected", 0, 0), lambda k, v: weights[(k, v)])
@@ -146,8 +146,6 @@ def test_a_step_is_read_whole_and_a_record_it_cannot_read_whole_is_still_named(e
     cand = str(tmp_path / "cand")
     write_part(os.path.join(cand, "part-00000"), CANDIDATE, rows[:10], vocab_size=1000)
     write_part(os.path.join(cand, "part-00001"), CANDIDATE, rows[10:], vocab_size=1000)
-    from curation.io.shards import merge_part_indexes
-
     merge_part_indexes(cand, ["part-00000", "part-00001"])
     spec = _spec(engine_demo, str(tmp_path / "out"), candidates=cand, vocab=1000, needs_proxy=False)
     worker = ScoringWorker(dataclasses.replace(spec, order=BatchOrder("stream", 20, 6, seed=3)), 0)
@@ -159,8 +157,33 @@ def test_a_step_is_read_whole_and_a_record_it_cannot_read_whole_is_still_named(e
     assert sources == [rows[i]["source"] for i in ids]
     bad = next(t for t in range(20) if 17 in worker.order.ids(t)[1:])  # (rows are held to the first one's length)
     with pytest.raises(ScoringDataError, match=r"shard part-00001/shard.00000.mds.zstd, record 7 \(sample 17, "
-                                               rf"step {bad}\): sequence of shape \(15,\), expected \(16,\)"):
+                                               rf"step {bad}\): sequence of shape \(15,\), expected \(16,\)") as e:
         worker.read_step(bad)
+    assert blamed(e.value) == [os.path.join(cand, "part-00001", "shard.00000.mds.zstd")]
+
+
+def test_the_refresh_names_a_validation_id_outside_the_vocabulary_and_blames_its_shard(engine_demo, tmp_path,
+                                                                                       tiny_train):
+    """The refresh actor reads validation (and candidate) rows itself: an id the model does not embed is named with
+    its sample and blames its shard, as in the trainer's loaders (it was an embedding's IndexError)."""
+    val = str(tmp_path / "val")
+    for k, part in enumerate(("part-a", "part-b")):
+        rows = [{"tokens": np.arange(i, i + 16, dtype=np.uint16), "source": "v"} for i in range(8)]
+        if k == 1:
+            rows[2]["tokens"][4] = 600
+        write_part(os.path.join(val, part), CANDIDATE, rows, vocab_size=1000)
+    merge_part_indexes(val, ["part-a", "part-b"])
+    cfg = TrainConfig.model_validate(tiny_train(str(tmp_path / "train"), selection={"policy": "rho1"}))
+    spec = RefreshSpec(model=cfg.model.architecture, validation=val, candidates=cfg.data.candidates,
+                       stream=CandidateStream(len(open_shards(cfg.data.candidates)), cfg.batch_size, cfg.seed),
+                       selection=cfg.selection, ref_lr=cfg.optim.lr, refresh_batch_size=cfg.refresh_batch_size,
+                       engine_dir=str(tmp_path / "engine"), schedule=Schedule.of(cfg), device="cpu")
+    runner = RefreshRunner(spec)
+    assert runner._tokens(runner.validation, np.array([0, 9])).shape == (2, 16)
+    with pytest.raises(ValueError, match=rf"{val} \(sample 10\): token id 600 at position 4 is outside the model's "
+                                         "vocabulary") as e:
+        runner._tokens(runner.validation, np.array([1, 10, 11]))
+    assert blamed(e.value) == [os.path.join(val, "part-b", "shard.00000.mds.zstd")]
 
 
 # ------------------------------------------------------------------------------------------------

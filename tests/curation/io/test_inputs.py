@@ -7,12 +7,17 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
+from curation.io.bad_shards import blame
 from curation.io.inputs import INPUTS_NAME, check_inputs, fingerprint, input_paths
+from curation.io.models import check_token_range
 from curation.io.outdir import InputsChanged
 from curation.io.outputs import open_output
+from curation.io.shards import ShardReader, merge_part_indexes, write_part
 from schemas.engine_config import CurateAndTrainConfig, CurateConfig
+from schemas.shards import CANDIDATE
 from schemas.train_config import ReplayConfig, TrainConfig, demo_model_config
 
 
@@ -168,3 +173,200 @@ def test_an_input_made_before_the_first_write_is_recorded_then(tmp_path):
         _shards(tmp_path / "cand", "c1")  # prepared now
         lock.write_records()
     assert "data.candidates" in json.load(open(os.path.join(cfg.output_dir, INPUTS_NAME)))["inputs"]
+
+
+# ------------------------------------------------------------------------------------------------
+# a run that stopped on bad data in an input's shard: the fix of that shard is accepted, nothing else
+# ------------------------------------------------------------------------------------------------
+PARTS = ("part-a", "part-b")
+
+
+def _rows(bad: int | None = None, n: int = 4) -> list[dict]:
+    rows = [{"tokens": np.arange(i, i + 8, dtype=np.uint16), "source": "web"} for i in range(n)]
+    if bad is not None:
+        rows[1]["tokens"][3] = bad  # (600: outside a 512-id model's vocabulary)
+    return rows
+
+
+def _write(root, part: str, rows: list[dict]) -> None:
+    """(Re)write one part of the real shard directory ``root`` and its merged index, as a user fixing it does."""
+    write_part(os.path.join(root, part), CANDIDATE, rows, vocab_size=512)
+    merge_part_indexes(str(root), list(PARTS))
+
+
+def _real_shards(root, bad_part: str | None = "part-b") -> str:
+    """A shard directory of two parts (one shard each) whose ``bad_part`` holds a token id of 600 in its second row."""
+    for part in PARTS:
+        _write(root, part, _rows(600 if part == bad_part else None))
+    return str(root)
+
+
+def _fail_on(cfg, path: str, sample: int) -> None:
+    """A resumed run that stops on the bad record ``sample`` of the input at ``path`` (a finished part kept), as the
+    trainer's loaders stop: the error blames the sample's shard file."""
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        with _open(cfg) as lock:
+            lock.write_records()
+            os.makedirs(os.path.join(cfg.output_dir, "selected"), exist_ok=True)
+            _file(os.path.join(cfg.output_dir, "selected", "part"), "an output")
+            reader = ShardReader(path)
+            try:  # (what the trainer's loaders do: training.blocks.data)
+                check_token_range(np.asarray(reader[sample]["tokens"]), 512, f"{path} (sample {sample})")
+            except ValueError as e:
+                raise blame(e, reader.shard_path(sample)) from None
+            raise AssertionError("the sample was to be bad")  # pragma: no cover
+
+
+def _failed(cfg) -> dict:
+    with open(os.path.join(cfg.output_dir, INPUTS_NAME)) as f:
+        return json.load(f).get("failed", {})
+
+
+@pytest.mark.parametrize("key", ["candidates", "validation"])
+def test_a_change_confined_to_the_shard_the_run_failed_on_is_accepted_and_recorded(tmp_path, capsys, key):
+    """The documented recovery (docs/FAILURES.md): a run stops on a bad record naming its shard, the user fixes that
+    shard (its part rewritten, the index merged again), the rerun resumes with one note; the same input again is
+    plain. Candidates and validation alike."""
+    path = _real_shards(tmp_path / key)
+    cfg = _train(tmp_path, **{key: path})
+    with _open(cfg) as lock:
+        lock.write_records()
+    recorded = json.load(open(os.path.join(cfg.output_dir, INPUTS_NAME)))["inputs"][f"data.{key}"]
+    _fail_on(cfg, path, 5)  # part-b's second row
+    failed = _failed(cfg)
+    assert list(failed) == [f"data.{key}"]
+    assert failed[f"data.{key}"]["shards"] == ["part-b/shard.00000.mds.zstd"]
+    assert failed[f"data.{key}"]["xxh3"] == recorded["xxh3"]  # bound to the fingerprint it failed with
+
+    _write(path, "part-b", _rows())  # fixed: the same rows, the bad id replaced
+    assert fingerprint(path)["xxh3"] != recorded["xxh3"]
+    capsys.readouterr()
+    with _open(cfg) as lock:
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"note: data.{key} ({path}) changed only in the shards this run failed on, accepted: "
+            "part-b/shard.00000.mds.zstd; every other entry of its index.json is as "), err
+        with open(os.path.join(cfg.output_dir, INPUTS_NAME)) as f:
+            now = json.load(f)
+        assert now["inputs"][f"data.{key}"]["xxh3"] == fingerprint(path)["xxh3"]  # recorded at once
+        assert "failed" not in now  # spent
+        lock.write_records()
+    with _open(cfg) as lock:  # the same input again: a plain resume
+        lock.write_records()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_change_to_another_shard_than_the_failed_one_is_refused(tmp_path):
+    path = _real_shards(tmp_path / "real")
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    _fail_on(cfg, path, 5)
+    before = open(os.path.join(cfg.output_dir, INPUTS_NAME)).read()
+    refused = f"data.candidates ({path}) is not the input this run was started with (its index.json, which lists"
+    good_a = _rows()
+    good_a[0]["tokens"][0] = 7
+    for change in ({"part-a": good_a}, {"part-a": good_a, "part-b": _rows()},  # the other shard, or it as well
+                   {"part-b": _rows(n=5)}):  # the failed shard with another sample count: the stream moves
+        for part, rows in change.items():
+            _write(path, part, rows)
+        with pytest.raises(InputsChanged) as e:
+            _open(cfg)
+        assert str(e.value).startswith(refused)
+        assert open(os.path.join(cfg.output_dir, INPUTS_NAME)).read() == before  # nothing recorded
+        for part in PARTS:
+            _write(path, part, _rows(600 if part == "part-b" else None))  # as recorded again
+    with _open(cfg) as lock:  # (restored: resumes)
+        lock.write_records()
+
+
+def test_a_change_with_no_recorded_failure_is_refused(tmp_path):
+    """A run that stopped on another error (none that blames a shard of this input), or never stopped: fixing a
+    shard is a changed input like any other."""
+    path = _real_shards(tmp_path / "real")
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    with pytest.raises(RuntimeError):
+        with _open(cfg) as lock:
+            raise blame(RuntimeError("a shard outside every input"), str(tmp_path / "elsewhere" / "shard.00000.mds"),
+                        os.path.join(path, "..", "other", "shard.00000.mds"))  # (leaves the input: not its shard)
+    assert _failed(cfg) == {}
+    _write(path, "part-b", _rows())
+    with pytest.raises(InputsChanged, match=r"^data\.candidates \(.*\) is not the input this run was started with"):
+        _open(cfg)
+
+
+@pytest.mark.parametrize("name", ["../val/shard.00000.mds", "/etc/passwd", "part-b/../../val/shard.00000.mds",
+                                  "part-b/.hidden", "", 7])
+def test_a_tampered_failure_record_naming_a_shard_outside_the_input_is_refused(tmp_path, name):
+    """The record is read back from the output directory: untrusted. A failed shard named by a path that leaves the
+    input, or by no plain name, refuses the rerun in one line (also with the input unchanged); one the index does not
+    list accepts nothing."""
+    path = _real_shards(tmp_path / "real")
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    _fail_on(cfg, path, 5)
+    record_path = os.path.join(cfg.output_dir, INPUTS_NAME)
+    record = json.load(open(record_path))
+    failure = record["failed"]["data.candidates"]
+    failure["shards"] = [name]
+    failure["entries"] = {str(name): "0" * 32}
+    _file(record_path, json.dumps(record))
+    with pytest.raises(InputsChanged) as e:
+        _open(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        f"{cfg.output_dir}/{INPUTS_NAME}: the shard data.candidates failed on {name!r} is ") and "; refused" in msg
+    _write(path, "part-b", _rows())  # the fix of the shard it really failed on does not help: the record is refused
+    with pytest.raises(InputsChanged):
+        _open(cfg)
+    assert json.load(open(record_path)) == record  # nothing rewritten
+
+
+def test_a_failure_record_naming_a_shard_the_index_does_not_list_accepts_nothing(tmp_path):
+    path = _real_shards(tmp_path / "real")
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    _fail_on(cfg, path, 5)
+    record_path = os.path.join(cfg.output_dir, INPUTS_NAME)
+    record = json.load(open(record_path))
+    failure = record["failed"]["data.candidates"]
+    failure["shards"] = ["part-c/shard.00000.mds.zstd"]  # a plain name, in no index
+    failure["entries"] = {"part-c/shard.00000.mds.zstd": "0" * 32}
+    _file(record_path, json.dumps(record))
+    with _open(cfg) as lock:  # the input as recorded: the failure is not consulted
+        lock.write_records()
+    _write(path, "part-b", _rows())
+    with pytest.raises(InputsChanged, match=r"^data\.candidates \(.*\) is not the input this run was started with"):
+        _open(cfg)
+    assert json.load(open(record_path)) == record
+
+
+def test_failures_add_up_against_one_fingerprint_and_a_failure_of_a_changed_input_is_not_recorded(tmp_path):
+    """Two stops on two shards of the same recorded input (say a rerun that did not fix the first) name both; a
+    fix of both is accepted. A stop after the input changed under the run records nothing: the rerun compares it
+    as it is."""
+    path = str(tmp_path / "real")
+    for part in PARTS:
+        _write(path, part, _rows(600))
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    _fail_on(cfg, path, 1)  # part-a
+    _fail_on(cfg, path, 5)  # part-b
+    assert _failed(cfg)["data.candidates"]["shards"] == ["part-a/shard.00000.mds.zstd", "part-b/shard.00000.mds.zstd"]
+    before = _failed(cfg)
+    _write(path, "part-a", _rows())  # changed under the run
+    with pytest.raises(ValueError, match="vocabulary"):
+        with _open(cfg):  # (accepted: confined to the failed shards) ...
+            _write(path, "part-a", _rows(601))  # ... changed again while it runs
+            reader = ShardReader(path)
+            try:
+                check_token_range(np.asarray(reader[1]["tokens"]), 512, "x")
+            except ValueError as e:
+                raise blame(e, reader.shard_path(1)) from None
+    assert _failed(cfg) == {}  # the accepted fix spent the failures; the failure under a changed input added none
+    assert before  # (they were recorded)

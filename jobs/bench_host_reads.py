@@ -1,0 +1,50 @@
+"""Count the host reads of steady steps on the CPU, a GPU run's branches taken (bench/host_reads.py).
+
+    python jobs/bench_host_reads.py --json                       # every scenario, one JSON line
+    python jobs/bench_host_reads.py --only trainer_blade worker_selected
+
+A host read (a value read from the device, a blocking copy, a synchronize) drains a GPU's queue; each is counted
+with its file:line and owner (project, composer, torch, other). Exit 0 when every target is met (<= 1 per steady
+trainer and worker step, <= 2 per episode start and per weight load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
+
+SCENARIO_NAMES = ("trainer_full", "trainer_random", "trainer_rho1", "trainer_blade", "trainer_blade_microbatched",
+                  "trainer_engine", "trainer_engine_exact", "episode_start", "refresh", "worker_scored",
+                  "worker_selected", "weight_load")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    p.add_argument("--only", nargs="+", choices=SCENARIO_NAMES, help="these scenarios only")
+    p.add_argument("--dir", default=None, help="where the generated corpus and runs go (default: a temporary one)")
+    args = p.parse_args(argv)
+    import json
+
+    from bench.host_read_scenarios import measure  # after the arguments: --help answers before torch loads
+
+    r = measure(args.dir, only=args.only)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        for name, target in r["targets"].items():
+            f = r[name]
+            print(f"{name}: {f['per_step']} per step (target <= {target}, {'met' if r['met'][name] else 'NOT met'}); "
+                  f"by owner {f['owners']}")
+            for site in f["sites"]:
+                print(f"    {site}")
+        if "refresh" in r:
+            print(f"refresh: {r['refresh']['per_step']} per refresh; sites {r['refresh']['sites']}")
+    return 0 if all(r["met"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

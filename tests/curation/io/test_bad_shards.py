@@ -1,0 +1,84 @@
+"""The shard files an error blames (curation.io.bad_shards): set where bad data is found, kept through chained
+errors, pickling (Ray) and the engine's coordinator, so the job's lock can record what a run failed on."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from curation.engine.coordinator import Coordinator
+from curation.engine.plan import EngineError
+from curation.io.bad_shards import blame, blamed
+from curation.io.shards import ShardIntegrityError, ShardReader, merge_part_indexes, write_part
+from schemas.shards import CANDIDATE
+
+
+def _two_parts(root) -> str:
+    for k, part in enumerate(("part-a", "part-b")):
+        rows = [{"tokens": np.arange(i, i + 8, dtype=np.uint16) + 10 * k, "source": "web"} for i in range(4)]
+        write_part(os.path.join(root, part), CANDIDATE, rows, vocab_size=512)
+    merge_part_indexes(str(root), ["part-a", "part-b"])
+    return str(root)
+
+
+def test_a_damaged_shard_is_blamed_by_its_reader(tmp_path, flip_bit):
+    root = _two_parts(tmp_path / "cand")
+    assert ShardReader(root).shard_path(5) == os.path.join(root, "part-b/shard.00000.mds.zstd")
+    flip_bit(os.path.join(root, "part-b", "shard.00000.mds.zstd"))
+    reader = ShardReader(root)
+    assert reader[0]["tokens"].tolist() == list(range(8))  # the other shard reads
+    with pytest.raises(ShardIntegrityError) as e:
+        reader[5]
+    assert blamed(e.value) == [os.path.join(root, "part-b", "shard.00000.mds.zstd")]
+
+
+def test_the_blame_travels_with_the_error_through_chains_and_pickling():
+    inner = blame(ValueError("token id 600"), "rel/shard.00000.mds")
+    assert blamed(inner) == [os.path.abspath("rel/shard.00000.mds")]
+    assert blame(inner, "rel/shard.00000.mds", "/d/s1") is inner and blamed(inner)[1:] == ["/d/s1"]  # each once
+    try:
+        try:
+            raise inner
+        except ValueError:
+            raise RuntimeError("the engine failed") from None  # (context kept, only not shown)
+    except RuntimeError as outer:
+        assert blamed(outer) == blamed(inner)
+    copy = pickle.loads(pickle.dumps(inner))  # what Ray does with an actor's error
+    assert blamed(copy) == blamed(inner) and str(copy) == "token id 600"
+
+    class Wrapper(Exception):  # Ray's RayTaskError keeps the original as ``cause``
+        def __init__(self, cause):
+            super().__init__("wrapped")
+            self.cause = cause
+
+    assert blamed(Wrapper(copy)) == blamed(inner)
+    assert blamed(RuntimeError("no data error")) == [] and blamed(None) == []
+
+
+def test_the_engine_fails_with_the_first_failure_and_the_shards_it_blames():
+    core = Coordinator([])
+    core.fail("worker 0, unit steps-1: shard part-b/shard.00000.mds.zstd, record 1: token id 600", ["/c/part-b/s"])
+    core.fail("a later failure", ["/c/part-a/s"])
+    error = core.error()
+    assert isinstance(error, EngineError) and str(error).startswith("worker 0, unit steps-1: shard part-b")
+    assert blamed(error) == ["/c/part-b/s"]
+
+
+def test_the_data_parallel_groups_fatal_record_keeps_the_blame(tmp_path):
+    """A trainer worker of the group records an error no restart can fix in parallel/fatal.json, with the shards it
+    blames (training.runs.group); the driver raises it blaming them again."""
+    from curation.engine.ray_backend.train_group import recorded_fatal
+
+    fatal = tmp_path / "fatal.json"
+    assert recorded_fatal(str(fatal)) is None
+    fatal.write_text(json.dumps({"rank": 1, "error": "ValueError", "message": "c (step 3): token id 600 ...",
+                                 "shards": ["/c/part-b/shard.00000.mds.zstd", 7]}))
+    error = recorded_fatal(str(fatal))
+    assert isinstance(error, ValueError) and str(error) == "c (step 3): token id 600 ..."
+    assert blamed(error) == ["/c/part-b/shard.00000.mds.zstd"]
+    fatal.write_text(json.dumps({"rank": 0, "error": "ValueError", "message": "diverged"}))  # (an older record)
+    assert blamed(recorded_fatal(str(fatal))) == []
