@@ -14,12 +14,14 @@ targets they are held to.
   finished);
 * ``weight_load``: one model's new version, loaded into a worker's scorer or taken from a model on the device.
 
-:func:`measure` runs them (``jobs/bench_host_reads.py --json``); :func:`check_target` is what the tests assert.
+:func:`measure` runs them, :func:`run` reports them (``jobs/bench_host_reads.py``, which only parses its arguments);
+:func:`check_target` is what the tests assert.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -33,11 +35,13 @@ import torch
 from composer.core import Callback
 
 from bench.host_reads import KINDS, OWNERS, HostReadCounter, labelled
+from curation.core.distributed import Ranks
 from curation.core.refresh_data import RecentMasks
 from curation.core.schedule import Schedule
 from curation.engine.coordinator import Coordinator
 from curation.engine.plan import PROXY, REFERENCE, WorkUnit
 from curation.engine.refresh_runner import RefreshRunner
+from curation.engine.report import EngineProgress, PartInfo
 from curation.engine.training_curation import TrainingCuration
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
@@ -48,12 +52,11 @@ from curation.io.shards import shard_dir_info
 from schemas.config import PrepareConfig
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.train_config import TrainConfig, demo_model_config
-from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
-from training.runs.wiring import build_training
-from training.selection.shard_scores import EngineScores
+from training.runs.rank import run_rank
+from training.runs.wiring import TrainRun, build_training
 
-__all__ = ["SCENARIOS", "TARGETS", "Figures", "Setting", "LocalEngine", "check_target", "figures", "measure", "worker_setup",
-           "trainer_scenario"]
+__all__ = ["SCENARIOS", "TARGETS", "Figures", "Setting", "LocalEngine", "check_target", "figures", "measure", "run",
+           "report_lines", "worker_setup", "trainer_scenario"]
 
 
 #: Steady-step targets (issue 52): reads per steady step (or per episode, refresh, model and version).
@@ -186,7 +189,8 @@ class LocalEngine:
         self.counter, self.plan = counter, curation.plan
         self.coordinator = Coordinator(work.units)
         self.wait_seconds = 0.0
-        self.parts: dict[str, dict[str, Any]] = {}
+        self.waits: list[tuple[int, float]] = []
+        self.parts: dict[str, PartInfo] = {}
         self.weights: dict[tuple[str, int], Any] = {}
         with labelled(counter, ("engine", "start")):
             self.worker = ScoringWorker(work.worker_spec, 0)
@@ -194,13 +198,12 @@ class LocalEngine:
             if self.runner is not None and work.refresh_mode.name == "STATIC":
                 self.weights[(REFERENCE, 0)] = self.runner.static()[0]
 
-    def wait_part(self, step: int, *, timeout_s: float = 0.0) -> dict[str, Any]:
+    def wait_part(self, step: int, *, timeout_s: float = 0.0) -> PartInfo:
         unit = self.coordinator.unit_for(step)
         if unit.name not in self.parts:
             with labelled(self.counter, ("engine", step)):
                 res = self.worker.run(unit, lambda kind, version: self.weights[(kind, version)])
-            self.parts[unit.name] = {"part": res.name, "first": unit.first, "stop": unit.stop,
-                                     "ref_version": unit.ref_version}
+            self.parts[unit.name] = PartInfo(res.name, unit.first, unit.stop, unit.ref_version)
         return self.parts[unit.name]
 
     def publish_proxy(self, step: int, model: Any, recent: Any = None) -> None:
@@ -221,17 +224,9 @@ class LocalEngine:
     def trainer_at(self, step: int) -> None:
         pass
 
-    def progress(self) -> dict[str, Any]:
-        return {"units_done": len(self.parts), "tokens": 0, "redone": 0}
-
-    def check(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def for_workers(self) -> LocalEngine:
-        return self
+    def progress(self) -> EngineProgress:
+        return EngineProgress(units_done=len(self.parts), units_total=len(self.coordinator.units), trainer_step=0,
+                              redone=0, failed=None, tokens=0, kept_tokens=0)
 
 
 def engine_scenario(setting: Setting, name: str, mode: str) -> Figures:
@@ -246,18 +241,13 @@ def engine_scenario(setting: Setting, name: str, mode: str) -> Figures:
     curation = TrainingCuration.of(cfg)
     with HostReadCounter() as counter:
         engine = LocalEngine(curation, counter)
-        feed = curation.feed(engine, timeout_s=60.0)
-        if mode == "pipelined":
-            run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(feed, t.max_steps,
-                                                                                          model_vocab=vocab))
-        else:
-            run = build_training(t, scored=EngineScores(feed), schedule=curation.plan.schedule)
-        run.trainer.state.callbacks.insert(0, EngineSync(feed.handle, feed.plan, algorithm=run.algorithm,
-                                                         distance_interval=getattr(t, "effective_distance_interval", t.distance_interval)))
-        run.trainer.state.callbacks.insert(0, _StepLabels(counter))
-        counter.adopt(run.trainer)
-        counter.label = "fit_start"
-        run.fit()
+
+        def ready(run: TrainRun) -> None:  # wired (the engine's sync first among the callbacks), not yet fitted
+            run.trainer.state.callbacks.insert(0, _StepLabels(counter))
+            counter.adopt(run.trainer)
+            counter.label = "fit_start"
+
+        run_rank(t, Ranks(), curation.feed(engine, timeout_s=60.0), ready=ready)  # the engine-fed trainer's one path
     published = {s - 1 for s in curation.plan.publish_steps()}
     return figures(counter, _steady(t.max_steps, first=t.selection.warmup_steps + 2, exclude=published))
 
@@ -372,3 +362,25 @@ SCENARIOS: dict[str, Callable[[Setting], Figures]] = {
     "worker_selected": lambda s: worker_scenario(s, "selected"),
     "weight_load": weight_load_scenario,
 }
+
+
+def report_lines(r: dict[str, Any]) -> list[str]:
+    """:func:`measure`'s figures as text: each target's scenario (reads per step, met or not, by owner, its sites),
+    then the refresh's (no target)."""
+    lines = []
+    for name, target in r["targets"].items():
+        f = r[name]
+        lines.append(f"{name}: {f['per_step']} per step (target <= {target}, "
+                     f"{'met' if r['met'][name] else 'NOT met'}); by owner {f['owners']}")
+        lines += [f"    {site}" for site in f["sites"]]
+    if "refresh" in r:
+        lines.append(f"refresh: {r['refresh']['per_step']} per refresh; sites {r['refresh']['sites']}")
+    return lines
+
+
+def run(root: str | None = None, *, only: list[str] | None = None, as_json: bool = False) -> int:
+    """``jobs/bench_host_reads.py``: :func:`measure`, printed as one JSON line (``as_json``) or as text
+    (:func:`report_lines`); 0 when every target is met, else 1."""
+    r = measure(root, only=only)
+    print(json.dumps(r) if as_json else "\n".join(report_lines(r)), flush=True)
+    return 0 if all(r["met"].values()) else 1

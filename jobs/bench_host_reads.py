@@ -1,4 +1,4 @@
-"""Count the host reads of steady steps on the CPU, a GPU run's branches taken (bench/host_reads.py).
+"""Count the host reads of steady steps on the CPU, a GPU run's branches taken (bench/host_read_scenarios.py).
 
     python jobs/bench_host_reads.py --json                       # every scenario, one JSON line
     python jobs/bench_host_reads.py --only trainer_blade worker_selected
@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
+#: bench.host_read_scenarios.SCENARIOS' names (here: --help answers before torch loads; a test holds them equal)
 SCENARIO_NAMES = ("trainer_full", "trainer_random", "trainer_rho1", "trainer_blade", "trainer_blade_microbatched",
                   "trainer_engine", "trainer_engine_exact", "episode_start", "refresh", "worker_scored",
                   "worker_selected", "weight_load")
@@ -27,23 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=SCENARIO_NAMES, help="these scenarios only")
     p.add_argument("--dir", default=None, help="where the generated corpus and runs go (default: a temporary one)")
     args = p.parse_args(argv)
-    import json
+    from bench.host_read_scenarios import run  # after the arguments: --help answers before torch loads
 
-    from bench.host_read_scenarios import measure  # after the arguments: --help answers before torch loads
-
-    r = measure(args.dir, only=args.only)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        for name, target in r["targets"].items():
-            f = r[name]
-            print(f"{name}: {f['per_step']} per step (target <= {target}, {'met' if r['met'][name] else 'NOT met'}); "
-                  f"by owner {f['owners']}")
-            for site in f["sites"]:
-                print(f"    {site}")
-        if "refresh" in r:
-            print(f"refresh: {r['refresh']['per_step']} per refresh; sites {r['refresh']['sites']}")
-    return 0 if all(r["met"].values()) else 1
+    return run(args.dir, only=args.only, as_json=args.json)
 
 
 if __name__ == "__main__":

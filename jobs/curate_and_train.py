@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e.signum)
     if out is None:
         return 1
-    with open(out["summary"], encoding="utf-8") as f:
+    with open(out.summary, encoding="utf-8") as f:
         s = json.load(f)
-    e = out["engine"]
+    e = s["engine"]
     print(f"trained {s['steps']} steps; kept {s['tokens']['kept']} of {s['tokens']['valid']} tokens")
     for name, c in s["tokens"]["per_source"].items():
         print(f"  {name}: kept {c['kept_fraction']:.1%} of {c['valid_tokens']} tokens")
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{e['units_redone_after_restart']} units redone, {e['job_seconds_this_run']:.0f}s in all")
     from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
 
-    print(f"summary: {display(out['summary'])}; selected-token shards: {display(out['selected'])}; "
-          f"final weights: {display(out['final'])}")
+    print(f"summary: {display(out.summary)}; selected-token shards: {display(out.selected)}; "
+          f"final weights: {display(out.final)}")
     return 0
 
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Imported after the config is parsed (Composer takes seconds): --help and bad settings answer at once; and
     # before the stop handler is installed (importing Composer installs its own, which would replace it).
-    from training.runs.single import replay
+    from training.runs.train_job import replay
 
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
@@ -40,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e.signum)
     if out is None:
         return 1
-    params = sum(p.numel() for p in out["run"].model.parameters())
+    params = sum(p.numel() for p in out.run.model.parameters())
     from curation.io.storage import display  # an object-store run's paths as its s3:// URLs, not cache paths
 
     print(f"replayed {display(cfg.selected)} into a {params:,}-parameter model ({cfg.model.hf_config or cfg.model.path})")
-    if out["validation"]:
-        first, last = out["validation"][0], out["validation"][-1]
+    if out.validation:
+        first, last = out.validation[0], out.validation[-1]
         print(f"validation loss: {first['loss']:.3f} (step {first['step']}) → {last['loss']:.3f} (step {last['step']})")
-    print(f"final weights: {display(out['final_weights'])}")
+    print(f"final weights: {display(out.final_weights)}")
     return 0
 
 

@@ -28,44 +28,17 @@ from schemas.train_config import POLICY_CHOICES, TrainConfig
 ALIASES = {"policy": "selection.policy", "gamma": "selection.gamma"}
 
 
-def _resolve_aliases(argv: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--set" and i + 1 < len(argv):
-            key, _, value = argv[i + 1].partition("=")
-            out += ["--set", f"{ALIASES.get(key.strip(), key)}={value}"]
-            i += 2
-            continue
-        if arg.startswith("--set="):
-            key, _, value = arg[len("--set="):].partition("=")
-            arg = f"--set={ALIASES.get(key.strip(), key)}={value}"
-        out.append(arg)
-        i += 1
-    return out
-
-
-def _policy_override(argv: list[str]) -> str:
-    policy = "blade"
-    for i, arg in enumerate(argv):
-        item = argv[i + 1] if arg == "--set" and i + 1 < len(argv) else arg.removeprefix("--set=")
-        if item.startswith("selection.policy="):
-            policy = item.split("=", 1)[1].strip()
-    return policy
+def _default(sets: dict[str, str]) -> TrainConfig:
+    # The embedded default writes to runs/demo/train/<policy>, so policies do not overwrite each other
+    # (an unknown policy is reported by the config validation).
+    policy = sets.get("selection.policy", "blade")
+    return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _resolve_aliases(list(sys.argv[1:] if argv is None else argv))
-    policy = _policy_override(argv)
-
-    def default() -> TrainConfig:
-        # The embedded default writes to runs/demo/train/<policy>, so policies do not overwrite each other
-        # (an unknown policy is reported by the config validation).
-        return TrainConfig.demo_default(policy=policy if policy in POLICY_CHOICES else "blade")
-
-    cfg, _ = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default=default, argv=argv,
-                              set_example="selection.gamma=0.5 --set max_steps=300")
-    if (cfg.data.candidates == default().data.candidates  # the demo's (a file or --set naming others: checked by the run)
+    cfg, _ = parse_job_config(TrainConfig, description=__doc__.splitlines()[0], default_for=_default, argv=argv,
+                              aliases=ALIASES, set_example="selection.gamma=0.5 --set max_steps=300")
+    if (cfg.data.candidates == TrainConfig.demo_default().data.candidates  # the demo's (others: checked by the run)
             and not os.path.exists(os.path.join(cfg.data.candidates, "index.json"))):
         print(f"error: no candidate shards in {cfg.data.candidates}; run `python jobs/prepare.py` first",
               file=sys.stderr)
@@ -74,15 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     # and a single-process run does not import Ray. Imported before the stop handler is installed: Composer installs
     # its own SIGTERM/SIGINT handler (exit at once) when first imported, which would replace the project's.
     from curation.engine.plan import WorkerGroupFailed
-
-    if cfg.parallel.workers > 1:  # a Ray Train worker group (local Ray instance, or the submitted job's cluster)
-        from training.runs.group import train_parallel as run_training
-    else:
-        from training.runs.single import train as run_training
+    from training.runs.train_job import train  # (parallel.workers > 1: a Ray Train worker group, on Ray)
 
     try:  # SIGTERM / SIGINT: training ends after the step in progress, with a checkpoint there (a second: at once)
         with GracefulStop(what="the training step in progress and its checkpoint"):
-            out = report_job_errors(lambda: run_training(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
+            out = report_job_errors(lambda: train(cfg), f"training into {cfg.output_dir} failed", expected=(WorkerGroupFailed,))
     except StopRequested as e:
         print(e, file=sys.stderr)
         return exit_code(e.signum)
@@ -92,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(out: dict) -> None:
-    s = json.load(open(out["summary"], encoding="utf-8"))
+def _report(out) -> None:  # noqa: ANN001 - a training.runs.finish.Finished (imported with Composer)
+    s = json.load(open(out.summary, encoding="utf-8"))
     t = s["tokens"]
     print(f"{s['policy']}: {s['steps']} steps, kept {t['kept']:,} of {t['valid']:,} candidate tokens"
           + (f" (resumed from {display(s['resumed_from'])})" if s.get("resumed_from") else ""))
@@ -108,10 +77,10 @@ def _report(out: dict) -> None:
     if s["refreshes"]:
         print(f"reference refreshes at steps {[r['step'] for r in s['refreshes']]}")
     print(f"time (s): {', '.join(f'{k} {v:.1f}' for k, v in s['seconds'].items())}")
-    print(f"summary: {display(out['summary'])}  plots: {display(os.path.dirname(out['plots'][0])) if out['plots'] else '-'}")
-    if out.get("selected"):
-        print(f"selected-token shards: {display(out['selected'])}")
-    print(f"final weights: {display(out['final_weights'])}")
+    print(f"summary: {display(out.summary)}  plots: {display(os.path.dirname(out.plots[0])) if out.plots else '-'}")
+    if out.selected:
+        print(f"selected-token shards: {display(out.selected)}")
+    print(f"final weights: {display(out.final_weights)}")
 
 
 if __name__ == "__main__":

@@ -411,7 +411,7 @@ class ReplayConfig(StrictModel):
 
 
 class ScorerConfig(StrictModel):
-    """A token-loss scorer (curation.engine.scorer.TokenLossScorer): one model, loaded once."""
+    """A token-loss scorer (curation.core.scorer.TokenLossScorer, built by curation.io.models.build_scorer): one model, loaded once."""
 
     model: ModelConfig
     weights: str | None = Field(None, description="safetensors of the reference (overrides model.weights)")

@@ -34,7 +34,7 @@ from schemas.config import SourceConfig
 from schemas.manifest import sha256_file
 from schemas.records import config_diff, operational_keys
 from schemas.train_config import ModelConfig, ReplayConfig, TrainConfig
-from training.runs.single import replay, train
+from training.runs.train_job import replay, train
 
 __all__ = ["REUSED", "StepTimer", "SaveAtSteps", "lookup", "run_training", "run_replay", "Evaluator", "final_val", "same_training"]
 
@@ -226,9 +226,9 @@ def run_training(cfg: TrainConfig, result_path: str, *, snapshots: tuple[int, ..
 
     def fit(callbacks):
         out = train(cfg, callbacks=callbacks)
-        with open(out["summary"]) as f:
+        with open(out.summary) as f:
             summary = json.load(f)
-        return {"final_weights": out["final_weights"], "final_reference": out.get("final_reference"),
+        return {"final_weights": out.final_weights, "final_reference": out.final_reference,
                 "summary": summary, "validation": summary["validation"]}
 
     return _run(cfg, result_path, snapshots, fit)
@@ -239,7 +239,7 @@ def run_replay(cfg: ReplayConfig, result_path: str, *, snapshots: tuple[int, ...
 
     def fit(callbacks):
         out = replay(cfg, callbacks=callbacks)
-        return {"final_weights": out["final_weights"], "validation": out["validation"]}
+        return {"final_weights": out.final_weights, "validation": list(out.validation)}
 
     return _run(cfg, result_path, snapshots, fit)
 

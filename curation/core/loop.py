@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from curation.core.losses import model_logits, model_token_losses, target_valid, token_losses
-from curation.core.policies import RefreshMode, get_policy, train_static_reference
+from curation.core.policies import RefreshMode, SelectionPolicy, get_policy, train_static_reference
 from curation.core.refresh import RefreshSettings, RefreshStart
 from curation.core.schedule import Schedule
 from curation.core.selection import masked_mean
@@ -82,6 +82,12 @@ class LoopResult:
     refresh_log: list[dict[str, Any]] = field(default_factory=list)
     reference: nn.Module | None = None
 
+    def record(self, sample_ids: np.ndarray, mask: Tensor, scores: Tensor) -> None:
+        """What a step trained on: its rows, α, and the scores (as float32)."""
+        self.sample_ids.append(sample_ids)
+        self.masks.append(mask)
+        self.scores.append(scores.float())
+
 
 def blade_loop(
     model: nn.Module,
@@ -102,8 +108,7 @@ def blade_loop(
         model: the base model (the proxy's start, and RHO-1's); not modified.
         candidates: ``(N, L)`` token ids of the candidate pool, in shard order.
         validation: ``(N_val, L)`` token ids of the validation set.
-        selection: γ, W, τ, K, λ, η_w (``ref_lr``; ``None`` = ``optim.lr``), policy, ... (the training config's
-            section).
+        selection: the training config's section: γ, W, τ, K, λ, η_w (``ref_lr``; ``None`` = ``optim.lr``), policy...
         optim: the proxy's AdamW settings and gradient clipping.
         batch_size: ``b``, sequences per proxy step (the candidate batch selection runs over).
         steps: proxy steps.
@@ -112,21 +117,13 @@ def blade_loop(
             ``selection.refresh_batch_size`` or ``b // 4`` (at least 1), as the training config resolves it.
         reference: RHO-1's static reference, when it is given instead of trained (``selection.reference_weights``).
 
-    Returns:
-        A :class:`LoopResult`.
+    Returns: a :class:`LoopResult`.
 
     Raises:
         ValueError: on token tensors of the wrong shape or type, ``steps < 1``, or a ``rho1`` run with
             ``selection.reference_weights`` but no ``reference``.
     """
-    for name, t in (("candidates", candidates), ("validation", validation)):
-        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool or t.shape[0] == 0:
-            raise ValueError(f"{name} must be a non-empty (N, L) integer token tensor, got {t.dtype} {tuple(t.shape)}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    policy = get_policy(selection.policy)
-    if policy.refresh_mode is RefreshMode.STATIC and selection.reference_weights and reference is None:
-        raise ValueError("selection.reference_weights is set: pass its weights as `reference`")
+    policy = _checked(candidates, validation, selection, steps, reference)
     schedule = Schedule(selection.warmup_steps, selection.tau, steps)
     stream = CandidateStream(candidates.shape[0], batch_size, seed)
     rb = refresh_batch_size or selection.refresh_batch_size or max(1, batch_size // 4)
@@ -138,15 +135,9 @@ def blade_loop(
     opt = torch.optim.AdamW(u.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                             weight_decay=optim.weight_decay)
     out = LoopResult(model=u)
-    ref: nn.Module | None = None
     ref_opt_state: dict[str, Any] | None = None
-    if policy.refresh_mode is RefreshMode.STATIC:  # RHO-1: trained once, a priori, on validation data
-        if reference is not None:
-            ref = _module_with(model, reference)
-        else:
-            result = train_static_reference(model, val.static(selection.rho1_steps), ref_settings)
-            ref = result.model
-            out.refresh_log.append(result.log_entry(step=0, version=0))
+    ref = _static_reference(model, reference, val, selection, ref_settings, out) \
+        if policy.refresh_mode is RefreshMode.STATIC else None  # RHO-1: trained once, a priori, on validation data
 
     for t in range(steps):
         ids = stream.batch_ids(t)
@@ -155,12 +146,10 @@ def blade_loop(
         # Reference refresh, before step t = W + eτ: w_0 ← u (or the previous w̃), K steps on L_val + λ L_train.
         if policy.refreshes and schedule.refresh_due(t):
             e = schedule.episode(t)
-            previous = ref if policy.refresh_mode is RefreshMode.CONTINUE else None
-            result = policy.refresh(
-                u, val.refresh(e, selection.refresh_steps),
-                _candidate_batches(recent, tokens, rb, selection.refresh_steps), ref_settings,
-                RefreshStart(previous=previous, optimizer_state=ref_opt_state if previous is not None else None),
-            )
+            start = RefreshStart(previous=ref, optimizer_state=ref_opt_state) \
+                if policy.refresh_mode is RefreshMode.CONTINUE else RefreshStart()
+            result = policy.refresh(u, val.refresh(e, selection.refresh_steps),
+                                    _candidate_batches(recent, tokens, rb, selection.refresh_steps), ref_settings, start)
             ref, ref_opt_state = result.model, result.optimizer_state
             out.refresh_log.append(result.log_entry(step=t, version=e))
 
@@ -170,27 +159,61 @@ def blade_loop(
             alpha = valid
             scores = torch.full(valid.shape, float("nan"))
         else:  # select: top-γ over the whole candidate batch
-            ref_losses = _reference_losses(ref, tokens, selection.score_batch_size or batch_size) \
-                if policy.needs_reference else None
-            generator = _step_generator(selection.seed, t) if policy.needs_generator else None
-            alpha, scores = policy.select(losses.detach(), valid, selection.gamma, ref_losses=ref_losses,
-                                          generator=generator)
+            alpha, scores = _select(policy, ref, tokens, losses, valid, selection, t, batch_size)
 
         # Proxy step on the kept tokens: their mean loss Σ α ℓ / Σ α, clipped gradient, AdamW.
-        loss = masked_mean(losses, alpha)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(u.parameters(), max_norm=optim.grad_clip)
-        opt.step()
+        _proxy_step(u, opt, masked_mean(losses, alpha), optim.grad_clip)
 
         recent.append((tokens, alpha))
-        out.sample_ids.append(ids)
-        out.masks.append(alpha)
-        out.scores.append(scores.float())
+        out.record(ids, alpha, scores)
     opt.zero_grad(set_to_none=True)
     out.reference = ref
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the loop's steps, named
+# ------------------------------------------------------------------------------------------------
+def _checked(candidates: Tensor, validation: Tensor, selection: SelectionConfig, steps: int,
+             reference: nn.Module | Mapping[str, Tensor] | None) -> SelectionPolicy:
+    """:func:`blade_loop`'s inputs checked (its Raises); the policy."""
+    for name, t in (("candidates", candidates), ("validation", validation)):
+        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool or t.shape[0] == 0:
+            raise ValueError(f"{name} must be a non-empty (N, L) integer token tensor, got {t.dtype} {tuple(t.shape)}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    policy = get_policy(selection.policy)
+    if policy.refresh_mode is RefreshMode.STATIC and selection.reference_weights and reference is None:
+        raise ValueError("selection.reference_weights is set: pass its weights as `reference`")
+    return policy
+
+
+def _static_reference(model: nn.Module, reference: nn.Module | Mapping[str, Tensor] | None, val: _ValidationBatches,
+                      selection: SelectionConfig, settings: RefreshSettings, out: LoopResult) -> nn.Module:
+    """RHO-1's reference: the given one, or ``rho1_steps`` steps from the base model on validation data (logged)."""
+    if reference is not None:
+        return _module_with(model, reference)
+    result = train_static_reference(model, val.static(selection.rho1_steps), settings)
+    out.refresh_log.append(result.log_entry(step=0, version=0))
+    return result.model
+
+
+def _select(policy: SelectionPolicy, ref: nn.Module | None, tokens: Tensor, losses: Tensor, valid: Tensor,
+            selection: SelectionConfig, t: int, batch_size: int) -> tuple[Tensor, Tensor]:
+    """``(α, scores)`` of step ``t``: the policy's top-γ of the whole batch (Δ = ℓ(u) − ℓ(w̃) with a reference)."""
+    ref_losses = _reference_losses(ref, tokens, selection.score_batch_size or batch_size) \
+        if policy.needs_reference else None
+    generator = _step_generator(selection.seed, t) if policy.needs_generator else None
+    return policy.select(losses.detach(), valid, selection.gamma, ref_losses=ref_losses, generator=generator)
+
+
+def _proxy_step(u: nn.Module, opt: torch.optim.Optimizer, loss: Tensor, grad_clip: float) -> None:
+    """One AdamW step of the proxy on ``loss`` (the kept tokens' mean), its gradient clipped to ``grad_clip``."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(u.parameters(), max_norm=grad_clip)
+    opt.step()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -119,10 +119,9 @@ class RefreshSettings:
 
 
 def reference_adamw(params: list[Tensor], **settings: Any) -> torch.optim.AdamW:
-    """The reference's AdamW over ``params``: fused (one kernel for every tensor) where they are on a GPU
-    (:func:`~curation.core.host_sync.queues`); torch's default AdamW on a CPU (the bit-exact oracle tests)."""
-    fused = bool(params) and queues(params[0].device)
-    return torch.optim.AdamW(params, **settings, fused=True if fused else None)
+    """The reference's AdamW over ``params``: fused (one kernel for every tensor) on a GPU (``host_sync.queues``),
+    torch's default on a CPU (the bit-exact oracle tests)."""
+    return torch.optim.AdamW(params, **settings, fused=True if params and queues(params[0].device) else None)
 
 
 def joint_forward_on(setting: bool | None, device: torch.device) -> bool:
@@ -339,6 +338,64 @@ def _vocab_size(model: nn.Module) -> int | None:
     return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
 
 
+def _start_module(proxy: nn.Module, start: RefreshStart) -> nn.Module:
+    """``w_0`` of :func:`refresh_reference` (a copy of ``proxy``, or its architecture with ``start.previous``'s
+    weights; in ``start.workspace``'s module when given), zero gradients, in train mode."""
+    previous, workspace, clone = start.previous, start.workspace, start.clone
+    if workspace is not None:
+        ref = workspace.start(proxy, previous, clone)
+        for p, q in zip(ref.parameters(), proxy.parameters(), strict=True):  # it may have been frozen for scoring
+            p.requires_grad_(q.requires_grad)
+    elif isinstance(previous, nn.Module):
+        ref = clone(previous)
+    else:
+        ref = _copy_with(proxy, previous, clone) if previous is not None else clone(proxy)
+    ref.zero_grad(set_to_none=True)
+    ref.train()
+    return ref
+
+
+def _start_optimizer(params: list[Tensor], settings: RefreshSettings, start: RefreshStart) -> torch.optim.AdamW:
+    """The reference's AdamW of :func:`refresh_reference`: fresh, or with ``start.optimizer_state`` (this call's
+    settings win over the carried ones), in ``start.workspace`` when given."""
+    adamw = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps, "weight_decay": settings.weight_decay}
+    if start.workspace is not None:
+        return start.workspace.adamw(params, start.optimizer_state, **adamw)
+    if start.optimizer_state == CONTINUE:
+        raise ValueError(f"optimizer_state={CONTINUE!r} continues a workspace's AdamW: pass the workspace")
+    opt = reference_adamw(params, **adamw)
+    if start.optimizer_state is not None:
+        opt.load_state_dict(start.optimizer_state)
+        for group in opt.param_groups:  # this call's settings win over the carried ones
+            group.update(adamw)
+    return opt
+
+
+def _refresh_step(ref: nn.Module, params: list[Tensor], opt: torch.optim.Optimizer, vb: TokenBatch,
+                  cb: TokenBatch | None, settings: RefreshSettings, device: torch.device, *, joint: bool,
+                  logged: dict[str, list[Tensor]]) -> None:
+    """One step of :func:`refresh_reference`: ``L_val(w) + λ · L_train(α, w)``, its gradient clipped, AdamW; its
+    figures appended to ``logged`` as device tensors."""
+    pair = joint_losses(ref, vb, cb, device, precision=settings.precision) if joint and cb is not None else None
+    if pair is not None:
+        l_val, l_train = pair
+    else:
+        l_val = mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
+        if cb is not None:
+            l_train = mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
+    objective = l_val
+    if cb is not None:
+        objective = l_val + settings.lam * l_train
+        logged["train_losses"].append(l_train.detach())
+    objective.backward()
+    # max_norm=inf measures the total norm without clipping
+    norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip or float("inf"))
+    opt.step()
+    logged["val_losses"].append(l_val.detach())
+    logged["objectives"].append(objective.detach())
+    logged["grad_norms"].append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: Σ ranks
+
+
 def refresh_reference(
     proxy: nn.Module,
     val_batches: Iterable[Any],
@@ -383,33 +440,11 @@ def refresh_reference(
         DivergenceError: the reference diverged (:func:`curation.core.divergence.check_reference`).
     """
     steps, lam = settings.refresh_steps, settings.lam
-    previous, optimizer_state, workspace, clone = start.previous, start.optimizer_state, start.workspace, start.clone
     if lam != 0 and cand_batches is None and steps > 0:
         raise ValueError("cand_batches is required when lam != 0")
-
-    if workspace is not None:
-        ref = workspace.start(proxy, previous, clone)
-        for p, q in zip(ref.parameters(), proxy.parameters(), strict=True):  # it may have been frozen for scoring
-            p.requires_grad_(q.requires_grad)
-    elif isinstance(previous, nn.Module):
-        ref = clone(previous)
-    else:
-        ref = _copy_with(proxy, previous, clone) if previous is not None else clone(proxy)
-    ref.zero_grad(set_to_none=True)
-    ref.train()
+    ref = _start_module(proxy, start)
     params = [p for p in ref.parameters() if p.requires_grad]
-    adamw = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps, "weight_decay": settings.weight_decay}
-    if workspace is not None:
-        opt = workspace.adamw(params, optimizer_state, **adamw)
-    elif optimizer_state == CONTINUE:
-        raise ValueError(f"optimizer_state={CONTINUE!r} continues a workspace's AdamW: pass the workspace")
-    else:
-        opt = reference_adamw(params, **adamw)
-        if optimizer_state is not None:
-            opt.load_state_dict(optimizer_state)
-            for group in opt.param_groups:  # this call's settings win over the carried ones
-                group.update(adamw)
-
+    opt = _start_optimizer(params, settings, start)
     try:
         device = next(ref.parameters()).device
     except StopIteration:
@@ -426,31 +461,14 @@ def refresh_reference(
             vb = _next_batch(val_it, "val_batches", step, steps)
             opt.zero_grad(set_to_none=True)
             cb = _next_batch(cand_it, "cand_batches", step, steps) if cand_it is not None else None
-            pair = joint_losses(ref, vb, cb, device, precision=settings.precision) if joint and cb is not None else None
-            if pair is not None:
-                l_val, l_train = pair
-            else:
-                l_val = mean_loss(ref, vb, device, use_mask=False, precision=settings.precision)
-                if cb is not None:
-                    l_train = mean_loss(ref, cb, device, use_mask=True, precision=settings.precision)
-            objective = l_val
-            if cb is not None:
-                objective = l_val + lam * l_train
-                logged["train_losses"].append(l_train.detach())
-            objective.backward()
-            # max_norm=inf measures the total norm without clipping
-            norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip or float("inf"))
-            opt.step()
-            logged["val_losses"].append(l_val.detach())
-            logged["objectives"].append(objective.detach())
-            logged["grad_norms"].append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: Σ ranks
+            _refresh_step(ref, params, opt, vb, cb, settings, device, joint=joint, logged=logged)
     opt.zero_grad(set_to_none=True)
     _read_logged(result, logged, device)
     if steps:  # a diverged reference stops the run (one line naming selection.ref_lr), not scores on silently
         check_reference(result.val_losses, params, vocab_size=_vocab_size(ref), lr=settings.lr)
     ref.eval()
     result.optimizer_state = opt.state_dict()
-    if workspace is not None and not workspace.keep_optimizer_state:
+    if start.workspace is not None and not start.workspace.keep_optimizer_state:
         opt.state.clear()  # released once the caller drops the result; the next step re-creates them lazily, zeroed
     return result
 

@@ -163,8 +163,3 @@ class Schedule:
     def to_dict(self) -> dict[str, int | None]:
         """JSON-serialisable form."""
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Schedule:
-        """Inverse of :meth:`to_dict`."""
-        return cls(**data)

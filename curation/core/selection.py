@@ -134,23 +134,7 @@ def select_top_fraction(
         TypeError: if ``valid`` is not boolean, or ``generator`` is given together with scores.
     """
     g = check_gamma(gamma)
-    if scores is None:
-        if generator is None:
-            raise TypeError("select_top_fraction needs scores, or scores=None with a generator")
-        if valid is None:
-            raise TypeError("select_top_fraction with scores=None needs the valid mask (for the shape)")
-        scores = random_scores(valid.shape, generator).to(valid.device)
-    elif generator is not None:
-        raise TypeError("generator is only used to draw random scores: pass scores=None with it")
-    if not scores.dtype.is_floating_point:
-        raise TypeError(f"scores must be floating point, got {scores.dtype}")
-    if valid is None:
-        valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
-    if valid.dtype != torch.bool:
-        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
-    if valid.shape != scores.shape:
-        raise ValueError(f"scores {tuple(scores.shape)} and valid {tuple(valid.shape)} differ in shape")
-
+    scores, valid = _checked(scores, valid, generator)
     s = scores.reshape(-1)
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()  # exact for fp16/bf16, so the order (and ties) is unchanged
@@ -168,14 +152,40 @@ def select_top_fraction(
             f"non-finite score {float(s[flat])} at valid position {pos} (scores shape {tuple(scores.shape)}); "
             "check the proxy and reference losses"
         )
+    return _top_k_with_sync(s, v, g).view(valid.shape)
 
+
+def _checked(scores: Tensor | None, valid: Tensor | None, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """:func:`select_top_fraction`'s scores (drawn from ``generator`` when ``None``) and valid mask (all of them when
+    ``None``), checked (its Raises)."""
+    if scores is None:
+        if generator is None:
+            raise TypeError("select_top_fraction needs scores, or scores=None with a generator")
+        if valid is None:
+            raise TypeError("select_top_fraction with scores=None needs the valid mask (for the shape)")
+        scores = random_scores(valid.shape, generator).to(valid.device)
+    elif generator is not None:
+        raise TypeError("generator is only used to draw random scores: pass scores=None with it")
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"scores must be floating point, got {scores.dtype}")
+    if valid is None:
+        valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    if valid.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and valid {tuple(valid.shape)} differ in shape")
+    return scores, valid
+
+
+def _top_k_with_sync(s: Tensor, v: Tensor, gamma: float) -> Tensor:
+    """The flat top-k mask of :func:`select_top_fraction` by one ``kthvalue`` (``k`` and the ties read on the host);
+    ``s`` finite at the valid positions ``v``."""
     n_valid = int(v.sum())
-    k = num_selected(g, n_valid)
-    mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+    k = num_selected(gamma, n_valid)
     if k == 0:
-        return mask.view(valid.shape)
+        return torch.zeros(s.shape, dtype=torch.bool, device=s.device)
     if k == n_valid:
-        return v.clone().view(valid.shape)
+        return v.clone()
     # Invalid positions sort below every (finite) valid score, and k <= n_valid, so they are never
     # reached. The k-th largest key is the threshold; everything above it is kept, and of the keys
     # equal to it, the first (k - #above) in flat order.
@@ -184,8 +194,7 @@ def select_top_fraction(
     above = key > threshold
     at = key == threshold
     need = k - int(above.sum())
-    mask = above | (at & (torch.cumsum(at, 0) <= need))
-    return mask.view(valid.shape)
+    return above | (at & (torch.cumsum(at, 0) <= need))
 
 
 def _top_k_without_sync(s: Tensor, v: Tensor, gamma: float) -> Tensor:

@@ -57,11 +57,6 @@ class CandidateStream:
         _check_int("batch_size", self.batch_size, 1)
         _check_int("seed", self.seed, 0)
 
-    @property
-    def steps_per_epoch(self) -> float:
-        """Proxy steps per pass over the pool (``N / b``, may be fractional)."""
-        return self.num_samples / self.batch_size
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The permutation of sample ids that epoch ``epoch`` visits (int64)."""
         return _epoch_order(self.num_samples, self.seed, _check_int("epoch", epoch, 0)).copy()
@@ -96,11 +91,6 @@ class CandidateStream:
     def to_dict(self) -> dict[str, int]:
         """JSON-ready form (written into manifests and checked on resume)."""
         return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CandidateStream:
-        """Inverse of :meth:`to_dict`."""
-        return cls(int(data["num_samples"]), int(data["batch_size"]), int(data.get("seed", 0)))
 
 
 @lru_cache(maxsize=4)

@@ -99,7 +99,7 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
         ) as engine:
             engine.run(progress=cfg.progress, desc="curate")
             report = engine.report()
-            elsewhere = engine.finish({"report": {k: report[k] for k in ("stats", "progress")}})
+            elsewhere = engine.finish({"report": {"stats": report.stats.to_dict(), "progress": report.progress.to_dict()}})
     except StopRequested as e:
         storage.refresh(Manifest.path_in(out))  # (the coordinator's, written on whatever node it ran)
         kept = Manifest.load_if_exists(out)
@@ -118,8 +118,8 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
         "tokens": manifest.totals().tokens, "kept_tokens": manifest.totals().kept_tokens, "per_source": per_source,
         "proxy": storage.display(cfg.proxy_weights) if cfg.proxy_weights else "base model (reference-only pass)",
         "reference": storage.display(cfg.reference_weights),
-        "gamma": cfg.gamma, "workers": cfg.workers.count, "redone_units": report["progress"]["redone"],
-        "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report["stats"]["tokens"] / seconds,
+        "gamma": cfg.gamma, "workers": cfg.workers.count, "redone_units": report.progress.redone,
+        "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report.stats.tokens / seconds,
     }
     atomic_write_text(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
     uploaded = storage.push_all(cfg.output_dir, since=mark, elsewhere=elsewhere)  # an object-store output_dir: the rest

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import Any
 
 from curation.engine.plan import EngineError, WorkUnit
 from curation.io.bad_shards import blame
@@ -150,10 +149,3 @@ class Coordinator:
     def needed(self) -> set[tuple[str, int]]:
         """Weights still needed by units not finished."""
         return {k for u in self.units if u.name not in self.done for k in u.needs()}
-
-    def progress(self) -> dict[str, Any]:
-        return {
-            "units_done": len(self.done), "units_total": len(self.units),
-            "working": {w: list(names) for w, names in self.held.items()},
-            "trainer_step": self.trainer_step, "redone": self.redone, "failed": self.failed,
-        }

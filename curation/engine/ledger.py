@@ -85,7 +85,7 @@ class PartLedger:
     Parts live in per-worker subdirectories (``worker-03/steps-000000010-000000015``). A part is recorded
     (with its step range in ``state``) only after the worker has written it completely; the root
     ``index.json`` lists recorded parts in step order, so the directory reads like a single-process one
-    (:class:`curation.engine.scorer.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
+    (:class:`curation.io.scored_shards.ScoredShards`, ``StreamingDataset``). On opening, part directories that are not
     recorded (a killed worker's half-written ``.tmp`` or an unrecorded copy) are removed, and every recorded
     part is checked against the hashes in its index: a damaged or missing one is unrecorded (its counts
     subtracted, listed in :attr:`dropped`) so that the rerun redoes its unit.
@@ -101,7 +101,7 @@ class PartLedger:
         fields: other manifest fields (``config``, ``vocab_size``, ``seq_len``, fingerprints, ``extra``).
     """
 
-    def __init__(self, out_dir: str, *, kind: str, job: str, run_key: Mapping[str, Any], **fields: Any) -> None:
+    def __init__(self, out_dir: str, *, kind: str, job: str, run_key: Mapping[str, object], **fields: object) -> None:
         self.out_dir = out_dir
         self.spec = SPECS[kind]
         os.makedirs(out_dir, exist_ok=True)
@@ -213,7 +213,7 @@ class PartLedger:
         self._publish()
         return rec
 
-    def finish(self, extra: Mapping[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
         self.manifest.complete = True
         if extra:
             self.manifest.extra.update(extra)
@@ -223,7 +223,7 @@ class PartLedger:
         publish_parts(self.out_dir, self.manifest)
 
 
-def _extends(old: Any, new: Mapping[str, Any]) -> bool:
+def _extends(old: object, new: Mapping[str, object]) -> bool:
     """Whether run key ``new`` is ``old`` with the plan's ``total_steps`` raised (an extended run)."""
     if not isinstance(old, Mapping):
         return False
@@ -232,7 +232,7 @@ def _extends(old: Any, new: Mapping[str, Any]) -> bool:
     except (KeyError, TypeError):
         return False
 
-    def without(key: Mapping[str, Any]) -> dict[str, Any]:
+    def without(key: Mapping[str, object]) -> dict[str, object]:
         out = json.loads(json.dumps(dict(key)))
         out["plan"]["schedule"].pop("total_steps")
         return out

@@ -14,8 +14,8 @@ object store). :mod:`curation.engine.ray_backend` wraps them in actors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from curation.core.schedule import WARMUP_EPISODE, Schedule
@@ -90,13 +90,6 @@ class WorkUnit:
         if self.proxy_version is not None:
             keys.append((PROXY, self.proxy_version))
         return keys
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> WorkUnit:
-        return cls(**d)
 
 
 def _cut(start: int, stop: int, boundaries: Iterable[int], range_steps: int) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curation.core.flat_weights import FlatStaging
 from curation.core.host_sync import set_matmul_precision
 from curation.core.policies import RefreshMode, get_policy
-from curation.core.refresh import CONTINUE, RefreshSettings, RefreshStart, RefreshWorkspace
+from curation.core.refresh import CONTINUE, RefreshResult, RefreshSettings, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
-from curation.engine.weights import FlatStaging, Weights
+from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.bad_shards import blame
@@ -37,7 +39,7 @@ from curation.io.models import (
     resolve_device,
 )
 from curation.io.paths import UnsafeNameError
-from curation.io.shards import open_shards
+from curation.io.shards import ShardReader, open_shards
 from schemas.train_config import ModelConfig, SelectionConfig
 
 
@@ -125,7 +127,7 @@ class RefreshRunner:
         # The reference module and AdamW of a refresh, reused refresh after refresh (curation.core.refresh).
         self.workspace = RefreshWorkspace(keep_optimizer_state=self.policy.refresh_mode is RefreshMode.CONTINUE)
 
-    def _tokens(self, dataset: Any, ids: np.ndarray) -> Tensor:
+    def _tokens(self, dataset: ShardReader, ids: np.ndarray) -> Tensor:
         """The rows ``ids`` of ``dataset``; an id outside the model's vocabulary names the sample and blames its shard
         (:mod:`curation.io.bad_shards`), as the trainer's loaders do, instead of an embedding's index error."""
         rows = np.stack([np.asarray(dataset[int(i)]["tokens"]) for i in ids])
@@ -139,7 +141,7 @@ class RefreshRunner:
                 raise
         return torch.from_numpy(rows.astype(np.int64))
 
-    def _entry(self, step: int, version: int, result: Any, seconds: float, **more: Any) -> dict[str, Any]:
+    def _entry(self, step: int, version: int, result: RefreshResult, seconds: float, **more: object) -> dict[str, Any]:
         return {**result.log_entry(step=step, version=version), "seconds": seconds, **more}
 
     def static(self) -> tuple[Weights, dict[str, Any]]:
@@ -157,7 +159,7 @@ class RefreshRunner:
         self._save(0, weights, log)
         return weights, log
 
-    def _save(self, version: int, weights: Weights, log: dict[str, Any]) -> None:
+    def _save(self, version: int, weights: Weights, log: Mapping[str, object]) -> None:
         """The reference and its log go to disk before the result is returned (a resumed job reuses both)."""
         engine_dir = self.spec.engine_dir
         path, log_path = reference_path(engine_dir, version), reference_log_path(engine_dir, version)

@@ -17,18 +17,22 @@ it, awaits, and launches refresh tasks. It runs in-process in tests.
   (given weights) never starts one.
 * **Snapshot retention** (:meth:`EngineState.prune`): a proxy snapshot is dropped (registry and disk) once
   no unit left to do, no running refresh and no refresh still to start needs it; references stay on disk.
-* **Run statistics** (:class:`RunStats`, per source :class:`schemas.manifest.SourceCounts`), the output
-  ledger, progress and report.
+* **Run statistics** (:class:`~curation.engine.report.RunStats`), the output ledger, progress and report (typed:
+  :mod:`curation.engine.report`).
+
+The coordinator's unit assignment (:class:`~curation.engine.coordinator.Coordinator`) is reached through this class
+only: the actor calls :meth:`EngineState.next_unit`, :meth:`EngineState.worker_started`, ... here.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from curation.core.policies import RefreshMode
 from curation.core.refresh_data import RecentMasks
@@ -36,13 +40,16 @@ from curation.engine.coordinator import Coordinator
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan, WorkUnit
 from curation.engine.refresh_runner import proxy_path, reference_log_path, reference_path, refresh_logs
+from curation.engine.report import EngineProgress, EngineReport, PartInfo, RunStats
 from curation.engine.weights import Weights
 from curation.io import storage
 from curation.io.paths import safe_join
 from curation.io.recent import load_recent, save_recent
-from schemas.manifest import SourceCounts
 
-__all__ = ["EngineState", "RefreshTask", "RunStats", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
+__all__ = ["EngineState", "RefreshTask", "gpu_shares", "recent_path", "save_snapshot", "weights_on_disk"]
+
+#: A handle of published weights: an ``ObjectRef`` on Ray; whatever the caller's ``load`` and ``launch`` give in-process.
+H = TypeVar("H")
 
 #: The refresh modes whose reference is refreshed every τ steps from a published proxy snapshot.
 _REFRESHED = (RefreshMode.SYNC, RefreshMode.CONTINUE)
@@ -105,33 +112,8 @@ def gpu_shares(total: float, workers: int, *, refresh: bool, per_worker: float |
     return share, (share if refresh else 0.0)
 
 
-@dataclass
-class RunStats:
-    """What the workers reported this run: totals, and per source sequences / tokens / kept tokens."""
-
-    tokens: int = 0
-    kept_tokens: int = 0
-    parts: int = 0
-    seconds: float = 0.0
-    sources: dict[str, SourceCounts] = field(default_factory=dict)
-
-    def add(self, result: PartResult) -> None:
-        self.tokens += result.tokens
-        self.kept_tokens += result.kept_tokens
-        self.parts += 1
-        self.seconds += result.seconds
-        for src, c in result.sources.items():
-            self.sources[src] = self.sources.get(src, SourceCounts()) + SourceCounts(**c)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (the ``stats`` of the engine report, in the job summaries and manifests)."""
-        return {"tokens": self.tokens, "kept_tokens": self.kept_tokens, "parts": self.parts, "seconds": self.seconds,
-                "sources": {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens}
-                            for s, c in self.sources.items()}}
-
-
 @dataclass(frozen=True)
-class RefreshTask:
+class RefreshTask(Generic[H]):
     """A reference version to compute: the static reference, or a refresh from the snapshot ``u^(source_step)``.
 
     Attributes:
@@ -146,12 +128,12 @@ class RefreshTask:
     version: int
     source_step: int = 0
     static: bool = False
-    proxy: Any = None
+    proxy: H | None = None
     recent: RecentMasks | None = None
-    previous: Any = None
+    previous: H | None = None
 
 
-class EngineState:
+class EngineState(Generic[H]):
     """The coordinator's state and decisions (see the module docstring).
 
     Args:
@@ -168,7 +150,7 @@ class EngineState:
 
     def __init__(self, units: Iterable[WorkUnit], *, ledger: PartLedger, engine_dir: str, lookahead: int | None = None,
                  plan: TrainingPlan | None = None, refresh_mode: RefreshMode = RefreshMode.NONE,
-                 load: Callable[[str], Any], launch: Callable[[RefreshTask], Any] | None = None) -> None:
+                 load: Callable[[str], H], launch: Callable[[RefreshTask[H]], H] | None = None) -> None:
         self.ledger = ledger
         units = list(units)
         ledger.keep_units({u.name for u in units})  # (an extended run: a part cut short by the old max_steps)
@@ -183,7 +165,7 @@ class EngineState:
                              f"refreshes={plan.refreshes}")
         self._load = load
         self._launch = launch
-        self.handles: dict[tuple[str, int], Any] = {}
+        self.handles: dict[tuple[str, int], H] = {}
         self.refreshing: dict[int, int] = {}  # version → source step
         self.stats = RunStats()
         self.started = time.time()
@@ -208,7 +190,7 @@ class EngineState:
     def published(self, kind: str, version: int) -> bool:
         return (kind, int(version)) in self.core.published
 
-    def handle(self, kind: str, version: int) -> Any:
+    def handle(self, kind: str, version: int) -> H:
         """The handle of published weights, loaded from ``engine_dir`` when not held.
 
         Raises:
@@ -223,12 +205,12 @@ class EngineState:
             h = self.handles[key] = self._load(path)
         return h
 
-    def publish_weights(self, kind: str, version: int, handle: Any) -> None:
+    def publish_weights(self, kind: str, version: int, handle: H) -> None:
         """Register given weights (batch curation: the checkpoints)."""
         self.handles[(kind, int(version))] = handle
         self.core.publish(kind, version)
 
-    def publish_proxy(self, step: int, handle: Any, recent: RecentMasks | None = None) -> bool:
+    def publish_proxy(self, step: int, handle: H, recent: RecentMasks | None = None) -> bool:
         """Register ``u^(step)`` and start the refresh it is the source of; ``False``: already registered."""
         key = (PROXY, int(step))
         if key in self.core.published:
@@ -265,7 +247,7 @@ class EngineState:
         self._launch_task(RefreshTask(version, source, proxy=self.handle(PROXY, source), recent=recent,
                                       previous=previous))
 
-    def _launch_task(self, task: RefreshTask) -> None:
+    def _launch_task(self, task: RefreshTask[H]) -> None:
         assert self._launch is not None, "a refresh is due but the engine has no refresh actor"
         self.handles[(REFERENCE, task.version)] = self._launch(task)
         self.refreshing[task.version] = task.source_step
@@ -311,8 +293,8 @@ class EngineState:
         self.stats.add(result)
         self.prune()
 
-    def part_info(self, step: int) -> dict[str, Any] | None:
-        """``{part, first, stop, ref_version}`` of the finished part holding ``step``, ``None`` while not finished.
+    def part_info(self, step: int) -> PartInfo | None:
+        """The finished part holding ``step``, ``None`` while not finished.
 
         Raises:
             EngineError: the engine failed, or no unit covers ``step``.
@@ -325,7 +307,7 @@ class EngineState:
         if unit.name not in self.core.done:
             return None
         rec = self.ledger.done_units()[unit.name]
-        return {"part": rec.name, "first": unit.first, "stop": unit.stop, "ref_version": unit.ref_version}
+        return PartInfo(rec.name, unit.first, unit.stop, unit.ref_version)
 
     def unfinishable(self) -> list[str]:
         """Units left to do whose weights are not published and not being refreshed: once the trainer is done,
@@ -343,17 +325,63 @@ class EngineState:
                 "snapshots they were scored with are gone (the trainer is past them); use a new output directory"
             )
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: Mapping[str, object] | None = None) -> None:
+        """Every unit is done: the ledger's manifest is marked complete (``extra``: more manifest fields).
+
+        Raises:
+            EngineError: units are left.
+        """
         if not self.core.finished():
             raise EngineError(f"finish() with {len(self.core.units) - len(self.core.done)} units not done")
         self.ledger.finish(extra)
 
-    # --- reporting -----------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
-        return {**self.core.progress(), "tokens": self.stats.tokens, "kept_tokens": self.stats.kept_tokens,
-                "refreshing": sorted(self.refreshing),
-                "references": sorted(v for k, v in self.core.published if k == REFERENCE)}
+    # --- the coordinator's unit assignment ---------------------------------------------------------
+    @property
+    def failed(self) -> str | None:
+        """The engine's error (the first one), ``None`` while it runs."""
+        return self.core.failed
 
-    def report(self) -> dict[str, Any]:
-        return {"progress": self.progress(), "stats": self.stats.to_dict(), "refreshes": refresh_logs(self.engine_dir),
-                "seconds": time.time() - self.started}
+    def next_unit(self, worker: int) -> tuple[str, WorkUnit | None]:
+        """``("work", unit)``, ``("wait", None)`` or ``("stop", None)``: :meth:`Coordinator.next_unit`."""
+        return self.core.next_unit(worker)
+
+    def worker_started(self, worker: int) -> None:
+        """``worker`` (re)started: the units it held go back to pending (:meth:`Coordinator.worker_started`)."""
+        self.core.worker_started(worker)
+
+    def trainer_at(self, step: int) -> None:
+        """The trainer is about to take ``step`` (back-pressure)."""
+        self.core.trainer_at(step)
+
+    def fail(self, message: str, shards: Sequence[str] = ()) -> None:
+        """The engine failed (a worker met bad data, a refresh failed): every worker stops, every wait raises;
+        ``shards``: the input shard files whose data it blames (:mod:`curation.io.bad_shards`)."""
+        self.core.fail(message, shards)
+
+    def error(self) -> EngineError:
+        """The failure as the error every caller of the engine raises (blaming its shard files)."""
+        return self.core.error()
+
+    def stop(self) -> None:
+        """Hand out no more units (the driver ends the engine)."""
+        self.core.stop()
+
+    def finished(self) -> bool:
+        """Every unit is done."""
+        return self.core.finished()
+
+    # --- reporting -----------------------------------------------------------------------------
+    def progress(self) -> EngineProgress:
+        c = self.core
+        return EngineProgress(
+            units_done=len(c.done), units_total=len(c.units), trainer_step=c.trainer_step, redone=c.redone,
+            failed=c.failed, tokens=self.stats.tokens, kept_tokens=self.stats.kept_tokens,
+            working={w: tuple(names) for w, names in c.held.items()}, refreshing=tuple(sorted(self.refreshing)),
+            references=tuple(sorted(v for k, v in c.published if k == REFERENCE)))
+
+    def report(self) -> EngineReport:
+        """The engine's side of the report (the driver adds its settings: :meth:`RayEngine.report`); its statistics
+        are a copy, which later parts do not change."""
+        return EngineReport(progress=self.progress(), stats=copy.deepcopy(self.stats),
+                            refreshes=tuple(refresh_logs(self.engine_dir)), seconds=time.time() - self.started,
+                            engine_dir=self.engine_dir, out_dir=self.ledger.out_dir, plan=self.plan)

@@ -3,7 +3,7 @@
 :class:`ScoringWorker` scores work units (step ranges of the candidate stream) with a reference ``w̃``
 (and, for selected output, a proxy ``u``), and writes each unit as one MDS part into its own subdirectory.
 Models are built once; new weights arrive as :class:`~curation.engine.weights.Weights` with a version and
-are loaded into the same modules. Scoring reuses :class:`curation.engine.scorer.TokenLossScorer`
+are loaded into the same modules. Scoring reuses :class:`curation.core.scorer.TokenLossScorer`
 (``torch.inference_mode``, bf16 autocast on CUDA). The reference refresh is
 :mod:`curation.engine.refresh_runner`.
 
@@ -27,15 +27,15 @@ from curation.core.host_sync import HostCopies, PinnedRing, Ticket, queues, set_
 from curation.core.losses import target_valid
 from curation.core.policies import get_policy
 from curation.core.schedule import Schedule
+from curation.core.scorer import TokenLossScorer, check_finite_losses
 from curation.core.step import SelectionStep
 from curation.core.stream import CandidateStream
 from curation.engine.ledger import PartResult
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit, worker_dir
-from curation.engine.scorer import TokenLossScorer, check_finite_losses
 from curation.engine.weights import Weights
 from curation.io.bad_shards import blame
 from curation.io.mds import RowBlock
-from curation.io.models import check_token_range, model_vocab_size
+from curation.io.models import build_scorer, check_token_range, model_vocab_size
 from curation.io.shards import open_shards, write_part
 from schemas.shards import SCORED, SELECTED
 from schemas.train_config import ModelConfig, ScorerConfig
@@ -151,9 +151,9 @@ class ScoringWorker:
                              f"{self.order.num_samples}")
         batch = spec.score_batch_size or self.order.batch_size
         scorer_cfg = ScorerConfig(model=spec.model, device=spec.device, batch_size=batch, precision=spec.precision)
-        self.scorers: dict[str, TokenLossScorer] = {REFERENCE: TokenLossScorer(scorer_cfg)}
+        self.scorers: dict[str, TokenLossScorer] = {REFERENCE: build_scorer(scorer_cfg)}
         if spec.needs_proxy:
-            self.scorers[PROXY] = TokenLossScorer(scorer_cfg)
+            self.scorers[PROXY] = build_scorer(scorer_cfg)
         self.model_vocab = model_vocab_size(self.scorers[REFERENCE].model)
         self.versions: dict[str, int | None] = {k: None for k in self.scorers}
         self.device = self.scorers[REFERENCE].device

@@ -26,7 +26,7 @@ import json
 import re
 import secrets
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 __all__ = ["STREAM_LINE_BYTES", "STREAM_CHUNK", "LONG_STRING_CHARS", "LineScan", "LineError", "ScannedLine", "LongLine",
@@ -196,34 +196,15 @@ class LineScan:
     def _walk(self, chunks: Iterator[bytes], longs: list[_Long], emit: int | None) -> Iterator[str]:
         """Skeleton parts (``emit`` None) or the pieces of long string ``emit``; sets ``self._utf8`` (the line's
         first invalid UTF-8), ``self._json`` (the first error in a long string's content, with that string's opening
-        quote) and ``self._shifts`` (skeleton position → line position)."""
+        quote) and ``self._shifts`` (skeleton position → line position). The strings' state: :class:`_Walk`."""
         self._utf8: LineError | None = None
         self._json: tuple[LineError, int] | None = None
         self._shifts: list[tuple[int, int]] = []
         self._newline: int | None = None  # the position of the line's final newline
         decoder = codecs.getincrementaldecoder("utf-8")()
+        walk = _Walk(self, longs, emit)
         fed = 0  # bytes given to the decoder
-        pos = 0  # characters of the line before `text`
-        skel = 0  # characters of the skeleton yielded so far
-        in_str = False
-        content: list[str] = []  # a string's content while it may still be short
-        held = 0
-        quote = 0  # line position of the current string's opening quote
-        cur: _Long | None = None
-        n_long = 0
-        carry = ""  # string content not decided yet (starts between escapes)
         json_err: LineError | None = None
-
-        def region(raw: str, at: int, closed: bool = True) -> str:
-            """Decode string content ``raw`` (starting at line position ``at``); not ``closed``: the line ends
-            there, inside the string (json.loads reports how, e.g. a \\uXXXX escape cut short)."""
-            try:
-                return json.loads('"' + raw + ('"' if closed else ""))
-            except json.JSONDecodeError as e:
-                if e.msg.startswith("Unterminated string"):  # content ending in a lone backslash
-                    raise _json_error(e.msg, quote) from None
-                raise _json_error(e.msg, at - 1 + e.pos) from None
-
         done = False
         stream = iter(chunks)
         while not done:
@@ -239,87 +220,151 @@ class LineScan:
             done = final
             if json_err is not None:
                 continue  # only looking for invalid UTF-8 further on
-            i = 0
             try:
-                while i < len(text) or (final and in_str):
-                    if not in_str:
-                        j = text.find('"', i)
-                        if j < 0:
-                            if emit is None:
-                                skel += len(text) - i
-                                yield text[i:]
-                            i = len(text)
-                            break
-                        if emit is None:
-                            skel += j + 1 - i
-                            yield text[i:j + 1]
-                        in_str, quote, content, held, cur, carry = True, pos + j, [], 0, None, ""
-                        i = j + 1
-                        continue
-                    # inside a string: find its terminator (a quote not escaped)
-                    buf = carry + text[i:]
-                    start = pos + i - len(carry)  # line position of buf[0]
-                    k = buf.find('"')
-                    while k >= 0 and k > 0 and _escape_start(buf, k - 1):
-                        k = buf.find('"', k + 1)
-                    if k < 0 and not final:
-                        cut = _safe_cut(buf)
-                        raw, carry, i = buf[:cut], buf[cut:], len(text)
-                    else:
-                        end = len(buf) if k < 0 else k
-                        raw, carry = buf[:end], ""
-                        i = len(text) - (len(buf) - end) + (0 if k < 0 else 1)
-                    if cur is None and held + len(raw) <= LONG_STRING_CHARS:
-                        content.append(raw)
-                        held += len(raw)
-                    else:
-                        if cur is None:  # it became long: what was held is checked (and emitted) first
-                            cur = _Long(quote)
-                            first, content = "".join(content), []
-                            longs.append(cur)
-                            for part, at, closed in ((first, quote + 1, True), (raw, start, k >= 0 or not final)):
-                                piece = region(part, at, closed)
-                                cur.check(piece)
-                                if emit == n_long:
-                                    yield piece
-                        else:
-                            piece = region(raw, start, k >= 0 or not final)
-                            cur.check(piece)
-                            if emit == n_long:
-                                yield piece
-                    if k < 0 and not final:
-                        break
-                    # the string ended (or the line did, inside it)
-                    if k < 0:
-                        raise _Partial()  # a long string's region() has raised already
-                    in_str = False
-                    if cur is None:
-                        if emit is None:
-                            s = "".join(content) + '"'
-                            skel += len(s)
-                            yield s
-                    else:
-                        if emit == n_long:
-                            self._whole = True
-                            return  # all of it emitted
-                        stand_in = json.dumps(f"{self.marker}{n_long}")[1:]  # escaped, with the closing quote
-                        if emit is None:
-                            skel += len(stand_in)
-                            self._shifts.append((skel, (pos + i - 1 - (quote + 1)) - (len(stand_in) - 1)))
-                            yield stand_in
-                        n_long += 1
-                    content, cur = [], None
+                if (yield from walk.text(text, final)):
+                    self._whole = True
+                    return  # all of long string `emit` emitted
             except _Partial:  # the line ended inside a short string: json.loads reports it from the skeleton
-                s = "".join(content)
-                skel += len(s)
-                yield s
-                in_str = False
+                yield walk.partial()
             except LineError as e:
                 json_err = e
-                self._json = (e, quote)
-            pos += len(text)
+                self._json = (e, walk.quote)
+            walk.pos += len(text)
             if text:
-                self._newline = pos - 1 if text.endswith("\n") else None
+                self._newline = walk.pos - 1 if text.endswith("\n") else None
+
+
+class _Walk:
+    """The strings of one :meth:`LineScan._walk`: where the walk is in the line and in the skeleton, the string it is
+    in (its opening quote, its content while it may still be short, the long string it became), the long strings
+    met. Its methods yield what the walk yields (skeleton parts, or the pieces of long string ``emit``)."""
+
+    def __init__(self, scan: LineScan, longs: list[_Long], emit: int | None) -> None:
+        self.scan, self.longs, self.emit = scan, longs, emit
+        self.pos = 0  # characters of the line before the text in hand
+        self.skel = 0  # characters of the skeleton yielded so far
+        self.in_str = False
+        self.content: list[str] = []  # a string's content while it may still be short
+        self.held = 0
+        self.quote = 0  # line position of the current string's opening quote
+        self.cur: _Long | None = None
+        self.n_long = 0
+        self.carry = ""  # string content not decided yet (starts between escapes)
+
+    def region(self, raw: str, at: int, closed: bool = True) -> str:
+        """Decode string content ``raw`` (starting at line position ``at``); not ``closed``: the line ends
+        there, inside the string (json.loads reports how, e.g. a \\uXXXX escape cut short)."""
+        try:
+            return json.loads('"' + raw + ('"' if closed else ""))
+        except json.JSONDecodeError as e:
+            if e.msg.startswith("Unterminated string"):  # content ending in a lone backslash
+                raise _json_error(e.msg, self.quote) from None
+            raise _json_error(e.msg, at - 1 + e.pos) from None
+
+    def text(self, text: str, final: bool) -> Generator[str, None, bool]:
+        """Walk the decoded ``text`` (``final``: the line's last); ``True`` once long string ``emit`` is whole.
+
+        Raises:
+            _Partial: the line ended inside a short string.
+            LineError: an error in a long string's content.
+        """
+        i = 0
+        while i < len(text) or (final and self.in_str):
+            if not self.in_str:
+                i = yield from self._outside(text, i)
+                continue
+            i, then = yield from self._inside(text, i, final)
+            if then == "whole":
+                return True
+            if then == "next text":
+                break
+        return False
+
+    def _outside(self, text: str, i: int) -> Generator[str, None, int]:
+        """Skeleton up to the next opening quote (which starts a string), or to the text's end; where to go on."""
+        j = text.find('"', i)
+        if j < 0:
+            if self.emit is None:
+                self.skel += len(text) - i
+                yield text[i:]
+            return len(text)
+        if self.emit is None:
+            self.skel += j + 1 - i
+            yield text[i:j + 1]
+        self.in_str, self.quote, self.content, self.held, self.cur, self.carry = True, self.pos + j, [], 0, None, ""
+        return j + 1
+
+    def _inside(self, text: str, i: int, final: bool) -> Generator[str, None, tuple[int, str]]:
+        """Inside a string: its content up to its terminator (a quote not escaped) or the text's end; where to go on,
+        and how: ``"go on"``, ``"next text"`` (the string goes on in the next text), ``"whole"``."""
+        buf = self.carry + text[i:]
+        start = self.pos + i - len(self.carry)  # line position of buf[0]
+        k = buf.find('"')
+        while k >= 0 and k > 0 and _escape_start(buf, k - 1):
+            k = buf.find('"', k + 1)
+        if k < 0 and not final:
+            cut = _safe_cut(buf)
+            raw, self.carry, i = buf[:cut], buf[cut:], len(text)
+        else:
+            end = len(buf) if k < 0 else k
+            raw, self.carry = buf[:end], ""
+            i = len(text) - (len(buf) - end) + (0 if k < 0 else 1)
+        yield from self._content(raw, start, closed=k >= 0 or not final)
+        if k < 0 and not final:
+            return i, "next text"
+        # the string ended (or the line did, inside it)
+        if k < 0:
+            raise _Partial()  # a long string's region() has raised already
+        self.in_str = False
+        whole = yield from self._string_end(i)
+        return i, "whole" if whole else "go on"
+
+    def _content(self, raw: str, start: int, *, closed: bool) -> Iterator[str]:
+        """A piece ``raw`` of the string's content (at line position ``start``): held while the string may still be
+        short; else decoded (and emitted, when it is long string ``emit``)."""
+        if self.cur is None and self.held + len(raw) <= LONG_STRING_CHARS:
+            self.content.append(raw)
+            self.held += len(raw)
+            return
+        if self.cur is None:  # it became long: what was held is checked (and emitted) first
+            self.cur = _Long(self.quote)
+            first, self.content = "".join(self.content), []
+            self.longs.append(self.cur)
+            parts = ((first, self.quote + 1, True), (raw, start, closed))
+        else:
+            parts = ((raw, start, closed),)
+        for part, at, part_closed in parts:
+            piece = self.region(part, at, part_closed)
+            self.cur.check(piece)
+            if self.emit == self.n_long:
+                yield piece
+
+    def _string_end(self, i: int) -> Generator[str, None, bool]:
+        """The string closed (its quote just before text position ``i``): a short one goes to the skeleton, a long
+        one's stand-in; ``True`` when it was long string ``emit`` (all of it emitted)."""
+        if self.cur is None:
+            if self.emit is None:
+                s = "".join(self.content) + '"'
+                self.skel += len(s)
+                yield s
+        else:
+            if self.emit == self.n_long:
+                return True
+            stand_in = json.dumps(f"{self.scan.marker}{self.n_long}")[1:]  # escaped, with the closing quote
+            if self.emit is None:
+                self.skel += len(stand_in)
+                self.scan._shifts.append((self.skel, (self.pos + i - 1 - (self.quote + 1)) - (len(stand_in) - 1)))
+                yield stand_in
+            self.n_long += 1
+        self.content, self.cur = [], None
+        return False
+
+    def partial(self) -> str:
+        """The content of the short string the line ended in (the skeleton's last part; json.loads reports it)."""
+        s = "".join(self.content)
+        self.skel += len(s)
+        self.in_str = False
+        return s
 
 
 class _Partial(Exception):

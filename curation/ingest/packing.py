@@ -19,7 +19,7 @@ __all__ = ["Packer", "pack_documents"]
 class Packer:
     """Streaming packer; ``carry`` (the tokens not yet in a full sequence) makes it resumable.
 
-    A document may be fed in pieces (:meth:`extend`, then :meth:`end_document`), so a huge document is
+    A document may be fed in pieces (:meth:`extend`, then ``extend([eos_id])``), so a huge document is
     never held as one token list: only the fewer-than-L tokens of an unfinished sequence stay buffered.
     """
 
@@ -34,10 +34,6 @@ class Packer:
         """Append tokens (part of a document, no EOS); return the sequences they completed."""
         self._buf = np.concatenate([self._buf, np.asarray(ids, dtype=np.int64).reshape(-1)])
         return self.drain()
-
-    def end_document(self) -> list[np.ndarray]:
-        """Append the EOS that ends a document."""
-        return self.extend([self.eos_id])
 
     def add(self, ids: Sequence[int] | np.ndarray) -> list[np.ndarray]:
         """Append one document (+ EOS); return the sequences it completed (int64 arrays of length L)."""

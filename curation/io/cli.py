@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from curation.io.config_help import HelpError, format_keys
 from schemas.config import ConfigError, config_to_yaml, load_config
 
-__all__ = ["add_config_arguments", "parse_job_config"]
+__all__ = ["add_config_arguments", "parse_job_config", "resolve_alias"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,10 +48,16 @@ def parse_job_config(
     argv: Sequence[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
     set_example: str | None = None,
+    aliases: Mapping[str, str] | None = None,
+    default_for: Callable[[Mapping[str, str]], M] | None = None,
 ) -> tuple[M, argparse.Namespace]:
     """Parse a job's command line into a validated config (exits 2 with the message on a config error).
 
     ``set_example`` is an override of this job's config shown in ``--help`` (e.g. ``selection.gamma=0.5``).
+    ``aliases``: short keys ``--set`` accepts for longer ones (``{"policy": "selection.policy"}``: ``--set policy=rho1``
+    sets ``selection.policy``). ``default_for``: the embedded default made from the ``--set`` overrides (key → the
+    value's text, the last one of a key; e.g. an output directory named after the policy set), in place of
+    ``default``.
     """
     parser = parser or argparse.ArgumentParser(description=description, add_help=False)
     if not parser.add_help:
@@ -60,6 +66,10 @@ def parse_job_config(
                             "only the keys under it, e.g. --help selection) and exit")
     add_config_arguments(parser, set_example)
     args = parser.parse_args(argv)
+    args.overrides = [resolve_alias(o, aliases or {}) for o in args.overrides]
+    if default_for is not None:
+        given = dict(o.partition("=")[::2] for o in args.overrides)
+        default = lambda: default_for({k.strip(): v.strip() for k, v in given.items()})  # noqa: E731
     if getattr(args, "help", None) is not None:
         _print_help(parser, model, default, args.help)
     try:
@@ -71,6 +81,12 @@ def parse_job_config(
         sys.stdout.write(config_to_yaml(cfg))
         raise SystemExit(0)
     return cfg, args
+
+
+def resolve_alias(override: str, aliases: Mapping[str, str]) -> str:
+    """``KEY=VALUE`` with ``KEY`` replaced by the key it is an alias of (``aliases``), else as given."""
+    key, sep, value = override.partition("=")
+    return f"{aliases.get(key.strip(), key)}{sep}{value}"
 
 
 def _print_help(parser: argparse.ArgumentParser, model: type[M], default: Callable[[], M] | None, section: str) -> None:

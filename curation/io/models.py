@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor, nn
 
-from schemas.train_config import ModelConfig
+from curation.core.scorer import TokenLossScorer
+from schemas.train_config import ModelConfig, ScorerConfig
 
 __all__ = [
     "resolve_device",
@@ -28,9 +29,9 @@ __all__ = [
     "load_weights",
     "read_weights",
     "load_state",
-    "cpu_state_dict",
     "check_vocab",
     "check_token_range",
+    "build_scorer",
 ]
 
 
@@ -161,12 +162,6 @@ def check_token_range(tokens: np.ndarray, model_vocab: int, where: str, *,
                 "tokenizer and model do not match")
 
 
-def cpu_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Detached CPU copies of a model's (or state dict's) tensors, tied weights stored once per name."""
-    sd = model.state_dict() if isinstance(model, nn.Module) else model
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
-
-
 def _dedupe_shared(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Each tensor as a contiguous CPU tensor of its own: safetensors refuses tensors sharing storage (tied
     embeddings, views into one buffer). A tensor copied off its device is already its own; one on the CPU is cloned."""
@@ -244,3 +239,20 @@ def weights_fingerprint(model: nn.Module | Mapping[str, Tensor]) -> str:
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}".encode())
         h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
     return h.hexdigest()
+
+
+def build_scorer(config: ScorerConfig, *, model: nn.Module | None = None) -> TokenLossScorer:
+    """The :class:`~curation.core.scorer.TokenLossScorer` of ``config``: its model built from ``config.model`` (the
+    weights of ``config.weights`` loaded over it), or ``model`` as it is; on ``config.device`` (``auto``: a GPU when
+    one is visible), scoring ``config.batch_size`` sequences per forward at ``config.precision``.
+
+    Raises:
+        ValueError: a bad model config or weights file (naming it); ``cuda`` without a visible GPU.
+    """
+    if model is None:
+        model = build_causal_lm(config.model)
+        if config.weights is not None:
+            load_weights(model, config.weights)
+    return TokenLossScorer(model, device=resolve_device(config.device), batch_size=config.batch_size,
+                           precision=config.precision)
+

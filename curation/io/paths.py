@@ -19,7 +19,7 @@ import os
 
 from schemas.config import check_path_name
 
-__all__ = ["UnsafeNameError", "check_name", "check_relative", "safe_join", "safe_key", "inside"]
+__all__ = ["UnsafeNameError", "check_relative", "safe_join", "safe_key", "inside"]
 
 #: At most this many components in a relative name read back (``<source>/part-00000-00001/shard.00000.mds.zstd``).
 MAX_DEPTH = 8
@@ -39,20 +39,9 @@ def _refuse(name: object, what: str, source_file: str, why: str) -> UnsafeNameEr
                            "through it): restore the file or delete the directory")
 
 
-def check_name(name: object, *, what: str, source_file: str) -> str:
-    """``name`` when it is one safe path component (the rule of config names), else :class:`UnsafeNameError`."""
-    if not isinstance(name, str):
-        raise _refuse(name, what, source_file, "is not a string")
-    try:
-        return check_path_name(name, what)
-    except ValueError:
-        raise _refuse(name, what, source_file, "is not a plain name (letters, digits, '-', '_', '.', not starting "
-                      "with '.' or '-')") from None
-
-
 def check_relative(name: object, *, what: str, source_file: str, loose: bool = False) -> list[str]:
-    """The components of ``name``, a relative ``/``-separated path whose every component passes
-    :func:`check_name` (``loose``: the rule of one file name, see the module docstring)."""
+    """The components of ``name``, a relative ``/``-separated path whose every component is one safe path component
+    (the rule of config names; ``loose``: the rule of one file name, see the module docstring)."""
     if not isinstance(name, str):
         raise _refuse(name, what, source_file, "is not a string")
     if name.startswith("/") or os.path.isabs(name):

@@ -58,7 +58,7 @@ from schemas.manifest import Manifest, sha256_file
 from schemas.shards import ShardSchemaError, ShardSpec, validate_shard_dir
 
 __all__ = [
-    "write_part", "merge_part_indexes", "publish_parts", "remove_incomplete_parts", "ShardReader", "open_shards",
+    "write_part", "merge_part_indexes", "publish_parts", "ShardReader", "open_shards",
     "read_column", "SHARD_HASH", "ShardIntegrityError", "verify_part", "recovery_hint", "part_name", "PART_PREFIX",
     "ShardDirInfo", "shard_dir_info", "check_tokenizer", "load_shard_file", "decode_sample", "save_manifest",
     "shard_file", "check_index_names", "check_shard_file", "raw_cache_dir", "ShardIndexError",
@@ -75,7 +75,6 @@ def part_name(first: int, stop: int) -> str:
     engine's work units); zero-padded, so the names sort in step order.
     """
     return f"{PART_PREFIX}{first:09d}-{stop:09d}"
-
 
 
 def recovery_hint(directory: str, shard_file: str) -> str:
@@ -212,20 +211,6 @@ def publish_parts(out_dir: str, manifest: Any) -> None:
     if parts:
         merge_part_indexes(out_dir, parts)
     save_manifest(out_dir, manifest)
-
-
-def remove_incomplete_parts(root: str, group: str, completed: set[str]) -> list[str]:
-    """Delete part directories under ``root/group`` that the manifest does not list as complete."""
-    removed = []
-    base = os.path.join(root, group)
-    if not os.path.isdir(base):
-        return removed
-    for entry in sorted(os.listdir(base)):
-        rel = os.path.join(group, entry.removesuffix(".tmp"))
-        if entry.endswith(".tmp") or rel not in completed:
-            storage.remove(os.path.join(base, entry))
-            removed.append(rel)
-    return removed
 
 
 class ShardReader:

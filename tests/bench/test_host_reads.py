@@ -87,6 +87,20 @@ def setting(tmp_path_factory) -> Setting:
     return s
 
 
+def test_the_job_offers_every_scenario_and_prints_the_report_of_bench(capsys):
+    """``jobs/bench_host_reads.py`` names the scenarios before torch loads (its ``--only`` choices): they are
+    bench's, in its order; its text report is :func:`report_lines`'s."""
+    from bench.host_read_scenarios import report_lines
+    from tests.conftest import load_job
+
+    assert load_job("bench_host_reads").SCENARIO_NAMES == tuple(SCENARIOS)
+    r = {"targets": {"weight_load": 2}, "met": {"weight_load": False},
+         "weight_load": {"per_step": 3, "owners": {"project": 3}, "sites": ["a.py:1 (project, wait)"]},
+         "refresh": {"per_step": 2, "sites": []}}
+    assert report_lines(r) == ["weight_load: 3 per step (target <= 2, NOT met); by owner {'project': 3}",
+                               "    a.py:1 (project, wait)", "refresh: 2 per refresh; sites []"]
+
+
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_steady_steps_meet_their_target(setting, name):
     f = SCENARIOS[name](setting)

@@ -1,4 +1,4 @@
-"""jobs/bench_gpu.py: the GPU check's commands and, at tiny sizes on a CPU, a run of some of its steps."""
+"""jobs/bench_gpu.py (bench/gpu.py): the GPU check's commands and, at tiny sizes on a CPU, a run of some of its steps."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import threading
 
 import pytest
 
+from bench import gpu
 from tests.conftest import REPO, load_job
 
 
 def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     bench = load_job("bench_gpu")
-    cmds = bench.commands(False, str(tmp_path))
-    assert set(cmds) == set(bench.STEPS)
+    cmds = gpu.commands(False, str(tmp_path))
+    assert set(cmds) == set(gpu.STEPS)
 
     def opt(cmd, name):
         return cmd[cmd.index(name) + 1]
@@ -31,7 +32,7 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
     assert "--no-ray" not in cmds["scoring_ray"] and int(opt(cmds["scoring_ray"], "--ray-steps")) >= 90
     b = cmds["training"].index("--batch-size")
     assert cmds["training"][b + 1:b + 3] == ["8", "32"]  # both sizes in one invocation (3 process starts, not 6)
-    assert bench.STEPS[0] == "prepare" and cmds["prepare"][-4:] == [os.path.join("runs", "demo", "data-L1024"), "1024",
+    assert gpu.STEPS[0] == "prepare" and cmds["prepare"][-4:] == [os.path.join("runs", "demo", "data-L1024"), "1024",
                                                                     os.path.join("runs", "demo", "data"), "128"]
     assert opt(cmds["training"], "--precision") == "amp_bf16" and "--no-bare" not in cmds["training"]
     gpu_files = [a for a in cmds["gpu_tests"] if a.startswith("tests/")]
@@ -43,8 +44,7 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
 @pytest.mark.slow
 def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
     """Two quick steps at tiny sizes (the others are left out here: the full --tiny run takes minutes)."""
-    bench = load_job("bench_gpu", "_tiny")
-    skip = ",".join(s for s in bench.STEPS if s not in ("scoring_b8", "selection"))
+    skip = ",".join(s for s in gpu.STEPS if s not in ("scoring_b8", "selection"))
     proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_gpu.py"), "--tiny", "--skip", skip,
                            "--data", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,12 +65,11 @@ def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
 
 def test_the_gpu_tests_step_names_its_failing_tests(tmp_path):
     """A failing test is named in the step's result (on an H200 the output's tail held only warnings)."""
-    bench = load_job("bench_gpu", "_failures")
     test = tmp_path / "test_two.py"
     test.write_text("def test_passes():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n")
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
            "-c", os.devnull, str(test)]
-    step = bench.run_step("gpu_tests", cmd, 120)
+    step = gpu.run_step("gpu_tests", cmd, 120)
     assert step["rc"] == 1
     assert step["result"]["passed"] == 1 and step["result"]["failed"] == 1
     [failure] = step["result"]["failures"]
@@ -86,31 +85,29 @@ def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path, 
     capsys.readouterr()
     assert bench.main(args) == 1  # a reused --data: steps.jsonl holds this run's steps only
     report = json.loads(capsys.readouterr().out)
-    assert list(report["steps"]) == list(bench.STEPS)
+    assert list(report["steps"]) == list(gpu.STEPS)
     assert all(s["rc"] == "skipped" and s["why"].startswith("budget: ") for s in report["steps"].values())
     assert report["headline"]["scoring"]["worker_over_forward_b8"] is None
     with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:
-        assert [json.loads(line)["step"] for line in f] == list(bench.STEPS)
+        assert [json.loads(line)["step"] for line in f] == list(gpu.STEPS)
 
 
 def test_the_headline_reads_both_batch_sizes_of_the_one_training_step():
-    bench = load_job("bench_gpu", "_headline")
     by = {b: {"blade_over_plain": r, "predicted": 1.5, "plain_over_bare": 1.1, "peak_rss_ratio": m, "peak_gpu_mem_ratio": 1.0,
               "refresh_ms": [float(b), 2.0]} for b, r, m in (("8", 1.65, 1.2), ("32", 1.53, 1.08))}
-    head = bench.headline({"training": {"rc": 0, "result": {"batch_sizes": [8, 32], "by_batch": by}}})["training"]
+    head = gpu.headline({"training": {"rc": 0, "result": {"batch_sizes": [8, 32], "by_batch": by}}})["training"]
     assert head["blade_over_predicted_b8"] == pytest.approx(1.1) and head["blade_over_predicted_b32"] == pytest.approx(1.02)
     assert (head["blade_over_plain_b8"], head["peak_rss_ratio_b32"]) == (1.65, 1.08)
     assert (head["refresh_ms_b8"], head["refresh_ms_b32"]) == ([8.0, 2.0], [32.0, 2.0])
-    assert bench.headline({"training": {"rc": 1, "result": None}})["training"]["blade_over_predicted_b8"] is None
+    assert gpu.headline({"training": {"rc": 1, "result": None}})["training"]["blade_over_predicted_b8"] is None
 
 
 def test_the_untimed_steps_run_side_by_side_at_the_end(tmp_path, monkeypatch, capsys):
     """pipeline_only (CPU time), the gpu tests and the main job (pass/fail) start together, after every wall-clock
     step; the report keeps STEPS' order whichever ends first."""
     bench = load_job("bench_gpu", "_together")
-    assert bench.stages() == [(n,) for n in bench.STEPS[:-4]] + [("host_reads", "pipeline_only", "gpu_tests",
-                                                                   "main_job")]
-    assert bench.stages({"gpu_tests", "training"})[-2:] == [("scoring_ray",), ("host_reads", "pipeline_only", "main_job")]
+    assert gpu.stages() == [(n,) for n in gpu.STEPS[:-4]] + [("host_reads", "pipeline_only", "gpu_tests", "main_job")]
+    assert gpu.stages({"gpu_tests", "training"})[-2:] == [("scoring_ray",), ("host_reads", "pipeline_only", "main_job")]
     started, barrier = [], threading.Barrier(3, timeout=30)
 
     def fake(name, cmd, timeout):
@@ -118,8 +115,8 @@ def test_the_untimed_steps_run_side_by_side_at_the_end(tmp_path, monkeypatch, ca
         barrier.wait()  # returns only once all three have started: run one after the other, it would time out
         return {"seconds": 0.0, "rc": 0, "command": name, "result": {"ok": name}}
 
-    monkeypatch.setattr(bench, "run_step", fake)
-    alone = ",".join(n for n in bench.STEPS if n not in bench.TOGETHER or n == "host_reads")
+    monkeypatch.setattr(gpu, "run_step", fake)
+    alone = ",".join(n for n in gpu.STEPS if n not in gpu.TOGETHER or n == "host_reads")
     assert bench.main(["--tiny", "--skip", alone, "--data", str(tmp_path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(report["steps"]) == ["pipeline_only", "gpu_tests", "main_job"] and set(started) == set(report["steps"])

@@ -1,4 +1,5 @@
-"""jobs/bench_scoring.py at tiny sizes on a CPU: every part runs and reports its keys (the figures are the bench's)."""
+"""jobs/bench_scoring.py (bench/scoring.py) at tiny sizes on a CPU: every part runs and reports its keys (the figures
+are the bench's)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_pipeline_only_reports_the_host_cost_per_token(capsys):
 
 
 def test_pipeline_only_runs_the_gpu_shapes_by_default_and_judges_the_worst(monkeypatch):
-    bench = load_job("bench_scoring", "_pipeline_shapes")
+    from bench import scoring as bench
+
     measured = []
 
     def fake(args, batch, seq_len, steps):
@@ -65,9 +67,10 @@ def test_the_worker_runs_at_the_bare_forwards_precision():
     """bf16 autocast on CUDA for both sides of the ratio (the worker once ran fp32 against a bf16 forward)."""
     import torch
 
-    bench = load_job("bench_scoring", "_precision")
-    assert bench.worker_precision(torch.device("cuda")) == "amp_bf16"
-    assert bench.worker_precision(torch.device("cpu")) == "fp32"
+    from bench.scoring import worker_precision
+
+    assert worker_precision(torch.device("cuda")) == "amp_bf16"
+    assert worker_precision(torch.device("cpu")) == "fp32"
 
 
 @pytest.mark.ray
@@ -98,7 +101,9 @@ def test_ray_part_runs_one_then_two_workers():
     assert ray["scaling_efficiency"] == pytest.approx(ray["speedup"] / 2)
     assert ray["ray_over_in_process"] > 0
     # the text report shows the same per-unit times (one line per worker of each run)
-    lines = load_job("bench_scoring").ray_text(out)
+    from bench.scoring import ray_text
+
+    lines = ray_text(out)
     one = ray["runs"]["1"]["workers"]["0"]
     assert f"  1 worker(s), worker 0: {one['units']} units, ms per unit: wait {one['wait_ms_per_unit']:.1f}, " \
            f"run {one['run_ms_per_unit']:.1f}, report {one['report_ms_per_unit']:.1f} (niceness {os.nice(0)}); run of a " \

@@ -110,7 +110,7 @@ def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
 
 def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     single = str(tmp_path / "single")
     cfg = TrainConfig.model_validate({**exact_run["train"], "output_dir": single})
@@ -127,10 +127,14 @@ def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train
     out = str(tmp_path / "pipelined")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine={"mode": "pipelined", "snapshot_period": 1})
     res = curate_and_train(load_config(CurateAndTrainConfig, path=cfg))
-    assert res["scored"] is None and res["selected"] == os.path.join(out, "selected")
-    assert res["final_reference"] == os.path.join(out, "final", "reference.safetensors")  # the engine's last one
-    with open(res["summary"]) as f:
-        assert json.load(f)["engine"]["mode"] == "pipelined"
+    assert res.selected == os.path.join(out, "selected") and res.engine.out_dir == res.selected  # the workers'
+    assert res.final_reference == os.path.join(out, "final", "reference.safetensors")  # the engine's last one
+    with open(res.final_reference, "rb") as a, open(res.engine.final_reference, "rb") as b:
+        assert a.read() == b.read() and res.engine.final_reference.endswith("reference-0002.safetensors")
+    with open(res.summary) as f:
+        s = json.load(f)
+    assert s["engine"]["mode"] == "pipelined" and s["engine"]["snapshot_period"] == 1 and s["world_size"] == 1
+    assert s["selected_dir"] == res.selected and s["schema_version"] == 2
     m = Manifest.load(os.path.join(out, "selected"))  # written by the workers, one part per step after W
     assert m.complete and m.job == "curate_and_train" and len(m.shards) == 1 + 12
     assert_same_run(exact_run["out"], out)

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train):
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = str(tmp_path / "par")
     cfg = tmp_path / "cfg.yaml"
@@ -37,7 +37,7 @@ def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path
 
     single = train(TrainConfig.model_validate(tiny_train(str(tmp_path / "single"))))
     steps, b, w = 14, 8, 2
-    a = {c: read_column(single["selected"], c) for c in ("step", "tokens", "loss_mask")}
+    a = {c: read_column(single.selected, c) for c in ("step", "tokens", "loss_mask")}
     p = {c: read_column(os.path.join(out, "selected"), c) for c in ("step", "tokens", "loss_mask")}
     assert p["step"] == [t for t in range(steps) for _ in range(b)]  # each step once: no duplicate rows
     assert all(np.array_equal(x, y) for x, y in zip(a["tokens"], p["tokens"], strict=True))
@@ -50,13 +50,14 @@ def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path
 
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         s = json.load(f)
-    with open(single["summary"], encoding="utf-8") as f:
+    with open(single.summary, encoding="utf-8") as f:
         s1 = json.load(f)
-    assert s["engine"]["trainer_workers"] == 2 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
+    assert s["world_size"] == 2 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
+    assert "trainer_workers" not in s["engine"] and s["engine"]["trainer_wait_seconds"] >= 0  # rank 0's waits
     assert abs(s["validation"][-1]["loss"] - s1["validation"][-1]["loss"]) < 1e-3
     assert [d["step"] for d in s["param_distance"]] == list(range(2, 14))  # rank 0 measured ‖u − w‖ each step
     tp = s["throughput"]  # rank 0's, for the whole group; the reference's work is the engine's, not the trainer's
-    assert (tp["world_size"], tp["steps"], tp["tokens"]) == (2, steps, steps * b * 128)
+    assert (tp["steps"], tp["tokens"]) == (steps, steps * b * 128) and "world_size" not in tp
     assert tp["reference_flops_per_device"] == 0.0 and tp["kept_tokens"] == s["tokens"]["kept"]
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     assert os.path.exists(os.path.join(out, "final", "reference.safetensors"))

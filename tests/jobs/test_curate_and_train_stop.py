@@ -92,7 +92,7 @@ def _resume(cfg: str) -> None:
 def test_sigterm_stops_the_exact_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
         tmp_path, tiny_train, session_killer):
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
@@ -125,7 +125,7 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
 def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun_equals_an_uninterrupted_run(
         tmp_path, tiny_train, session_killer):
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))

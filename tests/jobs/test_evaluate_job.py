@@ -51,7 +51,7 @@ def test_no_arguments_evaluates_the_demo_runs(tmp_path, monkeypatch, capsys):
     write_demo_corpus(os.path.join(root, "raw"), sizes={"target": 120, "general": 120, "noise": 60, "target_val": 40})
     cfg = PrepareConfig.demo_default(root)
     prepare(cfg.model_copy(update={"progress": False, "tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": 400})}))
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     for policy in ("full", "blade"):
         t = TrainConfig.demo_default(root, policy=policy)

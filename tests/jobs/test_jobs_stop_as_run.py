@@ -22,7 +22,7 @@ import yaml
 from schemas.config import load_config
 from schemas.train_config import ReplayConfig, TrainConfig
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
-from training.runs.single import train
+from training.runs.train_job import train
 
 pytestmark = pytest.mark.slow  # job processes (CI runs them: pytest --all)
 
@@ -73,7 +73,7 @@ def test_sigterm_to_replay_py_as_run_by_a_user_stops_at_the_step_with_its_checkp
     trained = train(load_config(TrainConfig, path=_config_file(small_demo, str(tmp_path / "train"),
                                                                tmp_path / "t.yaml", max_steps=4)))
     rcfg = ReplayConfig.demo_default(small_demo).model_dump(mode="json")
-    rcfg.update(selected=trained["selected"], output_dir=str(tmp_path / "replay"), batch_size=8, max_steps=STEPS,
+    rcfg.update(selected=trained.selected, output_dir=str(tmp_path / "replay"), batch_size=8, max_steps=STEPS,
                 progress_bar=False, threads=1, validation=None, tokenizer=None,
                 model=load_config(TrainConfig, path=str(tmp_path / "t.yaml")).model.model_dump(mode="json"))
     rcfg["checkpoint"].update(interval=4)

@@ -92,7 +92,7 @@ def local_run(tiny_train, tmp_path_factory) -> str:
     """The tiny blade run of ``tiny_train`` on the local copy of the data, uninterrupted (what the bucket's runs
     must equal bit for bit)."""
     from schemas.train_config import TrainConfig
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = str(tmp_path_factory.mktemp("local") / "run")
     train(TrainConfig.model_validate(tiny_train(out)))
@@ -207,12 +207,12 @@ def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tin
     """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
     from curation.engine.ray_backend import ray_session
     from schemas.train_config import TrainConfig
-    from training.runs.group import train_parallel
+    from training.runs.train_job import train
 
     _prepare_into(s3, engine_demo)
     cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}))
     with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
-        train_parallel(cfg)
+        train(cfg)
     stored = objects.list_objects(s3.url("dp"))
     assert {"config.yaml", "selected/manifest.json", "final/model.safetensors", "summary.json",
             "checkpoints/.symlinks.json", "logs/metrics.jsonl"} <= set(stored) and ".lock" not in stored

@@ -143,7 +143,7 @@ def test_prepare_job_on_a_full_disk_names_the_file_and_a_rerun_completes(tmp_pat
 
 
 def test_train_into_a_read_only_directory_names_it(tmp_path, monkeypatch):
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     out = tmp_path / "ro"
     out.mkdir()

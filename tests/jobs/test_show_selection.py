@@ -31,7 +31,7 @@ def runs(tiny_train, tmp_path_factory):
     """blade and rho1, 14 steps each, on the same candidates (the same stream: the same rows at every step); selected
     parts of 5 steps (the checkpoint interval); ‖u − w̃‖ every 2 steps (its default, the log interval of 10 steps,
     would measure it once in 14 steps: no curve)."""
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     root = tmp_path_factory.mktemp("inspected")
     out = {}

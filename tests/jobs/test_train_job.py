@@ -226,7 +226,7 @@ def test_a_copied_run_directory_resumes_from_its_new_place(small_demo, tmp_path,
     from composer.core import Callback
 
     from curation.io.stop import GracefulStop, StopRequested
-    from training.runs.single import train
+    from training.runs.train_job import train
 
     class SigtermAtStep4(Callback):
         def batch_end(self, state, logger):

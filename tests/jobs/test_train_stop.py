@@ -16,7 +16,7 @@ import pytest
 from schemas.config import load_config
 from schemas.train_config import TrainConfig
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
-from training.runs.single import train
+from training.runs.train_job import train
 
 pytestmark = pytest.mark.slow  # job processes (CI runs them: pytest --all)
 
@@ -78,7 +78,7 @@ def uninterrupted(small_demo, tmp_path):  # noqa: F811
     def run(config: str) -> bytes:
         cfg = load_config(TrainConfig, path=config)
         out = train(cfg.model_copy(update={"output_dir": str(tmp_path / "uninterrupted")}))
-        return _read(out["final_weights"])
+        return _read(out.final_weights)
 
     return run
 

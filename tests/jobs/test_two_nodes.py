@@ -253,7 +253,7 @@ def test_batch_curation_submitted_with_its_workers_on_the_other_node_selects_wha
 
 def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(cluster, env, prepared):
     from schemas.train_config import ReplayConfig
-    from training.runs.single import replay
+    from training.runs.train_job import replay
 
     def settings(out: str) -> dict:
         return {"selected": _url(env, "two/curate/selected"), "validation": _url(env, "two/data/validation"),

@@ -64,6 +64,28 @@ def test_print_config_exits_with_yaml(tmp_path, capsys):
     assert printed["seq_len"] == 64 and printed["sources"][0]["name"] == "target"
 
 
+def test_aliases_and_a_default_made_from_the_overrides(tmp_path):
+    """``--set`` takes a job's short keys (``aliases``), and ``default_for`` builds the embedded default from the
+    overrides given (the last one of a key wins), after the aliases are resolved: jobs/train.py's default output
+    directory names the policy set."""
+    from schemas.train_config import TrainConfig
+
+    seen = []
+
+    def default_for(sets):
+        seen.append(dict(sets))
+        return TrainConfig.demo_default(str(tmp_path), policy=sets.get("selection.policy", "blade"))
+
+    cfg, args = parse_job_config(TrainConfig, description="t", default_for=default_for,
+                                 aliases={"policy": "selection.policy", "gamma": "selection.gamma"},
+                                 argv=["--set", "policy=full", "--set=gamma=0.5", "--set", " policy = rho1",
+                                       "--set", "max_steps=7"])
+    assert args.overrides == ["selection.policy=full", "selection.gamma=0.5", "selection.policy= rho1", "max_steps=7"]
+    assert seen == [{"selection.policy": "rho1", "selection.gamma": "0.5", "max_steps": "7"}]
+    assert (cfg.selection.policy, cfg.selection.gamma, cfg.max_steps) == ("rho1", 0.5, 7)
+    assert cfg.output_dir == str(tmp_path / "train" / "rho1")
+
+
 def test_config_error_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         parse_job_config(PrepareConfig, description="t", default=lambda: PrepareConfig.demo_default(str(tmp_path)),

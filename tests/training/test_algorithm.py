@@ -13,13 +13,13 @@ from composer.core import Callback
 
 from curation.core.losses import token_losses
 from curation.core.selection import num_selected
-from curation.engine.scorer import TokenLossScorer, write_scored_steps
-from curation.io.models import build_causal_lm, save_weights
+from curation.io.models import build_causal_lm, build_scorer, save_weights
 from curation.io.shards import read_column
 from curation.io.stream_reader import StreamReader
 from schemas.manifest import Manifest
 from schemas.train_config import ScorerConfig
-from training.runs.single import train
+from tests.scored_steps import write_scored_steps
+from training.runs.train_job import train
 
 
 class Capture(Callback):
@@ -96,7 +96,7 @@ def test_blade_keeps_exactly_k_refreshes_on_schedule_and_scores_from_the_forward
         with torch.no_grad():
             lu, valid = token_losses(model(input_ids=tokens).logits, tokens)
         model.load_state_dict(ref_sd)
-        lw = TokenLossScorer(ScorerConfig(model=cfg.model, device="cpu", batch_size=8), model=model)(tokens)
+        lw = build_scorer(ScorerConfig(model=cfg.model, device="cpu", batch_size=8), model=model)(tokens)
         delta = (lu - torch.from_numpy(lw).float()).numpy()
         rec = cap.records[step]
         np.testing.assert_allclose(rec.scores[valid.numpy()], delta[valid.numpy()], rtol=0, atol=1e-5)
@@ -159,20 +159,20 @@ def test_scores_from_scored_shards_give_the_same_masks_as_the_in_process_referen
     # the reference is kept with the final weights (rho1: exactly the static reference it was given)
     from safetensors.torch import load_file
 
-    saved, given = load_file(out_a["final_reference"]), ref.state_dict()
+    saved, given = load_file(out_a.final_reference), ref.state_dict()
     assert saved and all(torch.equal(v, given[k]) for k, v in saved.items())
     # the Ray engine's job, done here in-process: score the stream's steps W.. with the same reference
     scored = str(tmp_path / "scored")
     reader = StreamReader.open(a.data.candidates, batch_size=a.batch_size, seed=a.seed)
-    scorer = TokenLossScorer(ScorerConfig(model=a.model, weights=weights, device="cpu", batch_size=a.batch_size))
+    scorer = build_scorer(ScorerConfig(model=a.model, weights=weights, device="cpu", batch_size=a.batch_size))
     write_scored_steps(scored, reader, scorer, range(2, 7), episode_of=lambda t: 0, vocab_size=512)
     b = make_config("rho1", "b", max_steps=7, eval={"interval": 100}, data={"scored": scored})
     out_b = train(b)
-    assert out_b["run"].algorithm.reference is None  # no in-process reference at all
-    assert "final_reference" not in out_b
-    ma, mb = read_column(out_a["selected"], "loss_mask"), read_column(out_b["selected"], "loss_mask")
+    assert out_b.run.algorithm.reference is None  # no in-process reference at all
+    assert out_b.final_reference is None
+    ma, mb = read_column(out_a.selected, "loss_mask"), read_column(out_b.selected, "loss_mask")
     assert len(ma) == len(mb) == 56 and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
-    sa, sb = read_column(out_a["selected"], "score"), read_column(out_b["selected"], "score")
+    sa, sb = read_column(out_a.selected, "score"), read_column(out_b.selected, "score")
     assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(sa, sb, strict=True))
 
     # scores from another reference version are refused (stale scores)
@@ -206,9 +206,9 @@ def test_a_non_finite_proxy_loss_fails_clearly(make_config):
 def test_one_precision_setting_reaches_the_reference_scorer(make_config):
     """The trainer's `precision` is the in-process reference's (on a CPU both run in float32)."""
     cfg = make_config("blade", "prec", max_steps=4, eval={"interval": 100})
-    run = train(cfg)["run"]
+    run = train(cfg).run
     assert run.algorithm.reference.settings.precision == "fp32"
-    assert run.algorithm.reference.scorer.config.precision == "fp32"
+    assert run.algorithm.reference.scorer.precision == "fp32"
 
 
 @pytest.mark.gpu
@@ -225,14 +225,14 @@ def test_exact_mode_on_cuda_in_bf16_gives_the_same_masks_from_scored_shards(make
     out_a = train(a)
     scored = str(tmp_path / "scored")
     reader = StreamReader.open(a.data.candidates, batch_size=a.batch_size, seed=a.seed)
-    scorer = TokenLossScorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size,
+    scorer = build_scorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size,
                                           precision="amp_bf16"))
     write_scored_steps(scored, reader, scorer, range(2, 7), episode_of=lambda t: 0, vocab_size=512)
     b = make_config("rho1", "gb", data={"scored": scored}, **common)
     out_b = train(b)
-    ma, mb = read_column(out_a["selected"], "loss_mask"), read_column(out_b["selected"], "loss_mask")
+    ma, mb = read_column(out_a.selected, "loss_mask"), read_column(out_b.selected, "loss_mask")
     assert len(ma) == len(mb) and all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
-    fp32 = TokenLossScorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size))
+    fp32 = build_scorer(ScorerConfig(model=a.model, weights=weights, device="cuda", batch_size=a.batch_size))
     tokens = reader.read(3).tokens
     lo, hi = scorer(tokens).astype(np.float32), fp32(tokens).astype(np.float32)
     assert np.max(np.abs(lo - hi) / np.maximum(np.abs(hi), 1.0)) < 3e-2

@@ -17,7 +17,7 @@ from training.blocks.checkpoint import (
     resume_checkpoint,
     weights_only_loading,
 )
-from training.runs.single import train
+from training.runs.train_job import train
 
 
 class _Marker:
@@ -38,7 +38,7 @@ def _plant(path: str, marker: str) -> None:
 def test_an_unsafe_latest_checkpoint_falls_back_to_the_previous_one_and_never_runs(make_config, tmp_path):
     cfg = make_config("blade", "unsafe", max_steps=8)
     full = train(cfg)
-    weights = open(full["final_weights"], "rb").read()
+    weights = open(full.final_weights, "rb").read()
     folder = os.path.join(cfg.output_dir, "checkpoints")
     latest = os.path.join(folder, "ep0-ba8-rank0.pt")
     assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == latest
@@ -49,9 +49,9 @@ def test_an_unsafe_latest_checkpoint_falls_back_to_the_previous_one_and_never_ru
                                          r"checkpoint .*ep0-ba4-rank0.pt"):
         again = train(cfg)
     assert not os.path.exists(marker)
-    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
-    assert open(again["final_weights"], "rb").read() == weights  # steps 4..8 redone exactly
-    assert read_column(again["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert again.run.resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert open(again.final_weights, "rb").read() == weights  # steps 4..8 redone exactly
+    assert read_column(again.selected, "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
     assert checkpoint_damage(latest) is None  # rewritten as a real checkpoint
     assert not os.path.exists(marker)
 

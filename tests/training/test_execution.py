@@ -18,7 +18,7 @@ from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import TrainConfig, demo_model_config
 from training.blocks.model import MaskedCausalLM, checkpoint_activations
-from training.runs.single import train
+from training.runs.train_job import train
 
 
 def _batch() -> dict:
@@ -80,9 +80,9 @@ def _with_model(cfg: TrainConfig, **options) -> TrainConfig:
 def test_a_run_with_checkpointing_equals_one_without(make_config):
     eager = train(make_config("blade", "plain", max_steps=6))
     ckpt = train(_with_model(make_config("blade", "checkpointed", max_steps=6), activation_checkpointing=True))
-    a, b = load_file(eager["final_weights"]), load_file(ckpt["final_weights"])
+    a, b = load_file(eager.final_weights), load_file(ckpt.final_weights)
     assert all(torch.equal(a[k], b[k]) for k in a)  # on a CPU, bit for bit
-    masks = [np.stack(read_column(r["selected"], "loss_mask")) for r in (eager, ckpt)]
+    masks = [np.stack(read_column(r.selected, "loss_mask")) for r in (eager, ckpt)]
     assert np.array_equal(*masks)
 
 
@@ -103,11 +103,11 @@ def test_a_compiled_run_matches_an_eager_one(make_config):
     small = {"max_steps": 3, "eval": {"interval": 3, "batch_size": 8, "max_batches": 1}}
     eager = train(make_config("blade", "eager", **small))
     compiled = train(_with_model(make_config("blade", "compiled", **small), compile=True))
-    a, b = load_file(eager["final_weights"]), load_file(compiled["final_weights"])
+    a, b = load_file(eager.final_weights), load_file(compiled.final_weights)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
-    masks = [np.stack(read_column(r["selected"], "loss_mask")) for r in (eager, compiled)]
+    masks = [np.stack(read_column(r.selected, "loss_mask")) for r in (eager, compiled)]
     assert np.array_equal(*masks)
-    summaries = [json.load(open(r["summary"], encoding="utf-8")) for r in (eager, compiled)]
+    summaries = [json.load(open(r.summary, encoding="utf-8")) for r in (eager, compiled)]
     assert summaries[1]["validation"][-1]["loss"] == pytest.approx(summaries[0]["validation"][-1]["loss"], abs=1e-5)
 
 

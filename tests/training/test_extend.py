@@ -15,7 +15,7 @@ from schemas.engine_config import CurateAndTrainConfig
 from schemas.records import extendable_keys
 from schemas.train_config import ReplayConfig, TrainConfig
 from tests.training.test_preemption import Signal, _trained_steps, _weights
-from training.runs.single import train
+from training.runs.train_job import train
 
 # W = 2, τ = 3 (episodes start at 2, 5, 8, 11), checkpoints and selected parts every 4 steps: a run of 10 steps ends
 # mid-episode (its reference has scored steps 8, 9 only) and mid-part (its last part holds steps 8, 9).
@@ -45,13 +45,13 @@ def _manifests(a: dict[str, bytes], b: dict[str, bytes]) -> tuple[dict, dict]:
 def _assert_same_outputs(full: dict, extended: dict) -> None:
     """The same final proxy and reference (bytes), the same selected-token shards: every part file and index byte
     for byte, the same manifest."""
-    assert _weights(full["final_weights"]) == _weights(extended["final_weights"])
-    assert _weights(full["final_reference"]) == _weights(extended["final_reference"])
-    a, b = _files(full["selected"]), _files(extended["selected"])
+    assert _weights(full.final_weights) == _weights(extended.final_weights)
+    assert _weights(full.final_reference) == _weights(extended.final_reference)
+    a, b = _files(full.selected), _files(extended.selected)
     ma, mb = _manifests(a, b)
     assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a), sorted(k for k in a if a[k] != b.get(k))
     assert ma == mb
-    sa, sb = (x["run"].stats.summary_data() for x in (full, extended))
+    sa, sb = (x.run.stats.summary_data() for x in (full, extended))
     assert sa["steps"] == sb["steps"] and sa["refreshes"] == sb["refreshes"]
     # (a shorter run also evaluates at its last step: the extended summary keeps that point, if it is an extra one)
     assert [v for v in sb["validation"] if v["step"] in {w["step"] for w in sa["validation"]}] == sa["validation"]
@@ -62,17 +62,17 @@ def test_a_finished_run_extended_equals_the_longer_run(make_config, policy, caps
     full = train(make_config(policy, "long", max_steps=LONG))
     short = make_config(policy, "extended", max_steps=SHORT)
     first = train(short)
-    assert sorted(os.listdir(first["selected"]))[-1] == "steps-000000008-000000010"  # flushed short at its end
+    assert sorted(os.listdir(first.selected))[-1] == "steps-000000008-000000010"  # flushed short at its end
     capsys.readouterr()
     extended = train(short.model_copy(update={"max_steps": LONG}))
     assert f"extending the run: max_steps {SHORT} → {LONG} (continuing from its checkpoint)" in capsys.readouterr().out
-    assert extended["run"].resumed_from.endswith("latest-rank0.pt")
+    assert extended.run.resumed_from.endswith("latest-rank0.pt")
     assert _trained_steps(short.output_dir) == list(range(LONG))  # no step trained twice
     _assert_same_outputs(full, extended)
     with open(os.path.join(short.output_dir, "config.yaml")) as f:
         assert f"max_steps: {LONG}\n" in f.read()  # the record is the extended run's
     # the episode cut by the shorter run was scored on from its checkpoint's float32 reference, nothing twice
-    assert full["run"].algorithm.counts["score_steps"] == extended["run"].algorithm.counts["score_steps"]
+    assert full.run.algorithm.counts["score_steps"] == extended.run.algorithm.counts["score_steps"]
 
 
 def test_a_stopped_run_extended_equals_the_longer_run(make_config):
@@ -82,8 +82,8 @@ def test_a_stopped_run_extended_equals_the_longer_run(make_config):
         train(short, callbacks=[Signal(6)])
     extended = train(short.model_copy(update={"max_steps": LONG}))
     assert _trained_steps(short.output_dir) == list(range(LONG))
-    assert _weights(full["final_weights"]) == _weights(extended["final_weights"])
-    a, b = _files(full["selected"]), _files(extended["selected"])
+    assert _weights(full.final_weights) == _weights(extended.final_weights)
+    a, b = _files(full.selected), _files(extended.selected)
     ma, mb = _manifests(a, b)
     assert a == b and ma == mb
 

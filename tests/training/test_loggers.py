@@ -16,7 +16,7 @@ from schemas.config import ConfigError, load_config
 from schemas.train_config import TrainConfig
 from training.blocks.loggers import OUTPUT_DIR_TAG, check_installed
 from training.blocks.throughput import host_peak_rss
-from training.runs.single import train
+from training.runs.train_job import train
 
 from .conftest import tiny_config
 from .logger_series import (
@@ -81,7 +81,7 @@ def test_kept_shares_and_delta_quantiles_per_log_interval_match_the_selected_sha
     cfg, out = logged_run
     want = jsonl_series(cfg.output_dir)
     tb = tensorboard_series(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"))
-    cols = {c: read_column(out["selected"], c) for c in ("loss_mask", "source", "step", "score")}
+    cols = {c: read_column(out.selected, c) for c in ("loss_mask", "source", "step", "score")}
     for end in (4, 8):  # steps [end - 4, end), logged at step `end`
         rows = [i for i, s in enumerate(cols["step"]) if end - 4 <= int(s) < end]
         kept = {src: sum(int(cols["loss_mask"][i].sum()) for i in rows if cols["source"][i] == src) for src in
@@ -109,9 +109,9 @@ def test_delta_histograms_per_episode_in_tensorboard_mlflow_and_wandb(logged_run
     from training.blocks.loggers import histogram_rows
 
     cfg, out = logged_run
-    with open(out["summary"], encoding="utf-8") as f:
+    with open(out.summary, encoding="utf-8") as f:
         hists = {int(e): Histogram.from_dict(h) for e, h in json.load(f)["delta_histograms"].items()}
-    episodes, masks = read_column(out["selected"], "episode"), read_column(out["selected"], "loss_mask")
+    episodes, masks = read_column(out.selected, "episode"), read_column(out.selected, "loss_mask")
     tb = tensorboard_histograms(os.path.join(cfg.output_dir, "logs", "tensorboard", "train"), "blade/delta_histogram")
     ml = mlflow_tables("sqlite:///" + os.path.join(cfg.output_dir, "logs", "mlflow.db"), "tests",
                        "blade/delta_histogram")
@@ -140,7 +140,7 @@ def test_peak_memory_is_in_tensorboard_and_in_the_summary(logged_run):
     assert sorted(tb) == list(range(1, STEPS + 1))
     peaks = [tb[s] for s in sorted(tb)]
     assert peaks == sorted(peaks)  # a peak never falls
-    with open(out["summary"]) as f:
+    with open(out.summary) as f:
         memory = json.load(f)["memory"]
     assert memory["device"] == "cpu" and memory["device_peak_allocated_bytes"] is None
     rss = memory["host_peak_rss_bytes"]
@@ -182,12 +182,12 @@ def test_replay_writes_the_same_loggers(logged_run, tmp_path):
     """Replay (training on the selected shards) builds its trainer the same way: each logger holds its JSON log's
     training loss and throughput."""
     from schemas.train_config import ReplayConfig
-    from training.runs.single import replay
+    from training.runs.train_job import replay
 
     cfg, out = logged_run
     rcfg = ReplayConfig.demo_default(os.path.dirname(cfg.output_dir))
     rcfg = ReplayConfig.model_validate({
-        **rcfg.model_dump(), "selected": out["selected"], "validation": None, "tokenizer": None,
+        **rcfg.model_dump(), "selected": out.selected, "validation": None, "tokenizer": None,
         "model": cfg.model.model_dump(), "output_dir": str(tmp_path / "replay"), "batch_size": cfg.batch_size,
         "threads": 1, "device": "cpu", "progress_bar": False, "throughput": {"window": 3},
         "loggers": {"tensorboard": {}, "mlflow": {"experiment": "replays"}, "wandb": {}}})

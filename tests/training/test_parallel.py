@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +26,8 @@ from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.conftest import load_job
-from training.runs.group import ATTEMPTS_FILE, train_parallel
-from training.runs.single import train
+from training.runs.group import ATTEMPTS_FILE
+from training.runs.train_job import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -63,12 +65,12 @@ def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
 
 
 def _train_killing_rank1(cfg) -> dict:
-    """``train_parallel(cfg)`` with its rank-1 process killed after the first complete checkpoint."""
+    """``train(cfg)`` with its rank-1 process killed after the first complete checkpoint."""
     done, seen = threading.Event(), {}
     killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(cfg.output_dir, done)))
     killer.start()
     try:
-        out = train_parallel(cfg)
+        out = train(cfg)
     finally:
         done.set()
         killer.join()
@@ -86,11 +88,11 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert yaml.safe_load((tmp_path / "two" / "config.yaml").read_text(encoding="utf-8"))["parallel"]["workers"] == 2
     par_cfg = par_cfg.model_copy(update={"parallel": par_cfg.parallel.model_copy(update={"workers": 2})})
     out = par_cfg.output_dir
-    two = {"selected": os.path.join(out, "selected"), "summary": os.path.join(out, "summary.json"),
-           "final_weights": os.path.join(out, "final", "model.safetensors")}
+    two = SimpleNamespace(selected=os.path.join(out, "selected"), summary=os.path.join(out, "summary.json"),
+                          final_weights=os.path.join(out, "final", "model.safetensors"))
 
     # --- masks, k, shards against the single-process run ---------------------------------------------
-    a, b = _columns(single["selected"]), _columns(two["selected"])
+    a, b = _columns(single.selected), _columns(two.selected)
     rows_of_steps = [t for t in range(STEPS) for _ in range(B)]
     assert b["step"] == rows_of_steps  # every step written once, full batch, single-process row order: no duplicates
     assert all(np.array_equal(x, y) for x, y in zip(a["tokens"], b["tokens"], strict=True))
@@ -103,14 +105,14 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     valid = B * (per_step.shape[-1] - 1)  # every position but the first of each row is a loss position
     for t in range(STEPS):  # global k exact at every step (warm-up: everything)
         assert int(per_step[t].sum()) == (valid if t < W else num_selected(par_cfg.selection.gamma, valid)), t
-    assert Manifest.load(two["selected"]).extra["world_size"] == 2
-    assert Manifest.load(single["selected"]).extra["world_size"] == 1
+    assert Manifest.load(two.selected).extra["world_size"] == 2
+    assert Manifest.load(single.selected).extra["world_size"] == 1
 
-    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, two))
+    sa, sb = (json.load(open(o.summary, encoding="utf-8")) for o in (single, two))
     assert sa["validation"][-1]["step"] == sb["validation"][-1]["step"] == STEPS
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
     assert sb["tokens"]["kept"] == int(mb.sum())
-    wa, wb = load_file(single["final_weights"]), load_file(two["final_weights"])
+    wa, wb = load_file(single.final_weights), load_file(two.final_weights)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4  # same training, summation order aside
     assert [r["step"] for r in sb["refreshes"]] == [r["step"] for r in sa["refreshes"]] == [2, 5, 8, 11]
     assert {x["rank"] for x in _attempts(par_cfg.output_dir)} == {0, 1}
@@ -123,14 +125,14 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     killed = _train_killing_rank1(kill_cfg)
     attempts = _attempts(kill_cfg.output_dir)
     assert len(attempts) == 4 and any(x["resumed_from"] for x in attempts[2:]), attempts
-    c = _columns(killed["selected"])
+    c = _columns(killed.selected)
     assert c["step"] == rows_of_steps
     for col in ("tokens", "loss_mask", "source"):
         assert all(np.array_equal(x, y) for x, y in zip(b[col], c[col], strict=True)), col
     assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(b["score"], c["score"], strict=True))
-    wk = load_file(killed["final_weights"])
+    wk = load_file(killed.final_weights)
     assert all(torch.equal(wb[k], wk[k]) for k in wb)  # bitwise equal to the uninterrupted 2-worker run
-    assert json.load(open(killed["summary"], encoding="utf-8"))["validation"] == sb["validation"]
+    assert json.load(open(killed.summary, encoding="utf-8"))["validation"] == sb["validation"]
 
 
 def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, local_ray,
@@ -146,7 +148,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2",
                                    "--set", "parallel.strategy=fsdp"]) == 0
     out = cfg.output_dir
-    a, b = _columns(single["selected"]), _columns(os.path.join(out, "selected"))
+    a, b = _columns(single.selected), _columns(os.path.join(out, "selected"))
     assert b["step"] == [t for t in range(STEPS) for _ in range(B)]
     ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
     first = slice(W * B, (W + 1) * B)
@@ -155,7 +157,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
     assert [r["step"] for r in sb["refreshes"]] == [2, 5, 8, 11]
     final = {k: load_file(os.path.join(out, "final", f"{k}.safetensors")) for k in ("model", "reference")}
-    for k, want in (("model", load_file(single["final_weights"])), ("reference", load_file(single["final_reference"]))):
+    for k, want in (("model", load_file(single.final_weights)), ("reference", load_file(single.final_reference))):
         assert final[k].keys() == want.keys()  # gathered to full tensors, not shards
         assert max(float((final[k][n] - want[n]).abs().max()) for n in want) < 1e-4, k
     with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
@@ -167,9 +169,9 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"})
     killed = _train_killing_rank1(kill_cfg)
     assert any(x["resumed_from"] for x in _attempts(kill_cfg.output_dir)[2:])
-    c = _columns(killed["selected"])
+    c = _columns(killed.selected)
     assert all(np.array_equal(x, y) for x, y in zip(b["loss_mask"], c["loss_mask"], strict=True))
-    wk = load_file(killed["final_weights"])
+    wk = load_file(killed.final_weights)
     assert all(torch.equal(final["model"][k], wk[k]) for k in wk)  # bitwise equal to the uninterrupted run
 
 
@@ -181,14 +183,14 @@ def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker
     single = train(one)
     killed = _train_killing_rank1(make_config("blade-nosync", "nosync-fsdp-killed", max_steps=STEPS,
                                               parallel={"workers": 2, "strategy": "fsdp"}))
-    a, b = _columns(single["selected"]), _columns(killed["selected"])
+    a, b = _columns(single.selected), _columns(killed.selected)
     ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
     assert np.array_equal(ma[W * B:(W + 1) * B], mb[W * B:(W + 1) * B]) and (ma == mb).mean() >= 0.99
-    wa, wb = load_file(single["final_weights"]), load_file(killed["final_weights"])
+    wa, wb = load_file(single.final_weights), load_file(killed.final_weights)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
-    ra, rb = load_file(single["final_reference"]), load_file(killed["final_reference"])
+    ra, rb = load_file(single.final_reference), load_file(killed.final_reference)
     assert max(float((ra[k] - rb[k]).abs().max()) for k in ra) < 1e-4  # the continued reference, resumed
-    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, killed))
+    sa, sb = (json.load(open(o.summary, encoding="utf-8")) for o in (single, killed))
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
@@ -197,9 +199,9 @@ def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_
     that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,
     so the masks must agree at every step (not only the first selecting one); each rank's block has its own k."""
     single = train(make_config("random", "single-mb", max_steps=STEPS, microbatch_size=B // 2))
-    two = train_parallel(make_config("random", "two-rank", max_steps=STEPS, parallel={"workers": 2},
+    two = train(make_config("random", "two-rank", max_steps=STEPS, parallel={"workers": 2},
                                      selection={"scope": "rank"}))
-    a, b = _columns(single["selected"]), _columns(two["selected"])
+    a, b = _columns(single.selected), _columns(two.selected)
     assert b["step"] == [t for t in range(STEPS) for _ in range(B)]
     ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
     assert np.array_equal(ma, mb)
@@ -208,14 +210,14 @@ def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_
     gamma = make_config("random").selection.gamma
     for t in range(W, STEPS):  # each rank's block keeps exactly its own share
         assert [int(blocks[t, r].sum()) for r in range(2)] == [num_selected(gamma, valid)] * 2, t
-    sa, sb = (json.load(open(o["summary"], encoding="utf-8")) for o in (single, two))
+    sa, sb = (json.load(open(o.summary, encoding="utf-8")) for o in (single, two))
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
 def test_a_group_larger_than_the_cluster_is_refused(make_config, local_ray):
     cfg = make_config("full", "too-big", parallel={"workers": 4})  # 4 × 1 CPU on a 2-CPU instance
     with pytest.raises(ValueError, match=r"parallel.workers=4 trainer workers .* do not fit the Ray cluster"):
-        train_parallel(cfg)
+        train(cfg)
 
 
 def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
@@ -234,32 +236,30 @@ def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_un
     all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
     from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""
     from curation.io.stop import GracefulStop, StopRequested
-    from training.runs.group import STOPPED_FILE
 
     steps = 80  # the driver hands the signal on within 0.5 s: the run must outlast that after its first checkpoint
-    full = train_parallel(make_config("random", "two-full", max_steps=steps, parallel={"workers": 2}))
+    full = train(make_config("random", "two-full", max_steps=steps, parallel={"workers": 2}))
     cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2})
     done = threading.Event()
     sender = threading.Thread(target=_signal_after_first_checkpoint, args=(cfg.output_dir, done))
     sender.start()
     try:
         with GracefulStop(), pytest.raises(StopRequested) as e:
-            train_parallel(cfg)
+            train(cfg)
     finally:
         done.set()
         sender.join()
-    with open(os.path.join(cfg.output_dir, STOPPED_FILE), encoding="utf-8") as f:
-        step = json.load(f)["step"]
+    step = int(re.search(r"after step (\d+) of", str(e.value)).group(1))  # rank 0's result said where
     ckpt = os.path.join(cfg.output_dir, "checkpoints", f"ep0-ba{step}-rank0.pt")
     assert 4 <= step < steps and e.value.signum == signal.SIGTERM
     assert str(e.value) == (f"stopped on SIGTERM after step {step} of {steps} (checkpoint {ckpt}); rerun the same "
                             f"command to resume from it at step {step + 1}")
     assert os.path.isfile(ckpt) and not os.path.exists(os.path.join(cfg.output_dir, "final"))
 
-    resumed = train_parallel(cfg)
+    resumed = train(cfg)
     assert all(a["resumed_from"] for a in _attempts(cfg.output_dir)[2:])  # both ranks resumed from the checkpoint
     with open(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         trained = [r["step"] for r in map(json.loads, f) if "loss/train/total" in r]
     assert trained == list(range(steps))  # no completed step redone
-    wa, wb = load_file(full["final_weights"]), load_file(resumed["final_weights"])
+    wa, wb = load_file(full.final_weights), load_file(resumed.final_weights)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

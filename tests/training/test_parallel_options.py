@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.train_config import TrainConfig
-from training.runs.group import train_parallel
-from training.runs.single import train
+from training.runs.train_job import train
 
 from .conftest import tiny_config
 from .logger_series import mlflow_series, require_extras, tensorboard_series, wandb_series
@@ -45,14 +44,14 @@ def _checkpointed(cfg: TrainConfig) -> TrainConfig:
 
 
 def _masks(out: dict) -> np.ndarray:
-    return np.stack(read_column(out["selected"], "loss_mask")).astype(bool)
+    return np.stack(read_column(out.selected, "loss_mask")).astype(bool)
 
 
 def _same_run(single: dict, group: dict) -> None:
     ma, mb = _masks(single), _masks(group)
     first = slice(W * B, (W + 1) * B)  # the first selecting step: exactly the single-process masks
     assert np.array_equal(ma[first], mb[first]) and (ma == mb).mean() >= 0.99
-    wa, wb = load_file(single["final_weights"]), load_file(group["final_weights"])
+    wa, wb = load_file(single.final_weights), load_file(group.final_weights)
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
 
 
@@ -61,7 +60,7 @@ def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_
     cfg = _checkpointed(make_config(
         "blade", "ddp", max_steps=STEPS, parallel={"workers": 2}, throughput={"window": 3, "peak_flops": 1e11},
         loggers={"tensorboard": {}, "mlflow": {"experiment": "ddp"}, "wandb": {}}))
-    group = train_parallel(cfg)
+    group = train(cfg)
     _same_run(single, group)
 
     logs = os.path.join(cfg.output_dir, "logs")
@@ -86,9 +85,10 @@ def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_
     client = MlflowClient("sqlite:///" + os.path.join(logs, "mlflow.db"))
     assert len(client.get_metric_history(runs[0].info.run_id, "loss/train/total")) == STEPS
 
-    tp = json.load(open(group["summary"], encoding="utf-8"))["throughput"]
-    assert (tp["world_size"], tp["tokens"]) == (2, STEPS * B * L)  # the group's tokens, counted once
-    one = json.load(open(single["summary"], encoding="utf-8"))["throughput"]
+    s = json.load(open(group.summary, encoding="utf-8"))
+    tp = s["throughput"]
+    assert (s["world_size"], tp["tokens"]) == (2, STEPS * B * L)  # the group's tokens, counted once
+    one = json.load(open(single.summary, encoding="utf-8"))["throughput"]
     # each rank scores its own half of the rows and repeats every refresh
     f = tp["forward_flops_per_token"]
     assert one["reference_flops_per_device"] - tp["reference_flops_per_device"] == f * (STEPS - W) * (B // 2) * L
@@ -97,9 +97,9 @@ def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_
 
 def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, local_ray, single):
     cfg = _checkpointed(make_config("blade", "fsdp", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"}))
-    group = train_parallel(cfg)
+    group = train(cfg)
     _same_run(single, group)
-    ra, rb = load_file(single["final_reference"]), load_file(group["final_reference"])
+    ra, rb = load_file(single.final_reference), load_file(group.final_reference)
     assert ra.keys() == rb.keys() and max(float((ra[k] - rb[k]).abs().max()) for k in ra) < 1e-4
 
     def distances(out: str) -> list[float]:
@@ -107,5 +107,5 @@ def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_r
             return [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
 
     # ‖u − w̃‖ pairs the shards by name: the reference is wrapped like the proxy
-    a, b = distances(os.path.dirname(single["selected"])), distances(cfg.output_dir)
+    a, b = distances(os.path.dirname(single.selected)), distances(cfg.output_dir)
     assert len(a) == len(b) > 0 and np.allclose(a, b, rtol=1e-4)

@@ -12,7 +12,7 @@ from composer.core import Callback
 
 from curation.io.stop import GracefulStop, StopRequested
 from tests.training.test_resume import _columns
-from training.runs.single import train
+from training.runs.train_job import train
 
 
 class Signal(Callback):
@@ -59,22 +59,22 @@ def test_a_signal_stops_after_the_step_with_its_checkpoint_and_a_rerun_equals_an
     assert _trained_steps(cfg.output_dir) == list(range(at))  # steps 0 … at - 1 (logged 0-based)
 
     resumed = train(cfg)
-    assert resumed["run"].resumed_from.endswith("latest-rank0.pt")
+    assert resumed.run.resumed_from.endswith("latest-rank0.pt")
     assert _trained_steps(cfg.output_dir) == list(range(cfg.max_steps))  # no completed step redone
-    assert _weights(full["final_weights"]) == _weights(resumed["final_weights"])  # byte for byte
-    a, b = _columns(full["selected"]), _columns(resumed["selected"])
+    assert _weights(full.final_weights) == _weights(resumed.final_weights)  # byte for byte
+    a, b = _columns(full.selected), _columns(resumed.selected)
     assert a["step"] == b["step"] and all((x == y).all() for x, y in zip(a["loss_mask"], b["loss_mask"], strict=True))
     if policy == "blade":
-        assert _weights(full["final_reference"]) == _weights(resumed["final_reference"])
+        assert _weights(full.final_reference) == _weights(resumed.final_reference)
         # the episode's remaining scores came from the checkpoint: nothing was scored twice
-        assert full["run"].algorithm.counts["score_steps"] == resumed["run"].algorithm.counts["score_steps"]
+        assert full.run.algorithm.counts["score_steps"] == resumed.run.algorithm.counts["score_steps"]
 
 
 def test_a_signal_at_the_last_step_just_finishes_the_run(make_config):
     cfg = make_config("random", "last")
     with GracefulStop() as stop:
         out = train(cfg, callbacks=[Signal(cfg.max_steps)])
-    assert stop.requested and os.path.exists(out["final_weights"]) and os.path.exists(out["summary"])
+    assert stop.requested and os.path.exists(out.final_weights) and os.path.exists(out.summary)
 
 
 def test_a_signal_before_the_first_step_stops_before_training(make_config):
@@ -85,4 +85,4 @@ def test_a_signal_before_the_first_step_stops_before_training(make_config):
     assert str(e.value) == ("stopped on SIGTERM before training (nothing trained in this run); rerun the same "
                             "command to start from the beginning")
     assert not os.path.lexists(os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt"))  # no step trained
-    assert os.path.exists(train(cfg)["final_weights"])  # the rerun trains the whole run
+    assert os.path.exists(train(cfg).final_weights)  # the rerun trains the whole run

@@ -21,7 +21,7 @@ from curation.core.stats import param_distance
 from curation.io.models import build_causal_lm
 from curation.io.shards import read_column
 from schemas.train_config import demo_model_config
-from training.runs.single import train
+from training.runs.train_job import train
 from training.selection.host_buffers import (
     REGISTER_MIN_BYTES,
     CompactReference,
@@ -101,7 +101,7 @@ def test_a_page_aligned_buffer_has_pages_of_its_own_and_outlives_its_owner_in_it
 
 
 def test_the_final_save_reads_the_compact_reference_without_a_copy_and_writes_each_tensor_once(tmp_path):
-    """What finish_run writes right after the fit: views into the buffer (no second reference on the host while
+    """What finish writes right after the fit: views into the buffer (no second reference on the host while
     the trained weights are copied out), which save_weights writes as tensors of their own (safetensors refuses
     tensors sharing storage); the file holds the rounded weights and a tied weight under both names."""
     from curation.io.models import read_weights, save_weights
@@ -170,7 +170,7 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     cfg = make_config("blade", "compact", **common)
     with _deterministic():
         on = train(cfg)
-    compact = on["run"].algorithm.reference.compact
+    compact = on.run.algorithm.reference.compact
     assert compact.holds  # after the last episode's scoring
     # pinned; this tiny model's buffer (under REGISTER_MIN_BYTES) is a block of the caching host allocator
     assert compact._buffer.is_pinned() and compact.nbytes < REGISTER_MIN_BYTES and compact._registered is None
@@ -181,13 +181,13 @@ def test_blade_on_cuda_keeps_the_scored_reference_compact_with_the_same_masks(ma
     assert big.nbytes == 768 * 1024 * 2
     big._release()
     assert big._registered is None and not big._buffer.is_pinned()
-    parked = on["run"].algorithm.reference.workspace  # the refresh module kept for the next refresh, without memory
+    parked = on.run.algorithm.reference.workspace  # the refresh module kept for the next refresh, without memory
     assert parked.model is not None and all(t.numel() == 0 for t in parked.model.parameters())
     off_cfg = make_config("blade", "on-device", selection={"offload_reference": False}, **common)
     with _deterministic():
         off = train(off_cfg)
-    assert not off["run"].algorithm.reference.compact.holds
-    ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
+    assert not off.run.algorithm.reference.compact.holds
+    ma, mb = (read_column(o.selected, "loss_mask") for o in (on, off))
     assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     ref = load_file(os.path.join(cfg.output_dir, "final", "reference.safetensors"))
     assert all(v.dtype == torch.bfloat16 for v in ref.values())
@@ -330,7 +330,7 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     cfg = make_config("blade-nosync", "offload", **common)
     with _deterministic():
         on = train(cfg)
-    ref = on["run"].algorithm.reference  # after the last episode's scoring: offloaded
+    ref = on.run.algorithm.reference  # after the last episode's scoring: offloaded
     assert ref.optimizer_at is OptimizerAt.HOST and ref.optimizer_host._buffer.is_pinned()
     assert not ref.workspace.optimizer.state and ref.where is Where.HOST  # kept, emptied
     state = ref.optimizer_state()
@@ -338,11 +338,11 @@ def test_blade_nosync_on_cuda_keeps_its_adamw_state_on_the_host_between_refreshe
     off_cfg = make_config("blade-nosync", "on-device", selection={"offload_reference": False}, **common)
     with _deterministic():
         off = train(off_cfg)
-    kept = off["run"].algorithm.reference
+    kept = off.run.algorithm.reference
     assert not kept.optimizer_host.holds and kept.optimizer_host.nbytes == 0
     assert any(t.is_cuda for t in _tensors(kept.optimizer_state()))
-    assert on["run"].algorithm.counts["refreshes"] == off["run"].algorithm.counts["refreshes"] == 3
-    ma, mb = (read_column(o["selected"], "loss_mask") for o in (on, off))
+    assert on.run.algorithm.counts["refreshes"] == off.run.algorithm.counts["refreshes"] == 3
+    ma, mb = (read_column(o.selected, "loss_mask") for o in (on, off))
     assert all(np.array_equal(x, y) for x, y in zip(ma, mb, strict=True))
     # The same values are expected bit for bit (the CPU test above asserts it); the float32 tolerance only
     # leaves room for CUDA kernels that accumulate with atomics (embedding backward), which two identical runs

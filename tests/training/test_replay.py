@@ -17,14 +17,14 @@ from curation.io.shards import read_column
 from schemas.train_config import ReplayConfig, demo_model_config
 from training.blocks.data import TokenRows, rows_loader
 from training.blocks.model import MaskedCausalLM
-from training.runs.single import build_replay, replay, train
+from training.runs.train_job import build_replay, replay, train
 
 
 @pytest.fixture
 def selected(make_config):
     # W = 0: every step selects (refresh before step 0), so every replayed batch has a real mask
     out = train(make_config("blade", "source-run", max_steps=6, eval={"interval": 100}, selection={"warmup_steps": 0}))
-    return out["selected"]
+    return out.selected
 
 
 def _replay_cfg(demo_root, selected, out, **kw) -> ReplayConfig:
@@ -71,9 +71,9 @@ def test_replay_trains_on_kept_tokens_only(demo_root, selected, tmp_path):
 
 def test_replay_job_wiring_to_a_bigger_model(demo_root, selected, tmp_path):
     out = replay(_replay_cfg(demo_root, selected, str(tmp_path / "replay")))
-    assert os.path.exists(out["final_weights"])
-    assert [p["step"] for p in out["validation"]] == [3, 6]
-    assert sum(p.numel() for p in out["run"].model.parameters()) > 2 * sum(
+    assert os.path.exists(out.final_weights)
+    assert [p["step"] for p in out.validation] == [3, 6]
+    assert sum(p.numel() for p in out.run.model.parameters()) > 2 * sum(
         p.numel() for p in build_causal_lm(demo_model_config(512, hidden=32, layers=1)).parameters())
 
 

@@ -24,7 +24,7 @@ from training.blocks.checkpoint import (
     set_rng_state,
     weights_only_loading,
 )
-from training.runs.single import train
+from training.runs.train_job import train
 
 
 class Kill(Callback):
@@ -61,22 +61,22 @@ def test_resume_mid_episode_gives_the_same_masks_and_weights(make_config, policy
     assert "steps-000000004-000000008" in os.listdir(sel)  # written after the last checkpoint
     assert sorted(os.listdir(os.path.join(cfg.output_dir, "checkpoints"))) == ["ep0-ba4-rank0.pt", "latest-rank0.pt"]
     resumed = train(cfg)
-    assert resumed["run"].resumed_from.endswith("latest-rank0.pt")
+    assert resumed.run.resumed_from.endswith("latest-rank0.pt")
 
-    a, b = _columns(full["selected"]), _columns(resumed["selected"])
+    a, b = _columns(full.selected), _columns(resumed.selected)
     assert a["step"] == b["step"] == [t for t in range(cfg.max_steps) for _ in range(cfg.batch_size)]
     for col in ("tokens", "loss_mask", "episode", "source"):
         assert all(np.array_equal(x, y) for x, y in zip(a[col], b[col], strict=True)), col
     assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a["score"], b["score"], strict=True))
-    wa, wb = load_file(full["final_weights"]), load_file(resumed["final_weights"])
+    wa, wb = load_file(full.final_weights), load_file(resumed.final_weights)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise on CPU
-    ma, mb = Manifest.load(full["selected"]), Manifest.load(resumed["selected"])
+    ma, mb = Manifest.load(full.selected), Manifest.load(resumed.selected)
     assert ma.sources == mb.sources and [s.name for s in ma.shards] == [s.name for s in mb.shards]
-    sa, sb = (x["run"].stats.summary_data() for x in (full, resumed))
+    sa, sb = (x.run.stats.summary_data() for x in (full, resumed))
     assert [s["kept"] for s in sa["steps"]] == [s["kept"] for s in sb["steps"]]
     assert sa["refreshes"] == sb["refreshes"]
     if policy != "random":  # step 4's scores came from the checkpoint: nothing was scored twice
-        assert full["run"].algorithm.counts["score_steps"] == resumed["run"].algorithm.counts["score_steps"]
+        assert full.run.algorithm.counts["score_steps"] == resumed.run.algorithm.counts["score_steps"]
 
 
 def test_checkpoint_holds_the_blade_state_and_loads_weights_only(make_config):
@@ -127,7 +127,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_cleanly(make_config):
     assert "steps-000000000-000000004" in os.listdir(sel)
     assert not os.path.exists(os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt"))
     out = train(cfg)
-    assert read_column(out["selected"], "step") == [t for t in range(6) for _ in range(8)]
+    assert read_column(out.selected, "step") == [t for t in range(6) for _ in range(8)]
     # another policy is refused by the config record, naming only the key that differs ...
     other = make_config("random", "early", max_steps=6, checkpoint={"interval": 4})
     record = open(os.path.join(cfg.output_dir, "config.yaml")).read()
@@ -160,13 +160,13 @@ def test_a_rerun_with_other_settings_is_refused_instead_of_mixing_them(make_conf
     assert "optim.lr: 0.001 → 0.003" in str(err.value) and "selection.lam: 1.0 → 0.5" in str(err.value)
     assert open(os.path.join(cfg.output_dir, "config.yaml")).read() == record
     assert sorted(os.listdir(os.path.join(cfg.output_dir, "checkpoints"))) == ckpts
-    assert train(cfg)["run"].resumed_from.endswith("latest-rank0.pt")  # the same config resumes
+    assert train(cfg).run.resumed_from.endswith("latest-rank0.pt")  # the same config resumes
 
 
 def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(make_config):
     cfg = make_config("blade", "truncated", max_steps=8)
     full = train(cfg)
-    weights = open(full["final_weights"], "rb").read()
+    weights = open(full.final_weights, "rb").read()
     folder = os.path.join(cfg.output_dir, "checkpoints")
     latest = os.path.join(folder, "ep0-ba8-rank0.pt")
     assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == latest
@@ -176,9 +176,9 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(make_confi
     with pytest.warns(UserWarning, match=r"ep0-ba8-rank0.pt is unreadable, probably truncated.*previous intact "
                                          r"checkpoint .*ep0-ba4-rank0.pt"):
         again = train(cfg)
-    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
-    assert open(again["final_weights"], "rb").read() == weights  # steps 4..8 redone exactly
-    assert read_column(again["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert again.run.resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert open(again.final_weights, "rb").read() == weights  # steps 4..8 redone exactly
+    assert read_column(again.selected, "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
     assert checkpoint_damage(latest) is None  # rewritten whole
 
 
@@ -199,46 +199,46 @@ def _relink_killed(cfg, *, drop: tuple[int, ...] = (), cut: tuple[int, ...] = ()
 def test_a_kill_while_composer_relinks_the_latest_checkpoint_resumes_from_the_newest_file(make_config):
     cfg = make_config("blade", "relink", max_steps=8)
     full = train(cfg)
-    weights = open(full["final_weights"], "rb").read()
+    weights = open(full.final_weights, "rb").read()
     folder = _relink_killed(cfg, drop=(8,))  # killed after step 8's file was created (and removed: as if unwritten)
     with pytest.warns(UserWarning, match=rf"{folder}/latest-rank0.pt is missing \(the job was stopped while it saved a "
                                          rf"checkpoint\); resuming from the newest intact checkpoint "
                                          rf"{folder}/ep0-ba4-rank0.pt$"):
         again = train(cfg)
-    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")  # not a new run: steps 0..3 kept
-    assert open(again["final_weights"], "rb").read() == weights  # steps 4..8 redone exactly
-    assert read_column(again["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert again.run.resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")  # not a new run: steps 0..3 kept
+    assert open(again.final_weights, "rb").read() == weights  # steps 4..8 redone exactly
+    assert read_column(again.selected, "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
     assert os.path.realpath(os.path.join(folder, "latest-rank0.pt")) == os.path.join(folder, "ep0-ba8-rank0.pt")
 
     _relink_killed(cfg)  # killed between the removal of the link and the new one: step 8's file is whole
     with pytest.warns(UserWarning, match=r"resuming from the newest intact checkpoint .*ep0-ba8-rank0.pt$"):
-        assert train(cfg)["run"].resumed_from == os.path.join(folder, "ep0-ba8-rank0.pt")
+        assert train(cfg).run.resumed_from == os.path.join(folder, "ep0-ba8-rank0.pt")
 
 
 def test_a_cut_file_without_the_link_falls_back_to_the_previous_one(make_config):
     cfg = make_config("full", "relink-cut", max_steps=8)
-    weights = open(train(cfg)["final_weights"], "rb").read()
+    weights = open(train(cfg).final_weights, "rb").read()
     folder = _relink_killed(cfg, cut=(8,))
     with pytest.warns(UserWarning, match=r"latest-rank0.pt is missing .*resuming from the newest intact checkpoint "
                                          r".*ep0-ba4-rank0.pt \(the steps after it are redone; skipped: "
                                          r".*ep0-ba8-rank0.pt: unreadable, probably truncated"):
         again = train(cfg)
-    assert again["run"].resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
-    assert open(again["final_weights"], "rb").read() == weights
+    assert again.run.resumed_from == os.path.join(folder, "ep0-ba4-rank0.pt")
+    assert open(again.final_weights, "rb").read() == weights
 
 
 def test_a_kill_while_the_first_checkpoint_was_written_starts_the_run_over_with_a_warning(make_config):
     cfg = make_config("blade", "first-cut", max_steps=4)
     full = train(cfg)
-    weights = open(full["final_weights"], "rb").read()
+    weights = open(full.final_weights, "rb").read()
     folder = _relink_killed(cfg, cut=(4,))
     with pytest.warns(UserWarning, match=rf"latest-rank0.pt is missing .* and no checkpoint in it is intact "
                                          rf"\({folder}/ep0-ba4-rank0.pt: unreadable, probably truncated .*\): the "
                                          r"job was stopped while it wrote its first checkpoint; starting the run over"):
         again = train(cfg)
-    assert again["run"].resumed_from is None
-    assert open(again["final_weights"], "rb").read() == weights
-    assert read_column(again["selected"], "step") == [t for t in range(4) for _ in range(cfg.batch_size)]
+    assert again.run.resumed_from is None
+    assert open(again.final_weights, "rb").read() == weights
+    assert read_column(again.selected, "step") == [t for t in range(4) for _ in range(cfg.batch_size)]
     assert checkpoint_damage(os.path.join(folder, "ep0-ba4-rank0.pt")) is None  # written anew
 
 
@@ -266,7 +266,7 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(make_config):
         with pytest.raises(OutputDirBusy, match=rf"in use by another run: train pid {os.getpid()} on host "):
             train(cfg)
         assert os.listdir(cfg.output_dir) == [os.path.basename(holder.path)]  # nothing written, nothing read
-    assert train(cfg)["run"].resumed_from is None  # once released, the run goes ahead
+    assert train(cfg).run.resumed_from is None  # once released, the run goes ahead
 
 
 def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resumes(make_config, monkeypatch):
@@ -296,9 +296,9 @@ def test_a_full_disk_while_saving_a_checkpoint_names_the_folder_and_a_rerun_resu
     assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt"))  # the partial file is left behind
     monkeypatch.undo()  # space freed
     out = train(cfg)
-    assert out["run"].resumed_from == os.path.join(folder, "latest-rank0.pt")  # → step 4, intact
+    assert out.run.resumed_from == os.path.join(folder, "latest-rank0.pt")  # → step 4, intact
     assert checkpoint_damage(os.path.join(folder, "ep0-ba8-rank0.pt")) is None
-    assert read_column(out["selected"], "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
+    assert read_column(out.selected, "step") == [t for t in range(8) for _ in range(cfg.batch_size)]
 
 
 def test_rng_state_survives_a_weights_only_round_trip(tmp_path):

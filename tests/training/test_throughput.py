@@ -20,7 +20,7 @@ from training.blocks.throughput import (
     format_seconds,
     remaining_work,
 )
-from training.runs.single import build_replay, train
+from training.runs.train_job import build_replay, train
 
 # the tiny Llama of tests/training/conftest.py (hidden 32, 1 layer, 2 heads, intermediate 88, vocab 512) at L = 128:
 # q, k, v, o 4·32² + gated MLP 3·32·88 + head 32·512 = 28,928 matmul weights; 2·28,928 + attention 2·1·128·32
@@ -84,12 +84,12 @@ def test_blade_run_throughput_in_log_bar_and_summary(make_config, monkeypatch):
     cfg = make_config("blade", progress_bar=True, throughput={"peak_flops": PEAK, "window": 3})
     bar = _Bar()
     out = train(cfg, callbacks=[bar])
-    s = json.load(open(out["summary"], encoding="utf-8"))
+    s = json.load(open(out.summary, encoding="utf-8"))
     tp = s["throughput"]
     tokens = STEPS * B * L
     proxy = 3.0 * F * tokens
     reference = F * 9 * B * L + 3.0 * F * (3 * 2) * (2 * 2 * L)
-    assert (tp["steps"], tp["tokens"], tp["world_size"]) == (STEPS, tokens, 1)
+    assert (tp["steps"], tp["tokens"], s["world_size"]) == (STEPS, tokens, 1) and "world_size" not in tp
     assert tp["kept_tokens"] == s["tokens"]["kept"] < tokens
     assert tp["forward_flops_per_token"] == F and tp["proxy_flops"] == proxy
     assert tp["reference_flops_per_device"] == reference
@@ -123,7 +123,7 @@ def test_blade_run_throughput_in_log_bar_and_summary(make_config, monkeypatch):
     assert len(bar.shown) == STEPS
     assert {"tok/s", "kept/s", "mfu", "eta"} <= set(bar.shown[-1]) and bar.shown[-1]["eta"] == "0s"
     assert list(bar.shown[-1])[:4] == ["tok/s", "kept/s", "mfu", "eta"]  # first: a narrow console shows them
-    assert out["run"].throughput.lines_every is None  # no progress lines beside the bar
+    assert out.run.throughput.lines_every is None  # no progress lines beside the bar
 
 
 def test_a_cpu_run_on_a_gpu_machine_has_no_peak_but_a_configured_one_is_kept(make_config, monkeypatch):
@@ -133,10 +133,10 @@ def test_a_cpu_run_on_a_gpu_machine_has_no_peak_but_a_configured_one_is_kept(mak
 
     monkeypatch.setattr(speed_monitor, "get_gpu_flops_available", lambda state: 989e12)  # an H100's bf16 peak
     out = train(make_config("full", "cpu-on-gpu-machine", max_steps=3, throughput={"window": 2}))
-    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    tp = json.load(open(out.summary, encoding="utf-8"))["throughput"]
     assert tp["peak_flops_per_device"] is None and tp["mfu"] is None
     out = train(make_config("full", "given-peak", max_steps=3, throughput={"window": 2, "peak_flops": 1e12}))
-    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    tp = json.load(open(out.summary, encoding="utf-8"))["throughput"]
     assert tp["peak_flops_per_device"] == 1e12 and tp["mfu"] > 0
 
 
@@ -145,7 +145,7 @@ def test_plain_run_and_replay_without_a_known_peak(make_config, tmp_path):
     masked steps) logs its throughput too, its kept tokens being the shards' masks."""
     cfg = make_config("full", max_steps=6, throughput={"window": 2})
     out = train(cfg)
-    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    tp = json.load(open(out.summary, encoding="utf-8"))["throughput"]
     assert tp["tokens"] == tp["kept_tokens"] + 6 * B  # every valid token (position 0 of a row predicts nothing)
     assert tp["mfu"] is None and tp["mfu_with_reference"] is None and tp["peak_flops_per_device"] is None
     assert tp["proxy_flops"] == 3.0 * F * 6 * B * L and tp["reference_flops_per_device"] == 0.0
@@ -157,14 +157,14 @@ def test_plain_run_and_replay_without_a_known_peak(make_config, tmp_path):
 
     blade = train(make_config("blade", "blade-src", max_steps=6))
     rcfg = ReplayConfig.demo_default(os.path.dirname(cfg.output_dir))
-    rcfg = ReplayConfig.model_validate({**rcfg.model_dump(), "selected": blade["selected"],
+    rcfg = ReplayConfig.model_validate({**rcfg.model_dump(), "selected": blade.selected,
                                         "validation": None, "tokenizer": None, "model": cfg.model.model_dump(),
                                         "output_dir": str(tmp_path / "replay"), "batch_size": B, "threads": 1,
                                         "device": "cpu", "progress_bar": False, "throughput": {"window": 2}})
     run = build_replay(rcfg)
     run.fit()
     summary = run.throughput.summary(run.trainer.state)
-    blade_kept = json.load(open(blade["summary"], encoding="utf-8"))["tokens"]["kept"]
+    blade_kept = json.load(open(blade.summary, encoding="utf-8"))["tokens"]["kept"]
     assert summary["kept_tokens"] == blade_kept and summary["tokens"] == 6 * B * L  # one epoch of 6 steps
     assert any("throughput/kept_tokens_per_sec" in r for r in _log(rcfg.output_dir))
 
@@ -182,7 +182,7 @@ def test_a_model_without_a_flops_formula_has_a_measured_count_and_its_mfu(make_c
     cfg = make_config("full", "gpt2", max_steps=4, throughput={"window": 2, "peak_flops": PEAK})
     cfg = cfg.model_copy(update={"model": TrainModelConfig(hf_config=GPT2)})
     out = train(cfg)
-    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    tp = json.load(open(out.summary, encoding="utf-8"))["throughput"]
     assert G == 73728 and tp["forward_flops_per_token"] == G
     assert (tp["flops_method"], tp["flops_unavailable"]) == ("measured", None)
     assert tp["proxy_flops"] == 3.0 * G * 4 * B * L
@@ -201,7 +201,7 @@ def test_a_model_whose_flops_cannot_be_measured_says_why_instead_of_a_silent_nul
     monkeypatch.setattr(throughput, "measured_forward_flops_per_token", fails)
     cfg = make_config("full", "unmeasured", max_steps=3, throughput={"window": 2, "peak_flops": PEAK})
     out = train(cfg.model_copy(update={"model": TrainModelConfig(hf_config=GPT2)}))
-    tp = json.load(open(out["summary"], encoding="utf-8"))["throughput"]
+    tp = json.load(open(out.summary, encoding="utf-8"))["throughput"]
     why = ("the FLOPs of GPT2LMHeadModel could not be measured (its forward on fake tensors failed: RuntimeError: "
            "data-dependent control flow): no FLOPs or MFU for this run")
     assert tp["flops_unavailable"] == why and tp["forward_flops_per_token"] is None and tp["mfu"] is None

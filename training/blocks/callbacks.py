@@ -377,7 +377,8 @@ class SelectionStats(Callback):
 
 
 class ValidationCurve(Callback):
-    """Validation loss after each evaluation (runs without :class:`SelectionStats`, e.g. replay)."""
+    """Validation loss (and perplexity, as :class:`SelectionStats` records it) after each evaluation (runs without
+    :class:`SelectionStats`, e.g. replay)."""
 
     def __init__(self) -> None:
         self.points: list[dict[str, float]] = []
@@ -387,7 +388,8 @@ class ValidationCurve(Callback):
         if "TokenLoss" in metrics:
             step = int(state.timestamp.batch)
             if not self.points or self.points[-1]["step"] != step:
-                self.points.append({"step": step, "loss": float(metrics["TokenLoss"].compute())})
+                loss = float(metrics["TokenLoss"].compute())
+                self.points.append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50.0))})
 
     def state_dict(self) -> dict[str, Any]:
         return {"points": json.dumps(self.points)}
@@ -450,9 +452,9 @@ class StepTimes(Callback):
         self.path = os.path.join(output_dir, "parallel", f"step_times-rank{rank}.json")
         self.points: list[tuple[int, float, float]] = []
 
-    def batch_end(self, state: Any, logger: Any) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         self.points.append((int(state.timestamp.batch), time.perf_counter(), time.process_time()))
 
-    def fit_end(self, state: Any, logger: Any) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         atomic_write_text(self.path, json.dumps(self.points))

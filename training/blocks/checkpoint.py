@@ -26,7 +26,7 @@ import re
 import shutil
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 
 from curation.io.paths import inside
 
-__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint", "latest_checkpoint",
+__all__ = ["SAFE_GLOBALS", "CheckpointRefused", "weights_only_loading", "load_checkpoint",
            "checkpoint_damage", "check_link", "checkpoint_files", "resume_checkpoint", "checkpoint_write_errors", "rng_state", "set_rng_state"]
 
 
@@ -98,13 +98,6 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a Composer checkpoint with ``weights_only=True`` (for inspection and tests)."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def latest_checkpoint(folder: str) -> str | None:
-    """``folder/latest-rank0.pt`` (Composer's symlink to the newest checkpoint) when it exists."""
-    path = os.path.join(folder, "latest-rank0.pt")
-    check_link(path)
-    return path if os.path.exists(path) else None
 
 
 def check_link(link: str) -> None:
@@ -292,7 +285,7 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, object]) -> None:
     """Restore the RNG states captured by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     meta = state["numpy_meta"]

@@ -19,11 +19,13 @@ replayed). The directory checks (shard schema, manifest, tokenizer) are in :mod:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from composer.core import DataSpec
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from curation.core.distributed import Ranks
@@ -34,6 +36,12 @@ from curation.io.bad_shards import blame
 from curation.io.models import check_token_range
 from curation.io.shards import open_shards
 from curation.io.stream_reader import StreamReader
+
+#: A batch dict (module docstring): tensors (``tokens``, ``loss_mask``, ``score``, ``sample_id``, ...), the rows'
+#: ``source`` labels, numbers (``step``, ``episode``, ``ref_version``, ``kept_total``, ``rows_total``).
+Batch = dict[str, "Tensor | list[str] | int"]
+#: One row of a row dataset: ``tokens`` (and ``loss_mask``) tensors, its ``source`` label.
+Row = dict[str, "Tensor | str"]
 
 __all__ = [
     "StepBatches",
@@ -74,10 +82,10 @@ class StepBatches(IterableDataset):
         self.model_vocab = model_vocab
         self.pin_for: torch.device | None = None  # the trainer's device: batches are pinned for it (stream_loader)
 
-    def batch(self, step: int) -> dict[str, Any]:
+    def batch(self, step: int) -> Batch:
         raise NotImplementedError
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Batch]:
         for t in range(self.start_step, self.stop_step):
             self.release_before(t)
             batch = self.batch(t)
@@ -88,12 +96,12 @@ class StepBatches(IterableDataset):
     def release_before(self, step: int) -> None:
         """The loader is at ``step``: rows kept in memory for earlier steps are not needed any more."""
 
-    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, object]:
         b = self.stream.batch_size
         done = num_samples // b if from_beginning else self.start_step + num_samples // b
         return {"step": int(done), "stream": self.stream.to_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         if state.get("stream") != self.stream.to_dict():
             raise ValueError(
                 f"checkpoint was taken on candidate stream {state.get('stream')}, this run uses "
@@ -121,7 +129,7 @@ class StreamBatches(StepBatches):
         # ahead of it, and the last ``keep_behind`` trained ones (the next refresh's L_train reads their rows).
         self._read: dict[int, Any] = {}
 
-    def batch(self, step: int) -> dict[str, Any]:
+    def batch(self, step: int) -> Batch:
         """The collated batch of ``step`` (also used by the reference to pre-compute scores), read from the shards
         once: asked for again (by the loader after the reference scored it, or by a data-parallel rank's record
         of the whole batch) it comes from memory until the loader has passed it."""
@@ -158,20 +166,20 @@ class RankBatches(StepBatches):
         self.full = stream
         self.ranks = ranks
 
-    def batch(self, step: int) -> dict[str, Any]:
+    def batch(self, step: int) -> Batch:
         return rank_slice(self.full.batch(step), self.ranks)
 
     def release_before(self, step: int) -> None:
         self.full.release_before(step)
 
 
-def rank_slice(batch: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
+def rank_slice(batch: Batch, ranks: Ranks) -> Batch:
     """The rows of ``ranks`` of a collated batch dict (tensors and lists by row, other values copied)."""
     rows = ranks.rows(int(batch["tokens"].shape[0]))
     return {k: v[rows] if isinstance(v, torch.Tensor | list | tuple) else v for k, v in batch.items()}
 
 
-def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:
+def annotate_batch(batch: Batch) -> Batch:
     """Write ``kept_total`` and ``rows_total`` on a full batch (before Composer splits it).
 
     ``kept_total`` counts ``loss_mask`` positions that are valid loss positions (position 0 and
@@ -188,15 +196,15 @@ def annotate_batch(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
 
-def _num_samples(batch: dict[str, Any]) -> int:
+def _num_samples(batch: Batch) -> int:
     return int(batch["tokens"].shape[0])
 
 
-def _num_tokens(batch: dict[str, Any]) -> int:
+def _num_tokens(batch: Batch) -> int:
     return int(batch["tokens"].numel())
 
 
-def split_batch(batch: dict[str, Any], microbatch_size: int | float) -> list[dict[str, Any]]:
+def split_batch(batch: Batch, microbatch_size: int | float) -> list[Batch]:
     """Split a batch dict into consecutive microbatches of ``microbatch_size`` rows.
 
     Same order as Composer's default split (the BLADE algorithm counts kept tokens per microbatch
@@ -216,10 +224,8 @@ def split_batch(batch: dict[str, Any], microbatch_size: int | float) -> list[dic
     return out
 
 
-def make_data_spec(dataloader: Any):
+def make_data_spec(dataloader: DataLoader) -> DataSpec:
     """A Composer ``DataSpec`` for our batch dicts (annotated for whole-batch loss normalisation)."""
-    from composer.core import DataSpec
-
     return DataSpec(
         dataloader,
         batch_transforms=annotate_batch,
@@ -259,7 +265,7 @@ class TokenRows(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Row:
         row = self.dataset[int(i)]
         tokens = np.asarray(row["tokens"])
         if self.model_vocab is not None:
@@ -268,22 +274,22 @@ class TokenRows(Dataset):
             except ValueError as e:
                 blame(e, *_shard_paths(self.dataset, [i]))
                 raise
-        out: dict[str, Any] = {"tokens": torch.from_numpy(tokens.astype(np.int64)), "source": str(row.get("source", ""))}
+        out: Row = {"tokens": torch.from_numpy(tokens.astype(np.int64)), "source": str(row.get("source", ""))}
         if self.use_mask:
             out["loss_mask"] = torch.from_numpy(np.asarray(row["loss_mask"]).astype(bool))
         return out
 
 
-def _shard_paths(dataset: Any, ids: Any) -> list[str]:
+def _shard_paths(dataset: object, ids: np.ndarray | list[int]) -> list[str]:
     """The shard files holding samples ``ids`` of ``dataset`` (a :class:`~curation.io.shards.ShardReader`; none
     for another dataset)."""
     where = getattr(dataset, "shard_path", None)
     return sorted({where(int(i)) for i in ids}) if where is not None else []
 
 
-def collate_rows(items: list[dict[str, Any]]) -> dict[str, Any]:
+def collate_rows(items: list[Row]) -> Batch:
     """Stack rows into a batch dict."""
-    out: dict[str, Any] = {"tokens": torch.stack([x["tokens"] for x in items]), "source": [x["source"] for x in items]}
+    out: Batch = {"tokens": torch.stack([x["tokens"] for x in items]), "source": [x["source"] for x in items]}
     if "loss_mask" in items[0]:
         out["loss_mask"] = torch.stack([x["loss_mask"] for x in items])
     return out

@@ -23,13 +23,17 @@ against its real code is ``python jobs/check_foundry.py``.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from composer.core import DataSpec
 from torch.utils.data import DataLoader, default_collate
 
 from curation.io.selected_dataset import StreamingSelectedTokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["NAME", "build_selected_dataloader", "register"]
 
@@ -48,9 +52,9 @@ def _truncate(max_seq_len: int | None):
 
 
 def build_selected_dataloader(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
     device_batch_size: int | float,
-    dataset: dict[str, Any],
+    dataset: Mapping[str, object],
     drop_last: bool = True,
     num_workers: int = 0,
     pin_memory: bool = False,

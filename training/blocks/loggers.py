@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from composer.loggers import Logger, MLFlowLogger, TensorboardLogger, WandBLogger
+from torch import Tensor
 
 from curation.core.stats import Histogram, IntervalStats, SourceCounts
 from schemas.train_options import LOGGER_PACKAGES, LoggersConfig
@@ -219,7 +220,8 @@ class SelectionFigures:
         self.interval = IntervalStats()
         self.logged: set[int] = set()  # episodes whose histogram went to the loggers
 
-    def add(self, step: int, counts: SourceCounts, delta: Any = None, valid: Any = None) -> dict[str, float]:
+    def add(self, step: int, counts: SourceCounts, delta: Tensor | None = None,
+            valid: Tensor | None = None) -> dict[str, float]:
         """Step ``step``'s counts (and Δ at its valid positions); the interval's scalars when it ends there."""
         self.interval.add(counts, delta, valid)
         if self.log_interval and (step + 1) % self.log_interval == 0:

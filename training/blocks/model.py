@@ -35,6 +35,7 @@ from torchmetrics import Metric
 from curation.core.distributed import normalised_loss
 from curation.core.losses import model_logits, token_losses
 from curation.core.selection import masked_mean
+from training.blocks.data import Batch
 
 __all__ = ["MaskedCausalLM", "LMOutputs", "TokenLoss", "TokenPerplexity", "kept_mask", "checkpoint_activations"]
 
@@ -43,7 +44,7 @@ class LMOutputs(dict):
     """Forward outputs: ``logits``, and ``losses``/``valid`` once computed (a dict, so Composer can move it)."""
 
 
-def kept_mask(batch: dict[str, Any], valid: Tensor) -> Tensor:
+def kept_mask(batch: Batch, valid: Tensor) -> Tensor:
     """α of a batch: ``loss_mask & valid`` (all valid positions when the batch has no mask)."""
     mask = batch.get("loss_mask")
     if mask is None:
@@ -75,18 +76,18 @@ class MaskedCausalLM(ComposerModel):
         object.__setattr__(self, "compiled", torch.compile(self.model, **options))
 
     # --- forward / loss ----------------------------------------------------------------------
-    def forward(self, batch: dict[str, Any]) -> LMOutputs:
+    def forward(self, batch: Batch) -> LMOutputs:
         model = self.compiled if self.compiled is not None else self.model
         return LMOutputs(logits=model_logits(model, batch["tokens"], batch.get("valid")))
 
-    def token_losses(self, outputs: LMOutputs, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    def token_losses(self, outputs: LMOutputs, batch: Batch) -> tuple[Tensor, Tensor]:
         """Per-token float32 losses (with graph) and validity; computed once per forward."""
         if outputs.get("losses") is None:
             losses, valid = token_losses(outputs["logits"], batch["tokens"], batch.get("valid"))
             outputs["losses"], outputs["valid"] = losses, valid
         return outputs["losses"], outputs["valid"]
 
-    def loss(self, outputs: LMOutputs, batch: dict[str, Any]) -> Tensor:
+    def loss(self, outputs: LMOutputs, batch: Batch) -> Tensor:
         losses, valid = self.token_losses(outputs, batch)
         alpha = kept_mask(batch, valid)
         kept_total = batch.get("kept_total")
@@ -98,10 +99,10 @@ class MaskedCausalLM(ComposerModel):
     def get_metrics(self, is_train: bool = False) -> dict[str, Metric]:
         return self.train_metrics if is_train else self.val_metrics
 
-    def eval_forward(self, batch: dict[str, Any], outputs: Any | None = None) -> LMOutputs:
+    def eval_forward(self, batch: Batch, outputs: LMOutputs | None = None) -> LMOutputs:
         return outputs if outputs is not None else self.forward(batch)
 
-    def update_metric(self, batch: dict[str, Any], outputs: LMOutputs, metric: Metric) -> None:
+    def update_metric(self, batch: Batch, outputs: LMOutputs, metric: Metric) -> None:
         with torch.no_grad():
             losses, valid = self.token_losses(outputs, batch)
             metric.update(losses.detach(), kept_mask(batch, valid))

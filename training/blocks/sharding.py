@@ -41,6 +41,9 @@ from torch.distributed.tensor import DTensor
 
 from curation.core.refresh import copy_buffers
 
+#: An optimizer's ``state_dict()``: ``state`` (parameter index → its moments and step) and ``param_groups``.
+OptimizerState = Mapping[str, "Mapping[int, Mapping[str, Tensor | float]] | list[dict[str, object]]"]
+
 __all__ = ["average_on_gloo", "decoder_layers", "install_wrap_policy", "install_checkpoint_policy", "is_sharded", "shard_like", "sharded_clone", "full_state_dict",
            "load_full_state_dict", "reshard", "gather_optimizer_state", "shard_optimizer_state"]
 
@@ -182,7 +185,7 @@ def load_full_state_dict(module: nn.Module, weights: Mapping[str, Tensor], *, wh
     set_model_state_dict(module, dict(weights), options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-def gather_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def gather_optimizer_state(state: OptimizerState) -> dict[str, Any]:
     """An optimizer ``state_dict()`` whose moments are sharded (``DTensor``) with every tensor gathered to its full
     shape on the CPU, on rank 0 (``{}`` on the other ranks): the form a checkpoint holds. A collective: every rank
     calls it (one parameter's moments are gathered at a time)."""
@@ -195,7 +198,7 @@ def gather_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": out, "param_groups": copy.deepcopy(state["param_groups"])} if keep else {}
 
 
-def shard_optimizer_state(full: Mapping[str, Any], params: list[Tensor]) -> dict[str, Any]:
+def shard_optimizer_state(full: OptimizerState, params: list[Tensor]) -> dict[str, Any]:
     """The reverse of :func:`gather_optimizer_state` for an optimizer over ``params`` (every rank holds ``full``):
     each moment of the shape of its parameter is sharded like it (a collective), other entries are kept."""
     from torch.distributed.tensor import distribute_tensor

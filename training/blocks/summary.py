@@ -1,9 +1,11 @@
-"""Run summary: one JSON file and PNG plots (docs/DESIGN.md §6, usability).
+"""Run summary: one JSON file and PNG plots (docs/DESIGN.md §6, usability; every key: docs/REFERENCE.md, "summary.json").
 
-``summary.json`` holds tokens seen / kept per source, the validation loss curve, Δ quantiles per
-episode (from the per-episode Δ histogram: 0.25-nat bins, linear within a bin), ‖u − w‖ per step,
-the refresh log, the time spent per phase and (``extra``) the run's ``throughput``
-(:meth:`training.blocks.throughput.Throughput.summary`). Plots: ``delta_histograms.png`` (one curve per
+``summary.json`` is one schema for every job that trains (``jobs/train.py``, ``jobs/replay.py``,
+``jobs/curate_and_train.py``), versioned by its ``schema_version`` (:data:`SCHEMA_VERSION`), written by
+:func:`training.runs.finish.finish` only. This module holds its parts that know no run: the sections made from a
+run's selection statistics (:func:`selection_sections`: tokens seen / kept per source, the validation loss curve, Δ
+quantiles per episode from the per-episode Δ histogram — 0.25-nat bins, linear within a bin —, ‖u − w‖ per step,
+the refresh log, the time spent per phase), the writer and the plots: ``delta_histograms.png`` (one curve per
 episode, the x-axis fitted to the data: 0.2% to 99.8% of Δ), ``param_distance.png`` (‖u − w‖ per step) and ``val_loss.png``.
 """
 
@@ -12,15 +14,26 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from curation.core.stats import DEFAULT_QUANTILES, Histogram
 from curation.io.atomic import atomic_write_text
 
-__all__ = ["build_summary", "write_summary", "plot_summary", "delta_axis"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["SCHEMA_VERSION", "Section", "selection_sections", "write_summary", "plot_summary", "delta_axis"]
+
+#: The version of ``summary.json``'s schema (docs/REFERENCE.md lists the changes; the summaries written before
+#: the field existed are version 1).
+SCHEMA_VERSION = 2
+
+#: A JSON object of the summary, or one that becomes one (a section: numbers, strings, lists, nested objects).
+Section = Mapping[str, object]
 
 
-def _clean(x: Any) -> Any:
+def _clean(x: object) -> Any:
     """JSON-safe copy: non-finite floats become ``None``."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -31,8 +44,10 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def build_summary(data: dict[str, Any], *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The summary dict from :meth:`training.blocks.callbacks.SelectionStats.summary_data`."""
+def selection_sections(data: Section) -> dict[str, object]:
+    """The summary's sections made from :meth:`training.blocks.callbacks.SelectionStats.summary_data`: ``policy``,
+    ``steps``, ``tokens``, ``delta_quantiles_per_episode``, ``delta_histograms``, ``param_distance``,
+    ``train_loss``, ``refreshes``, ``seconds``, ``counts``, ``per_step``."""
     valid, kept = data["tokens"]["valid"], data["tokens"]["kept"]
     per_source = {
         s: {"valid_tokens": n, "kept_tokens": kept.get(s, 0), "kept_fraction": kept.get(s, 0) / n if n else None}
@@ -43,15 +58,10 @@ def build_summary(data: dict[str, Any], *, extra: dict[str, Any] | None = None) 
         hist = Histogram.from_dict(h)
         episodes[e] = {"tokens": hist.total, "quantiles": {str(q): hist.quantile(q) for q in DEFAULT_QUANTILES}}
     steps = data["steps"]
-    summary = {
+    return {
         "policy": data["policy"],
         "steps": len(steps),
-        "tokens": {
-            "valid": sum(valid.values()),
-            "kept": sum(kept.values()),
-            "per_source": per_source,
-        },
-        "validation": data["validation"],
+        "tokens": {"valid": sum(valid.values()), "kept": sum(kept.values()), "per_source": per_source},
         "delta_quantiles_per_episode": episodes,
         "delta_histograms": data["delta_histograms"],
         "param_distance": [{"step": s["step"], "value": s["param_distance"]} for s in steps if "param_distance" in s],
@@ -61,12 +71,9 @@ def build_summary(data: dict[str, Any], *, extra: dict[str, Any] | None = None) 
         "counts": data["counts"],
         "per_step": steps,
     }
-    if extra:
-        summary.update(extra)
-    return _clean(summary)
 
 
-def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
+def plot_summary(summary: Section, out_dir: str) -> list[str]:
     """Write the PNG plots; returns their paths."""
     import matplotlib
 
@@ -118,7 +125,8 @@ def plot_summary(summary: dict[str, Any], out_dir: str) -> list[str]:
     return paths
 
 
-def delta_axis(hists: Any, lo_q: float = 0.002, hi_q: float = 0.998) -> tuple[float, float] | None:
+def delta_axis(hists: Iterable[Mapping[str, list[float]]], lo_q: float = 0.002,
+               hi_q: float = 0.998) -> tuple[float, float] | None:
     """``(lo, hi)``: from the ``lo_q`` to the ``hi_q`` quantile of Δ over every episode's histogram (``edges``/``counts``
     dicts), widened by 5% on each side, so a few outlying tokens do not stretch the axis; ``None`` when no histogram
     holds anything."""
@@ -133,7 +141,7 @@ def delta_axis(hists: Any, lo_q: float = 0.002, hi_q: float = 0.998) -> tuple[fl
     return lo - pad, hi + pad
 
 
-def _save(fig: Any, path: str) -> str:
+def _save(fig: Figure, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -142,11 +150,10 @@ def _save(fig: Any, path: str) -> str:
     return path
 
 
-def write_summary(
-    output_dir: str, data: dict[str, Any], *, extra: dict[str, Any] | None = None, plots: bool = True
-) -> tuple[str, list[str]]:
-    """Write ``output_dir/summary.json`` (and ``output_dir/plots/*.png``). Returns the paths."""
-    summary = build_summary(data, extra=extra)
+def write_summary(output_dir: str, summary: Mapping[str, object], *, plots: bool = True) -> tuple[str, list[str]]:
+    """Write ``output_dir/summary.json`` (non-finite numbers as ``null``; and ``output_dir/plots/*.png``). Returns
+    the paths."""
+    summary = _clean(dict(summary))
     path = os.path.join(output_dir, "summary.json")
     atomic_write_text(path, json.dumps(summary, indent=1))
     pngs = plot_summary(summary, os.path.join(output_dir, "plots")) if plots else []

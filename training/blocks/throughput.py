@@ -37,6 +37,7 @@ from __future__ import annotations
 import resource
 import sys
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ from curation.evaluation.flops import TRAIN_PASSES, ModelShape, forward_flops_pe
 from curation.io.progress import interactive
 from schemas.train_config import ReplayConfig, TrainConfig
 from training.blocks.callbacks import StepSelections
+from training.blocks.data import Batch
+from training.blocks.model import MaskedCausalLM
 
 __all__ = ["HostSpeedMonitor", "ProxyFlops", "ReferenceWork", "Remaining", "remaining_work", "eta_seconds",
            "Throughput", "throughput_callbacks", "format_seconds", "host_peak_rss", "device_peak_allocated", "interactive"]
@@ -104,7 +107,7 @@ class ProxyFlops:
     printed once), never a silent null; ``owner``'s ``flops_per_batch`` (this) is then removed, so ``SpeedMonitor``
     logs no FLOPs rather than zeros."""
 
-    def __init__(self, model: nn.Module, owner: Any = None) -> None:
+    def __init__(self, model: nn.Module, owner: MaskedCausalLM | None = None) -> None:
         self.model = model  # the HF model: its config, and its class for a measured count
         self.owner = owner
         self.method = "analytic" if ModelShape.of_hf_config(model.config, 1) is not None else "measured"
@@ -127,7 +130,7 @@ class ProxyFlops:
                 print(f"note: {self.unavailable}", file=sys.stderr, flush=True)
         return self._measured[context]
 
-    def __call__(self, batch: dict[str, Any]) -> float:
+    def __call__(self, batch: Batch) -> float:
         rows, length = batch["tokens"].shape
         per_token = self.forward_per_token(int(length))
         if per_token is None and getattr(self.owner, "flops_per_batch", None) is self:
@@ -159,7 +162,7 @@ class ReferenceWork:
         return cls(score_tokens=rows * seq_len, refresh_tokens=batches * cfg.refresh_batch_size * seq_len,
                    refresh_steps=cfg.selection.refresh_steps, refreshes=not static)
 
-    def flops(self, per_token: float, counts: dict[str, int], refresh_log: list[dict[str, Any]]) -> float:
+    def flops(self, per_token: float, counts: Mapping[str, int], refresh_log: Sequence[Mapping[str, object]]) -> float:
         """FLOPs of the work done with ``per_token`` forward FLOPs per token (the reference is the proxy's
         architecture): the scored steps (``counts["score_steps"]``: a forward) and the logged refreshes' steps."""
         refresh_steps = sum(int(r.get("steps") or 0) for r in refresh_log)
@@ -440,7 +443,8 @@ class Throughput(Callback):
             pbar.pbar.set_postfix(pbar.metrics)
 
     def summary(self, state: State) -> dict[str, Any]:
-        """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU."""
+        """The whole run's throughput (``summary.json``): tokens, kept tokens, seconds, rates, FLOPs and MFU (of the
+        whole group under data-parallel training: the summary's ``world_size``; the peak memory is :meth:`memory`)."""
         seconds = state.timestamp.total_wct.total_seconds()
         tokens = float(state.timestamp.token.value)
         per_token = self.per_token()
@@ -450,7 +454,6 @@ class Throughput(Callback):
             "train_seconds": seconds, "eval_seconds": self.eval_seconds,
             "tokens_per_sec": tokens / seconds if seconds > 0 else None,
             "kept_tokens_per_sec": self.kept_tokens / seconds if seconds > 0 else None,
-            "world_size": dist.get_world_size(),
             "forward_flops_per_token": per_token,
             "flops_method": self.proxy.method if per_token is not None else None,
             "flops_unavailable": self.proxy.unavailable,
@@ -462,7 +465,6 @@ class Throughput(Callback):
             "mfu": self.mfu(seconds=seconds, tokens=tokens),
             "mfu_with_reference": self.mfu(seconds=seconds, tokens=tokens, reference_flops=ref_flops)
             if self.reference is not None else None,
-            "memory": self.memory(),  # (finish_run writes it as the summary's own `memory`)
             # fp32 matmul precision of this process (TF32 on a GPU), the same in the workers and the refresh actor
             "matmul": matmul_settings(),
         }
@@ -472,7 +474,7 @@ class Throughput(Callback):
         return {"kept_tokens": self.kept_tokens, "eval_seconds": self.eval_seconds, "evaluations": self.evaluations,
                 "seq_len": self.seq_len, "host_peak": self.host_peak, "device_peak": self.device_peak}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.kept_tokens = float(state.get("kept_tokens", 0.0))
         self.eval_seconds = float(state.get("eval_seconds", 0.0))
         self.evaluations = int(state.get("evaluations", 0))
@@ -481,7 +483,7 @@ class Throughput(Callback):
         self.device_peak = state.get("device_peak")
 
 
-def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: Any, *, total_steps: int,
+def throughput_callbacks(cfg: TrainConfig | ReplayConfig, model: MaskedCausalLM, *, total_steps: int,
                          selections: StepSelections | None = None, reference: ReferenceWork | None = None,
                          schedule: Schedule | None = None, validation: bool = True) -> tuple[SpeedMonitor, Throughput]:
     """Composer's ``SpeedMonitor`` and :class:`Throughput` for ``cfg``'s trainer of ``model`` (a

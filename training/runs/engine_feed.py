@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,12 +31,12 @@ from curation.core.host_sync import pinned
 from curation.core.refresh_data import RecentMasks
 from curation.core.stats import param_distance_tensor
 from curation.engine.handle import EngineFeed, EngineHandle
-from curation.engine.ledger import PartCache
 from curation.engine.plan import TrainingPlan
 from curation.io.models import check_token_range
 from schemas.train_config import TrainConfig
 from training.blocks.callbacks import StepSelections
-from training.blocks.data import StepBatches
+from training.blocks.data import Batch, StepBatches
+from training.blocks.preemption import StopAtStepEnd
 from training.runs.wiring import TrainRun, training_inputs, wire
 from training.selection.recorded import EngineSelection
 
@@ -98,8 +97,8 @@ class EngineSync(Callback):
         self._publish(state, nxt)
         if nxt % self.log_every == 0:
             p = self.engine.progress()
-            logger.log_metrics({"engine/units_done": p["units_done"], "engine/tokens_scored": p["tokens"],
-                                "engine/redone": p["redone"], "engine/trainer_wait_s": self.engine.wait_seconds})
+            logger.log_metrics({"engine/units_done": p.units_done, "engine/tokens_scored": p.tokens,
+                                "engine/redone": p.redone, "engine/trainer_wait_s": self.engine.wait_seconds})
 
     def _distance_values(self, state: State, step: int, version: int) -> dict[str, Tensor]:
         """``{"distance": ‖u − w‖}`` of the step just taken (on the device) when it is measured."""
@@ -127,33 +126,30 @@ class EngineMaskedBatches(StepBatches):
 
     def __init__(self, feed: EngineFeed, stop_step: int, *, model_vocab: int | None = None) -> None:
         super().__init__(feed.stream, stop_step, model_vocab=model_vocab)
-        self.engine = feed.handle
-        self.out_dir = feed.out_dir
-        self.timeout_s = feed.timeout_s
-        self.cache = PartCache(feed.out_dir, feed.stream.batch_size)
+        self.feed = feed
 
-    def batch(self, step: int) -> dict[str, Any]:
-        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
-        rows = self.cache.rows(info["part"], info["first"], step)
-        if any(int(r["step"]) != step for r in rows):
-            raise ValueError(f"{self.out_dir}/{info['part']}: rows of step {step} are labelled with another step")
-        tokens = np.stack([np.asarray(r["tokens"]) for r in rows]).astype(np.int64)
+    def batch(self, step: int) -> Batch:
+        rows = self.feed.rows(step)
+        if any(int(s) != step for s in rows.column("step")):
+            raise ValueError(f"{rows.where}: rows of step {step} are labelled with another step")
+        tokens = rows.column("tokens").astype(np.int64)
         if self.model_vocab is not None:
-            check_token_range(tokens, self.model_vocab, f"{self.out_dir}/{info['part']} (step {step})")
+            check_token_range(tokens, self.model_vocab, f"{rows.where} (step {step})")
         return {
             "tokens": torch.from_numpy(tokens),
-            "loss_mask": torch.from_numpy(np.stack([np.asarray(r["loss_mask"]) for r in rows]).astype(bool)),
-            "score": torch.from_numpy(np.stack([np.asarray(r["score"]) for r in rows]).astype(np.float32)),
-            "source": [str(r["source"]) for r in rows],
+            "loss_mask": torch.from_numpy(rows.column("loss_mask").astype(bool)),
+            "score": torch.from_numpy(rows.column("score").astype(np.float32)),
+            "source": [str(s) for s in rows.column("source")],
             "sample_id": torch.from_numpy(self.stream.batch_ids(step)),
             "step": int(step),
-            "episode": int(rows[0]["episode"]),
-            "ref_version": int(info["ref_version"]),
+            "episode": int(rows.column("episode")[0]),
+            "ref_version": int(rows.ref_version),
         }
 
 
 def build_pipelined_training(
-    cfg: TrainConfig, *, batches: Callable[[int], EngineMaskedBatches], callbacks: Sequence[Any] = (),
+    cfg: TrainConfig, *, batches: Callable[[int], EngineMaskedBatches], callbacks: Sequence[Callback] = (),
+    stopper: StopAtStepEnd | None = None,
 ) -> TrainRun:
     """Wire a plain masked-loss Composer trainer on the engine's masks (pipelined mode).
 
@@ -164,10 +160,11 @@ def build_pipelined_training(
         cfg: the training config.
         batches: ``model_vocab → EngineMaskedBatches`` (built once the model's vocabulary is known).
         callbacks: extra callbacks.
+        stopper: as in :func:`training.runs.wiring.wire`.
 
     Returns:
         A :class:`training.runs.wiring.TrainRun` whose ``algorithm`` is the :class:`EngineSelection`.
     """
     inputs = training_inputs(cfg)
     selection = EngineSelection(cfg.selection.policy, recent_batches=cfg.selection.refresh_candidate_batches)
-    return wire(cfg, inputs, batches(inputs.vocab), selection, callbacks=callbacks)
+    return wire(cfg, inputs, batches(inputs.vocab), selection, callbacks=callbacks, stopper=stopper)

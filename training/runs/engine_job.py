@@ -15,18 +15,19 @@ next to a Composer trainer (``jobs/curate_and_train.py`` parses the config and c
     final/model.safetensors, final/reference.safetensors
 
 The trainer is one process (exact or pipelined mode) or a data-parallel Ray Train worker group (exact mode,
-``train.parallel.workers > 1``); every way finishes through :func:`training.runs.wiring.finish_run`, with the
-engine's last reference as ``final/reference.safetensors``.
+``train.parallel.workers > 1``), launched the one way (:func:`training.runs.launch.launch`); the run finishes in
+:func:`training.runs.finish.finish`, with the engine's report (its summary section, its last reference as
+``final/reference.safetensors``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from typing import Any
 
 from curation.engine.ray_backend import RayEngine, ray_session
-from curation.engine.refresh_runner import reference_path
+from curation.engine.report import EngineReport
 from curation.engine.training_curation import TrainingCuration
 from curation.ingest.prepare import prepare
 from curation.io import storage
@@ -34,10 +35,11 @@ from curation.io.outputs import localize, open_output
 from curation.io.stop import GracefulStop
 from schemas.engine_config import CurateAndTrainConfig
 from training.blocks.loggers import check_installed
-from training.runs.engine_feed import EngineMaskedBatches, EngineSync, build_pipelined_training
-from training.runs.group import run_worker_group, trainer_cpus
-from training.runs.wiring import RunOutputs, build_training, finish_run
-from training.selection.shard_scores import EngineScores
+from training.runs.finish import Finished, finish
+from training.runs.group import trainer_cpus
+from training.runs.launch import launch
+from training.runs.rank import RankResult
+from training.runs.wiring import TrainRun
 
 __all__ = ["curate_and_train"]
 
@@ -57,8 +59,8 @@ def _ensure_data(cfg: CurateAndTrainConfig) -> None:
     prepare(cfg.prepare)
 
 
-def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
-    """Run (or resume) the job; returns the output paths and the engine report.
+def curate_and_train(cfg: CurateAndTrainConfig) -> Finished:
+    """Run (or resume) the job; returns what it wrote, with the engine's report.
 
     Holds ``train.output_dir``'s lock; a rerun resumes only with the configs recorded there
     (``engine_config.yaml``, ``config.yaml``), else it is refused naming the differing keys.
@@ -78,7 +80,9 @@ def curate_and_train(cfg: CurateAndTrainConfig) -> dict[str, Any]:
         if "train.max_steps" in lock.extended:
             _check_extension(e, *lock.extended["train.max_steps"], cfg.workers.range_steps)
         lock.write_records()
-        return _run(cfg, e, start)
+        result, report = _run(cfg, e)
+        report = dataclasses.replace(report, job_seconds=time.perf_counter() - start)
+        return finish(cfg.train.output_dir, result, report, plots=cfg.train.plots)
 
 
 def _check_extension(e: TrainingCuration, old: int, new: int, range_steps: int) -> None:
@@ -94,9 +98,11 @@ def _check_extension(e: TrainingCuration, old: int, new: int, range_steps: int) 
     print(f"extending the run: train.max_steps {old} → {new} (continuing from its checkpoint)", flush=True)
 
 
-def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[str, Any]:
+def _run(cfg: CurateAndTrainConfig, e: TrainingCuration) -> tuple[RankResult, EngineReport]:
+    """The engine on Ray and the trainer (one process or a worker group) beside it; rank 0's result and the engine's
+    report, once every unit is done."""
     t, eng, wk = cfg.train, cfg.engine, cfg.workers
-    pipelined, parallel = eng.mode == "pipelined", t.parallel.workers > 1
+    parallel = t.parallel.workers > 1
     # SIGTERM / SIGINT: the trainer stops at the end of its step with a checkpoint there (StopRequested), the
     # engine's workers finish their units (RayEngine.close), the local Ray instance is shut down (ray_session);
     # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
@@ -107,45 +113,17 @@ def _run(cfg: CurateAndTrainConfig, e: TrainingCuration, start: float) -> dict[s
             reserved_gpus=t.parallel.workers * t.parallel.gpus_per_worker if parallel else 0.0,
     ) as engine:
         feed = e.feed(engine, timeout_s=eng.wait_timeout_s)  # what the trainer sees of the running engine
-        if parallel:  # the trainer as a Ray Train worker group (exact mode); its rank 0 wrote final/model
-            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
-                  f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
-            res = run_worker_group(t, engine=feed)
-            outputs = RunOutputs(stats=res["stats"], extra={"resumed_from": res["resumed_from"],
-                                                            "throughput": res["throughput"]})
-        else:
-            if pipelined:
-                run = build_pipelined_training(t, batches=lambda vocab: EngineMaskedBatches(
-                    feed, t.max_steps, model_vocab=vocab))
-            else:
-                run = build_training(t, scored=EngineScores(feed), schedule=e.plan.schedule)
-            sync = EngineSync(feed.handle, feed.plan, algorithm=run.algorithm, distance_interval=t.effective_distance_interval)
-            run.trainer.state.callbacks.insert(0, sync)  # before the statistics: the distance is on the record
+
+        def ready(run: TrainRun) -> None:  # the trainer in this process, wired
             print(f"engine: {wk.count} workers ({wk.threads} thread(s) each, GPUs/worker {engine.gpus['per_worker']}), "
                   f"{eng.mode} mode, {eng.refresh} refresh, "
-                  + (f"resuming from {storage.display(run.resumed_from)}" if run.resumed_from else "starting a new run"), flush=True)
-            run.fit()  # a rerun of a finished run only reports
-            run.raise_if_stopped(t.max_steps)  # a stop signal: nothing is finished, the engine closes (above)
-            outputs = run.outputs(reference=False)
-            res = {"publish_seconds": sync.publish_seconds, "trainer_wait_seconds": engine.wait_seconds}
+                  + (f"resuming from {storage.display(run.resumed_from)}" if run.resumed_from else "starting a new run"),
+                  flush=True)
+
+        if parallel:
+            print(f"engine: {wk.count} workers ({wk.threads} thread(s) each), exact mode, {eng.refresh} refresh; "
+                  f"trainer: {t.parallel.workers} Ray Train workers", flush=True)
+        result = launch(t, feed=feed, engine=engine, ready=None if parallel else ready)
         engine.finish_units()  # parts found damaged on opening and not needed by the trainer again
         engine.finish({"finished_at_step": t.max_steps})
-        report = engine.report()
-
-    refs = report["refreshes"]
-    outputs.reference = reference_path(e.work.engine_dir, max(r["version"] for r in refs)) if refs else None
-    engine_summary = {
-        "mode": eng.mode, "refresh": eng.refresh, "workers": wk.count, "threads_per_worker": wk.threads,
-        "snapshot_period": e.plan.snapshot_period if pipelined else None,
-        "staleness_delta": {str(r["version"]): r.get("staleness", 0) for r in refs},
-        "trainer_wait_seconds": res["trainer_wait_seconds"], "trainer_waits": report["trainer_waits"],
-        "publish_seconds": res["publish_seconds"], "trainer_workers": t.parallel.workers,
-        "units_redone_after_restart": report["progress"]["redone"], "scored": report["stats"],
-        "engine_seconds_this_run": report["seconds"], "job_seconds_this_run": time.perf_counter() - start,
-        "output_dir": e.out_dir,
-    }
-    selected = os.path.join(t.output_dir, "selected")
-    outputs.extra = {"refreshes": refs, "engine": engine_summary, "resumed_from": outputs.extra.get("resumed_from"),
-                     "stream": e.stream.to_dict(), "selected_dir": selected, "throughput": outputs.extra.get("throughput")}
-    paths = finish_run(t.output_dir, outputs, plots=t.plots)
-    return {**paths, "engine": engine_summary, "selected": selected, "scored": None if pipelined else e.out_dir}
+        return result, engine.report()

@@ -6,8 +6,9 @@ path: :func:`training_inputs` (device, checked data, the model) → its data and
 reference or the scores read from shards, the BLADE algorithm; the engine's pipelined trainer:
 :func:`training.runs.engine_feed.build_pipelined_training`) → :func:`wire` (resume point, the Composer trainer
 of :func:`~training.blocks.trainer.make_trainer`). A single process is rank 0 of 1: the same objects as a rank of
-the data-parallel group, with collectives that are no-ops. :func:`finish_run` is the one writer of ``final/``
-and ``summary.json``.
+the data-parallel group, with collectives that are no-ops. Every trainer process runs this wiring inside
+:func:`training.runs.rank.run_rank`; :func:`training.runs.finish.finish` is the one writer of ``final/`` and
+``summary.json``.
 
 ``output_dir`` of a training run::
 
@@ -28,14 +29,13 @@ and ends with the same outputs as an uninterrupted run.
 from __future__ import annotations
 
 import os
-import shutil
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+from composer import Trainer
+from composer.core import Callback
+from composer.loggers import LoggerDestination
 
 from curation.core.distributed import Ranks
 from curation.core.policies import RefreshMode
@@ -43,11 +43,12 @@ from curation.core.refresh import RefreshSettings
 from curation.core.refresh_data import RefreshData
 from curation.core.schedule import Schedule
 from curation.core.step import SelectionStep
-from curation.engine.scorer import ScoredShards
+from curation.core.stream import CandidateStream
 from curation.io import storage
-from curation.io.hf_export import TokenizerFiles, run_tokenizer, save_tokenizer
-from curation.io.models import model_vocab_size, save_weights, weights_fingerprint
+from curation.io.hf_export import TokenizerFiles, run_tokenizer
+from curation.io.models import model_vocab_size, weights_fingerprint
 from curation.io.outputs import urls_in
+from curation.io.scored_shards import ScoredShards
 from curation.io.shards import ShardDirInfo, check_tokenizer, shard_dir_info
 from curation.io.stream_reader import StreamReader
 from schemas.train_config import TrainConfig
@@ -57,15 +58,20 @@ from training.blocks.data import RankBatches, StepBatches, StreamBatches, TokenR
 from training.blocks.meters import Meters
 from training.blocks.model import MaskedCausalLM
 from training.blocks.preemption import StopAtStepEnd
-from training.blocks.sharding import full_state_dict, is_sharded
-from training.blocks.summary import write_summary
 from training.blocks.throughput import ReferenceWork, Throughput, throughput_callbacks
 from training.blocks.trainer import build_model, make_trainer, resume_path, setup_device
 from training.selection.algorithm import BladeAlgorithm
+from training.selection.recorded import EngineSelection
 from training.selection.reference import InProcessReference, ReferenceSettings
 from training.selection.shard_scores import ScoreSource, ShardScores
 
-__all__ = ["TrainRun", "TrainingInputs", "RunOutputs", "training_inputs", "build_training", "wire", "finish_run"]
+__all__ = ["TrainRun", "TrainingInputs", "SelectionAlgorithm", "training_inputs", "build_training", "wire"]
+
+
+#: What a trainer's selection is: a Composer algorithm that shows its callbacks what each step trained on
+#: (:class:`~training.blocks.callbacks.StepSelections`): the BLADE algorithm, or the engine-fed pipelined trainer's
+#: record of the engine's masks.
+SelectionAlgorithm = BladeAlgorithm | EngineSelection
 
 
 @dataclass
@@ -110,13 +116,13 @@ def training_inputs(cfg: TrainConfig) -> TrainingInputs:
 class TrainRun:
     """A wired, not yet started training (or replay) run."""
 
-    trainer: Any  # composer.Trainer
+    trainer: Trainer
     model: MaskedCausalLM
     output_dir: str
-    algorithm: Any = None  # BladeAlgorithm, EngineSelection (StepSelections), or None (replay)
+    algorithm: SelectionAlgorithm | None = None  # BladeAlgorithm, EngineSelection, or None (replay)
     stats: SelectionStats | None = None
     resumed_from: str | None = None
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    stream: CandidateStream | None = None  # the candidate stream it trains on (None: replay)
     stopper: StopAtStepEnd | None = None  # ends the fit at a step end on a stop request (SIGTERM, SIGINT)
     throughput: Throughput | None = None  # tokens/s, MFU, time left (the summary's `throughput`)
     tokenizer: TokenizerFiles | None = None  # the shards' tokenizer (copied into final/)
@@ -125,12 +131,6 @@ class TrainRun:
     def stopped_at(self) -> int | None:
         """The steps trained when a stop request ended the fit early (None: it was not stopped)."""
         return self.stopper.stopped_at if self.stopper is not None else None
-
-    def raise_if_stopped(self, max_steps: int) -> None:
-        """After :meth:`fit`: raise :class:`~curation.io.stop.StopRequested` naming the step and the checkpoint a rerun
-        resumes from when a stop request ended the fit early (``final/`` and the summary are then not written)."""
-        if self.stopped_at is not None:
-            raise self.stopper.stop(self.output_dir, max_steps)
 
     def fit(self) -> None:
         """Train to ``max_duration`` (a rerun of a finished run only reports), then close the trainer.
@@ -143,76 +143,10 @@ class TrainRun:
         finally:
             self.trainer.close()
 
-    def outputs(self, *, reference: bool = True, extra: Mapping[str, Any] = ()) -> RunOutputs:
-        """What the fit leaves for :func:`finish_run`: the trained weights and (``reference``) the last reference
-        ``w̃``'s (None without one), the selection statistics. A sharded run (``parallel.strategy: fsdp``) gathers
-        both to full tensors on rank 0: every rank calls this."""
-        hf = self.model.model
-        ref = None
-        if reference and isinstance(self.algorithm, BladeAlgorithm):
-            ref = self.algorithm.reference_state_dict(copy=False)  # finish_run writes it right away
-        throughput = self.throughput.summary(self.trainer.state) if self.throughput is not None else None
-        return RunOutputs(weights=full_state_dict(hf) if is_sharded(hf) else hf, config=hf.config, reference=ref,
-                          tokenizer=self.tokenizer,
-                          stats=self.stats.summary_data() if self.stats is not None else None,
-                          extra={"resumed_from": self.resumed_from, "stream": self.manifest_extra.get("stream"),
-                                 "throughput": throughput, **dict(extra)})
 
-
-@dataclass
-class RunOutputs:
-    """What a finished run writes (:func:`finish_run`); a part left None is not written."""
-
-    weights: nn.Module | Mapping[str, torch.Tensor] | None = None
-    config: Any = None  # the model's HF config (final/config.json)
-    tokenizer: TokenizerFiles | None = None  # written beside the weights (final/tokenizer.json, ...)
-    reference: Mapping[str, torch.Tensor] | str | None = None  # weights, or a safetensors file copied as is
-    stats: dict[str, Any] | None = None  # SelectionStats.summary_data(): the summary is written from it
-    extra: dict[str, Any] = field(default_factory=dict)  # more summary fields
-
-
-def finish_run(output_dir: str, out: RunOutputs, *, plots: bool) -> dict[str, Any]:
-    """Write ``final/`` (the trained model as ``model.safetensors`` + the HF ``config.json`` + its tokenizer's files,
-    so that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it; the last reference
-    ``w̃`` as ``reference.safetensors``; each file atomically) and ``summary.json`` (+ ``plots/``; the trainer's
-    peak memory, measured with its throughput, as the summary's ``memory``). Returns the
-    paths written. Every path that finishes a run comes here: single process, a data-parallel group's rank 0 and
-    the engine's job (whose reference is the engine's last ``reference-NNNN.safetensors``)."""
-    final = os.path.join(output_dir, "final")
-    paths: dict[str, Any] = {"final": final}
-    if out.weights is not None:
-        paths["final_weights"] = os.path.join(final, "model.safetensors")
-        save_weights(out.weights, paths["final_weights"])
-        out.config.to_json_file(os.path.join(final, "config.json"))
-        if out.tokenizer is not None:
-            paths["final_tokenizer"] = save_tokenizer(out.tokenizer, final)
-        else:
-            print(f"note: {final} has no tokenizer (the shards' manifests name none that is still there; set the "
-                  "data's tokenizer to have it copied)", file=sys.stderr, flush=True)
-    if out.reference is not None:
-        target = paths["final_reference"] = os.path.join(final, "reference.safetensors")
-        if isinstance(out.reference, str):
-            shutil.copyfile(out.reference, target + ".tmp")
-            os.replace(target + ".tmp", target)
-        else:
-            save_weights(out.reference, target)
-    if out.stats is not None:
-        extra = dict(out.extra)
-        throughput = extra.get("throughput")
-        if isinstance(throughput, dict) and "memory" in throughput:  # the trainer's peak memory: a section of its own
-            extra["throughput"] = {k: v for k, v in throughput.items() if k != "memory"}
-            extra["memory"] = throughput["memory"]
-        paths["summary"], paths["plots"] = write_summary(output_dir, out.stats, extra=extra, plots=plots)
-    uploaded = storage.push_all(output_dir)  # an object-store output directory: what is not in the bucket yet
-    if uploaded is not None:
-        print(uploaded, flush=True)
-    return paths
-
-
-def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm: Any, *,
-         callbacks: Sequence[Any], loggers: Sequence[Any] = (), manifest_extra: dict[str, Any] | None = None,
-         stopper: StopAtStepEnd | None = None, reference: ReferenceWork | None = None,
-         schedule: Schedule | None = None) -> TrainRun:
+def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm: SelectionAlgorithm, *,
+         callbacks: Sequence[Callback], loggers: Sequence[LoggerDestination] = (), stopper: StopAtStepEnd | None = None,
+         reference: ReferenceWork | None = None, schedule: Schedule | None = None) -> TrainRun:
     """The Composer trainer of ``cfg`` on ``data`` with ``algorithm`` (its statistics and throughput logged),
     resuming from ``output_dir``'s checkpoints. ``stopper`` ends the fit at a step end on a stop request (default: on
     a signal caught by the active :class:`curation.io.stop.GracefulStop`; a data-parallel rank passes its group's);
@@ -232,13 +166,14 @@ def wire(cfg: TrainConfig, inputs: TrainingInputs, data: StepBatches, algorithm:
                            device=inputs.device, resume=resume, algorithms=[algorithm],
                            callbacks=[stats, *callbacks, stopper, speed, meter], loggers=loggers)
     return TrainRun(trainer=trainer, model=inputs.model, output_dir=cfg.output_dir, algorithm=algorithm, stats=stats,
-                    resumed_from=resume, manifest_extra=manifest_extra or {}, stopper=stopper, throughput=meter,
+                    resumed_from=resume, stream=data.stream, stopper=stopper, throughput=meter,
                     tokenizer=inputs.tokenizer)
 
 
 def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: ScoreSource | None = None,
-                   schedule: Schedule | None = None, callbacks: Sequence[Any] = (), loggers: Sequence[Any] = (),
-                   meters: Meters | None = None, stopper: StopAtStepEnd | None = None) -> TrainRun:
+                   schedule: Schedule | None = None, callbacks: Sequence[Callback] = (),
+                   loggers: Sequence[LoggerDestination] = (), meters: Meters | None = None,
+                   stopper: StopAtStepEnd | None = None) -> TrainRun:
     """Check the data against the model and wire the trainer of rank ``ranks`` (default: a single process) for
     ``cfg``: exact BLADE (or another policy) on the candidate stream.
 
@@ -284,7 +219,7 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
     extra = {"stream": reader.stream.to_dict(), "policy": cfg.selection.policy, "schedule": schedule.to_dict(),
              "gamma": cfg.selection.gamma, "candidates": storage.canonical(cfg.data.candidates),
              "world_size": cfg.parallel.workers}
-    cbs: list[Any] = []
+    cbs: list[Callback] = []
     if cfg.write_selected:
         cand = inputs.candidates
         cbs.append(SelectedShardWriter(
@@ -297,4 +232,4 @@ def build_training(cfg: TrainConfig, *, ranks: Ranks | None = None, scored: Scor
             },
         ))
     return wire(cfg, inputs, RankBatches(stream, ranks), algorithm, callbacks=[*cbs, *callbacks], loggers=loggers,
-                manifest_extra=extra, stopper=stopper, reference=work, schedule=schedule)
+                stopper=stopper, reference=work, schedule=schedule)

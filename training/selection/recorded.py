@@ -5,6 +5,7 @@ from the batch the engine's parts gave (nothing of it is on the device), deliver
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,6 @@ class EngineSelection(StepReads):
             "counts": dict(self.counts),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         restore_recent(self.recent, state)
         self.counts.update(state.get("counts", {}))

@@ -43,9 +43,9 @@ from curation.core.policies import RefreshMode, SelectionPolicy, get_policy
 from curation.core.refresh import CONTINUE, Clone, RefreshStart, RefreshWorkspace
 from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import WARMUP_EPISODE, Schedule
-from curation.engine.scorer import TokenLossScorer
+from curation.core.scorer import TokenLossScorer
 from curation.io.models import load_state, read_weights
-from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig
+from schemas.train_config import ModelConfig, TrainConfig
 from training.blocks.data import StreamBatches
 from training.blocks.meters import Meters
 from training.blocks.sharding import (
@@ -269,10 +269,10 @@ class InProcessReference:
         per refresh, not there and back. Otherwise (at fit start, step ``step``) it is offloaded now."""
         self.version = version
         if self.scorer is None:  # built where the module is (the scorer moves its model to its device)
-            where = "cuda" if queues(next(module.parameters()).device) else "cpu"
-            self.scorer = TokenLossScorer(ScorerConfig(model=self.settings.model, device=where,
-                                                       precision=self.settings.precision,
-                                                       batch_size=self.settings.score_batch_size), model=module)
+            on = next(module.parameters()).device  # (a GPU, or the host-read counter's stand-in for one: queues)
+            where = torch.device("cuda") if on.type == "cuda" else on if queues(on) else torch.device("cpu")
+            self.scorer = TokenLossScorer(module, device=where, precision=self.settings.precision,
+                                          batch_size=self.settings.score_batch_size)
         else:
             self.scorer.model = module.eval()
             for p in module.parameters():
@@ -377,7 +377,7 @@ class InProcessReference:
             "refresh_log": list(self.refresh_log),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.version = int(state["ref_version"])
         self.refresh_log = list(state.get("refresh_log", []))
         self._saved_optimizer = state.get("ref_optimizer")

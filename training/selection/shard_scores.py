@@ -15,7 +15,6 @@ import numpy as np
 
 from curation.core.distributed import Ranks
 from curation.engine.handle import EngineFeed
-from curation.engine.ledger import PartCache
 
 __all__ = ["ScoreSource", "ShardScores", "EngineScores"]
 
@@ -57,7 +56,8 @@ class ShardScores:
 
 
 class EngineScores:
-    """Reference losses of stream steps from the engine's scored parts (a live ``ScoredShards``).
+    """Reference losses of stream steps from the engine's scored parts, read live through the feed
+    (:meth:`~curation.engine.handle.EngineFeed.rows`: it waits until a worker has written the step's part).
 
     Args:
         feed: the running engine, the scored-shard directory it writes, the trainer's candidate stream, how long to
@@ -65,16 +65,11 @@ class EngineScores:
     """
 
     def __init__(self, feed: EngineFeed) -> None:
-        self.engine = feed.handle
+        self.feed = feed
         self.path = feed.out_dir
-        self.stream = feed.stream
-        self.timeout_s = feed.timeout_s
-        self.cache = PartCache(feed.out_dir, feed.stream.batch_size)
 
     def read(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, ref_loss float16, episode)`` of the ``b`` sequences of ``step`` (waits for them)."""
-        info = self.engine.wait_part(step, timeout_s=self.timeout_s)
-        rows = self.cache.rows(info["part"], info["first"], step)
-        return (np.stack([np.asarray(r["tokens"]) for r in rows]),
-                np.stack([np.asarray(r["ref_loss"]) for r in rows]).astype(np.float16),
-                np.asarray([int(r["episode"]) for r in rows]))
+        rows = self.feed.rows(step)
+        return (rows.column("tokens"), rows.column("ref_loss").astype(np.float16),
+                np.asarray([int(e) for e in rows.column("episode")]))

@@ -30,14 +30,18 @@ the same references; proxy snapshots are deleted once nothing needs them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 try:
     import ray
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
     from ray.exceptions import RayActorError, RayTaskError
 except ImportError as e:  # pragma: no cover - ray is a hard dependency of the project
     raise ImportError("the Ray engine needs ray: pip install 'ray[default]>=2.60,<2.61'") from e
@@ -48,8 +52,8 @@ from curation.core.refresh_data import RecentMasks
 from curation.engine.ledger import LedgerSpec, PartResult
 from curation.engine.plan import EngineError, ScoringDataError, TrainingPlan, WorkUnit
 from curation.engine.ray_backend.client import EngineClient, engine_error, error_message
-from curation.engine.ray_backend.session import ray_session  # re-exported: its home before session.py
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
+from curation.engine.report import EngineProgress, EngineReport, PartInfo
 from curation.engine.state import EngineState, RefreshTask, gpu_shares
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
@@ -62,7 +66,9 @@ from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
 
-__all__ = ["ray_session", "RayEngine"]
+__all__ = ["RayEngine", "UnitJob"]
+
+T = TypeVar("T")
 
 
 @ray.remote(num_cpus=0)
@@ -75,6 +81,15 @@ def _load_from(path: str) -> ray.ObjectRef:
     return _load_weights.remote(carry(path))
 
 
+@dataclass(frozen=True)
+class UnitJob:
+    """The coordinator's answer to a worker: a unit more, and the object-store handles of the weights it needs
+    (by their registry key, :meth:`~curation.engine.plan.WorkUnit.needs`; fetched when their version changes)."""
+
+    unit: WorkUnit
+    weights: Mapping[tuple[str, int], ObjectRef]
+
+
 # ------------------------------------------------------------------------------------------------
 # actors
 # ------------------------------------------------------------------------------------------------
@@ -85,18 +100,19 @@ class _CoordinatorActor:
 
     def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: Carried[LedgerSpec],
                  engine_dir: Carried[str], plan: TrainingPlan | None, refresh_mode: RefreshMode,
-                 refresh: Any = None) -> None:
+                 refresh: ActorHandle | None = None) -> None:
         self.refresh_actor = refresh
         ledger, engine_dir = ledger.here(), engine_dir.here()  # (at this node's cache paths)
         self._event: asyncio.Event | None = None
-        self._tasks: set[Any] = set()
-        self.state = EngineState(
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.state: EngineState[ObjectRef] = EngineState(
             units, ledger=ledger.open(), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
             refresh_mode=refresh_mode, load=_load_from, launch=self._launch,
         )
 
     # --- refreshes -----------------------------------------------------------------------------
-    def _launch(self, task: RefreshTask) -> Any:
+    def _launch(self, task: RefreshTask[ObjectRef]) -> ObjectRef:
+        assert self.refresh_actor is not None, "a refresh is due but the engine has no refresh actor"
         if task.static:
             weights, log = self.refresh_actor.static.options(num_returns=2).remote()
         else:
@@ -105,12 +121,12 @@ class _CoordinatorActor:
         self._spawn(self._await_refresh(task.version, log))
         return weights
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_event_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _await_refresh(self, version: int, log_ref: Any) -> None:
+    async def _await_refresh(self, version: int, log_ref: ObjectRef) -> None:
         error, shards = None, []
         try:
             await log_ref
@@ -133,7 +149,7 @@ class _CoordinatorActor:
         except TimeoutError:
             pass
 
-    async def _until(self, answer: Callable[[], Any], timeout: float) -> Any:
+    async def _until(self, answer: Callable[[], T | None], timeout: float) -> T | None:
         """``answer()`` once it is not ``None``, asked again at every change; ``None`` after ``timeout`` seconds.
 
         Raises:
@@ -141,8 +157,8 @@ class _CoordinatorActor:
         """
         deadline = time.monotonic() + timeout
         while (result := answer()) is None:
-            if self.state.core.failed is not None:
-                raise self.state.core.error()
+            if self.state.failed is not None:
+                raise self.state.error()
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -154,20 +170,19 @@ class _CoordinatorActor:
         self.state.start()
         self._notify()
 
-    async def next_unit(self, worker: int, started: bool = False) -> dict[str, Any] | None:
+    async def next_unit(self, worker: int, started: bool = False) -> UnitJob | None:
         """A unit more for the worker and the handles of the weights it needs (``None``: stop); waits for one to be
         ready. ``started``: the worker's first call since it (re)started (see
         :class:`~curation.engine.coordinator.Coordinator`)."""
         if started:
-            self.state.core.worker_started(worker)
+            self.state.worker_started(worker)
         while True:
-            status, unit = self.state.core.next_unit(worker)
+            status, unit = self.state.next_unit(worker)
             if status == "stop":
                 return None
             if status == "work":
                 assert unit is not None
-                weights = {f"{k}:{v}": [self.state.handle(k, v)] for k, v in unit.needs()}
-                return {"unit": unit.to_dict(), "weights": weights}
+                return UnitJob(unit, {key: self.state.handle(*key) for key in unit.needs()})
             await self._wait_change(5.0)
 
     def complete(self, worker: int, result: PartResult) -> None:
@@ -175,26 +190,26 @@ class _CoordinatorActor:
         self._notify()
 
     def fail(self, worker: int, unit: str, message: str, shards: Sequence[str] = ()) -> None:
-        self.state.core.fail(message, shards)
+        self.state.fail(message, shards)
         self._notify()
 
     # --- trainer ---------------------------------------------------------------------------------
     def trainer_at(self, step: int) -> None:
-        self.state.core.trainer_at(step)
+        self.state.trainer_at(step)
         self._notify()
 
-    def publish_proxy(self, step: int, ref: list[Any], recent: RecentMasks | None = None) -> bool:
+    def publish_proxy(self, step: int, ref: list[ObjectRef], recent: RecentMasks | None = None) -> bool:
         """Register ``u^(step)`` (``ref`` is ``[ObjectRef]``); start the refresh it is the source of."""
         registered = self.state.publish_proxy(step, ref[0], recent)
         self._notify()
         return registered
 
-    def publish_weights(self, kind: str, version: int, ref: list[Any]) -> None:
+    def publish_weights(self, kind: str, version: int, ref: list[ObjectRef]) -> None:
         """Register given weights (batch curation: the checkpoints); ``ref`` is ``[ObjectRef]``."""
         self.state.publish_weights(kind, version, ref[0])
         self._notify()
 
-    async def wait_part(self, step: int, timeout: float) -> dict[str, Any] | None:
+    async def wait_part(self, step: int, timeout: float) -> PartInfo | None:
         """The finished part holding ``step`` (``None`` after ``timeout`` seconds)."""
         return await self._until(lambda: self.state.part_info(step), timeout)
 
@@ -202,26 +217,26 @@ class _CoordinatorActor:
         self.state.check_finishable()
 
     async def wait_finished(self, timeout: float) -> bool:
-        return await self._until(lambda: self.state.core.finished() or None, timeout) is not None
+        return await self._until(lambda: self.state.finished() or None, timeout) is not None
 
-    async def weights(self, kind: str, version: int, timeout: float) -> list[Any] | None:
+    async def weights(self, kind: str, version: int, timeout: float) -> list[ObjectRef] | None:
         ready = await self._until(lambda: self.state.published(kind, version) or None, timeout)
         return None if ready is None else [self.state.handle(kind, version)]
 
     # --- reporting -------------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> EngineProgress:
         return self.state.progress()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> EngineReport:
         return self.state.report()
 
-    def finish(self, extra: dict[str, Any] | None = None) -> int:
+    def finish(self, extra: Mapping[str, object] | None = None) -> int:
         """Finish the ledger; the objects this process (the coordinator) uploaded in all."""
         self.state.finish(extra)
         return objects.uploads()
 
     def stop(self) -> None:
-        self.state.core.stop()
+        self.state.stop()
         self._notify()
 
 
@@ -237,7 +252,7 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, coordinator: Any) -> dict[str, Any]:
+    def serve(self, coordinator: ActorHandle) -> dict[str, object]:
         """Score units until the coordinator has none left; the worker's stats, with where the time went:
         ``wait_s`` (waiting for the next unit's answer once a unit is written), ``run_s`` (scoring and writing,
         weights fetches included; ``unit_run_s``: each unit's) and ``report_s`` (waiting for the coordinator to
@@ -257,11 +272,10 @@ class _WorkerActor:
         times["wait_s"] += time.perf_counter() - t0
         while job is not None:
             ask = coordinator.next_unit.remote(wid)  # the unit after this one, answered while this one runs
-            unit = WorkUnit.from_dict(job["unit"])
-            refs = job["weights"]
+            unit, refs = job.unit, job.weights
             t1 = time.perf_counter()
             try:
-                result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[f"{kind}:{version}"][0]))
+                result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[(kind, version)]))
             except Exception as e:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
                 # (this node's cache paths as their URLs: the driver's cache is elsewhere)
@@ -304,10 +318,11 @@ class _RefreshActor:
 # driver side
 # ------------------------------------------------------------------------------------------------
 class RayEngine(EngineClient):
-    """Driver handle: starts the actors, checks the workers, reports; as a context manager, :meth:`close` at the end.
-    The trainer's calls (:class:`~curation.engine.handle.EngineHandle`: wait for parts, publish proxy snapshots) are
-    those of its :class:`~curation.engine.ray_backend.client.EngineClient`, on the coordinator; a data-parallel
-    trainer's workers get a plain client (:meth:`for_workers`).
+    """The driver's engine: starts the actors, checks the workers, ends them and reports
+    (:class:`~curation.engine.handle.EngineDriver`); as a context manager, :meth:`close` at the end. The trainer's
+    calls (:class:`~curation.engine.handle.EngineHandle`: wait for parts, publish proxy snapshots) are those of its
+    :class:`~curation.engine.ray_backend.client.EngineClient`, on the coordinator: an in-process trainer uses this
+    object, a data-parallel trainer's workers get a plain client (:meth:`for_workers`).
 
     Args:
         work: what the engine does (units, worker settings, ledger, weights directory, plan, refresh).
@@ -323,6 +338,7 @@ class RayEngine(EngineClient):
     def __init__(self, work: EngineWork, workers: WorkersConfig, *, lookahead: int | None = None,
                  reserved_gpus: float = 0.0, fixed_weights: dict[tuple[str, int], Weights] | None = None) -> None:
         self.plan = work.plan
+        self.count, self.threads = workers.count, workers.threads
         device, restarts = workers.device, workers.max_restarts
         total = 0.0 if device == "cpu" else float(ray.cluster_resources().get("GPU", 0.0))
         gpu_w, gpu_r = gpu_shares(total, workers.count, refresh=work.refresh_spec is not None,
@@ -348,9 +364,9 @@ class RayEngine(EngineClient):
         ]
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
         self.serving = {w.serve.remote(self.coordinator): i for i, w in enumerate(self.workers)}
-        self.worker_results: dict[int, dict[str, Any]] = {}
+        self.worker_results: dict[int, dict[str, object]] = {}
         self._get(self.coordinator.start.remote())
-        self._fixed: list[Any] = []
+        self._fixed: list[ObjectRef] = []
         for (kind, version), w in (fixed_weights or {}).items():
             self.publish_weights(kind, version, w)
 
@@ -366,6 +382,9 @@ class RayEngine(EngineClient):
         return self._get(self._pid_refs)
 
     # --- errors --------------------------------------------------------------------------------
+    def _idle(self) -> None:  # between two empty answers of the coordinator: a failed worker fails the wait
+        self.check()
+
     def check(self) -> None:
         """Raise :class:`EngineError` when a worker failed or died for good."""
         if not self.serving:
@@ -399,14 +418,14 @@ class RayEngine(EngineClient):
             StopRequested: a stop signal came (inside a :class:`curation.io.stop.GracefulStop`); polled about once a
                 second. Leaving the engine's ``with`` block then lets the workers finish their units (:meth:`close`).
         """
-        total = self.progress()["units_total"]
+        total = self.progress().units_total
         with progress_bar(total, desc=desc, unit="part", enabled=progress) as bar:
             def show() -> None:
                 p = self.progress()
-                bar.n = p["units_done"]
-                bar.set_postfix(tokens=p["tokens"], kept=p["kept_tokens"], redone=p["redone"])
+                bar.n = p.units_done
+                bar.set_postfix(tokens=p.tokens, kept=p.kept_tokens, redone=p.redone)
                 bar.refresh()
-                check_stop(f"with {p['units_done']} of {p['units_total']} work units done")
+                check_stop(f"with {p.units_done} of {p.units_total} work units done")
 
             self._poll(lambda: self.coordinator.wait_finished.remote(1.0), each=show)
 
@@ -418,21 +437,20 @@ class RayEngine(EngineClient):
         """
         self._get(self.coordinator.check_finishable.remote())
         p = self.progress()
-        if p["units_done"] < p["units_total"]:
+        if p.units_done < p.units_total:
             self.run(progress=False, desc="redo")
 
     # --- reporting / shutdown ------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        rep = self._get(self.coordinator.report.remote())
-        rep["trainer_wait_seconds"] = self.wait_seconds
-        rep["trainer_waits"] = [{"step": t, "seconds": w} for t, w in self.waits]
-        rep["gpus"] = self.gpus
-        rep["workers"] = self.worker_results
-        return rep
+    def report(self, *, job_seconds: float | None = None) -> EngineReport:
+        """The engine's account of the run (the coordinator's, with this driver's settings); ``job_seconds``: the
+        whole job's time this run, as the caller measured it."""
+        rep: EngineReport = self._get(self.coordinator.report.remote())
+        return dataclasses.replace(rep, workers=self.count, threads_per_worker=self.threads, job_seconds=job_seconds)
 
-    def finish(self, extra: dict[str, Any] | None = None) -> int:
-        """Finish the ledger; returns the objects the coordinator uploaded (the scoring workers' are in
-        :attr:`worker_results` once they returned, after :meth:`close` at the latest)."""
+    def finish(self, extra: Mapping[str, object] | None = None) -> int:
+        """Every unit is done: mark the output directory's manifest complete (``extra``: more manifest fields);
+        returns the objects the coordinator uploaded (the scoring workers' are in :attr:`worker_results` once they
+        returned, after :meth:`close` at the latest)."""
         return self._get(self.coordinator.finish.remote(extra))
 
     def close(self, timeout_s: float = 30.0) -> None:

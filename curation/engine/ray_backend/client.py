@@ -1,7 +1,8 @@
 """A trainer's handle on the engine on Ray: :class:`EngineClient`, the engine's trainer calls on the coordinator's
 actor handle (:class:`curation.engine.handle.EngineHandle`). The driver's
-:class:`~curation.engine.ray_backend.RayEngine` is one (it also owns the actors); a data-parallel trainer worker
-holds a plain one (picklable: the coordinator's handle travels in the worker group's config).
+:class:`~curation.engine.ray_backend.RayEngine` is one (it also owns the actors and makes the driver's calls,
+:class:`curation.engine.handle.EngineDriver`); a data-parallel trainer worker holds a plain one (picklable: the
+coordinator's handle travels in the worker group's feed).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 from torch import nn
 
 from curation.core.refresh_data import RecentMasks
 from curation.engine.plan import REFERENCE, EngineError
+from curation.engine.report import EngineProgress, PartInfo
 from curation.engine.state import save_snapshot
 from curation.engine.weights import Weights
 from curation.io.bad_shards import blame, blamed
@@ -59,21 +63,21 @@ def _actor_death(text: str) -> str:
 class EngineClient:
     """The trainer's calls on a running engine's coordinator: ``wait_part`` (every rank of a data-parallel trainer:
     each needs the scores of its rows), ``trainer_at`` and ``publish_proxy`` (rank 0 only: the weights are identical
-    on every rank), ``reference``, ``progress``. A plain client checks nothing and closes nothing: the driver checks
-    the scoring workers and ends the engine (:class:`~curation.engine.ray_backend.RayEngine` overrides both).
+    on every rank), ``reference``, ``progress``. The driver checks the scoring workers and ends the engine
+    (:class:`~curation.engine.ray_backend.RayEngine`, which checks them between two empty answers too).
 
     Args:
         coordinator: the coordinator actor's handle.
         engine_dir: where the engine keeps weights versions (proxy snapshots are saved there before publishing).
     """
 
-    def __init__(self, coordinator: Any, engine_dir: str) -> None:
+    def __init__(self, coordinator: ActorHandle, engine_dir: str) -> None:
         self.coordinator = coordinator
         self.engine_dir = engine_dir
         self.wait_seconds = 0.0
         self.waits: list[tuple[int, float]] = []  # (step, seconds) of the trainer's waits ≥ 50 ms
 
-    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+    def _get(self, ref: ObjectRef | list[ObjectRef], timeout: float | None = None) -> Any:
         try:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
@@ -81,19 +85,13 @@ class EngineClient:
         except RayActorError as e:  # killed (one line, with the rerun), or failed to start (its error is the message)
             raise engine_error(e) from None
 
-    def check(self) -> None:
-        """Nothing to check in a trainer worker: the driver checks the engine."""
+    def _idle(self) -> None:
+        """After an empty answer: nothing in a trainer worker (the driver checks the engine; RayEngine does here)."""
 
-    def close(self) -> None:
-        """Nothing to end in a trainer worker: the driver ends the engine."""
-
-    def for_workers(self) -> EngineClient:
-        return EngineClient(self.coordinator, self.engine_dir)
-
-    def _poll(self, ask: Callable[[], Any], *, timeout_s: float = math.inf,
+    def _poll(self, ask: Callable[[], ObjectRef], *, timeout_s: float = math.inf,
               each: Callable[[], None] | None = None) -> Any:
         """Ask the coordinator (``ask()`` starts a call that waits a little itself) until it answers, running
-        ``each`` after every answer and :meth:`check` after every empty one; ``None`` after ``timeout_s``."""
+        ``each`` after every answer and :meth:`_idle` after every empty one; ``None`` after ``timeout_s``."""
         start = time.monotonic()
         while True:
             answer = self._get(ask())
@@ -101,16 +99,16 @@ class EngineClient:
                 each()
             if answer:
                 return answer
-            self.check()
+            self._idle()
             if time.monotonic() - start > timeout_s:
                 return None
 
-    def wait_part(self, step: int, *, timeout_s: float = 1800.0) -> dict[str, Any]:
-        """Block until the part holding ``step`` is recorded; returns ``{part, first, stop, ref_version}``."""
+    def wait_part(self, step: int, *, timeout_s: float = 1800.0) -> PartInfo:
+        """Block until the part holding ``step`` is recorded."""
         start = time.monotonic()
         info = self._poll(lambda: self.coordinator.wait_part.remote(step, 2.0), timeout_s=timeout_s)
         if info is None:
-            raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s: {self.progress()}")
+            raise EngineError(f"no scores for step {step} after {timeout_s:.0f}s ({self.progress()})")
         waited = time.monotonic() - start
         self.wait_seconds += waited
         if waited >= 0.05:
@@ -132,5 +130,5 @@ class EngineClient:
             raise EngineError(f"reference {version} not available after {timeout_s:.0f}s")
         return self._get(ref[0])
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> EngineProgress:
         return self._get(self.coordinator.progress.remote())

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 import ray
+from ray import ObjectRef
 from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -70,9 +70,9 @@ class RayUnitPool:
         self.resources = dict(resources or {})
         self._task = ray.remote(run_unit)
         self.room = _room(self.resources)  # node id → units it can run at once
-        self.placed: dict[Any, str] = {}  # running task → its node
+        self.placed: dict[ObjectRef, str] = {}  # running task → its node
 
-    def _node(self) -> dict[str, Any]:
+    def _node(self) -> dict[str, object]:
         """The options placing the next unit: on the node whose room is the least used by this pool's running units
         (then the first), softly (a node lost, or full of others' work, lets Ray run it elsewhere). Handing each
         unit to a node, rather than to Ray's queue, keeps every node busy however short a unit is: Ray gives a task
@@ -94,7 +94,7 @@ class RayUnitPool:
         units finish; so does a stop signal (for ``STOP_WAIT_S``), which then raises
         :class:`~curation.io.stop.StopRequested`."""
         todo = list(units)[::-1]
-        running: dict[Any, WorkUnit] = {}
+        running: dict[ObjectRef, WorkUnit] = {}
         settings_ref = ray.put(carry(settings))
         finished = False
         try:
@@ -128,7 +128,7 @@ class RayUnitPool:
                 self._settle(running)
 
     @staticmethod
-    def _settle(running: dict[Any, WorkUnit]) -> None:
+    def _settle(running: dict[ObjectRef, WorkUnit]) -> None:
         """Let the running units finish (their results are on disk, in their records)."""
         for ref in list(running):
             with contextlib.suppress(Exception):

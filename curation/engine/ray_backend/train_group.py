@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 import ray
 
@@ -33,6 +36,10 @@ def recorded_fatal(fatal_file: str) -> ValueError | None:
     return blame(ValueError(fatal["message"]), *[s for s in shards if isinstance(s, str)])
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
 def _group_fits(workers: int, cpus: float, gpus: float) -> None:
     """Refuse a worker group the cluster can never place (Ray Train would retry its start forever)."""
     total = ray.cluster_resources()
@@ -46,11 +53,12 @@ def _group_fits(workers: int, cpus: float, gpus: float) -> None:
 
 
 def run_trainer_group(
-    train_fn: Any, config: dict[str, Any], parallel: ParallelConfig, *, storage_path: str, name: str,
-    fatal_file: str | None = None, monitor: Any = None, on_monitor_error: Any = None,
-    monitor_every_s: float = 0.5,
-) -> None:
-    """Run ``train_fn(config)`` on ``parallel.workers`` Ray Train workers (``TorchTrainer``) and wait for it.
+    train_fn: Callable[[Mapping[str, T]], R], config: Mapping[str, T], parallel: ParallelConfig, *,
+    storage_path: str, name: str, fatal_file: str | None = None, monitor: Callable[[], None] | None = None,
+    on_monitor_error: Callable[[], None] | None = None, monitor_every_s: float = 0.5,
+) -> R | None:
+    """Run ``train_fn(config)`` on ``parallel.workers`` Ray Train workers (``TorchTrainer``), wait for it, and return
+    what rank 0's ``train_fn`` returned (Ray Train serialises it once, to this process).
 
     Ray Train sets up the process group (``parallel.resolved_backend``: gloo or nccl, collectives time out after
     ``parallel.timeout_s``) before ``train_fn`` runs, places the workers (``cpus_per_worker``,
@@ -64,67 +72,75 @@ def run_trainer_group(
     as a ValueError blaming those.
 
     ``monitor()``: called every ``monitor_every_s`` seconds while the group runs (the engine's ``check``, the
-    driver's stop signal); when it raises, ``on_monitor_error()`` is called (it must make the workers stop, e.g. by ending the engine they wait on),
-    and the monitor's error is raised once the group has ended.
+    driver's stop signal); when it raises, ``on_monitor_error()`` is called (it must make the workers stop, e.g. by
+    ending the engine they wait on), and the monitor's error is raised once the group has ended.
 
     Raises:
         ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
         WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
     """
-    workers, cpus_per_worker, gpus_per_worker = parallel.workers, parallel.cpus_per_worker, parallel.gpus_per_worker
-    max_failures = parallel.max_failures
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    _group_fits(workers, cpus_per_worker, gpus_per_worker)
-    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    workers, cpus, gpus = parallel.workers, parallel.cpus_per_worker, parallel.gpus_per_worker
+    _group_fits(workers, cpus, gpus)
     trainer = TorchTrainer(
-        train_fn, train_loop_config=config,
+        train_fn, train_loop_config=dict(config),
         torch_config=TorchConfig(backend=parallel.resolved_backend, timeout_s=parallel.timeout_s),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus_per_worker > 0,
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus > 0,
+                                     resources_per_worker={"CPU": cpus, **({"GPU": gpus} if gpus else {})}),
         run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures)),
+                             failure_config=FailureConfig(max_failures=parallel.max_failures)),
     )
-    failure: BaseException | None = None
-    monitored: BaseException | None = None
-    if monitor is None:
-        try:
-            trainer.fit()
-        except TrainingFailedError as e:
-            failure = e
-    else:
-        import threading
-
-        box: dict[str, BaseException] = {}
-
-        def fit() -> None:
-            try:
-                trainer.fit()
-            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-                box["error"] = e
-
-        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(monitor_every_s)
-            if monitored is None and thread.is_alive():
-                try:
-                    monitor()
-                except Exception as e:  # noqa: BLE001 - raised below, after the group ended
-                    monitored = e
-                    if on_monitor_error is not None:
-                        on_monitor_error()
-        failure = box.get("error")
-        if monitored is not None:
-            raise monitored
-        if failure is not None and not isinstance(failure, TrainingFailedError):
-            raise failure
+    outcome = _fit(trainer.fit, monitor, on_monitor_error, monitor_every_s)
+    failure = outcome.error
+    if failure is not None and not isinstance(failure, TrainingFailedError):
+        raise failure
     fatal = recorded_fatal(fatal_file) if fatal_file is not None else None
     if fatal is not None:
         raise fatal from failure
     if failure is not None:
         per_rank = getattr(failure, "worker_failures", None) or {}
         detail = "; ".join(f"rank {r}: {error_message(err)}" for r, err in sorted(per_rank.items())) or error_message(failure)
-        raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={max_failures}): {detail}") \
-            from failure
+        raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={parallel.max_failures}): "
+                                f"{detail}") from failure
+    return getattr(outcome.result, "return_value", None)
+
+
+@dataclass
+class _Outcome:
+    result: object = None  # Ray Train's Result
+    error: BaseException | None = None
+
+
+def _fit(fit: Callable[[], object], monitor: Callable[[], None] | None, on_monitor_error: Callable[[], None] | None,
+         every_s: float) -> _Outcome:
+    """Run ``fit()`` (in a thread of its own while ``monitor`` is called every ``every_s`` seconds in this one);
+    its result or error. A monitor's error is raised once ``fit`` has returned (``on_monitor_error`` was called
+    first, to end it)."""
+    outcome = _Outcome()
+
+    def run() -> None:
+        try:
+            outcome.result = fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            outcome.error = e
+
+    if monitor is None:
+        run()
+        return outcome
+    thread = threading.Thread(target=run, name="ray-train-fit", daemon=True)
+    thread.start()
+    monitored: Exception | None = None
+    while thread.is_alive():
+        thread.join(every_s)
+        if monitored is None and thread.is_alive():
+            try:
+                monitor()
+            except Exception as e:  # noqa: BLE001 - raised below, after the group ended
+                monitored = e
+                if on_monitor_error is not None:
+                    on_monitor_error()
+    if monitored is not None:
+        raise monitored
+    return outcome

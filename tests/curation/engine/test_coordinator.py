@@ -15,10 +15,10 @@ from curation.core.schedule import Schedule
 from curation.engine.ledger import PartLedger, PartResult
 from curation.engine.plan import PROXY, REFERENCE, EngineError, TrainingPlan
 from curation.engine.refresh_runner import proxy_path, reference_log_path, reference_path
+from curation.engine.report import PartInfo, RunStats
 from curation.engine.state import (
     EngineState,
     RefreshTask,
-    RunStats,
     gpu_shares,
     recent_path,
     save_snapshot,
@@ -133,7 +133,7 @@ def test_resume_publishes_what_a_killed_run_left_and_reruns_the_interrupted_refr
                                                                                         "disk:proxy-000000006.safetensors", None)
     assert task.recent.steps == [4, 5] and task.recent.masks[0].tolist() == [[1, 1, 1]] * 2
     assert state.refreshing == {1: 6} and state.published(REFERENCE, 1) and state.handle(REFERENCE, 1) == "ref1"
-    assert state.progress()["references"] == [0, 1] and state.progress()["refreshing"] == [1]
+    assert state.progress().references == (0, 1) and state.progress().refreshing == (1,)
 
 
 def test_a_reference_killed_before_its_log_was_written_is_refreshed_again(tmp_path):
@@ -309,15 +309,17 @@ def test_stats_add_up_the_parts_per_source_and_the_report_keeps_its_json_form(tm
                 "sources": {"a": {"sequences": 4, "tokens": 24, "kept_tokens": 0},
                             "b": {"sequences": 4, "tokens": 24, "kept_tokens": 12}}}
     report = state.report()
-    assert json.dumps(report["stats"]) == json.dumps(expected)  # same keys in the same order
-    assert (report["progress"]["tokens"], report["progress"]["kept_tokens"]) == (48, 12)
-    assert report["progress"]["units_done"] == 2 and report["refreshes"] == []
-    assert state.part_info(5) == {"part": f"worker-01/{units[1].name}", "first": 4, "stop": 6, "ref_version": 0}
+    assert json.dumps(report.stats.to_dict()) == json.dumps(expected)  # same keys in the same order
+    assert (report.progress.tokens, report.progress.kept_tokens) == (48, 12)
+    assert report.progress.units_done == 2 and report.refreshes == () and report.final_reference is None
+    assert state.part_info(5) == PartInfo(f"worker-01/{units[1].name}", first=4, stop=6, ref_version=0)
+    state.complete(0, _write(state, 0, state.next_unit(0)[1]))  # a part more: the report taken before is unchanged
+    assert report.stats.parts == 2 and state.report().stats.parts == 3
     with pytest.raises(EngineError, match="no work unit covers step 1"):
         state.part_info(1)  # warm-up: exact mode scores nothing there
-    with pytest.raises(EngineError, match=r"finish\(\) with 4 units not done"):
+    with pytest.raises(EngineError, match=r"finish\(\) with 3 units not done"):
         state.finish()
-    assert state.ledger.manifest.sources["b"].kept_tokens == 12  # the ledger recorded the same parts
+    assert state.ledger.manifest.sources["b"].kept_tokens == 18  # the ledger recorded the same parts
 
 
 def test_run_stats_merge_sources_with_source_counts():

@@ -122,7 +122,7 @@ def test_a_restarted_worker_gives_back_what_it_held_and_the_units_are_redone_the
     assert nxt == ("stop", None) and c.finished() and c.held == {} and c.begun == set() and c.redone == 1
     c2 = Coordinator(_units(), done=[_units()[0].name])
     c2.fail("worker 1: bad record")
-    assert c2.next_unit(0) == ("stop", None) and c2.progress()["failed"] == "worker 1: bad record"
+    assert c2.next_unit(0) == ("stop", None) and c2.failed == "worker 1: bad record"
     with pytest.raises(ValueError, match="not units of this plan"):
         Coordinator(_units(), done=["steps-nope"])
 
@@ -272,7 +272,7 @@ def test_a_worker_asks_ahead_and_its_reports_come_in_any_order():
     _, u2 = c.next_unit(1)
     assert (u1.first, u2.first) == (u0.stop, u1.stop)  # handed out in step order, each once
     _, u3 = c.next_unit(0)  # u0 written, its report on the way, u1 being scored: the next one asked ahead
-    assert c.held == {0: [u0.name, u1.name, u3.name], 1: [u2.name]} and c.progress()["working"][0][0] == u0.name
+    assert c.held == {0: [u0.name, u1.name, u3.name], 1: [u2.name]} and c.held[0][0] == u0.name
     assert c.begun == {u0.name, u1.name}  # u3 is not begun before worker 0's next request, u2 before worker 1's
     assert u0 not in c.pending() and c.pending()[0].first == u3.stop and c.redone == 0
     assert c.complete(0, u1.name) == u1 and c.complete(0, u0.name) == u0  # in either order

@@ -97,7 +97,7 @@ def test_two_workers_write_what_one_process_writes(ray_local, batch_setup, tmp_p
     m = Manifest.load(out)
     assert m.complete and len({r.state["unit"] for r in m.shards}) == len(m.shards)
     assert {r.state["worker"] for r in m.shards} == {0, 1}  # both workers took units
-    assert rep["progress"]["redone"] == 0 and rep["stats"]["kept_tokens"] == m.totals().kept_tokens
+    assert rep.progress.redone == 0 and rep.stats.kept_tokens == m.totals().kept_tokens
 
 
 def test_a_worker_killed_mid_unit_is_restarted_and_redoes_it_once(ray_local, batch_setup, tmp_path):
@@ -118,8 +118,8 @@ def test_a_worker_killed_mid_unit_is_restarted_and_redoes_it_once(ray_local, bat
         assert ray_local.get(victim.pid.remote()) != pid  # the same actor, restarted in a new process
     finally:
         engine.close()
-    assert rep["progress"]["redone"] == 1
-    assert rep["workers"][1]["restarted"] is True
+    assert rep.progress.redone == 1
+    assert engine.worker_results[1]["restarted"] is True  # (what its serve() returned, kept by the driver)
     _same_rows(out, batch_setup["expected"])  # same sequences, none twice
     names = [r.name for r in Manifest.load(out).shards]
     assert len(names) == len(set(names)) == len(plan_batch_units(batch_setup["order"].num_steps, 12))
@@ -175,7 +175,7 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
     try:
         engine.trainer_at(2)
         info = engine.wait_part(2, timeout_s=120)  # the interrupted refresh ran again from the files
-        assert (info["first"], info["stop"], info["ref_version"]) == (2, 4, 0)
+        assert (info.first, info.stop, info.ref_version) == (2, 4, 0)
         time.sleep(1.0)  # workers would run ahead here without back-pressure
         stops = [r.state["stop_step"] for r in Manifest.load(out).shards]
         assert max(stops) <= 2 + 4  # nothing beyond trainer step + look-ahead
@@ -190,16 +190,16 @@ def test_exact_mode_refresh_back_pressure_and_registry(ray_local, engine_demo, t
             engine.trainer_at(t)
             if t == 10:
                 engine.publish_proxy(10, model, recent)  # refresh 2
-            assert engine.wait_part(t, timeout_s=120)["ref_version"] == sched.episode(t)
+            assert engine.wait_part(t, timeout_s=120).ref_version == sched.episode(t)
         engine.finish()
         rep = engine.report()
     finally:
         engine.close()
-    assert [(r["version"], r["step"], r["source_step"]) for r in rep["refreshes"]] == [(0, 2, 2), (1, 6, 6), (2, 10, 10)]
+    assert [(r["version"], r["step"], r["source_step"]) for r in rep.refreshes] == [(0, 2, 2), (1, 6, 6), (2, 10, 10)]
     m = Manifest.load(out)
     assert m.complete and [(r.state["first_step"], r.state["stop_step"]) for r in m.shards] == [
         (a, min(a + 2, 14)) for a in range(2, 14, 2)]
-    from curation.engine.scorer import ScoredShards
+    from curation.io.scored_shards import ScoredShards
 
     scored = ScoredShards(out, stream)  # the single-process trainer can read the engine's output offline
     assert list(scored.steps()) == list(range(2, 14))

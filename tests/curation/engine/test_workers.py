@@ -18,11 +18,10 @@ from curation.core.selection import excess_loss, num_selected, select_top_fracti
 from curation.core.stream import CandidateStream
 from curation.engine.plan import PROXY, REFERENCE, ScoringDataError, WorkUnit
 from curation.engine.refresh_runner import RefreshRunner, RefreshSpec
-from curation.engine.scorer import TokenLossScorer
 from curation.engine.weights import Weights
 from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
 from curation.io.bad_shards import blamed
-from curation.io.models import build_causal_lm
+from curation.io.models import build_causal_lm, build_scorer
 from curation.io.shards import ShardReader, merge_part_indexes, open_shards, write_part
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import ModelConfig, ScorerConfig, TrainConfig, demo_model_config
@@ -65,7 +64,7 @@ def test_scored_unit_holds_the_reference_scorer_losses(engine_demo, tmp_path, we
     res = worker.run(WorkUnit(2, 4, "scored", 0), lambda k, v: weights[(k, v)])
     assert res.name == "worker-03/steps-000000002-000000004" and res.samples == 2 * B
     validate_shard_dir(os.path.join(out, res.name), "scored")
-    scorer = TokenLossScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+    scorer = build_scorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
     scorer.load_weights(weights[(REFERENCE, 0)].state_dict(), 0)
     rows = _rows(os.path.join(out, res.name))
     for j, t in enumerate((2, 3)):
@@ -83,7 +82,7 @@ def test_selected_unit_is_the_top_gamma_of_each_step(engine_demo, tmp_path, weig
     validate_shard_dir(os.path.join(out, res.name), "selected")
     scorers = {}
     for kind in (REFERENCE, PROXY):
-        scorers[kind] = TokenLossScorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
+        scorers[kind] = build_scorer(ScorerConfig(model=_model(), device="cpu", batch_size=B))
         scorers[kind].load_weights(weights[(kind, 0 if kind == REFERENCE else 2)].state_dict())
     rows = _rows(os.path.join(out, res.name))
     for j, t in enumerate((2, 3)):

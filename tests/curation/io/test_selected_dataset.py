@@ -22,7 +22,7 @@ from curation.io.selected_dataset import (
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.training.conftest import VOCAB, prepare_small_demo, tiny_config
-from training.runs.single import train
+from training.runs.train_job import train
 
 ROWS, STEPS, WARMUP = 8, 5, 2
 
@@ -33,7 +33,7 @@ def selected(tmp_path_factory) -> str:
     root = prepare_small_demo(str(tmp_path_factory.mktemp("demo")))
     cfg = tiny_config(root, str(tmp_path_factory.mktemp("run") / "blade"), max_steps=STEPS, eval={"interval": 100},
                       selection={"warmup_steps": WARMUP})
-    return train(cfg)["selected"]
+    return train(cfg).selected
 
 
 def test_hf_labels_by_hand():
