@@ -32,6 +32,11 @@ docs/dev/ray-train-composer.md):
   the input shard files a data error blames: :mod:`curation.io.bad_shards`), the retried group returns at once,
   and the driver raises the recorded message.
 
+* **Nodes**: the driver and the ranks share ``output_dir/parallel/`` (and every rank resumes from
+  ``output_dir/checkpoints/``), so before the group starts every node other than the driver's that could host a rank
+  must reach ``output_dir`` (:func:`~curation.engine.ray_backend.train_group.check_group_nodes`): a shared path is
+  probed, and an ``s3://`` one (a cache path of the driver's machine) is refused naming ``parallel.workers``.
+
 Ray itself is only imported by :mod:`curation.engine.ray_backend` (:func:`run_trainer_group`); this module
 uses plain ``torch.distributed`` for the rank.
 """
@@ -53,6 +58,7 @@ from curation.core.distributed import Ranks, current_ranks
 from curation.engine.handle import EngineDriver, EngineFeed
 from curation.engine.plan import EngineError, WorkerGroupFailed
 from curation.engine.ray_backend import run_trainer_group
+from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.bad_shards import blamed
 from curation.io.stop import stop_signal
@@ -202,6 +208,7 @@ def run_group(cfg: TrainConfig, *, feed: EngineFeed | None = None, engine: Engin
         train_worker, {"job": job}, cfg.parallel, name="train", fatal_file=_fatal_path(out), monitor=monitor,
         storage_path=os.path.join(os.path.abspath(out), "parallel", "ray_train"),
         on_monitor_error=engine.close if engine is not None else None,
+        output_dir=out, output_url=storage.url_of(out),
     )
     if not isinstance(result, RankResult):
         raise WorkerGroupFailed(f"the trainer worker group ended without rank 0's result (it returned {result!r})")

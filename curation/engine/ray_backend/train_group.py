@@ -19,10 +19,11 @@ import ray
 
 from curation.engine.plan import WorkerGroupFailed
 from curation.engine.ray_backend.client import error_message
+from curation.engine.ray_backend.reach import check_shared
 from curation.io.bad_shards import blame
 from schemas.train_config import ParallelConfig
 
-__all__ = ["run_trainer_group", "recorded_fatal"]
+__all__ = ["run_trainer_group", "recorded_fatal", "check_group_nodes"]
 
 
 def recorded_fatal(fatal_file: str) -> ValueError | None:
@@ -52,10 +53,44 @@ def _group_fits(workers: int, cpus: float, gpus: float) -> None:
         )
 
 
+def _rank_nodes(parallel: ParallelConfig) -> list[dict]:
+    """The alive nodes of the cluster that could host a rank of the group (its CPUs and GPUs per worker)."""
+    need = {"CPU": parallel.cpus_per_worker, **({"GPU": parallel.gpus_per_worker} if parallel.gpus_per_worker else {})}
+    return [n for n in ray.nodes() if n["Alive"] and all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())]
+
+
+def check_group_nodes(parallel: ParallelConfig, output_dir: str, url: str | None) -> None:
+    """Refuse, before the group starts, a group whose ranks could run on a node that cannot reach its output
+    directory: the ranks and the driver coordinate through files under ``output_dir/parallel/`` (the stop request, a
+    fatal error, the attempts) and Ray Train keeps its state there. ``url``: the bucket URL when ``output_dir`` is its
+    cache path (this machine's disk: no rank elsewhere sees it); else ``output_dir`` must be on a filesystem every
+    node able to host a rank mounts (:func:`~curation.engine.ray_backend.reach.check_shared` asks them).
+
+    Raises:
+        ValueError: one line naming ``parallel.workers``, ``output_dir`` and the nodes, and what to do instead.
+    """
+    here = ray.get_runtime_context().get_node_id()
+    elsewhere = [n for n in _rank_nodes(parallel) if n["NodeID"] != here]
+    if not elsewhere:
+        return
+    if url is None:
+        check_shared({"output_dir": output_dir}, hint=" (parallel.workers > 1: the trainer group's ranks coordinate "
+                     "through output_dir/parallel/ and resume from output_dir/checkpoints/)")
+        return
+    where = ", ".join(f"{n['NodeManagerAddress']} (node {n['NodeID'][:12]})" for n in elsewhere[:4])
+    raise ValueError(
+        f"parallel.workers = {parallel.workers} with output_dir = {url}: a data-parallel trainer group keeps its "
+        "coordination files (output_dir/parallel/) and Ray Train's state on the disk of this job's machine, and "
+        f"{len(elsewhere)} other Ray node(s) could run its ranks: {where}. Across nodes, set output_dir to a path "
+        "on a filesystem every node mounts, or run the group on a Ray cluster of one node (the data, the other jobs' "
+        "outputs and single-process training may stay in the bucket)")
+
+
 def run_trainer_group(
     train_fn: Callable[[Mapping[str, T]], R], config: Mapping[str, T], parallel: ParallelConfig, *,
     storage_path: str, name: str, fatal_file: str | None = None, monitor: Callable[[], None] | None = None,
     on_monitor_error: Callable[[], None] | None = None, monitor_every_s: float = 0.5,
+    output_dir: str | None = None, output_url: str | None = None,
 ) -> R | None:
     """Run ``train_fn(config)`` on ``parallel.workers`` Ray Train workers (``TorchTrainer``), wait for it, and return
     what rank 0's ``train_fn`` returned (Ray Train serialises it once, to this process).
@@ -65,7 +100,8 @@ def run_trainer_group(
     ``gpus_per_worker``) on the cluster this process joined (next to the engine's actors), and restarts the whole
     group up to ``parallel.max_failures`` times after a worker failure (``train_fn`` is then run again from the
     start: it resumes from its own checkpoints). ``storage_path`` is Ray Train's run state: on a multi-node
-    cluster a path every node can reach.
+    cluster a path every node can reach. ``output_dir`` (with ``output_url``, its bucket URL when it is a cache path):
+    the run's directory, checked first by :func:`check_group_nodes`.
 
     ``fatal_file``: where a worker records an error that no restart can fix (JSON ``message``, and ``shards``: the
     input shard files it blames, :mod:`curation.io.bad_shards`); when it exists after the run, its message is raised
@@ -76,7 +112,8 @@ def run_trainer_group(
     ending the engine they wait on), and the monitor's error is raised once the group has ended.
 
     Raises:
-        ValueError: the group does not fit the cluster, or a worker recorded a fatal error.
+        ValueError: the group does not fit the cluster or its nodes cannot all reach ``output_dir``, or a worker
+            recorded a fatal error.
         WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -84,6 +121,8 @@ def run_trainer_group(
 
     workers, cpus, gpus = parallel.workers, parallel.cpus_per_worker, parallel.gpus_per_worker
     _group_fits(workers, cpus, gpus)
+    if output_dir is not None:
+        check_group_nodes(parallel, output_dir, output_url)
     trainer = TorchTrainer(
         train_fn, train_loop_config=dict(config),
         torch_config=TorchConfig(backend=parallel.resolved_backend, timeout_s=parallel.timeout_s),
