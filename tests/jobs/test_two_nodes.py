@@ -6,8 +6,11 @@ One cluster for the module, used in order: a job that names a local path some no
 starts; ``prepare.py`` with its units on both nodes, inputs in the bucket and local ones staged into it, equals an
 in-process run object for object; ``curate.py`` (``ray job submit`` from this process) with a scoring worker on each
 node selects what a run with both workers on one node selects; ``replay.py`` submitted to run on the second node
-trains what an in-process replay trains. Afterwards no process of a node touched the other node's directories (the
-guard's log is empty) and each node's cache holds only the bucket's objects it worked on."""
+trains what an in-process replay trains; ``train.py`` with a worker group (``parallel.workers = 2``) and an s3://
+output_dir, which could span the nodes, is refused before it starts naming the setting; ``prepare.py`` with node B's
+raylet killed mid-run, node B started again with an empty cache and the same command rerun, equals an uninterrupted
+in-process run. Afterwards no process of a node touched the other node's directories (the guard's log is empty) and
+each node's cache holds only the bucket's objects it worked on."""
 
 from __future__ import annotations
 
@@ -261,15 +264,39 @@ def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(clus
                 "batch_size": 8, "max_steps": 4, "progress_bar": False, "threads": 1, "device": "cpu",
                 "eval": {"interval": 2, "batch_size": 16, "max_batches": 1}, "checkpoint": {"interval": 2}}
 
-    logs = _submit(cluster, "replay", *[f"{k}={json.dumps(v)}" for k, v in settings(_url(env, "two/replay")).items()],
-                   resources={"node_b": 1})
-    assert _url(env, "two/replay") in logs, logs[-3000:]
+    # (its logs are node B's: with each node's Ray session in a directory of its own, the head's job server does not
+    # stream them, so the run is judged by what it wrote to the bucket)
+    _submit(cluster, "replay", *[f"{k}={json.dumps(v)}" for k, v in settings(_url(env, "two/replay")).items()],
+            resources={"node_b": 1})
     replay(ReplayConfig.model_validate(settings(_url(env, "one/replay"))))
     two, one = _objects(_url(env, "two/replay")), _objects(_url(env, "one/replay"))
     assert two["final/model.safetensors"] == one["final/model.safetensors"]
     assert {k for k in two if k.startswith("checkpoints/")} == {k for k in one if k.startswith("checkpoints/")}
     assert any("/two/replay/" in f for f in _cache_files(cluster.nodes["node_b"]))
     assert not any("/two/replay/" in f for f in _cache_files(cluster.nodes["node_a"]))
+
+
+def test_a_trainer_group_with_a_bucket_output_dir_that_could_span_nodes_is_refused_before_it_starts(
+        cluster, env, prepared):
+    """``parallel.workers > 1`` still needs ``output_dir`` on one disk (its ranks coordinate there): with an s3://
+    output_dir on this cluster, where node B could host a rank, train.py refuses in one line naming the setting."""
+    data = _url(env, "two/data")
+    sets = {"data": {"candidates": f"{data}/candidates", "validation": f"{data}/validation",
+                     "tokenizer": f"{data}/tokenizer/tokenizer.json"},
+            "model": _model(), "output_dir": _url(env, "two/group"), "batch_size": 8, "max_steps": 2,
+            "device": "cpu", "progress_bar": False, "plots": False, "parallel": {"workers": 2}}
+    node_a = cluster.nodes["node_a"]
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "jobs", "train.py"), *[a for k, v in sets.items()
+                                                                    for a in ("--set", f"{k}={json.dumps(v)}")]],
+        capture_output=True, text=True, timeout=600, env={**node_a.env(), "RAY_ADDRESS": cluster.address},
+        cwd=node_a.work)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = [x for x in done.stderr.splitlines() if "parallel.workers = 2 with output_dir = " in x]
+    assert line and _url(env, "two/group") in line[0], done.stderr[-3000:]
+    assert "1 other Ray node(s) could run its ranks: " in line[0] and " (node " in line[0]
+    assert "a path on a filesystem every node mounts" in line[0]
+    assert not any(k.startswith("checkpoints/") for k in _objects(_url(env, "two/group")))
 
 
 # ------------------------------------------------------------------------------------------------
