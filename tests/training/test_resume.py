@@ -343,7 +343,7 @@ def test_a_run_resumed_or_extended_on_candidates_replaced_under_it_is_refused(ma
             train(extended)
     shutil.rmtree(data / "candidates")
     os.rename(tmp_path / "seed0", data / "candidates")  # restored: the run goes ahead (finished: it only reports)
-    assert train(cfg)["run"].resumed_from is not None
+    assert train(cfg).run.resumed_from is not None
 
 
 @pytest.mark.parametrize("key", ["candidates", "validation"])
@@ -389,7 +389,7 @@ def test_a_run_stopped_on_a_bad_record_resumes_once_its_shard_is_fixed(make_conf
     merge_part_indexes(target, parts)
     capsys.readouterr()
     resumed = train(cfg)
-    assert resumed["run"].resumed_from is not None and os.path.exists(resumed["final_weights"])
+    assert resumed.run.resumed_from is not None and os.path.exists(resumed.final_weights)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: data.")]
     assert notes == [notes[0]] and notes[0].startswith(f"note: data.{key} ({target}) changed only in the shards "
                                                        f"this run failed on, accepted: {shard};")

@@ -29,11 +29,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from composer.core import State
 from composer.loggers import Logger, MLFlowLogger, TensorboardLogger, WandBLogger
 from torch import Tensor
 
@@ -104,15 +105,15 @@ class StepOrderedWandB(WandBLogger):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._held: dict[int, dict[str, Any]] = {}
+        self._held: dict[int, dict[str, object]] = {}
 
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict[str, float | Tensor], step: int | None = None) -> None:
         if step is None:
             super().log_metrics(metrics, step)
             return
         self._hold(int(step), metrics)
 
-    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+    def log_table(self, columns: list[str], rows: list[list[float | int | str]], name: str = "Table",
                   step: int | None = None) -> None:
         """A table (an episode's Δ histogram, logged when its record arrives, a step late) in the same step order."""
         if step is None:
@@ -122,7 +123,7 @@ class StepOrderedWandB(WandBLogger):
 
         self._hold(int(step), {name: wandb.Table(columns=columns, rows=rows)})
 
-    def _hold(self, step: int, values: dict[str, Any]) -> None:
+    def _hold(self, step: int, values: Mapping[str, object]) -> None:
         self._held.setdefault(step, {}).update(values)
         for s in sorted(k for k in self._held if k < step - 1):  # (a value comes at most a step late)
             super().log_metrics(self._held.pop(s), s)
@@ -131,10 +132,10 @@ class StepOrderedWandB(WandBLogger):
         for s in sorted(self._held):
             super().log_metrics(self._held.pop(s), s)
 
-    def fit_end(self, state: Any, logger: Any) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         self.flush_held()
 
-    def close(self, state: Any, logger: Any) -> None:
+    def close(self, state: State, logger: Logger) -> None:
         self.flush_held()
         super().close(state, logger)
 

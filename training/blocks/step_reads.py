@@ -23,7 +23,7 @@ it each step's loss on the device (``loss``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
@@ -33,16 +33,20 @@ from curation.core.host_sync import HostCopies, Ticket
 
 __all__ = ["StepReads"]
 
+Info = TypeVar("Info")  # what the host knows of a step before its device values are read
+Record = TypeVar("Record")  # what a delivered step becomes
 
-class StepReads(Algorithm):
+
+class StepReads(Algorithm, Generic[Info, Record]):
     """The deferred reads of a run's steps (module docstring). Subclasses override :meth:`step_values` (device
-    tensors of the step), :meth:`step_info` (what the host knows of it) and :meth:`finish` (the record delivered)."""
+    tensors of the step), :meth:`step_info` (what the host knows of it: ``Info``) and :meth:`finish` (the
+    ``Record`` delivered)."""
 
     def __init__(self) -> None:
         self.loss: Tensor | None = None  # this step's loss on the device (LeanTrainer, one process)
         self.copies: HostCopies | None = None
-        self._pending: tuple[Ticket, int, Any, float | None] | None = None
-        self._subscribers: list[Callable[[Any], None]] = []
+        self._pending: tuple[Ticket, int, Info | None, float | None] | None = None
+        self._subscribers: list[Callable[[Record | None], None]] = []
         self._logger: Logger | None = None
         self._state: State | None = None
         self.reads = 0  # steps delivered after a wait on the device
@@ -52,16 +56,16 @@ class StepReads(Algorithm):
         """Device tensors of the step just taken, read a step later."""
         return {}
 
-    def step_info(self, state: State) -> Any:
+    def step_info(self, state: State) -> Info | None:
         """What the host knows of the step just taken (kept until it is delivered)."""
         return None
 
-    def finish(self, step: int, host: dict[str, Tensor], info: Any, loss: float | None) -> Any:
+    def finish(self, step: int, host: dict[str, Tensor], info: Info | None, loss: float | None) -> Record | None:
         """The record of step ``step`` from its host values (valid until the next delivery: copy what is kept)."""
         return None
 
     # --- subscribers ---------------------------------------------------------------------------
-    def subscribe(self, fn: Callable[[Any], None]) -> None:
+    def subscribe(self, fn: Callable[[Record | None], None]) -> None:
         """``fn(record)`` on every step delivered, in step order."""
         self._subscribers.append(fn)
 
@@ -105,7 +109,7 @@ class StepReads(Algorithm):
         if pending is not None:
             self._deliver(pending)
 
-    def _deliver(self, pending: tuple[Ticket, int, Any, float | None]) -> None:
+    def _deliver(self, pending: tuple[Ticket, int, Info | None, float | None]) -> None:
         ticket, step, info, loss = pending
         assert self.copies is not None
         host = self.copies.get(ticket)

@@ -68,7 +68,7 @@ class _Pending:
     rows_done: int = 0
 
 
-class BladeAlgorithm(StepReads):
+class BladeAlgorithm(StepReads[_Pending, SelectionRecord]):
     """Online token selection for one policy; see the module docstring.
 
     Args:

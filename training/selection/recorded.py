@@ -21,7 +21,7 @@ from training.blocks.step_reads import StepReads
 __all__ = ["EngineSelection"]
 
 
-class EngineSelection(StepReads):
+class EngineSelection(StepReads[SelectionRecord, SelectionRecord]):
     """Bookkeeping of the pipelined (plain masked-loss) trainer: what each step trained on.
 
     A :class:`~training.blocks.callbacks.StepSelections` like the BLADE algorithm: ``policy``, ``last``, ``recent``,
