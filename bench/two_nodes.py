@@ -48,7 +48,10 @@ class LocalNodes:
         self.root = tempfile.mkdtemp(prefix="blade-nodes-", dir="/tmp")  # (short: Ray's socket paths)
         self.port, self.resources, self.cpus = _free_port(), resources, cpus
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_worker_niceness": "0"}
+        # Ray 2.60 secures a cluster `ray start` makes with a token (~/.ray/auth_token): its drivers send it only with
+        # RAY_AUTH_MODE=token (a process that joins it needs that before it imports ray: jobs/bench_prepare.py)
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_worker_niceness": "0",
+                    "RAY_AUTH_MODE": "token"}
 
     @property
     def address(self) -> str:
@@ -73,6 +76,8 @@ class LocalNodes:
                 "print(sum(n['Alive'] for n in ray.nodes()))")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs.values()):
+                break  # a node's `ray start` gave up
             try:
                 done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=self.env)
                 if done.returncode == 0 and done.stdout.split() and int(done.stdout.split()[-1]) == count:
@@ -80,7 +85,11 @@ class LocalNodes:
             except subprocess.TimeoutExpired:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"the local Ray cluster did not reach {count} nodes in {timeout:.0f} s (logs in {self.root})")
+        logs = ""
+        for name in self.procs:
+            with open(os.path.join(self.root, f"{name}.log"), errors="replace") as f:
+                logs += f.read()[-1500:]
+        raise RuntimeError(f"the local Ray cluster did not reach {count} nodes in {timeout:.0f} s; its logs end:\n{logs}")
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):

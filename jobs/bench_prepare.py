@@ -41,6 +41,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    if args.two_nodes:  # the nodes it starts are secured by Ray's token; Ray reads this once, as it is imported
+        os.environ["RAY_AUTH_MODE"] = "token"
     # imported after the arguments are parsed (tokenizers and Ray take seconds): --help answers at once
     from bench.prepare import run
 
