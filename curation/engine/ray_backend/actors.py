@@ -59,7 +59,7 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
-from curation.io.bad_shards import blamed
+from curation.io.bad_shards import blame, blamed
 from curation.io.cache import url_of, urls_in_text
 from curation.io.carried import Carried, carry
 from curation.io.progress import progress as progress_bar
@@ -308,7 +308,10 @@ class _RefreshActor:
 
     def refresh(self, version: int, proxy: Weights, recent: RecentMasks, *, source_step: int,
                 previous: Weights | None = None) -> tuple[Weights, dict[str, Any]]:
-        return self.runner.refresh(version, proxy, recent, source_step=source_step, previous=previous)
+        try:
+            return self.runner.refresh(version, proxy, recent, source_step=source_step, previous=previous)
+        except Exception as e:  # its shards blamed by URL too: this node's cache paths mean nothing elsewhere
+            raise blame(e, *[u for f in blamed(e) if (u := url_of(f))])  # noqa: B904 - the same error, re-raised
 
     def static(self) -> tuple[Weights, dict[str, Any]]:
         return self.runner.static()

@@ -82,3 +82,11 @@ def test_the_data_parallel_groups_fatal_record_keeps_the_blame(tmp_path):
     assert blamed(error) == ["/c/part-b/shard.00000.mds.zstd"]
     fatal.write_text(json.dumps({"rank": 0, "error": "ValueError", "message": "diverged"}))  # (an older record)
     assert blamed(recorded_fatal(str(fatal))) == []
+
+
+def test_a_shard_blamed_by_url_on_another_node_is_kept_as_a_url_and_a_path_made_absolute(tmp_path, monkeypatch):
+    # a scoring worker or the refresh actor on another node blames by URL (its cache paths are its node's)
+    monkeypatch.chdir(tmp_path)
+    url = "s3://bucket/data/candidates/general/part-00000-00000/shard.00000.mds"
+    e = blame(ValueError("bad"), url, "local/shard.00001.mds", url)
+    assert blamed(e) == [url, str(tmp_path / "local" / "shard.00001.mds")]
