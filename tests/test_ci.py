@@ -25,3 +25,16 @@ def test_ci_runs_readmes_two_set_up_commands_first_exactly():
     assert len(want) == 2 and want[0].startswith("pip install -e ") and want[1].startswith("python -m pytest"), want
     ci = _commands((REPO / ".ci" / "run").read_text(encoding="utf-8"))
     assert ci[:2] == want, (ci[:2], want)
+
+
+def test_the_longest_files_named_for_xdist_exist_and_are_handed_out_in_that_order():
+    """tests/conftest.py's _LONGEST_FILES orders the files xdist hands out (a renamed file would silently go last);
+    pyproject keeps xdist from reordering them by their number of tests."""
+    import tomllib
+
+    from tests.conftest import _LONGEST_FILES
+
+    assert len(set(_LONGEST_FILES)) == len(_LONGEST_FILES)
+    assert [f for f in _LONGEST_FILES if not (REPO / f).is_file()] == []
+    opts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert "--dist loadfile" in opts["addopts"] and "--no-loadscope-reorder" in opts["addopts"]

@@ -109,9 +109,20 @@ def client() -> Any:
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             cfg = Config(connect_timeout=5, read_timeout=120, retries={"max_attempts": 4, "mode": "standard"},
                          s3={"addressing_style": "path"} if endpoint else {})
-            _clients[key] = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region,
-                                                           config=cfg)
+            c = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=cfg)
+            c.meta.events.register("before-send.s3.PutObject", _no_continue_for_an_empty_body)
+            _clients[key] = c
         return _clients[key]
+
+
+def _no_continue_for_an_empty_body(request: Any, **_: Any) -> None:
+    """botocore asks for ``100 Continue`` before every file-like body, an empty one too; SeaweedFS answers an empty
+    PUT without it, and the connection's next request then waits the whole read timeout (120 s) for an answer and is
+    sent again (measured: the object after every empty file, e.g. the ``.validate_storage_marker`` Ray Train writes
+    into a data-parallel run's output). With nothing to send there is nothing to wait for: the header is dropped
+    (it is not signed)."""
+    if request.headers.get("Content-Length") in ("0", b"0"):
+        request.headers.pop("Expect", None)
 
 
 def forget_clients() -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 
 import pytest
 
 from bench import gpu
+from tests import timing
 from tests.conftest import REPO, load_job
 
 
@@ -45,7 +45,7 @@ def test_the_gpu_commands_run_the_sizes_of_issue_31(tmp_path):
 def test_tiny_mode_runs_its_steps_on_a_cpu_and_reports_their_headline(tmp_path):
     """Two quick steps at tiny sizes (the others are left out here: the full --tiny run takes minutes)."""
     skip = ",".join(s for s in gpu.STEPS if s not in ("scoring_b8", "selection"))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_gpu.py"), "--tiny", "--skip", skip,
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "bench_gpu.py"), "--tiny", "--skip", skip,
                            "--data", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)

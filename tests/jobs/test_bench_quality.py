@@ -4,11 +4,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from hashlib import sha256
 
 import pytest
+
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(7200)
 def test_quick_quality_benchmark(tmp_path, shared_data):
     out = tmp_path / "q"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=3300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -129,7 +130,7 @@ def test_quick_quality_benchmark(tmp_path, shared_data):
     dropped = [k for k in cache if k.startswith(tuple(f"{n}@" for n in retrained))]
     assert len(dropped) >= 4
     (out / "eval_cache.json").write_text(json.dumps({k: v for k, v in cache.items() if k not in dropped}))
-    again = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out),
+    again = timing.run([sys.executable, os.path.join(REPO, "jobs", "bench_quality.py"), "--quick", "--out", str(out),
                             "--parallel-runs", "1"], capture_output=True, text=True, timeout=1700, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert weights == {n: sha256((out / "runs" / n / "final" / "model.safetensors").read_bytes()).hexdigest()

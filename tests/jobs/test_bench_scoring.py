@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import timing
 from tests.conftest import REPO, load_job
 
 TINY = ["--device", "cpu", "--vocab", "512", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2",
@@ -77,7 +77,7 @@ def test_the_worker_runs_at_the_bare_forwards_precision():
 @pytest.mark.slow
 def test_ray_part_runs_one_then_two_workers():
     """The 1 vs 2 workers part (it once crashed on its second iteration: no test ran it)."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "bench_scoring.py"), *TINY, "--steps", "2",
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "bench_scoring.py"), *TINY, "--steps", "2",
                            "--ray-steps", "4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import timing
 from tests.conftest import REPO
 
 
@@ -20,7 +20,7 @@ def test_two_batch_sizes_run_in_each_policys_process_and_report_each(tmp_path):
            "--hidden", "32", "--layers", "1", "--heads", "2", "--tau", "4", "--refresh-steps", "2", "--episodes", "1",
            "--repeats", "1", "--warmup", "2", "--data", str(data), "--batch-size", "8", "4", "--json",
            "--profile-refresh", str(tmp_path / "prof"), "--refresh-joint-forward", "on"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = timing.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["batch_sizes"] == [4, 8] and set(out["by_batch"]) == {"4", "8"}

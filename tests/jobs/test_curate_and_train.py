@@ -1,11 +1,14 @@
-"""The main job end to end on a tiny demo: exact on Ray equals the single-process trainer, pipelined with
-P = 1 equals exact, a killed job resumes to the same outputs, and ``ray job submit`` on a local head node."""
+"""The main job end to end on a tiny demo: exact on Ray equals the single-process trainer and the one-page loop
+(tests/jobs/test_oracle.py's oracle), pipelined with P = 1 equals exact and the loop, a killed job resumes to the same
+outputs, and ``ray job submit`` on a local head node. One fresh job process runs the exact run, others are killed;
+the reruns run in the test process."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +22,8 @@ from safetensors.numpy import load_file
 from curation.io.shards import ShardReader
 from schemas.manifest import Manifest
 from schemas.shards import validate_shard_dir
+from tests import timing
+from tests.conftest import load_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -33,7 +38,10 @@ def _env() -> dict:
 
 
 def _config(path, train: dict, **sections) -> str:
-    data = {"train": train, "workers": {"count": 2, "range_steps": 2}, "engine": {"lookahead": 4}}
+    # the engine's workers and refresh on the CPU, as the trainer (tiny_train): the runs are compared bit for bit with
+    # the single-process trainer and the loop, in CPU float32, also on a machine with a GPU
+    data = {"train": train, "workers": {"count": 2, "range_steps": 2, "device": "cpu"},
+            "engine": {"lookahead": 4, "refresh_device": "cpu"}}
     for k, v in sections.items():
         data[k] = {**data.get(k, {}), **v}
     with open(path, "w") as f:
@@ -42,9 +50,22 @@ def _config(path, train: dict, **sections) -> str:
 
 
 def _run(config: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
+    out = timing.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
                          timeout=timeout, env=_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+_MAIN = load_job("curate_and_train", "_here")
+
+
+def _run_here(config: str, capfd) -> str:  # noqa: ANN001 - pytest's capfd
+    """The job's ``main`` in this test process, which has its heavy imports done and a Ray instance to join (fixture
+    ``ray_local``): a rerun costs no new interpreter and no Ray start. Returns its stdout."""
+    capfd.readouterr()
+    rc = _MAIN.main(["--config", config])
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-5000:]
     return out
 
 
@@ -113,20 +134,30 @@ def test_exact_run_writes_shards_checkpoints_summary_and_plots(exact_run):
         assert len(acc.Scalars("blade/param_distance")) == 6
 
 
-def test_ray_exact_mode_equals_the_single_process_trainer(exact_run, tmp_path):
-    from schemas.train_config import TrainConfig
-    from training.runs.train_job import train
+@pytest.fixture(scope="module")
+def loop(tiny_train, tmp_path_factory):
+    """The one-page BLADE loop (curation.core.loop, the oracle) on tiny_train's config: (result, candidates)."""
+    from tests.jobs.test_oracle import oracle
 
-    single = str(tmp_path / "single")
-    cfg = TrainConfig.model_validate({**exact_run["train"], "output_dir": single})
-    train(cfg)
-    assert_same_run(exact_run["out"], single)
+    return oracle(tiny_train(str(tmp_path_factory.mktemp("loop") / "unused")))
 
 
-def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train):
-    """Run in-process through the library function the job calls (training.runs.engine_job)."""
+def test_ray_exact_mode_equals_the_single_process_trainer_and_the_loop(exact_run, single_run, loop):
+    from tests.jobs.test_oracle import assert_equals_oracle
+
+    # the same config but where it writes and how often it logs (a log interval changes no weight: compared below)
+    same = {"output_dir": None, "throughput": None}
+    assert {**exact_run["train"], **same} == {**single_run["config"], **same}
+    assert_same_run(exact_run["out"], single_run["out"])
+    assert_equals_oracle(exact_run["out"], *loop)  # the sequences, masks, final proxy and refresh log of the loop
+
+
+def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train, ray_local, loop):
+    """Run in-process through the library function the job calls (training.runs.engine_job): the exact run's
+    outputs, and the loop's."""
     from schemas.config import load_config
     from schemas.engine_config import CurateAndTrainConfig
+    from tests.jobs.test_oracle import assert_equals_oracle
     from training.runs.engine_job import curate_and_train
 
     out = str(tmp_path / "pipelined")
@@ -143,23 +174,24 @@ def test_pipelined_with_p1_gives_the_exact_masks(exact_run, tmp_path, tiny_train
     m = Manifest.load(os.path.join(out, "selected"))  # written by the workers, one part per step after W
     assert m.complete and m.job == "curate_and_train" and len(m.shards) == 1 + 12
     assert_same_run(exact_run["out"], out)
+    assert_equals_oracle(out, *loop)
 
 
-def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_train, session_killer):
+def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_train, session_killer, ray_local, capfd):
     out = str(tmp_path / "killed")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out, **EVERY_2))
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     ckpt = os.path.join(out, "checkpoints", "latest-rank0.pt")
-    deadline = time.monotonic() + 240
-    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while not os.path.exists(ckpt) and proc.poll() is None and not deadline.expired():
         time.sleep(0.02)
     session_killer(proc.pid)  # the driver (trainer), the local Ray instance and its actors
-    proc.wait(timeout=60)
+    timing.wait(proc, timeout=60)
     assert proc.returncode == -9, "the job ended before it could be killed"
     assert not Manifest.load(os.path.join(out, "scored")).complete
-    resumed = _run(cfg)
-    assert "resuming from" in resumed.stdout and "latest-rank0.pt" in resumed.stdout
+    resumed = _run_here(cfg, capfd)  # the rerun in this process (the killed run was a fresh one)
+    assert "resuming from" in resumed and "latest-rank0.pt" in resumed
     assert_same_run(exact_run["out"], out)
     with open(os.path.join(out, "summary.json")) as f, open(os.path.join(exact_run["out"], "summary.json")) as g:
         a, b = json.load(f), json.load(g)
@@ -169,13 +201,19 @@ def test_a_killed_job_resumes_to_the_same_outputs(exact_run, tmp_path, tiny_trai
     assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in b["refreshes"]]
 
 
-def test_a_damaged_scored_part_is_redone_by_the_rerun(exact_run, tmp_path, tiny_train, flip_bit):
+def test_a_damaged_scored_part_is_redone_by_the_rerun(exact_run, tmp_path, flip_bit):
     """Issue 14: a damaged scored part failed every rerun ('the scored sequences of step 58 are not the
     candidate stream's'). Now reading it stops the trainer naming the file; the rerun resumes from the
-    checkpoint before it, the engine redoes the part, and the outputs equal an undamaged run's."""
+    checkpoint before it, the engine redoes the part, and the outputs equal an undamaged run's. The finished run
+    damaged is a copy of the exact run (a run directory resumes wherever it is: its output_dir is not compared)."""
     out = str(tmp_path / "damaged")
-    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
-    _run(cfg)
+    shutil.copytree(exact_run["out"], out, symlinks=True)
+    with open(exact_run["cfg"], encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    data["train"]["output_dir"] = out
+    cfg = str(tmp_path / "cfg.yaml")
+    with open(cfg, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f)
     ckpts = os.path.join(out, "checkpoints")
     (first,) = [f for f in os.listdir(ckpts) if f.endswith("-ba5-rank0.pt")]
     for f in os.listdir(ckpts):  # back to the state after step 5, as if the job had failed at step 7
@@ -195,19 +233,20 @@ def test_a_damaged_scored_part_is_redone_by_the_rerun(exact_run, tmp_path, tiny_
     assert Manifest.load(scored).complete and len(_rows(scored)) == len(_rows(os.path.join(exact_run["out"], "scored")))
 
 
-def test_a_finished_run_extended_equals_the_longer_run(exact_run, tmp_path, tiny_train):
+def test_a_finished_run_extended_equals_the_longer_run(exact_run, tmp_path, tiny_train, ray_local, capfd):
     """Issue 34: the main job run to 9 steps, then rerun with train.max_steps 14, ends as the 14-step run: the
-    scored part [8, 9) cut short by the old end is redone as [8, 10), the trainer continues from its checkpoint."""
+    scored part [8, 9) cut short by the old end is redone as [8, 10), the trainer continues from its checkpoint.
+    (Both runs in this process.)"""
     out = str(tmp_path / "extended")
-    _run(_config(tmp_path / "short.yaml", tiny_train(out, max_steps=9)))
+    _run_here(_config(tmp_path / "short.yaml", tiny_train(out, max_steps=9)), capfd)
 
     def parts(run: str) -> list[str]:
         return sorted(os.path.basename(r.name) for r in Manifest.load(os.path.join(run, "scored")).shards)
 
     assert parts(out)[-1] == "steps-000000008-000000009"
-    longer = _run(_config(tmp_path / "long.yaml", tiny_train(out)))
-    assert "extending the run: train.max_steps 9 → 14 (continuing from its checkpoint)" in longer.stdout
-    assert "resuming from" in longer.stdout
+    longer = _run_here(_config(tmp_path / "long.yaml", tiny_train(out)), capfd)
+    assert "extending the run: train.max_steps 9 → 14 (continuing from its checkpoint)" in longer
+    assert "resuming from" in longer
     assert_same_run(exact_run["out"], out)
     assert parts(out) == parts(exact_run["out"]) and Manifest.load(os.path.join(out, "scored")).complete
 
@@ -228,7 +267,7 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
     env = {**_env(), "RAY_AUTH_MODE": "token"}
 
     def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
+        return timing.run(["ray", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
     # The head node runs in the foreground (--block) in its own session, so that stopping it ends exactly the
     # processes it started (`ray stop` would end every Ray instance on the machine, other users' included).
@@ -240,24 +279,24 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
                              "true", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = timing.Deadline(120)
         while ray_cli("job", "list", "--address", address).returncode != 0:
             assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "the head node's job server did not come up"
+            assert not deadline.expired(), "the head node's job server did not come up"
             time.sleep(1)
         # Without --no-wait the CLI streams the job's logs until it ends. A submission the job server did not
         # accept (no job id printed: nothing ran) is retried, as a user would; its output is kept for the message.
         # On a loaded machine the head's job agent comes up after its job server ("No available agent to submit
         # job, please try again later"): retried for up to two minutes.
         outputs = []
-        deadline = time.monotonic() + 120
+        deadline = timing.Deadline(120)
         while True:
             sub = ray_cli("job", "submit", "--address", address, "--working-dir", REPO,
                           "--", "python", "jobs/curate_and_train.py", "--config", cfg, timeout=300)
             logs = sub.stdout + sub.stderr
             outputs.append(logs[-3000:])
             ids = [w.strip("'") for line in logs.splitlines() for w in line.split() if w.strip("'").startswith("raysubmit_")]
-            if ids or time.monotonic() > deadline:
+            if ids or deadline.expired():
                 break
             time.sleep(5)
         assert ids, "ray job submit never printed a job id:\n" + "\n---\n".join(outputs[-3:])
@@ -271,7 +310,7 @@ def test_ray_job_submit_to_a_local_head_node(tmp_path, tiny_train, session_kille
     finally:
         head.terminate()  # `ray start --block` stops the node's processes when it is terminated
         try:
-            head.wait(timeout=60)
+            timing.wait(head, timeout=60)
         except subprocess.TimeoutExpired:
             pass
         session_killer(head.pid)  # whatever of that session is left

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,31 +13,29 @@ import yaml
 from curation.core.selection import num_selected
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
+from tests.conftest import load_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train):
-    from schemas.train_config import TrainConfig
-    from training.runs.train_job import train
-
+def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path, tiny_train, single_run, ray_local,
+                                                                       capfd):
+    """The job's ``main`` in this test process, on its Ray instance (4 CPUs: 2 scoring workers, 2 trainer workers)."""
     out = str(tmp_path / "par")
     cfg = tmp_path / "cfg.yaml"
     # ‖u − w‖ every throughput.log_interval steps (distance_interval's default): 2 here
     cfg.write_text(yaml.safe_dump({"train": tiny_train(out, throughput={"log_interval": 2}),
-                                   "workers": {"count": 2, "range_steps": 2},
-                                   "engine": {"lookahead": 4}}), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "curate_and_train.py"), "--config", str(cfg),
-                           "--set", "train.parallel.workers=2"], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "trainer: 2 Ray Train workers" in proc.stdout
+                                   "workers": {"count": 2, "range_steps": 2, "device": "cpu"},
+                                   "engine": {"lookahead": 4, "refresh_device": "cpu"}}), encoding="utf-8")
+    capfd.readouterr()
+    rc = load_job("curate_and_train", "_parallel").main(["--config", str(cfg), "--set", "train.parallel.workers=2"])
+    stdout, stderr = capfd.readouterr()
+    assert rc == 0, stdout[-3000:] + stderr[-5000:]
+    assert "trainer: 2 Ray Train workers" in stdout
 
-    single = train(TrainConfig.model_validate(tiny_train(str(tmp_path / "single"))))
+    single = single_run  # tiny_train's config in one process
     steps, b, w = 14, 8, 2
-    a = {c: read_column(single.selected, c) for c in ("step", "tokens", "loss_mask")}
+    a = {c: read_column(single["selected"], c) for c in ("step", "tokens", "loss_mask")}
     p = {c: read_column(os.path.join(out, "selected"), c) for c in ("step", "tokens", "loss_mask")}
     assert p["step"] == [t for t in range(steps) for _ in range(b)]  # each step once: no duplicate rows
     assert all(np.array_equal(x, y) for x, y in zip(a["tokens"], p["tokens"], strict=True))
@@ -52,7 +48,7 @@ def test_two_trainer_workers_next_to_the_engine_select_like_one_process(tmp_path
 
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         s = json.load(f)
-    with open(single.summary, encoding="utf-8") as f:
+    with open(single["summary"], encoding="utf-8") as f:
         s1 = json.load(f)
     assert s["world_size"] == 2 and [r["version"] for r in s["refreshes"]] == [0, 1, 2]
     assert "trainer_workers" not in s["engine"] and s["engine"]["trainer_wait_seconds"] >= 0  # rank 0's waits

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run, assert_same_run
+from tests import timing
+from tests.jobs.test_curate_and_train import JOB, REPO, _config, _env, _run_here, assert_same_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -43,8 +44,8 @@ def _start_until(cfg: str, ckpt: str, err, *, save_delay: float = 0.0) -> subpro
     code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5, save_delay=save_delay)
     proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=err, env=_env(), start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not os.path.exists(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while not os.path.exists(ckpt) and proc.poll() is None and not deadline.expired():
         time.sleep(0.02)
     return proc
 
@@ -58,7 +59,7 @@ def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-r
             proc = _start_until(cfg, os.path.join(out, "checkpoints", after), err)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-            proc.wait(timeout=120)
+            timing.wait(proc, timeout=120)
             err.seek(0)
             stderr = err.read()
             assert not _ray_left(proc.pid), "the job left its Ray instance running"
@@ -84,29 +85,25 @@ def _ray_left(sid: int) -> list[int]:
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid and int(p) != sid]
 
 
-def _resume(cfg: str) -> None:
-    rerun = _run(cfg)
-    assert "resuming from" in rerun.stdout and "latest-rank0.pt" in rerun.stdout
+def _resume(cfg: str, capfd) -> None:  # noqa: ANN001 - pytest's capfd
+    """The rerun, in this test process (the stopped run was a fresh one): it resumes from the stop's checkpoint."""
+    rerun = _run_here(cfg, capfd)
+    assert "resuming from" in rerun and "latest-rank0.pt" in rerun
 
 
 def test_sigterm_stops_the_exact_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
-    from schemas.train_config import TrainConfig
-    from training.runs.train_job import train
-
+        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
     _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg)
+    _resume(cfg, capfd)
     # the uninterrupted reference: the single-process trainer (which the uninterrupted Ray exact run equals bit for
     # bit: tests/jobs/test_curate_and_train.py::test_ray_exact_mode_equals_the_single_process_trainer)
-    single = str(tmp_path / "single")
-    train(TrainConfig.model_validate(tiny_train(single)))
-    assert_same_run(single, out)
+    assert_same_run(single_run["out"], out)
 
 
 def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
+        tmp_path, tiny_train, session_killer, ray_local, capfd):
     from schemas.config import load_config
     from schemas.engine_config import CurateAndTrainConfig
     from training.runs.engine_job import curate_and_train
@@ -115,7 +112,7 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine=engine)
     _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg)
+    _resume(cfg, capfd)
     full = str(tmp_path / "uninterrupted")
     curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
                                                                      engine=engine)))
@@ -123,10 +120,7 @@ def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uni
 
 
 def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer):
-    from schemas.train_config import TrainConfig
-    from training.runs.train_job import train
-
+        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
     out = str(tmp_path / "stopped")
     cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
     with open(tmp_path / "stderr.txt", "w+") as err:
@@ -137,17 +131,17 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
             proc = _start_until(cfg, os.path.join(out, "checkpoints", "latest-rank0.pt"), err, save_delay=2.0)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while "SIGTERM received" not in open(err.name).read() and time.monotonic() < deadline:
+            deadline = timing.Deadline(60)
+            while "SIGTERM received" not in open(err.name).read() and not deadline.expired():
                 time.sleep(0.02)
-            t0 = time.monotonic()
+            at_once = timing.Deadline(5)  # (5 s on an idle machine: the stop's checkpoint alone takes 2 s)
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-            waited = time.monotonic() - t0
+            timing.wait(proc, timeout=60)
+            waited = (at_once.expired(), str(at_once))
             # the local Ray instance follows its driver: raylet and GCS at once, its agents (ray::DashboardAgent, …)
             # when their check of the raylet finds it gone (measured: about a minute after the driver)
-            deadline = time.monotonic() + 180
-            while _ray_left(proc.pid) and time.monotonic() < deadline:
+            deadline = timing.Deadline(180)
+            while _ray_left(proc.pid) and not deadline.expired():
                 time.sleep(0.5)
             left = _ray_left(proc.pid)
             err.seek(0)
@@ -155,12 +149,10 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
         finally:
             if proc is not None:
                 session_killer(proc.pid)
-    assert proc.returncode == -signal.SIGTERM and waited < 5, (proc.returncode, waited, stderr[-3000:])
+    assert proc.returncode == -signal.SIGTERM and not waited[0], (proc.returncode, waited[1], stderr[-3000:])
     assert "SIGTERM received: finishing the training step in progress and its checkpoint" in stderr
     assert not left, "the job left its Ray instance running"
     assert not os.path.exists(os.path.join(out, "final"))
 
-    _resume(cfg)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
-    single = str(tmp_path / "single")
-    train(TrainConfig.model_validate(tiny_train(single)))
-    assert_same_run(single, out)
+    _resume(cfg, capfd)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
+    assert_same_run(single_run["out"], out)

@@ -24,6 +24,8 @@ from curation.io.shards import ShardReader, merge_part_indexes, open_shards, wri
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, validate_shard_dir
 from schemas.train_config import demo_model_config
+from tests import timing
+from tests.conftest import load_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -70,9 +72,21 @@ def _env() -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
 
 
+_JOB = load_job("curate", "_here")
+
+
+def _run_here(config: str, capfd, *args: str) -> tuple[int, str, str]:  # noqa: ANN001 - pytest's capfd
+    """The job's ``main`` in this test process, which has its imports done and a Ray instance to join (fixture
+    ``ray_local``): (exit status, stdout, stderr)."""
+    capfd.readouterr()
+    rc = _JOB.main(["--config", config, *args])
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
 def _run(config: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True,
-                          timeout=300, env=_env())
+    return timing.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True, timeout=300,
+                      env=_env())
 
 
 def _assert_expected(out: str, expected: list) -> None:
@@ -92,9 +106,11 @@ def _assert_expected(out: str, expected: list) -> None:
     assert s["sequences"] == len(expected) and s["kept_tokens"] == sum(int(e["loss_mask"].sum()) for e in expected)
 
 
-def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_shards(setup, session_killer):
+def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_shards(setup, session_killer,
+                                                                                        ray_local, capfd):
     """Run 1 meets a bad record: fails naming shard and record, keeps its finished parts. Run 2 (input fixed)
-    is killed mid-way. Run 3 resumes and ends with exactly the shards of one uninterrupted pass."""
+    is killed mid-way. Run 3 resumes and ends with exactly the shards of one uninterrupted pass. (Runs 1 and 3 in this
+    process, run 2 a fresh one.)"""
     cand = setup["cand"]
     parts = [s.name for s in Manifest.load(cand).shards]
     n = setup["n"]
@@ -112,11 +128,11 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     merge_part_indexes(cand, parts)
     out = str(setup["dir"] / "run")
     try:
-        proc = _run(_config(setup, out))
-        assert proc.returncode == 1, proc.stdout + proc.stderr
+        rc, stdout, stderr = _run_here(_config(setup, out), capfd)
+        assert rc == 1, stdout + stderr
         want = (f"{cand}: shard {shard}, record {record} (sample {sample}, step {pos // B}): "
                 f"token id 600 at position 7 is outside the model's vocabulary")
-        assert want in proc.stderr, proc.stderr[-3000:]
+        assert want in stderr, stderr[-3000:]
         failed = Manifest.load(os.path.join(out, "selected"))
         assert failed.shards and not failed.complete  # finished parts are kept
     finally:
@@ -125,33 +141,35 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
         merge_part_indexes(cand, parts)
 
     cfg = _config(setup, out, count=1)
-    proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+    with open(out + ".killed.stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL, stderr=err,
+                                env=_env(), start_new_session=True)
     manifest = os.path.join(out, "selected", "manifest.json")
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(240)
+    while proc.poll() is None and not deadline.expired():
         if len(Manifest.load(os.path.dirname(manifest)).shards) >= len(failed.shards) + 2:
             break
         time.sleep(0.01)
     session_killer(proc.pid)  # the job, its local Ray instance and the workers
-    proc.wait(timeout=60)
-    assert proc.returncode == -9, "the job ended before it could be killed"
+    timing.wait(proc, timeout=60)
+    assert proc.returncode == -9, "the job ended before it could be killed:\n" + open(out + ".killed.stderr").read()[-3000:]
     killed = Manifest.load(os.path.join(out, "selected"))
     assert not killed.complete and {s.name for s in failed.shards} < {s.name for s in killed.shards}
 
-    proc = _run(cfg)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rc, stdout, stderr = _run_here(cfg, capfd)
+    assert rc == 0, stdout + stderr
     done = Manifest.load(os.path.join(out, "selected"))
     assert {s.name for s in killed.shards} <= {s.name for s in done.shards}  # finished parts were not redone
     _assert_expected(out, setup["expected"])
 
 
-def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
+def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit, ray_local, capfd):
     """Issue 14: a damaged part blocked its output directory on every rerun, and a deleted one gave
-    '[Errno 2] … index.json'. Now the rerun checks the recorded parts' hashes and redoes those units."""
+    '[Errno 2] … index.json'. Now the rerun (a fresh process: the engine's warnings are its stderr) checks the
+    recorded parts' hashes and redoes those units."""
     out = str(setup["dir"] / "damaged")
     cfg = _config(setup, out)
-    assert _run(cfg).returncode == 0
+    assert _run_here(cfg, capfd)[0] == 0
     sel = os.path.join(out, "selected")
     parts = [s.name for s in Manifest.load(sel).shards]
     shard = os.path.join(sel, parts[1], "shard.00000.mds.zstd")
@@ -168,7 +186,8 @@ def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit):
     assert len(Manifest.load(sel).shards) == len(parts)
 
 
-def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_one_pass_shards(setup, session_killer):
+def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_one_pass_shards(setup, session_killer,
+                                                                                                ray_local, capfd):
     """Preemption: SIGTERM mid-run stops the job after the units in progress, exit 143 and a line saying what
     is finished and that a rerun does the rest; the rerun ends with exactly the shards of one pass."""
     out = str(setup["dir"] / "sigterm")
@@ -179,14 +198,14 @@ def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_
                                 env=_env(), start_new_session=True)
     try:
         sel = os.path.join(out, "selected")
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline:
+        deadline = timing.Deadline(240)
+        while proc.poll() is None and not deadline.expired():
             if os.path.exists(os.path.join(sel, "manifest.json")) and Manifest.load(sel).shards:
                 break
             time.sleep(0.01)
         assert proc.poll() is None, "the job ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-        proc.wait(timeout=120)
+        timing.wait(proc, timeout=120)
     finally:
         session_killer(proc.pid)  # whatever is left of its local Ray instance
     stderr = open(err_path).read()
@@ -199,7 +218,7 @@ def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_
     assert last.startswith(f"stopped on SIGTERM with {n} of ") and last.endswith(
         f"work units finished in {sel}; rerun the same command to do the other "
         f"{int(last.split(' of ')[1].split()[0]) - n} (finished parts are kept)"), last
-    proc = _run(cfg)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rc, stdout, stderr = _run_here(cfg, capfd)  # the rerun in this process
+    assert rc == 0, stdout + stderr
     assert {s.name for s in stopped.shards} <= {s.name for s in Manifest.load(sel).shards}  # not redone
     _assert_expected(out, setup["expected"])

@@ -4,11 +4,11 @@ their heavy imports), each in a fresh interpreter, as a user runs it."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import timing
 from tests.conftest import REPO, load_job
 
 #: What a job may import only after its arguments are parsed (each takes seconds to import).
@@ -41,7 +41,7 @@ def test_the_jobs_are_found():
 
 @pytest.mark.parametrize("job", JOBS)
 def test_each_jobs_help_answers_before_torch_composer_or_ray_load(job, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(REPO / "jobs" / f"{job}.py"), ",".join(HEAVY)],
+    proc = timing.run([sys.executable, "-c", _PROBE, str(REPO / "jobs" / f"{job}.py"), ",".join(HEAVY)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.splitlines()[-1])
@@ -121,7 +121,7 @@ def test_help_of_an_unknown_section_exits_2_naming_the_nearest(capsys):
 
 def test_help_of_a_section_answers_before_torch_composer_or_ray_load(tmp_path):
     probe = _PROBE.replace('sys.argv = [job, "--help"]', 'sys.argv = [job, "--help", "train.selection"]')
-    proc = subprocess.run([sys.executable, "-c", probe, str(REPO / "jobs" / "curate_and_train.py"), ",".join(HEAVY)],
+    proc = timing.run([sys.executable, "-c", probe, str(REPO / "jobs" / "curate_and_train.py"), ",".join(HEAVY)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["code"] == 0 and "train.selection.gamma = 0.6" in got["help"] and not got["heavy"], got

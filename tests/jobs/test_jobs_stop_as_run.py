@@ -21,6 +21,7 @@ import yaml
 
 from schemas.config import load_config
 from schemas.train_config import ReplayConfig, TrainConfig
+from tests import timing
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
 from training.runs.train_job import train
 
@@ -39,12 +40,12 @@ def _stop_as_a_user(job: str, config: str, out: str, session_killer=None) -> tup
                             text=True, start_new_session=session_killer is not None)
     try:
         first = os.path.join(out, "checkpoints", "latest-rank0.pt")
-        deadline = time.time() + 240
-        while not os.path.lexists(first) and proc.poll() is None and time.time() < deadline:
+        deadline = timing.Deadline(240)
+        while not os.path.lexists(first) and proc.poll() is None and not deadline.expired():
             time.sleep(0.01)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-        _, err = proc.communicate(timeout=120)
+        _, err = timing.communicate(proc, timeout=120)
     finally:
         if session_killer is not None:
             session_killer(proc.pid)
@@ -110,12 +111,12 @@ def test_sigterm_to_prepare_py_as_run_by_a_user_finishes_the_part_in_progress(tm
     proc = subprocess.Popen(job, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     cand = os.path.join(cfg.output_dir, "candidates")
-    deadline = time.time() + 240
-    while not os.path.exists(os.path.join(cand, "manifest.json")) and proc.poll() is None and time.time() < deadline:
+    deadline = timing.Deadline(240)
+    while not os.path.exists(os.path.join(cand, "manifest.json")) and proc.poll() is None and not deadline.expired():
         time.sleep(0.01)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = timing.communicate(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM received: finishing the part in progress, then stopping" in err and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]

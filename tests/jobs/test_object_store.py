@@ -1,7 +1,7 @@
 """The jobs end to end on a real S3 server (SeaweedFS, the ``s3`` fixture): prepare into ``s3://``, train and the Ray
 main job reading from and writing to the bucket, a kill and a resume from the bucket with the local cache wiped in
 between (the outputs equal a local run's bit for bit), and a bit flip in a stored shard detected by name and
-repaired by a rerun of prepare."""
+repaired by a rerun of prepare. The killed runs are fresh job processes; the reruns run in the test process."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from curation.io import objects, storage
 from curation.io.shards import ShardReader
 from schemas.config import PrepareConfig
 from schemas.manifest import Manifest
+from tests import timing
 from tests.conftest import ENGINE_VOCAB, load_job
 from tests.jobs.test_curate_and_train import JOB as MAIN_JOB
 from tests.jobs.test_curate_and_train import assert_same_run
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # minutes each on a 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_JOB = os.path.join(REPO, "jobs", "train.py")
-CURATE_JOB = os.path.join(REPO, "jobs", "curate.py")
 
 
 def _prepare_into(s3, engine_demo: str, prefix: str = "data") -> PrepareConfig:
@@ -64,20 +64,27 @@ def _start(job: str, config: dict, path, s3) -> subprocess.Popen:
 
 def _kill_after_first_checkpoint(proc: subprocess.Popen, s3, run: str, killer) -> None:
     """SIGKILL the job's whole session once its first checkpoint is in the bucket (not only on disk)."""
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(300)
+    while proc.poll() is None and not deadline.expired():
         if "checkpoints/.symlinks.json" in objects.list_objects(s3.url(run)):
             break
         time.sleep(0.2)
     killer(proc.pid)
-    out = proc.communicate(timeout=60)[0]
+    out = timing.communicate(proc, timeout=60)[0]
     assert proc.returncode == -9, "the job ended before it could be killed:\n" + out[-3000:]
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-5000:]
-    return out
+def _finish_here(job: str, config: dict, path, capfd) -> str:  # noqa: ANN001 - pytest's capfd
+    """The rerun of a job, in this test process (its environment points at the test server: the s3 fixture):
+    ``jobs/<job>.py``'s ``main`` on ``config``; returns its stdout and stderr. A Ray job here starts a local instance
+    of its own (fixture ``own_ray``), whose workers see this environment."""
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    capfd.readouterr()
+    rc = load_job(job, "_s3_here").main(["--config", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return out + err
 
 
 def _pulled(s3, run: str) -> str:
@@ -87,20 +94,15 @@ def _pulled(s3, run: str) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def local_run(tiny_train, tmp_path_factory) -> str:
+@pytest.fixture
+def local_run(single_run) -> str:
     """The tiny blade run of ``tiny_train`` on the local copy of the data, uninterrupted (what the bucket's runs
     must equal bit for bit)."""
-    from schemas.train_config import TrainConfig
-    from training.runs.train_job import train
-
-    out = str(tmp_path_factory.mktemp("local") / "run")
-    train(TrainConfig.model_validate(tiny_train(out)))
-    return out
+    return single_run["out"]
 
 
 def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, local_run, tmp_path, session_killer,
-                                                   capsys):
+                                                   capfd):
     # prepare into the bucket: the same shards as a local prepare, readable by StreamingDataset from the bucket
     cfg = _prepare_into(s3, engine_demo)
     stored = objects.list_objects(s3.url("data"))
@@ -119,7 +121,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     train_cfg = tiny_train(s3.url("run"), data=_s3_data(s3))
     _kill_after_first_checkpoint(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3), s3, "run", session_killer)
     shutil.rmtree(s3.cache)
-    out = _finish(_start(TRAIN_JOB, train_cfg, tmp_path / "train.yaml", s3))
+    out = _finish_here("train", train_cfg, tmp_path / "train.yaml", capfd)  # the rerun, in this process
     assert "took over the lock" in out and "resumed from" in out, out[-3000:]
     assert ".lock" not in objects.list_objects(s3.url("run"))
     # issue 34: the run's outputs named by their URLs, never by cache paths, and the upload confirmed by the bucket
@@ -147,7 +149,7 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
     os.environ["BLADE_CACHE_DIR"] = cold  # (restored by the s3 fixture's monkeypatch)
     rc = load_job("train", "_s3").main(["--config", str(tmp_path / "train.yaml"), "--set",
                                         f"output_dir={s3.url('run2')}"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert rc == 1
     assert f"error: {s3.url(key)}: corrupt shard (" in err
     assert ("part target/part-00000-00000 can be regenerated: rerun jobs/prepare.py with the same config and "
@@ -167,14 +169,14 @@ def test_prepare_train_resume_and_a_bit_flip_on_s3(s3, engine_demo, tiny_train, 
 
 @pytest.mark.ray
 def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, tiny_train, local_run, tmp_path,
-                                                              session_killer):
+                                                              session_killer, own_ray, capfd):
     _prepare_into(s3, engine_demo)
     config = {"train": tiny_train(s3.url("run"), data=_s3_data(s3)), "workers": {"count": 2, "range_steps": 2},
               "engine": {"lookahead": 4}}
     _kill_after_first_checkpoint(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3), s3, "run", session_killer)
     assert not Manifest.load(_pulled(s3, "run/scored")).complete
     shutil.rmtree(s3.cache)
-    out = _finish(_start(MAIN_JOB, config, tmp_path / "main.yaml", s3))
+    out = _finish_here("curate_and_train", config, tmp_path / "main.yaml", capfd)  # the rerun, in this process
     assert "took over the lock" in out and "resuming from" in out, out[-3000:]
     stored = objects.list_objects(s3.url("run"))
     assert {"engine_config.yaml", "config.yaml", "scored/manifest.json", "selected/manifest.json",
@@ -194,7 +196,7 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
                   "batch_size": 8, "reference_weights": s3.url("run/final/reference.safetensors"),
                   "proxy_weights": s3.url("run/final/model.safetensors"), "output_dir": s3.url("curate"),
                   "progress": False, "workers": {"count": 2, "range_steps": 10}}
-    _finish(_start(CURATE_JOB, curate_cfg, tmp_path / "curate.yaml", s3))
+    _finish_here("curate", curate_cfg, tmp_path / "curate.yaml", capfd)
     shutil.rmtree(s3.cache)
     selected = os.path.join(_pulled(s3, "curate"), "selected")
     manifest, rows = Manifest.load(selected), ShardReader(selected)
@@ -203,14 +205,16 @@ def test_the_main_job_on_s3_killed_and_resumed_from_the_bucket(s3, engine_demo, 
 
 
 @pytest.mark.ray
-def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run):
-    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache)."""
+def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tiny_train, local_run, own_ray):
+    """jobs/train.py with parallel.workers=2 (a Ray Train group; the ranks share this machine's cache): 6 of the
+    local run's 14 steps (the constant learning rate makes them its first 6; one checkpoint, at step 5), what the
+    bucket's paths need (tests/training/test_parallel.py compares whole data-parallel runs)."""
     from curation.engine.ray_backend import ray_session
     from schemas.train_config import TrainConfig
     from training.runs.train_job import train
 
     _prepare_into(s3, engine_demo)
-    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}))
+    cfg = TrainConfig.model_validate(tiny_train(s3.url("dp"), data=_s3_data(s3), parallel={"workers": 2}, max_steps=6))
     with ray_session("local", num_cpus=2):  # started here: its workers see the fixture's endpoint and keys
         train(cfg)
     stored = objects.list_objects(s3.url("dp"))
@@ -219,8 +223,8 @@ def test_data_parallel_training_reads_and_writes_the_bucket(s3, engine_demo, tin
 
     shutil.rmtree(s3.cache)
     a, b = ShardReader(os.path.join(local_run, "selected")), ShardReader(os.path.join(_pulled(s3, "dp"), "selected"))
-    assert len(a) == len(b) == cfg.max_steps * cfg.batch_size
-    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))  # the same candidate stream
+    assert len(b) == cfg.max_steps * cfg.batch_size < len(a)
+    assert all(np.array_equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(b)))  # the same candidate stream
     first = range(2 * 8, 3 * 8)  # the first selecting step (after W = 2 warm-up steps): the single-process masks
     assert all(np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"]) for i in first)
 
@@ -241,7 +245,7 @@ def test_prepare_on_ray_workers_into_the_bucket_equals_a_local_prepare(s3, engin
     config.write_text(yaml.safe_dump(base.model_copy(update={"output_dir": s3.url("ray"), "workers": 2})
                                      .model_dump(mode="json")))
     env = {k: v for k, v in s3.env(PYTHONUNBUFFERED="1").items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", str(config)],
+    done = timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", str(config)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(2 workers)" in done.stdout

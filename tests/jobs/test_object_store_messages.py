@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from curation.io import objects
+from tests import timing
 
 pytestmark = pytest.mark.slow  # job processes against the test S3 server
 
@@ -18,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _job(name: str, *args: str, s3, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", f"{name}.py"), *args], cwd=cwd, env=s3.env(),
+    return timing.run([sys.executable, os.path.join(REPO, "jobs", f"{name}.py"), *args], cwd=cwd, env=s3.env(),
                           capture_output=True, text=True, timeout=300)
 
 

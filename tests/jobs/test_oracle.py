@@ -1,7 +1,8 @@
 """Every training path equals the one-page BLADE loop (:func:`curation.core.loop.blade_loop`) bit for bit on
-CPU float32: ``jobs/train.py`` (single process, exact mode) for every policy, ``jobs/curate_and_train.py`` in
-exact mode on Ray, and its pipelined mode with ``P = 1``. Compared: the sequences and the mask α of every
-step (the selected-token shards), the final proxy weights, and the refresh log."""
+CPU float32: ``jobs/train.py`` (single process, exact mode) for every policy, here; ``jobs/curate_and_train.py`` in
+exact mode on Ray and its pipelined mode with ``P = 1`` in tests/jobs/test_curate_and_train.py (its runs of the same
+config, compared with :func:`oracle` through :func:`assert_equals_oracle`). Compared: the sequences and the mask α of
+every step (the selected-token shards), the final proxy weights, and the refresh log."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def assert_equals_oracle(run_dir: str, expected: LoopResult, candidates: torch.T
 
 @pytest.fixture(scope="module")
 def blade(tiny_train, tmp_path_factory):
-    """The oracle of the tiny blade run (14 steps, W = 2, τ = 4, K = 2, b = 8): shared by the three modes."""
+    """The oracle of the tiny blade run (14 steps, W = 2, τ = 4, K = 2, b = 8)."""
     train = tiny_train(str(tmp_path_factory.mktemp("oracle") / "unused"))
     return (*oracle(train), train)
 
@@ -80,28 +81,3 @@ def test_the_single_process_trainer_equals_the_loop(tiny_train, tmp_path, policy
     if policy == "blade":  # the loop is not trivially satisfied: another policy's run differs from it
         other, _ = oracle({**train, "selection": {**train["selection"], "policy": "blade-nosync"}})
         assert not all(torch.equal(a, b) for a, b in zip(other.masks, expected.masks, strict=True))
-
-
-def _curate_and_train(tmp_path: Path, train: dict, **engine) -> None:
-    config = {"train": train, "workers": {"count": 1, "range_steps": 4, "device": "cpu"},  # the loop's device
-              "engine": {"lookahead": 4, "refresh_device": "cpu", **engine}, "ray": {"address": "local", "num_cpus": 3}}
-    path = tmp_path / "curate_and_train.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert load_job("curate_and_train", "_oracle").main(["--config", str(path)]) == 0
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_ray_exact_mode_equals_the_loop(blade, tmp_path):
-    expected, cand, train = blade
-    _curate_and_train(tmp_path, {**train, "output_dir": str(tmp_path / "exact")})
-    assert_equals_oracle(str(tmp_path / "exact"), expected, cand)
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_pipelined_with_p1_equals_the_loop(blade, tmp_path):
-    expected, cand, train = blade
-    _curate_and_train(tmp_path, {**train, "output_dir": str(tmp_path / "pipelined")}, mode="pipelined",
-                      snapshot_period=1)
-    assert_equals_oracle(str(tmp_path / "pipelined"), expected, cand)

@@ -18,6 +18,7 @@ import sys
 import pytest
 import yaml
 
+from tests import timing
 from tests.own_model import EOS, GPT2, write_own_corpus, write_own_model
 
 pytestmark = pytest.mark.slow  # job processes
@@ -45,7 +46,7 @@ def _env() -> dict:
 
 
 def _job(name: str, *args: str, cwd, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", f"{name}.py"), *args], cwd=cwd, env=_env(),
+    return timing.run([sys.executable, os.path.join(REPO, "jobs", f"{name}.py"), *args], cwd=cwd, env=_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from schemas.config import PrepareConfig, load_config
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +21,7 @@ def test_shipped_prepare_configs_validate(path):
 
 
 def _run(*args, cwd):
-    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), *args], cwd=cwd,
+    return timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -143,7 +144,7 @@ def test_a_piped_prepare_prints_a_line_per_interval_and_no_carriage_return(tmp_p
     characters; now whole lines, at most one per tenth of the units and the last, as the trainer prints."""
     paths = _own_text(tmp_path, 3)
     sources = ", ".join(f"{{name: s{i}, paths: [{p}]}}" for i, p in enumerate(paths))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--set", f"sources=[{sources}]",
+    proc = timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--set", f"sources=[{sources}]",
                            "--set", "validation=[]", "--set", "demo=false", "--set", "seq_len=16", "--set", "workers=1",
                            "--set", "tokenizer.vocab_size=300", "--set", f"output_dir={tmp_path / 'out'}",
                            "--set", "unit_bytes=20000"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

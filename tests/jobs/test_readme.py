@@ -7,7 +7,6 @@ import inspect
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from schemas.config import PrepareConfig
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.records import config_diff, operational_keys
 from schemas.train_config import TrainConfig
+from tests import timing
 from tests.conftest import SHARED_DATA, load_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_the_snippets_run_as_written_after_the_set_up(tmp_path):
     from training.blocks.foundry import NAME
 
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(REPO)}
-    main = subprocess.run([sys.executable, str(REPO / "jobs" / "curate_and_train.py"), "--set", "train.max_steps=40",
+    main = timing.run([sys.executable, str(REPO / "jobs" / "curate_and_train.py"), "--set", "train.max_steps=40",
                            "--set", "train.progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert main.returncode == 0, main.stdout[-2000:] + main.stderr[-3000:]
@@ -132,7 +132,7 @@ def test_the_snippets_run_as_written_after_the_set_up(tmp_path):
             continue  # (none today; a user's clone has no ../shared/data)
         script = tmp_path / f"snippet_{i}.py"
         script.write_text(code)
-        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        out = timing.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, f"{doc.name} snippet {i}:\n{code}\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
     loaders = [yaml.safe_load(b)["train_loader"] for _, b in _blocks("yaml") if "train_loader:" in b]

@@ -15,6 +15,8 @@ import pytest
 
 from schemas.config import load_config
 from schemas.train_config import TrainConfig
+from tests import timing
+from tests.conftest import load_job
 from tests.jobs.test_train_job import _config_file, small_demo  # noqa: F401 (small_demo: a fixture)
 from training.runs.train_job import train
 
@@ -53,17 +55,22 @@ def _start(config: str, *, step_delay: float, save_delay: float = 0.0) -> subpro
 
 
 def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not os.path.exists(path) and time.time() < deadline and proc.poll() is None:
+    deadline = timing.Deadline(timeout)
+    while not os.path.exists(path) and not deadline.expired() and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None and os.path.exists(path), proc.stderr.read() if proc.poll() is not None else ""
 
 
-def _rerun(config: str) -> str:
-    done = subprocess.run([sys.executable, JOB, "--config", config], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+_TRAIN = load_job("train", "_stop")
+
+
+def _rerun(config: str, capfd) -> str:  # noqa: ANN001 - pytest's capfd
+    """The rerun of the stopped job, in this test process (the stopped run was a fresh one): its stdout."""
+    capfd.readouterr()
+    rc = _TRAIN.main(["--config", config])
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-3000:]
+    return out
 
 
 def _read(path: str) -> bytes:
@@ -84,13 +91,13 @@ def uninterrupted(small_demo, tmp_path):  # noqa: F811
 
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_equals_an_uninterrupted_run(
-        small_demo, tmp_path, uninterrupted):  # noqa: F811
+        small_demo, tmp_path, uninterrupted, capfd):  # noqa: F811
     out = str(tmp_path / "run")
     config = _config_file(small_demo, out, tmp_path / "t.yaml", max_steps=12)
     proc = _start(config, step_delay=0.3)
     _wait_for(os.path.join(out, "checkpoints", "ep0-ba4-rank0.pt"), proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = timing.communicate(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM received: finishing the training step in progress and its checkpoint, then stopping" in err
     last = err.strip().splitlines()[-1]
@@ -102,24 +109,24 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_equals_an_un
     assert m[2] == os.path.join(out, "checkpoints", f"ep0-ba{step}-rank0.pt") and os.path.isfile(m[2])
     assert not os.path.exists(os.path.join(out, "final")) and not os.path.exists(os.path.join(out, "summary.json"))
 
-    stdout = _rerun(config)
+    stdout = _rerun(config, capfd)
     assert f"(resumed from {os.path.join(out, 'checkpoints', 'latest-rank0.pt')})" in stdout
     assert _read(os.path.join(out, "final", "model.safetensors")) == uninterrupted(config)
 
 
 def test_a_second_sigterm_stops_at_once_and_a_rerun_still_equals_an_uninterrupted_run(
-        small_demo, tmp_path, uninterrupted):  # noqa: F811
+        small_demo, tmp_path, uninterrupted, capfd):  # noqa: F811
     out = str(tmp_path / "run")
     config = _config_file(small_demo, out, tmp_path / "t.yaml", max_steps=12)
     proc = _start(config, step_delay=0.3, save_delay=2.0)  # the stop's checkpoint takes ≥ 2 s to write
     _wait_for(os.path.join(out, "checkpoints", "ep0-ba4-rank0.pt"), proc)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    t0 = time.time()
+    at_once = timing.Deadline(3)  # (3 s on an idle machine: the stop's checkpoint alone takes 2 s)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM and time.time() - t0 < 3  # ended by the signal, not at a step end
+    timing.communicate(proc, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and not at_once.expired(), at_once  # ended by the signal, not at a step end
     assert not os.path.exists(os.path.join(out, "final"))
 
-    _rerun(config)
+    _rerun(config, capfd)
     assert _read(os.path.join(out, "final", "model.safetensors")) == uninterrupted(config)

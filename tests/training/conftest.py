@@ -68,3 +68,17 @@ def make_config(demo_root, tmp_path):
         return tiny_config(demo_root, str(tmp_path / (name or policy)), policy, **updates)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def single_blade_12(demo_root, tmp_path_factory):
+    """The single-process blade run of :func:`tiny_config` for 12 steps (computed once per test process): what the
+    data-parallel runs of that config are compared with (tests/training/test_parallel*.py): ``train``'s
+    :class:`~training.runs.finish.Finished`, without the wired run."""
+    import dataclasses
+
+    from training.runs.train_job import train
+
+    res = train(tiny_config(demo_root, str(tmp_path_factory.mktemp("single-blade-12") / "single"), "blade",
+                            max_steps=12))
+    return dataclasses.replace(res, run=None)

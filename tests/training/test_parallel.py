@@ -22,7 +22,6 @@ import yaml
 from safetensors.torch import load_file
 
 from curation.core.selection import num_selected
-from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.manifest import Manifest
 from tests.conftest import load_job
@@ -33,12 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 STEPS, B, W = 12, 8, 2  # tiny_config: W=2, τ=3 (refreshes before steps 2, 5, 8, 11), checkpoints every 4 steps
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    with ray_session("local", num_cpus=2):
-        yield
 
 
 def _columns(path: str) -> dict[str, list]:
@@ -78,8 +71,9 @@ def _train_killing_rank1(cfg) -> dict:
     return out
 
 
-def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, local_ray, tmp_path):
-    single = train(make_config("blade", "single", max_steps=STEPS))
+def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, ray_local, tmp_path,
+                                                                                  single_blade_12):
+    single = single_blade_12  # make_config("blade", max_steps=STEPS)
     # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
     par_cfg = make_config("blade", "two", max_steps=STEPS)
     path = tmp_path / "two.yaml"
@@ -135,13 +129,13 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert json.load(open(killed.summary, encoding="utf-8"))["validation"] == sb["validation"]
 
 
-def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, local_ray,
-                                                                                   tmp_path):
+def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, ray_local,
+                                                                                   tmp_path, single_blade_12):
     """``parallel.strategy: fsdp``: the proxy sharded by Composer's FSDP2 and the reference sharded like it
     (every refresh, score and ‖u − w̃‖ from the shards); a killed worker restarts the group from the full
     checkpoint, whose reference is loaded back into the shards."""
-    one = make_config("blade", "single", max_steps=STEPS)
-    single = train(one)
+    single = single_blade_12  # make_config("blade", max_steps=STEPS)
+    one_dir = os.path.dirname(single.summary)
     cfg = make_config("blade", "fsdp", max_steps=STEPS)
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
@@ -153,7 +147,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     ma, mb = np.stack(a["loss_mask"]).astype(bool), np.stack(b["loss_mask"]).astype(bool)
     first = slice(W * B, (W + 1) * B)
     assert np.array_equal(ma[first], mb[first]) and (ma == mb).mean() >= 0.99
-    sa, sb = (json.load(open(os.path.join(o, "summary.json"), encoding="utf-8")) for o in (one.output_dir, out))
+    sa, sb = (json.load(open(os.path.join(o, "summary.json"), encoding="utf-8")) for o in (one_dir, out))
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
     assert [r["step"] for r in sb["refreshes"]] == [2, 5, 8, 11]
     final = {k: load_file(os.path.join(out, "final", f"{k}.safetensors")) for k in ("model", "reference")}
@@ -162,7 +156,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
         assert max(float((final[k][n] - want[n]).abs().max()) for n in want) < 1e-4, k
     with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
-    with open(os.path.join(one.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(one_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         want_dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
     assert len(dist) == len(want_dist) > 0 and np.allclose(dist, want_dist, rtol=1e-4)  # summed over the shards
 
@@ -175,7 +169,7 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     assert all(torch.equal(final["model"][k], wk[k]) for k in wk)  # bitwise equal to the uninterrupted run
 
 
-def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker(make_config, local_ray):
+def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker(make_config, ray_local):
     """blade-nosync under fsdp: its reference AdamW state, carried across refreshes, is sharded; the checkpoints
     hold it gathered by parameter name, and a restarted group loads it back into the shards: the run still
     equals the single-process one."""
@@ -194,7 +188,7 @@ def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
-def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_ray):
+def test_rank_scope_selects_like_microbatches_of_one_process(make_config, ray_local):
     """``selection.scope: rank``: each rank's b/N rows keep their own γ share, with no collective for the choice;
     that is the single-process run with microbatches of b/N rows. ``random`` scores do not depend on the model,
     so the masks must agree at every step (not only the first selecting one); each rank's block has its own k."""
@@ -214,9 +208,11 @@ def test_rank_scope_selects_like_microbatches_of_one_process(make_config, local_
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
-def test_a_group_larger_than_the_cluster_is_refused(make_config, local_ray):
-    cfg = make_config("full", "too-big", parallel={"workers": 4})  # 4 × 1 CPU on a 2-CPU instance
-    with pytest.raises(ValueError, match=r"parallel.workers=4 trainer workers .* do not fit the Ray cluster"):
+def test_a_group_larger_than_the_cluster_is_refused(make_config, ray_local):
+    cpus = int(ray_local.cluster_resources()["CPU"])  # (the test process's instance: 4)
+    cfg = make_config("full", "too-big", parallel={"workers": cpus + 1})  # one CPU more than the instance has
+    with pytest.raises(ValueError, match=rf"parallel.workers={cpus + 1} trainer workers .* do not fit the Ray "
+                                         rf"cluster \(CPU {cpus}, GPU 0 in all\)"):
         train(cfg)
 
 
@@ -231,7 +227,7 @@ def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
 
 @pytest.mark.timeout(1200)  # three group start-ups; 370 s on a loaded 2-core machine
 def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_uninterrupted_run(make_config,
-                                                                                                 local_ray):
+                                                                                                 ray_local):
     """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
     all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
     from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from curation.engine.ray_backend import ray_session
 from curation.io.shards import read_column
 from schemas.train_config import TrainConfig
 from training.runs.train_job import train
 
-from .conftest import tiny_config
 from .logger_series import mlflow_series, require_extras, tensorboard_series, wandb_series
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -25,17 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 STEPS, B, L, W = 12, 8, 128, 2
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    with ray_session("local", num_cpus=2):
-        yield
-
-
-@pytest.fixture(scope="module")
-def single(demo_root, tmp_path_factory) -> dict:
-    """The single-process run both groups are compared with (no checkpointing)."""
-    return train(tiny_config(demo_root, str(tmp_path_factory.mktemp("parallel-options") / "single"), "blade",
-                             max_steps=STEPS))
+@pytest.fixture
+def single(single_blade_12):
+    """The single-process run both groups are compared with (tests/training/conftest.py: 12 steps)."""
+    assert STEPS == 12
+    return single_blade_12
 
 
 def _checkpointed(cfg: TrainConfig) -> TrainConfig:
@@ -55,7 +47,7 @@ def _same_run(single: dict, group: dict) -> None:
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
 
 
-def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_ray, single):
+def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, ray_local, single):
     require_extras()
     cfg = _checkpointed(make_config(
         "blade", "ddp", max_steps=STEPS, parallel={"workers": 2}, throughput={"window": 3, "peak_flops": 1e11},
@@ -95,7 +87,7 @@ def test_ddp_with_checkpointing_and_every_logger_writes_once(make_config, local_
     assert tp["mfu"] == pytest.approx(tp["proxy_flops"] / 2 / tp["train_seconds"] / 1e11)
 
 
-def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, local_ray, single):
+def test_fsdp_with_composer_activation_checkpointing_equals_the_single_process_run(make_config, ray_local, single):
     cfg = _checkpointed(make_config("blade", "fsdp", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"}))
     group = train(cfg)
     _same_run(single, group)

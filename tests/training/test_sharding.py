@@ -18,6 +18,7 @@ import torch
 
 from curation.core.losses import model_token_losses
 from curation.core.stats import param_distance
+from tests import timing
 from training.blocks.sharding import decoder_layers, is_sharded
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +47,7 @@ def test_sharded_reference_operations_equal_the_unsharded_ones(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(HERE / "shard_worker.py"), str(r), "2", str(tmp_path / "rdv"),
                                str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = timing.communicate(p, timeout=300)
         assert p.returncode == 0, err[-3000:]
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     r0 = got[0]

@@ -18,6 +18,7 @@ import torch
 from curation.core.distributed import Ranks, global_rows, normalised_loss, select_across_ranks
 from curation.core.selection import masked_mean, num_selected, select_top_fraction
 from curation.core.step import kept_per_block
+from tests import timing
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -66,7 +67,7 @@ def test_two_gloo_ranks_select_like_one_process_and_average_to_its_gradient(tmp_
     procs = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), "2", str(init), str(tmp_path)],
                               env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
-        _, err = p.communicate(timeout=240)
+        _, err = timing.communicate(p, timeout=240)
         assert p.returncode == 0, err[-3000:]
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 

@@ -20,6 +20,8 @@ import curation.ingest.prepare as prep
 from curation.ingest.tokenizer import train_bpe_tokenizer
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.manifest import Manifest, UnitRecord
+from tests import timing
+from tests.conftest import load_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -64,8 +66,20 @@ def _env() -> dict:
 
 
 def _run(config: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, JOB, "--config", config, *extra], capture_output=True, text=True,
+    return timing.run([sys.executable, JOB, "--config", config, *extra], capture_output=True, text=True,
                           timeout=600, env=_env())
+
+
+_JOB = load_job("prepare", "_pool")
+
+
+def _run_here(config: str, capfd) -> tuple[int, str, str]:  # noqa: ANN001 - pytest's capfd
+    """``jobs/prepare.py``'s ``main`` in this test process, joining its Ray instance (fixture ``ray_local``; a rerun
+    needs no new interpreter nor Ray start): (exit status, stdout, stderr)."""
+    capfd.readouterr()
+    rc = _JOB.main(["--config", config])
+    out, err = capfd.readouterr()
+    return rc, out, err
 
 
 def _files(root: str) -> dict[str, bytes]:
@@ -127,8 +141,8 @@ def _records(out: str) -> dict[str, UnitRecord]:
 
 
 def _wait(proc, until, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    deadline = timing.Deadline(timeout)
+    while proc.poll() is None and not deadline.expired():
         if until():
             return
         time.sleep(0.02)
@@ -161,7 +175,7 @@ def test_killed_workers_resume_their_units_and_the_output_is_the_same(corpus, se
         killed = _session_tasks(proc.pid)
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = timing.communicate(proc, timeout=600)
     finally:
         session_killer(proc.pid)
     assert killed and proc.returncode == 0, stderr[-3000:]
@@ -172,24 +186,25 @@ def test_killed_workers_resume_their_units_and_the_output_is_the_same(corpus, se
     assert all(os.stat(part).st_mtime_ns == t for part, t in stamps.items())
 
 
-def test_a_killed_job_resumes_without_redoing_finished_units(corpus, session_killer):
+def test_a_killed_job_resumes_without_redoing_finished_units(corpus, session_killer, ray_local, capfd):
     out = str(corpus["dir"] / "killed_job")
     cfg = _config(corpus, "killed_job")
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     _wait(proc, lambda: sum(r.done for r in _records(out).values()) >= 2, "two units were done")
     session_killer(proc.pid)  # the driver, its local Ray instance and the workers
-    proc.wait(timeout=60)
+    timing.wait(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the job ended before it could be killed"
     done = {path: r for path, r in _records(out).items() if r.done}
     stamps = {path: os.stat(path).st_mtime_ns for path in done}
-    again = _run(cfg)
-    assert again.returncode == 0, again.stderr[-3000:]
+    rc, _, stderr = _run_here(cfg, capfd)  # the rerun in this process
+    assert rc == 0, stderr[-3000:]
     assert all(os.stat(path).st_mtime_ns == t for path, t in stamps.items())  # a done unit is never run again
     _assert_same_as_one_process(corpus, out)
 
 
-def test_sigterm_lets_the_units_in_progress_finish_and_a_rerun_completes_the_same_output(corpus, session_killer):
+def test_sigterm_lets_the_units_in_progress_finish_and_a_rerun_completes_the_same_output(corpus, session_killer,
+                                                                                        ray_local, capfd):
     out = str(corpus["dir"] / "sigterm")
     cfg = _config(corpus, "sigterm")
     proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL,
@@ -197,7 +212,7 @@ def test_sigterm_lets_the_units_in_progress_finish_and_a_rerun_completes_the_sam
     try:
         _wait(proc, lambda: any(r.parts for r in _records(out).values()), "a part was finished")
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = timing.communicate(proc, timeout=300)
     finally:
         session_killer(proc.pid)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
@@ -210,12 +225,13 @@ def test_sigterm_lets_the_units_in_progress_finish_and_a_rerun_completes_the_sam
     assert not stopped.complete and sorted(s.name for s in stopped.shards) == sorted(
         p.name for r in records.values() for p in r.parts)
     assert all(r.done for r in records.values())  # the units in progress finished: none is half done
-    again = _run(cfg)
-    assert again.returncode == 0, again.stderr[-3000:]
+    rc, _, stderr = _run_here(cfg, capfd)  # the rerun in this process
+    assert rc == 0, stderr[-3000:]
     _assert_same_as_one_process(corpus, out)
 
 
-def test_bad_input_names_file_and_line_and_a_rerun_after_the_fix_completes(corpus):
+def test_bad_input_names_file_and_line_and_a_rerun_after_the_fix_completes(corpus, ray_local, capfd):
+    """(Both runs in this process, joining its Ray instance.)"""
     path = corpus["dir"] / "raw" / "web2.jsonl"
     good = path.read_text()
     lines = good.splitlines(keepends=True)
@@ -224,16 +240,16 @@ def test_bad_input_names_file_and_line_and_a_rerun_after_the_fix_completes(corpu
     cfg = _config(corpus, "bad")
     try:
         path.write_text("".join(lines))
-        proc = _run(cfg)
+        rc, _, stderr = _run_here(cfg, capfd)
     finally:
         path.write_text(good)
-    assert proc.returncode == 1
-    assert f"error: {path}:201: malformed JSON" in proc.stderr, proc.stderr[-3000:]
+    assert rc == 1
+    assert f"error: {path}:201: malformed JSON" in stderr, stderr[-3000:]
     kept = {p: r for p, r in _records(out).items() if r.done}
     assert kept and not Manifest.load(os.path.join(out, "candidates")).complete
     stamps = {p: os.stat(p).st_mtime_ns for p in kept}
-    again = _run(cfg)
-    assert again.returncode == 0, again.stderr[-3000:]
+    rc, _, stderr = _run_here(cfg, capfd)
+    assert rc == 0, stderr[-3000:]
     # the fix moved the cuts after it: those units were prepared again, the ones before it were kept
     after = _records(out)
     same = [p for p in kept if after[p].spans == kept[p].spans]

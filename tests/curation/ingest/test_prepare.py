@@ -18,6 +18,7 @@ from curation.io.shards import read_column
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
 from schemas.manifest import Manifest
 from schemas.shards import CANDIDATE, validate_shard_dir
+from tests import timing
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -181,12 +182,12 @@ def test_resume_after_sigkill_of_the_job(tmp_path, corpus):
     cmd = [sys.executable, os.path.join(repo, "jobs", "prepare.py"), "--config", str(path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     manifest = os.path.join(cfg.output_dir, "candidates", "manifest.json")
-    deadline = time.time() + 120
-    while not os.path.exists(manifest) and time.time() < deadline and proc.poll() is None:
+    deadline = timing.Deadline(120)
+    while not os.path.exists(manifest) and not deadline.expired() and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = timing.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "tokens/s" in done.stdout
     assert _rows(os.path.join(cfg.output_dir, "candidates")) == clean
@@ -367,7 +368,6 @@ def test_large_document_prepares_in_bounded_memory(tmp_path):
     """A 20 MB single-line document: peak RSS of the job under 2 GB, a manifest under 1 MB (issue 14: the
     resume state kept every pending token in the manifest, and the document was tokenized whole)."""
     import resource
-    import subprocess
     import sys
 
     import yaml
@@ -379,7 +379,7 @@ def test_large_document_prepares_in_bounded_memory(tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    done = subprocess.run([sys.executable, os.path.join(repo, "jobs", "prepare.py"), "--config",
+    done = timing.run([sys.executable, os.path.join(repo, "jobs", "prepare.py"), "--config",
                            str(tmp_path / "job.yaml")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -40,6 +40,7 @@ from curation.ingest.tokenizer import train_bpe_tokenizer
 from curation.io.shards import read_column
 from curation.io.stop import GracefulStop, StopRequested
 from schemas.config import PrepareConfig, SourceConfig, TokenizerConfig
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -298,17 +299,17 @@ def test_the_job_killed_or_stopped_anywhere_and_rerun_gives_the_same_output(requ
                 json.dump(cfg.model_dump(mode="json"), f)
             proc = subprocess.Popen(_job(config, 0.1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             folder = os.path.join(cfg.output_dir, "candidates", "s")
-            deadline = time.time() + 120
-            while proc.poll() is None and time.time() < deadline and len(
+            deadline = timing.Deadline(120)
+            while proc.poll() is None and not deadline.expired() and len(
                     [p for p in (os.listdir(folder) if os.path.isdir(folder) else []) if p.startswith("part-")
                      and not p.endswith(".tmp")]) < parts:
                 time.sleep(0.005)
             if proc.poll() is None:
                 proc.send_signal(how)
-            _, err = proc.communicate(timeout=120)
+            _, err = timing.communicate(proc, timeout=120)
             assert proc.returncode in (0, -signal.SIGKILL, 128 + signal.SIGTERM), err
             assert "Traceback" not in err
-            done = subprocess.run(_job(config, 0.0), capture_output=True, text=True, timeout=120)
+            done = timing.run(_job(config, 0.0), capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
             assert _tree(cfg.output_dir) == _tree(clean)
         finally:

@@ -14,6 +14,7 @@ import yaml
 
 import curation.ingest.prepare as prep
 from schemas.manifest import Manifest
+from tests import timing
 from tests.curation.ingest.test_prepare import _cfg, _rows, corpus  # noqa: F401 (corpus: a fixture)
 
 pytestmark = pytest.mark.slow  # two job processes each (CI runs them: pytest --all)
@@ -46,15 +47,15 @@ def _start(tmp_path, cfg, delay: float) -> subprocess.Popen:
 
 def _wait_for_a_part(cfg, proc) -> None:
     manifest = os.path.join(cfg.output_dir, "candidates", "manifest.json")
-    deadline = time.time() + 120
-    while not os.path.exists(manifest) and time.time() < deadline and proc.poll() is None:
+    deadline = timing.Deadline(120)
+    while not os.path.exists(manifest) and not deadline.expired() and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None and os.path.exists(manifest)
 
 
 def _rerun(cfg) -> None:
     path = os.path.join(os.path.dirname(cfg.output_dir), "job.yaml")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", path],
+    done = timing.run([sys.executable, os.path.join(REPO, "jobs", "prepare.py"), "--config", path],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "tokens/s" in done.stdout
@@ -67,7 +68,7 @@ def test_sigterm_finishes_the_part_in_progress_and_a_rerun_continues_exactly(tmp
     proc = _start(tmp_path / "job", cfg, delay=0.3)
     _wait_for_a_part(cfg, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = timing.communicate(proc, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM received: finishing the part in progress, then stopping" in err
     cand = os.path.join(cfg.output_dir, "candidates")
@@ -97,10 +98,10 @@ def test_a_second_sigterm_stops_at_once_and_a_rerun_still_continues_exactly(tmp_
     _wait_for_a_part(cfg, proc)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    t0 = time.time()
+    at_once = timing.Deadline(3)  # (3 s on an idle machine: the part's write alone takes 5 s)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM and time.time() - t0 < 3  # ended by the signal, not the part
+    timing.communicate(proc, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and not at_once.expired(), at_once  # ended by the signal, not the part
     _rerun(cfg)
     for group in ("candidates", "validation"):
         assert _rows(os.path.join(cfg.output_dir, group)) == _rows(clean[group]), group

@@ -11,6 +11,7 @@ from streaming import MDSWriter
 
 from curation.io.mds import write_mds
 from schemas.shards import CANDIDATE, SCORED, SELECTED
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -62,7 +63,7 @@ def test_writing_a_part_does_not_import_streaming_or_torch(tmp_path):
             f"write_part({str(tmp_path / 'p')!r}, CANDIDATE, [{{'tokens': np.arange(8, dtype=np.uint16), "
             "'source': 's'}], vocab_size=100)\n"
             "print(sorted(m for m in ('streaming', 'torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+    out = timing.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

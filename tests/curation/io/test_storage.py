@@ -358,3 +358,19 @@ def test_an_object_store_prepare_counts_the_files_it_uploaded_as_it_went(s3, tmp
                                        f"objects ({sum(o.size for o in held.values()) / 2**20:.1f} MiB)"
     again = prepare(cfg).uploaded
     assert again.startswith(f"uploaded 0 files to {s3.url('prep')}; it holds {len(held)} objects")
+
+
+def test_the_request_after_an_empty_object_is_answered_at_once(s3, tmp_path):
+    """An empty file's upload asked for ``100 Continue`` (botocore does for every file-like body) and left
+    SeaweedFS's connection so that the next request waited the client's whole read timeout, 120 s, and was sent
+    again: a data-parallel run's upload after Ray Train's empty marker file took two minutes."""
+    empty, small = tmp_path / "empty", tmp_path / "small"
+    empty.write_bytes(b"")
+    small.write_bytes(b"x" * 100)
+    sent = []
+    objects.client().meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+    objects.upload(str(empty), s3.url("a/empty"))
+    answer = objects.client().put_object(Bucket=s3.name, Key="a/next", Body=small.read_bytes())
+    assert "Expect" not in sent[0].headers and sent[0].headers["Content-Length"] in ("0", b"0")
+    assert answer["ResponseMetadata"]["RetryAttempts"] == 0  # answered, not timed out and sent again
+    assert {k: o.size for k, o in objects.list_objects(s3.url("a")).items()} == {"empty": 0, "next": 100}
