@@ -25,7 +25,7 @@ __all__ = [
     "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard",
     "uploads", "upload_mark",
     "ObjectInfo", "StoredObject", "list_objects", "head_object", "read_object", "write_object", "delete_object", "delete_many",
-    "file_etag", "upload", "download", "MTIME_KEY",
+    "file_etag", "upload", "download", "MTIME_KEY", "arrow_filesystem",
 ]
 
 #: URL schemes served through the S3 API.
@@ -123,6 +123,25 @@ def _no_continue_for_an_empty_body(request: Any, **_: Any) -> None:
     (it is not signed)."""
     if request.headers.get("Content-Length") in ("0", b"0"):
         request.headers.pop("Expect", None)
+
+
+def arrow_filesystem(url: str):  # noqa: ANN201 - (pyarrow.fs.S3FileSystem, str); pyarrow imported here
+    """The same store as :func:`client`, for a library that takes a ``pyarrow`` filesystem (Ray Train's
+    ``storage_path``): ``(filesystem, "bucket/key")`` for ``url``. The endpoint is ``S3_ENDPOINT_URL`` (path-style
+    addressing, as :func:`client`); credentials are *not* set on it: each process that uses it (a Ray Train worker
+    on another node, which receives it pickled) takes them from its own environment through the AWS SDK's usual
+    chain, so no credential travels with it."""
+    import pyarrow.fs as pafs
+
+    bucket, key = split_url(url)
+    endpoint = os.environ.get("S3_ENDPOINT_URL") or None
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    options: dict[str, Any] = {"region": region, "connect_timeout": 5, "request_timeout": 120}
+    if endpoint:
+        scheme, _, rest = endpoint.partition("://")
+        options.update(endpoint_override=rest.rstrip("/") if rest else endpoint, scheme=scheme if rest else "https",
+                       force_virtual_addressing=False)
+    return pafs.S3FileSystem(**options), f"{bucket}/{key}".rstrip("/")
 
 
 def forget_clients() -> None:
@@ -252,13 +271,17 @@ class ObjectInfo:
 
 
 def list_objects(url: str) -> dict[str, ObjectInfo]:
-    """Objects under the prefix ``url`` (a "directory"), by key relative to it."""
+    """Objects under the prefix ``url`` (a "directory"), by key relative to it. Folder markers are left out: an
+    empty object whose key ends in ``/`` (what ``pyarrow``'s ``create_dir`` writes, e.g. Ray Train's under a
+    data-parallel run's ``parallel/ray_train/``, and what S3 consoles make for a "folder") holds no file."""
     bucket, key = split_url(url)
     prefix = key + "/" if key else ""
     out: dict[str, ObjectInfo] = {}
     with _errors(url, "list"):
         for page in client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/") and int(obj["Size"]) == 0:
+                    continue
                 out[obj["Key"][len(prefix):]] = ObjectInfo(int(obj["Size"]), obj["ETag"].strip('"'))
     return out
 

@@ -37,7 +37,7 @@ from curation.io import objects, storage
 from curation.io.inputs import watch_inputs
 from curation.io.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
-__all__ = ["URL_FIELDS", "localize", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
+__all__ = ["URL_FIELDS", "localize", "local_paths", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
 
 #: Config keys (at any depth) whose value may be an object-store URL: shard and output directories, and files
 #: other jobs write into theirs (the tokenizer, weights), which :func:`localize` downloads into the cache; a prepare
@@ -90,6 +90,26 @@ def localize(cfg: M) -> M:
 
     walk(data, "")
     return type(cfg).model_validate_json(json.dumps(data)) if changed else cfg
+
+
+def local_paths(cfg: BaseModel) -> dict[str, str]:
+    """The local paths a (localized) config names in its :data:`URL_FIELDS` keys, by dotted setting, made absolute:
+    what every process of a job on another node would have to reach on a shared filesystem (an object-store URL's
+    cache path is not one: each node works on the bucket through its own cache)."""
+    found: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str, listed: str | None = None) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            key, field = f"{prefix}{k}", listed if isinstance(node, list) else str(k)
+            if isinstance(v, dict | list):
+                walk(v, key + ".", field if isinstance(v, list) else None)
+            elif isinstance(v, str) and v and field in URL_FIELDS and field not in _KEPT_FIELDS \
+                    and not objects.is_url(v) and storage.url_of(os.path.abspath(v)) is None:
+                found[key] = os.path.abspath(v)
+
+    walk(cfg.model_dump(mode="json"), "")
+    return found
 
 
 def urls_in(data: Any) -> Any:

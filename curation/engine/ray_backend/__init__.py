@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from curation.engine.ray_backend.client import EngineClient
     from curation.engine.ray_backend.reach import check_shared
     from curation.engine.ray_backend.session import ray_session
-    from curation.engine.ray_backend.train_group import run_trainer_group
+    from curation.engine.ray_backend.train_group import GroupChannel, run_trainer_group
 
-__all__ = ["RayEngine", "ray_session", "EngineClient", "run_trainer_group", "check_shared"]
+__all__ = ["RayEngine", "ray_session", "EngineClient", "run_trainer_group", "GroupChannel", "check_shared"]
 
 _HOMES = {"RayEngine": "actors", "ray_session": "session", "EngineClient": "client", "run_trainer_group": "train_group",
+          "GroupChannel": "train_group",
           "check_shared": "reach"}
 
 
