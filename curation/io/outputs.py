@@ -37,7 +37,7 @@ from curation.io import objects, storage
 from curation.io.inputs import watch_inputs
 from curation.io.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
-__all__ = ["URL_FIELDS", "localize", "local_paths", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
+__all__ = ["URL_FIELDS", "localize", "relocalize", "local_paths", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
 
 #: Config keys (at any depth) whose value may be an object-store URL: shard and output directories, and files
 #: other jobs write into theirs (the tokenizer, weights), which :func:`localize` downloads into the cache; a prepare
@@ -90,6 +90,15 @@ def localize(cfg: M) -> M:
 
     walk(data, "")
     return type(cfg).model_validate_json(json.dumps(data)) if changed else cfg
+
+
+def relocalize(cfg: M) -> M:
+    """A config localized by another process (another node's cache paths, or this node's after
+    :mod:`curation.io.carried`) localized again here: its cache paths as URLs, then :func:`localize`: this
+    process's cache paths, and the files of :data:`URL_FIELDS` (tokenizer, weights) brought into this cache."""
+    recorded = _with_urls(cfg)
+    assert isinstance(recorded, BaseModel)
+    return localize(recorded)
 
 
 def local_paths(cfg: BaseModel) -> dict[str, str]:

@@ -20,22 +20,27 @@ docs/dev/ray-train-composer.md):
   checkpoints from rank 0 only. Rank 0's :class:`~training.runs.rank.RankResult` (statistics, throughput, the final
   weights gathered on the host) is the return value of its worker function: Ray Train hands it to the driver, which
   finishes the run (:func:`training.runs.finish.finish`): no file on a shared filesystem carries it.
-* **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`curation.io.stop.GracefulStop`) is written to
-  ``parallel/stop.json``; every rank reads it at the end of every step and the ranks agree with one ``all_reduce``
+* **Preemption**: a SIGTERM / SIGINT caught by the driver (:class:`curation.io.stop.GracefulStop`) is set on the
+  group's channel (:class:`~curation.engine.ray_backend.train_group.GroupChannel`, a Ray actor on the driver's
+  node); every rank reads it at the end of every step and the ranks agree with one ``all_reduce``
   (MAX) of their flags (:class:`GroupStop`), so all stop after the same step, where rank 0's checkpoint is written
   (:class:`training.blocks.preemption.StopAtStepEnd`). Rank 0's result says where, and the driver raises
   :class:`~curation.io.stop.StopRequested` naming the step and the checkpoint.
 * **Failures**: the worker group runs under Ray Train's failure config. A killed worker makes Ray Train
   restart the group, and every worker resumes from ``checkpoints/latest-rank0.pt`` (the run's usual
   resume), so the outputs equal an uninterrupted run. Ray Train retries *every* worker error; data errors
-  (bad shards, diverged loss, bad settings) are recorded in ``parallel/fatal.json`` by the failing worker (with
-  the input shard files a data error blames: :mod:`curation.io.bad_shards`), the retried group returns at once,
-  and the driver raises the recorded message.
+  (bad shards, diverged loss, bad settings) are recorded on the channel by the failing worker (with the input
+  shard files a data error blames, by URL for an object-store input: :mod:`curation.io.bad_shards`), the retried
+  group returns at once, and the driver raises the recorded message (and keeps it in ``parallel/fatal.json``).
 
-* **Nodes**: the driver and the ranks share ``output_dir/parallel/`` (and every rank resumes from
-  ``output_dir/checkpoints/``), so before the group starts every node other than the driver's that could host a rank
-  must reach ``output_dir`` (:func:`~curation.engine.ray_backend.train_group.check_group_nodes`): a shared path is
-  probed, and an ``s3://`` one (a cache path of the driver's machine) is refused naming ``parallel.workers``.
+* **Nodes**: the driver and the ranks share nothing but Ray and, for an ``s3://`` ``output_dir``, the bucket. The
+  job travels :func:`~curation.io.carried.carry` ied (each rank's paths at its own node's cache, its files brought
+  there: :func:`~curation.io.outputs.relocalize`); on a node other than the driver's, its local rank 0 pulls the
+  run's directory from the bucket before the group starts (the checkpoints every rank resumes from), rank 0 uploads
+  checkpoints as Composer writes them (:class:`~training.blocks.trainer.CheckpointUpload`) and its selected parts
+  as it flushes them, and pushes the rest when it ends; the driver then pulls what it wrote. Ray Train's state is in
+  the bucket too. A setting given as a local path is probed on every node that could host a rank before the group
+  starts (:func:`~curation.engine.ray_backend.train_group.check_group_nodes`) and refused naming it.
 
 Ray itself is only imported by :mod:`curation.engine.ray_backend` (:func:`run_trainer_group`); this module
 uses plain ``torch.distributed`` for the rank.
@@ -62,7 +67,7 @@ from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.bad_shards import blamed
 from curation.io.carried import Carried, carry
-from curation.io.outputs import local_paths
+from curation.io.outputs import local_paths, relocalize
 from curation.io.stop import stop_signal
 from schemas.shards import ShardSchemaError
 from schemas.train_config import TrainConfig
@@ -148,7 +153,7 @@ def train_worker(config: Mapping[str, Carried[GroupJob]]) -> Carried[tuple[RankR
     on_driver_node = channel.on_driver_node()
     if on_driver_node and os.path.isdir(job.cwd):
         os.chdir(job.cwd)
-    cfg = job.cfg
+    cfg = relocalize(job.cfg)  # (its files, e.g. the tokenizer, brought into this node's cache)
     out = cfg.output_dir
     if channel.fatal() is not None:
         return None  # an earlier attempt hit an error that a restart cannot fix; the driver reports it

@@ -90,6 +90,7 @@ class GroupChannel:
     def __init__(self, actor: Any, node_id: str) -> None:
         self._actor, self.node_id = actor, node_id
         self._seen = 0  # (the driver's count of the attempts it took)
+        self._signal, self._asked = 0, None  # (a rank's last answer, and its question in flight)
 
     @classmethod
     def open(cls) -> GroupChannel:
@@ -103,8 +104,17 @@ class GroupChannel:
 
     # the ranks' side
     def stop_signal(self) -> int:
-        """The signal the driver was asked to stop on (0: none)."""
-        return int(ray.get(self._actor.stop_signal.remote()))
+        """The signal the driver was asked to stop on (0: none), as last answered: the question is asked in the
+        background and never waited for, so a step does not wait on the actor (the answer is at most a call late;
+        the ranks agree on the step with their all-reduce)."""
+        if self._signal:
+            return self._signal
+        if self._asked is None:
+            self._asked = self._actor.stop_signal.remote()
+        done, _ = ray.wait([self._asked], timeout=0)
+        if done:
+            self._signal, self._asked = int(ray.get(done[0])), None
+        return self._signal
 
     def record_fatal(self, record: dict) -> None:
         """Record an error that no restart of the group can fix (the first one counts)."""
