@@ -374,3 +374,38 @@ def test_the_request_after_an_empty_object_is_answered_at_once(s3, tmp_path):
     assert "Expect" not in sent[0].headers and sent[0].headers["Content-Length"] in ("0", b"0")
     assert answer["ResponseMetadata"]["RetryAttempts"] == 0  # answered, not timed out and sent again
     assert {k: o.size for k, o in objects.list_objects(s3.url("a")).items()} == {"empty": 0, "next": 100}
+
+
+def test_pyarrows_folder_markers_are_not_objects_of_a_directory_and_its_filesystem_writes_the_same_bucket(s3):
+    """Ray Train writes a data-parallel run's state through ``objects.arrow_filesystem`` (pyarrow's S3 filesystem on
+    the project's endpoint, credentials from the environment, none in its pickle); its ``create_dir`` leaves empty
+    ``…/`` objects, which a listing, and so a pull, leaves out (a pull refused the run's directory over them)."""
+    import pickle
+
+    fs, path = objects.arrow_filesystem(s3.url("run/parallel/ray_train"))
+    assert path == f"{s3.name}/run/parallel/ray_train"
+    assert os.environ["AWS_SECRET_ACCESS_KEY"].encode() not in pickle.dumps(fs)
+    fs.create_dir(f"{path}/train")
+    with fs.open_output_stream(f"{path}/train/state.json") as f:
+        f.write(b"{}")
+    objects.client().put_object(Bucket=s3.name, Key="run/logs/", Body=b"")  # (a console's "folder")
+    raw = {o["Key"] for o in objects.client().list_objects_v2(Bucket=s3.name, Prefix="run/")["Contents"]}
+    assert any(k.endswith("/") for k in raw)  # the markers are there ...
+    assert sorted(objects.list_objects(s3.url("run"))) == ["parallel/ray_train/train/state.json"]  # ... not listed
+    root = storage.local_path(s3.url("run"))
+    assert storage.pull(root) == ["parallel/ray_train/train/state.json"]
+    assert open(f"{root}/parallel/ray_train/train/state.json", "rb").read() == b"{}"
+
+
+def test_local_paths_are_the_settings_a_node_elsewhere_would_need_on_a_shared_filesystem(tmp_path, monkeypatch):
+    from curation.io.outputs import local_paths
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer": None})})
+    assert local_paths(localize(cfg)) == {}  # everything in the bucket: nothing to share
+    mixed = cfg.model_copy(update={"output_dir": "runs/here", "data": cfg.data.model_copy(
+        update={"validation": "/mnt/shared/val"})})
+    assert local_paths(localize(mixed)) == {"output_dir": str(tmp_path / "runs" / "here"),
+                                            "data.validation": "/mnt/shared/val"}
