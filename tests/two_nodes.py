@@ -15,6 +15,7 @@ fails with ``PermissionError`` and the event is logged in its node's ``guard.log
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+
+from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUARD = os.path.join(REPO, "tests", "node_guard")
@@ -103,10 +106,16 @@ class Node:
         return None
 
     def kill_raylet(self) -> None:
-        """SIGKILL this node's raylet (the node is lost: its workers end), then end what is left of its session."""
+        """SIGKILL this node's raylet, then at once every other process of its session (the node is lost, as a
+        machine that loses power: its Ray workers stop where they are, not when they notice the raylet is gone)."""
         pid = self.raylet_pid()
         assert pid is not None, f"{self.name} has no raylet"
         os.kill(pid, signal.SIGKILL)
+        for other in _session_pids(self.proc.pid):
+            try:
+                os.kill(other, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.stop()
 
     def stop(self) -> None:
@@ -115,7 +124,7 @@ class Node:
         if self.proc.poll() is None:
             self.proc.terminate()  # `ray start --block` ends its node's processes
             try:
-                self.proc.wait(timeout=60)
+                timing.wait(self.proc, timeout=60)
             except subprocess.TimeoutExpired:
                 pass
         for pid in _session_pids(self.proc.pid):  # whatever of that session is left
@@ -153,7 +162,7 @@ class TwoNodes:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def start(self, timeout: float = 300.0) -> None:
+    def start(self, timeout: float = 300.0) -> None:  # (nominal seconds, load-scaled: tests.timing)
         self._start_node("node_a", 1, timeout)
         self._start_node("node_b", 2, timeout)
 
@@ -181,25 +190,39 @@ class TwoNodes:
         code = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
                 "print(sum(n['Alive'] for n in ray.nodes()))")
         try:
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                                  env=self.nodes["node_a"].env(), cwd=self.nodes["node_a"].work)
+            done = timing.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env=self.nodes["node_a"].env(), cwd=self.nodes["node_a"].work)
         except subprocess.TimeoutExpired:  # (the head's GCS is not up yet: ray.init waits for it)
             return 0
         return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
 
     def _wait(self, count: int, timeout: float, node: Node) -> bool:
-        """Whether the cluster counts ``count`` alive nodes before ``timeout`` (False: ``node``'s start gave up)."""
-        deadline = time.monotonic() + timeout
+        """Whether the cluster counts ``count`` alive nodes before ``timeout`` nominal seconds, load-scaled
+        (:mod:`tests.timing`; False: ``node``'s start gave up)."""
+        deadline = timing.Deadline(timeout)
         while node.proc is not None and node.proc.poll() is None:
             if self._alive() == count:
                 return True
-            assert time.monotonic() < deadline, f"the cluster did not reach {count} nodes in {timeout:.0f}s"
+            assert not deadline.expired(), f"the cluster did not reach {count} nodes in {deadline}"
             time.sleep(1)
         return False
 
     def log(self, name: str) -> str:
         with open(os.path.join(self.root, f"{name}.log"), errors="replace") as f:
             return f.read()
+
+    def worker_tracebacks(self, since: float = 0.0) -> str:
+        """The Python tracebacks in the Ray worker logs of both nodes written after ``since`` (``time.time()``), each
+        with its file's name: what a failed job's message truncates (for an assertion's message)."""
+        out = []
+        for path in sorted(glob.glob(os.path.join(self.root, "ray-node_*", "session_*", "logs", "worker-*.err"))):
+            if os.path.getmtime(path) < since:
+                continue
+            with open(path, errors="replace") as f:
+                text = f.read()
+            if "Traceback" in text:
+                out.append(f"--- {path}\n{text[text.index('Traceback'):][-4000:]}")
+        return "\n".join(out)
 
     def guard_events(self) -> list[str]:
         """Every access a node's process made to another node's directories (should be none)."""
@@ -211,8 +234,9 @@ class TwoNodes:
         return out
 
     def run(self, node: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """Run ``python *args`` as a driver on ``node`` (its environment and working directory)."""
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+        """Run ``python *args`` as a driver on ``node`` (its environment and working directory); ``timeout``: nominal
+        seconds, load-scaled (:mod:`tests.timing`)."""
+        return timing.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
                               env=self.nodes[node].env(), cwd=self.nodes[node].work)
 
     def stop(self) -> None:

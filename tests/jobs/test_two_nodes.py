@@ -6,10 +6,11 @@ One cluster for the module, used in order: a job that names a local path some no
 starts; ``prepare.py`` with its units on both nodes, inputs in the bucket and local ones staged into it, equals an
 in-process run object for object; ``curate.py`` (``ray job submit`` from this process) with a scoring worker on each
 node selects what a run with both workers on one node selects; ``replay.py`` submitted to run on the second node
-trains what an in-process replay trains; ``train.py`` with a worker group (``parallel.workers = 2``) and an s3://
-output_dir, which could span the nodes, is refused before it starts naming the setting; ``prepare.py`` with node B's
-raylet killed mid-run, node B started again with an empty cache and the same command rerun, equals an uninterrupted
-in-process run. Afterwards no process of a node touched the other node's directories (the guard's log is empty) and
+trains what an in-process replay trains; ``train.py`` with a worker group (``parallel.workers = 2``), one rank per
+node, and an s3:// output_dir trains byte for byte what the group with both ranks on node A trains, also when node
+B's raylet is killed mid-run and the same command rerun (node B started again with an empty cache); ``prepare.py``
+with node B's raylet killed mid-run, node B started again with an empty cache and the same command rerun, equals an
+uninterrupted in-process run. Afterwards no process of a node touched the other node's directories (the guard's log is empty) and
 each node's cache holds only the bucket's objects it worked on."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import yaml
 
 from curation.io import objects
+from tests import timing
 from tests.conftest import ENGINE_SIZES, ENGINE_VOCAB
 from tests.two_nodes import REPO, TwoNodes
 
@@ -182,17 +184,17 @@ def _submit(cluster, job: str, *sets: str, resources: dict | None = None) -> str
     where = ["--entrypoint-resources", json.dumps(resources)] if resources else []
     cmd = ["ray", "job", "submit", "--address", cluster.dashboard, "--working-dir", REPO, *where, "--", "python",
            f"jobs/{job}.py", *[a for s in sets for a in ("--set", s)]]
-    deadline, logs = time.monotonic() + 180, ""
+    deadline, logs = timing.Deadline(180), ""
     while True:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        done = timing.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         logs = done.stdout + done.stderr
         ids = [w.strip("'") for w in logs.split() if w.strip("'").startswith("raysubmit_")]
-        if ids or time.monotonic() > deadline:
+        if ids or deadline.expired():
             break
         time.sleep(5)
     assert ids, f"ray job submit never printed a job id:\n{logs[-3000:]}"
-    status = subprocess.run(["ray", "job", "status", "--address", cluster.dashboard, ids[0]], capture_output=True,
-                            text=True, timeout=120, env=env)
+    status = timing.run(["ray", "job", "status", "--address", cluster.dashboard, ids[0]], capture_output=True,
+                        text=True, timeout=120, env=env)
     assert f"Job '{ids[0]}' succeeded" in status.stdout + status.stderr, logs[-5000:]
     return logs
 
@@ -276,38 +278,137 @@ def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(clus
     assert not any("/two/replay/" in f for f in _cache_files(cluster.nodes["node_a"]))
 
 
-def test_a_trainer_group_with_a_bucket_output_dir_that_could_span_nodes_is_refused_before_it_starts(
-        cluster, env, prepared):
-    """``parallel.workers > 1`` still needs ``output_dir`` on one disk (its ranks coordinate there): with an s3://
-    output_dir on this cluster, where node B could host a rank, train.py refuses in one line naming the setting."""
+# ------------------------------------------------------------------------------------------------
+# a data-parallel trainer group spanning the nodes
+# ------------------------------------------------------------------------------------------------
+TRAIN = os.path.join(REPO, "jobs", "train.py")
+GROUP_STEPS = 64  # checkpoints every 4: node B is lost after the first, with 60 steps (seconds) of the run to do
+
+
+def _train_command(env: dict, out: str, resources: dict) -> list[str]:
+    """``jobs/train.py`` with a worker group of 2 (``parallel.resources`` places its ranks), data and output in the
+    bucket; the group is not restarted after a failure (``max_failures = 0``: a lost node ends the run, and the
+    same command is rerun)."""
     data = _url(env, "two/data")
     sets = {"data": {"candidates": f"{data}/candidates", "validation": f"{data}/validation",
                      "tokenizer": f"{data}/tokenizer/tokenizer.json"},
-            "model": _model(), "output_dir": _url(env, "two/group"), "batch_size": 8, "max_steps": 2,
-            "device": "cpu", "progress_bar": False, "plots": False, "parallel": {"workers": 2}}
+            "model": _model(), "output_dir": out, "batch_size": 8, "max_steps": GROUP_STEPS, "threads": 1,
+            "device": "cpu", "progress_bar": False, "plots": False,
+            "selection": {"warmup_steps": 2, "tau": 4, "refresh_steps": 2, "refresh_batch_size": 2, "rho1_steps": 3,
+                          "refresh_candidate_batches": 2},
+            "eval": {"interval": 32, "batch_size": 16, "max_batches": 1}, "checkpoint": {"interval": 4, "keep": -1},
+            "parallel": {"workers": 2, "resources": resources, "max_failures": 0}}
+    return [TRAIN, *[a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]]
+
+
+def _train_on_node_a(cluster, env: dict, out: str, resources: dict) -> subprocess.CompletedProcess:  # noqa: ANN001
     node_a = cluster.nodes["node_a"]
-    done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "jobs", "train.py"), *[a for k, v in sets.items()
-                                                                    for a in ("--set", f"{k}={json.dumps(v)}")]],
-        capture_output=True, text=True, timeout=600, env={**node_a.env(), "RAY_ADDRESS": cluster.address},
-        cwd=node_a.work)
-    assert done.returncode == 1, done.stdout + done.stderr
-    line = [x for x in done.stderr.splitlines() if "parallel.workers = 2 with output_dir = " in x]
-    assert line and _url(env, "two/group") in line[0], done.stderr[-3000:]
-    assert "1 other Ray node(s) could run its ranks: " in line[0] and " (node " in line[0]
-    assert "a path on a filesystem every node mounts" in line[0]
-    assert not any(k.startswith("checkpoints/") for k in _objects(_url(env, "two/group")))
+    return timing.run([sys.executable, *_train_command(env, out, resources)], capture_output=True, text=True,
+                      timeout=600, env={**node_a.env(), "RAY_ADDRESS": cluster.address}, cwd=node_a.work)
+
+
+def _same_outputs(a: str, b: str) -> None:
+    """The runs ``a`` and ``b`` (URLs) wrote the same model, selected-token shards and checkpoints."""
+    x, y = _objects(a), _objects(b)
+    assert x["final/model.safetensors"] == y["final/model.safetensors"]
+    assert x["final/reference.safetensors"] == y["final/reference.safetensors"]
+    shards = sorted(k for k in x if k.startswith("selected/") and k != "selected/manifest.json")
+    assert shards and shards == sorted(k for k in y if k.startswith("selected/") and k != "selected/manifest.json")
+    assert [x[k] for k in shards] == [y[k] for k in shards]
+    ma, mb = (_json(f"{u}/selected/manifest.json") for u in (a, b))
+    ma.pop("config"), mb.pop("config")  # (the runs' settings: their output_dir and parallel.resources)
+    assert ma == mb
+    assert {k for k in x if k.startswith("checkpoints/")} == {k for k in y if k.startswith("checkpoints/")}
+
+
+def test_a_trainer_group_with_a_local_output_dir_another_node_cannot_reach_is_refused_before_it_starts(
+        cluster, env, prepared):
+    """What a group still needs on a shared path is what its config names as a local path: node B, which could host
+    a rank, cannot read node A's output_dir, and train.py refuses in one line naming the setting."""
+    out = os.path.join(cluster.nodes["node_a"].work, "local-group")
+    command = _train_command(env, _url(env, "unused"), {"rank": 1})
+    command[command.index(f"output_dir={json.dumps(_url(env, 'unused'))}")] = f"output_dir={out}"
+    node_a = cluster.nodes["node_a"]
+    done = timing.run([sys.executable, *command], capture_output=True, text=True, timeout=600,
+                      env={**node_a.env(), "RAY_ADDRESS": cluster.address}, cwd=node_a.work)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    line = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert line and f"output_dir = {out} cannot be reached from the Ray node " in line[0], done.stderr[-3000:]
+    assert "(parallel.workers > 1: a rank on that node reads and writes it" in line[0]
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before any rank started
+    events = cluster.guard_events()  # the probe of node B is what the guard refused, and all it refused
+    assert events and all(e.startswith("node_b: ") and f": open {out}/" in e for e in events), "\n".join(events)
+    os.remove(cluster.nodes["node_b"].guard_log)
+
+
+@pytest.fixture(scope="module")
+def group_run(cluster, env, prepared):
+    """``train.py`` with a worker group of 2 driven from node A: one rank per node (``{rank: 1}``, one on each)."""
+    done = _train_on_node_a(cluster, env, _url(env, "two/group"), {"rank": 1})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def test_a_trainer_group_with_a_rank_on_each_node_equals_the_group_on_one_node(cluster, env, group_run):
+    """The ranks on two nodes (each its own cache; the driver's channel, Ray Train's state, checkpoints and selected
+    shards through Ray and the bucket only) train what both ranks on node A train, byte for byte."""
+    one = _train_on_node_a(cluster, env, _url(env, "one/group"), {"node_a": 1})
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    _same_outputs(_url(env, "two/group"), _url(env, "one/group"))
+    summary = _json(_url(env, "two/group/summary.json"))
+    assert summary["world_size"] == 2 and summary["steps"] == GROUP_STEPS
+    attempts = [json.loads(x) for x in objects.read_object(
+        _url(env, "two/group/parallel/attempts.jsonl")).body.decode().splitlines()]
+    assert sorted(a["rank"] for a in attempts) == [0, 1] and len({a["node"] for a in attempts}) == 2  # two nodes
+    storage = _objects(_url(env, "two/group"))
+    assert any(k.startswith("parallel/ray_train/") for k in storage)  # Ray Train's state in the bucket
+    for node in cluster.nodes.values():  # each node worked on the run in its own cache
+        assert any("/two/group/checkpoints/" in f for f in _cache_files(node)), node.name
+
+
+def test_a_trainer_group_rerun_after_the_second_nodes_raylet_was_killed_mid_run_equals_an_uninterrupted_run(
+        cluster, env, group_run):
+    """Node B's raylet SIGKILLed once the group's first checkpoint is in the bucket (its rank ends; with
+    ``max_failures = 0`` the run fails), node B started again as a new machine (its cache empty), the same command
+    rerun: every rank resumes from the bucket's checkpoint and the outputs equal the uninterrupted run's."""
+    node_a, node_b = cluster.nodes["node_a"], cluster.nodes["node_b"]
+    out = _url(env, "kill/group")
+    cmd = [sys.executable, *_train_command(env, out, {"rank": 1})]
+    run_env = {**node_a.env(), "RAY_ADDRESS": cluster.address}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
+                            cwd=node_a.work)
+    try:
+        checkpointed = timing.until(lambda: any(k.startswith("ep0-ba") for k in _objects(f"{out}/checkpoints")),
+                                    timeout=600, proc=proc, interval=0.05)
+        assert checkpointed and proc.poll() is None, "the run ended before its first checkpoint reached the bucket"
+        node_b.kill_raylet()
+        first = timing.communicate(proc, timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, (proc.returncode, first[-5000:])  # the group failed (max_failures = 0)
+    assert "final/model.safetensors" not in _objects(out), "node B was lost after the run had finished"
+    cluster.restart("node_b")
+    since = time.time()
+    done = timing.run(cmd, capture_output=True, text=True, timeout=600, env=run_env, cwd=node_a.work)
+    assert done.returncode == 0, "\n".join([done.stderr[-3000:], cluster.worker_tracebacks(since), *(
+        f"{n.name}: {[f for f in _cache_files(n) if '/kill/group/' in f]}" for n in cluster.nodes.values())])
+    _same_outputs(_url(env, "two/group"), out)
+    attempts = [json.loads(x) for x in objects.read_object(f"{out}/parallel/attempts.jsonl").body.decode().splitlines()]
+    assert [a["resumed_from"] for a in attempts[:2]] == [None, None]
+    assert len(attempts) == 4 and all(str(a["resumed_from"]).startswith(f"{out}/checkpoints/ep0-ba")
+                                      for a in attempts[2:])  # both ranks of the rerun resumed from the bucket
 
 
 # ------------------------------------------------------------------------------------------------
 # the second node lost mid-run
 # ------------------------------------------------------------------------------------------------
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 600) -> None:  # noqa: ANN001 - a callable
-    deadline = time.monotonic() + timeout
-    while not predicate():
+    """Until ``predicate()`` holds, within ``timeout`` nominal seconds, load-scaled (:mod:`tests.timing`)."""
+    if not timing.until(predicate, timeout=timeout, proc=proc, interval=0.05):
         assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, "the run wrote nothing on node B in time"
-        time.sleep(0.05)
+        raise AssertionError("the run wrote nothing on node B in time")
 
 
 def test_prepare_rerun_after_the_second_nodes_raylet_was_killed_mid_run_equals_an_uninterrupted_run(
@@ -328,7 +429,7 @@ def test_prepare_rerun_after_the_second_nodes_raylet_was_killed_mid_run_equals_a
     try:
         _wait_for(lambda: any("/kill/data/candidates/" in f and "/part-" in f for f in _cache_files(node_b)), proc)
         node_b.kill_raylet()
-        first = proc.communicate(timeout=600)[0]
+        first = timing.communicate(proc, timeout=600)[0]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -35,8 +35,8 @@ docs/dev/ray-train-composer.md):
 
 * **Nodes**: the driver and the ranks share nothing but Ray and, for an ``s3://`` ``output_dir``, the bucket. The
   job travels :func:`~curation.io.carried.carry` ied (each rank's paths at its own node's cache, its files brought
-  there: :func:`~curation.io.outputs.relocalize`); on a node other than the driver's, its local rank 0 pulls the
-  run's directory from the bucket before the group starts (the checkpoints every rank resumes from), rank 0 uploads
+  there: :func:`~curation.io.outputs.relocalize`); on a node other than the driver's, each rank pulls the run's
+  directory from the bucket (one at a time) before the group starts (the checkpoints every rank resumes from), rank 0 uploads
   checkpoints as Composer writes them (:class:`~training.blocks.trainer.CheckpointUpload`) and its selected parts
   as it flushes them, and pushes the rest when it ends; the driver then pulls what it wrote. Ray Train's state is in
   the bucket too. A setting given as a local path is probed on every node that could host a rank before the group
@@ -49,6 +49,7 @@ uses plain ``torch.distributed`` for the rank.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import time
@@ -130,13 +131,21 @@ class GroupJob:
 
 
 def _sync_node_cache(out: str, ranks: Ranks, *, pull: bool) -> None:
-    """An object-store output directory: on a node other than the driver's (``pull``), one process of the node (its
-    local rank 0) makes the node's cache of it equal to the bucket (the checkpoints every rank resumes from, rank 0's
-    selected shards and logs to continue); then every rank of the group waits for the others (one barrier, on every
-    node): a new machine with an empty cache resumes where the run is. The driver's node holds the driver's cache,
-    pulled when it opened the directory."""
-    if pull and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        storage.pull(out)
+    """An object-store output directory: on a node other than the driver's (``pull``), the rank makes its node's
+    cache of it equal to the bucket (the checkpoints every rank resumes from, rank 0's selected shards and logs to
+    continue), one rank of the node at a time (a lock file in that cache: the second finds nothing left to fetch;
+    not Ray Train's local rank, which counts ranks by IP address and so takes two nodes of one address for one);
+    then every rank of the group waits for the others (one barrier, on every node): a new machine with an empty
+    cache resumes where the run is. The driver's node holds the driver's cache, pulled when it opened the
+    directory."""
+    if pull:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".tmp-pull.lock"), "a+b") as lock:  # (.tmp-*: never synced, never deleted)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                storage.pull(out)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
     if ranks.world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.barrier()
 
