@@ -324,8 +324,8 @@ def _txt_records(path: str, source: SourceConfig, start: int) -> Iterator[tuple[
             bad[idx + 1] = e
             lines.append((idx + 1, ""))
     first_bad = next(iter(bad.values()), None)
-    if not any(s.strip() for _, s in lines):
-        yield -1, 0, first_bad or BadRecordError(path, 0, "file is empty")
+    if not bad and not any(s.strip() for _, s in lines):  # (bad lines are records: each is named below)
+        yield -1, 0, BadRecordError(path, 0, "file is empty")
         return
     mode = source.txt_split
     if mode == "file":

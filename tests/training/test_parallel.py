@@ -210,8 +210,10 @@ def test_rank_scope_selects_like_microbatches_of_one_process(make_config, ray_lo
 
 def test_a_group_larger_than_the_cluster_is_refused(make_config, ray_local):
     cpus = int(ray_local.cluster_resources()["CPU"])  # (the test process's instance: 4)
-    cfg = make_config("full", "too-big", parallel={"workers": cpus + 1})  # one CPU more than the instance has
-    with pytest.raises(ValueError, match=rf"parallel.workers={cpus + 1} trainer workers .* do not fit the Ray "
+    # more workers (1 CPU each) than the instance has CPUs, each a divisor of the batch (64 rows): a valid config
+    workers = min(w for w in (8, 16, 32, 64) if w > cpus)
+    cfg = make_config("full", "too-big", batch_size=64, parallel={"workers": workers})
+    with pytest.raises(ValueError, match=rf"parallel.workers={workers} trainer workers .* do not fit the Ray "
                                          rf"cluster \(CPU {cpus}, GPU 0 in all\)"):
         train(cfg)
 

@@ -167,14 +167,14 @@ def rank_result(run: TrainRun, ranks: Ranks, *, reference: bool = True, selected
         assert run.stopper is not None
         return dataclasses.replace(base, stopped_at=run.stopped_at, signum=run.stopper.signum)
     hf = run.model.model
-    model = full_state_dict(hf) if is_sharded(hf) else hf.state_dict()  # (the first: a collective)
+    ref = None  # sharded, both gathers are collectives: every rank makes them, in the same order
+    if reference and isinstance(run.algorithm, BladeAlgorithm):
+        ref = run.algorithm.reference_state_dict(copy=False)  # (written by finish right away)
+    model = full_state_dict(hf) if is_sharded(hf) else hf.state_dict()
     if ranks.rank > 0:
         return base
     if ranks.world_size > 1:  # it travels to the driver: host tensors
         model = {k: v.detach().to("cpu") for k, v in model.items()}
-    ref = None
-    if reference and isinstance(run.algorithm, BladeAlgorithm):
-        ref = run.algorithm.reference_state_dict(copy=False)  # (written by finish right away)
     stats = run.stats
     meter = run.throughput
     return dataclasses.replace(base, stats=stats.summary_data() if stats is not None else None,

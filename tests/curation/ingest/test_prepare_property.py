@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import curation.ingest.jsonstream as jsonstream
@@ -232,6 +232,11 @@ def test_prepare_stopped_anywhere_and_rerun_gives_the_direct_encoding_byte_for_b
     @settings(**_examples(request, fast=25, more=100))
     @given(files=corpora(), unit_bytes=st.sampled_from([1, 60, 150, 400, 1 << 20]), per_part=st.integers(1, 4),
            stops=st.lists(st.tuples(st.integers(1, 12), st.sampled_from(STOPS)), min_size=1, max_size=3))
+    # found by CI: a .txt whose every non-blank line is bad was one bad record ("file is empty"), not one per line
+    @example(files=[("jsonl", [("long", "alpha über 12 end. über über end. 12 über alpha 12 12 " * 3 + "alpha über 12 end."),
+                               ("empty", "")]),
+                    ("txt", [("surrogate", "beta lone \ud800 half über"), ("surrogate", "beta lone \ud800 half über")])],
+             unit_bytes=1, per_part=1, stops=[(1, "sigterm")])
     def check(files, unit_bytes, per_part, stops):
         root = tempfile.mkdtemp(dir=tmp_path)
         try:

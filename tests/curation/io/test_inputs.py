@@ -297,12 +297,9 @@ def test_a_change_with_no_recorded_failure_is_refused(tmp_path):
         _open(cfg)
 
 
-@pytest.mark.parametrize("name", ["../val/shard.00000.mds", "/etc/passwd", "part-b/../../val/shard.00000.mds",
-                                  "part-b/.hidden", "", 7])
-def test_a_tampered_failure_record_naming_a_shard_outside_the_input_is_refused(tmp_path, name):
-    """The record is read back from the output directory: untrusted. A failed shard named by a path that leaves the
-    input, or by no plain name, refuses the rerun in one line (also with the input unchanged); one the index does not
-    list accepts nothing."""
+def _failure_naming(tmp_path, name):  # noqa: ANN001, ANN202 - a test helper
+    """A run that failed on a real shard, its record then rewritten to blame ``name``: (cfg, the input's path, the
+    record's path, the record as written)."""
     path = _real_shards(tmp_path / "real")
     cfg = _train(tmp_path, candidates=path)
     with _open(cfg) as lock:
@@ -314,6 +311,16 @@ def test_a_tampered_failure_record_naming_a_shard_outside_the_input_is_refused(t
     failure["shards"] = [name]
     failure["entries"] = {str(name): "0" * 32}
     _file(record_path, json.dumps(record))
+    return cfg, path, record_path, record
+
+
+@pytest.mark.parametrize("name", ["../val/shard.00000.mds", "/etc/passwd", "part-b/../../val/shard.00000.mds",
+                                  "part-b/.hidden", "", 7])
+def test_a_tampered_failure_record_naming_a_shard_outside_the_input_is_refused(tmp_path, name):
+    """The record is read back from the output directory: untrusted. A failed shard named by a path that leaves the
+    input, or by no plain name, refuses the rerun in one line (also with the input unchanged); one the index does not
+    list accepts nothing."""
+    cfg, path, record_path, record = _failure_naming(tmp_path, name)
     with pytest.raises(InputsChanged) as e:
         _open(cfg)
     msg = str(e.value)
@@ -326,17 +333,7 @@ def test_a_tampered_failure_record_naming_a_shard_outside_the_input_is_refused(t
 
 
 def test_a_failure_record_naming_a_shard_the_index_does_not_list_accepts_nothing(tmp_path):
-    path = _real_shards(tmp_path / "real")
-    cfg = _train(tmp_path, candidates=path)
-    with _open(cfg) as lock:
-        lock.write_records()
-    _fail_on(cfg, path, 5)
-    record_path = os.path.join(cfg.output_dir, INPUTS_NAME)
-    record = json.load(open(record_path))
-    failure = record["failed"]["data.candidates"]
-    failure["shards"] = ["part-c/shard.00000.mds.zstd"]  # a plain name, in no index
-    failure["entries"] = {"part-c/shard.00000.mds.zstd": "0" * 32}
-    _file(record_path, json.dumps(record))
+    cfg, path, record_path, record = _failure_naming(tmp_path, "part-c/shard.00000.mds.zstd")  # a plain name, in no index
     with _open(cfg) as lock:  # the input as recorded: the failure is not consulted
         lock.write_records()
     _write(path, "part-b", _rows())

@@ -265,7 +265,10 @@ def test_remote_lock_refuses_a_live_holder_and_takes_over_a_dead_one(s3):
     assert json.loads(objects.read_object(f"{url}/.lock").body)["pid"] == 2  # not deleted: not ours
 
 
-def test_open_output_resumes_from_the_bucket_with_an_empty_cache(s3):
+def test_open_output_resumes_from_the_bucket_with_an_empty_cache(s3, tmp_path, monkeypatch):
+    # the demo config's inputs are relative paths: from an empty directory none exists, so the run records none
+    # (from a checkout where the main job ran they exist, and inputs.json would be written beside config.yaml)
+    monkeypatch.chdir(tmp_path)
     url = s3.url("runs/a")
     cfg = TrainConfig.demo_default("runs/demo").model_copy(update={"output_dir": url})
     with open_output(url, "train", {"config.yaml": cfg}) as lock:
