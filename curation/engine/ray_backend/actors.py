@@ -227,8 +227,10 @@ class _CoordinatorActor:
     def progress(self) -> EngineProgress:
         return self.state.progress()
 
-    def report(self) -> EngineReport:
-        return self.state.report()
+    def report(self) -> Carried[EngineReport]:
+        """The engine's report, carried: its paths (``engine_dir``, ``out_dir``) are this node's cache paths, the
+        driver's may be elsewhere."""
+        return carry(self.state.report())
 
     def finish(self, extra: Mapping[str, object] | None = None) -> int:
         """Finish the ledger; the objects this process (the coordinator) uploaded in all."""
@@ -447,7 +449,7 @@ class RayEngine(EngineClient):
     def report(self, *, job_seconds: float | None = None) -> EngineReport:
         """The engine's account of the run (the coordinator's, with this driver's settings); ``job_seconds``: the
         whole job's time this run, as the caller measured it."""
-        rep: EngineReport = self._get(self.coordinator.report.remote())
+        rep: EngineReport = self._get(self.coordinator.report.remote()).here()  # (at this process's cache paths)
         return dataclasses.replace(rep, workers=self.count, threads_per_worker=self.threads, job_seconds=job_seconds)
 
     def finish(self, extra: Mapping[str, object] | None = None) -> int:

@@ -187,6 +187,25 @@ def test_push_with_delete_leaves_lock_and_temporary_objects_at_any_depth(s3):
     assert sorted(objects.list_objects(s3.url("run"))) == sorted([*kept, "ck/ep0-ba8-rank0.pt"])
 
 
+def test_push_skips_folders_other_processes_write_and_upload_themselves(s3):
+    """A run's driver pushes what it wrote, never its stale copies of the folders a Ray engine's actors on other nodes
+    write (``skip``): a file replaced in the bucket since this cache read it stays the bucket's, one deleted there
+    (a pruned snapshot) is not uploaded again; a skipped folder is not deleted by ``delete`` either."""
+    root = storage.local_path(s3.url("run"))
+    _write(f"{root}/engine/proxy-000000002.safetensors", b"pruned elsewhere")
+    _write(f"{root}/scored/index.json", b"old")
+    objects.write_object(s3.url("run/scored/index.json"), b"new, written by the coordinator on another node")
+    _write(f"{root}/final/model.safetensors", b"weights")
+    assert storage.push(root, skip=["engine", "scored/"], delete=True) == ["final/model.safetensors"]
+    stored = objects.list_objects(s3.url("run"))
+    assert sorted(stored) == ["final/model.safetensors", "scored/index.json"]
+    assert objects.read_object(s3.url("run/scored/index.json")).body.startswith(b"new")
+    assert "uploaded 1 file" in storage.push_all(root, skip=["engine", "scored"])
+    assert sorted(objects.list_objects(s3.url("run"))) == ["final/model.safetensors", "scored/index.json"]
+    storage.push(root)  # (without skip: every folder, the stale copy included)
+    assert objects.read_object(s3.url("run/scored/index.json")).body == b"old"
+
+
 def _part(path: str, n: int = 40) -> list[np.ndarray]:
     rows = [np.arange(i, i + 16, dtype=np.uint16) for i in range(n)]
     write_part(path, CANDIDATE, ({"tokens": r, "source": "s"} for r in rows), vocab_size=512, size_limit=1 << 9)
