@@ -285,19 +285,25 @@ TRAIN = os.path.join(REPO, "jobs", "train.py")
 GROUP_STEPS = 64  # checkpoints every 4: node B is lost after the first, with 60 steps (seconds) of the run to do
 
 
-def _train_command(env: dict, out: str, resources: dict) -> list[str]:
-    """``jobs/train.py`` with a worker group of 2 (``parallel.resources`` places its ranks), data and output in the
+def _train_settings(env: dict, out: str, resources: dict, steps: int = GROUP_STEPS) -> dict:
+    """A training config with a worker group of 2 (``parallel.resources`` places its ranks), data and output in the
     bucket; the group is not restarted after a failure (``max_failures = 0``: a lost node ends the run, and the
     same command is rerun)."""
     data = _url(env, "two/data")
-    sets = {"data": {"candidates": f"{data}/candidates", "validation": f"{data}/validation",
+    return {"data": {"candidates": f"{data}/candidates", "validation": f"{data}/validation",
                      "tokenizer": f"{data}/tokenizer/tokenizer.json"},
-            "model": _model(), "output_dir": out, "batch_size": 8, "max_steps": GROUP_STEPS, "threads": 1,
+            "model": _model(), "output_dir": out, "batch_size": 8, "max_steps": steps, "threads": 1,
             "device": "cpu", "progress_bar": False, "plots": False,
             "selection": {"warmup_steps": 2, "tau": 4, "refresh_steps": 2, "refresh_batch_size": 2, "rho1_steps": 3,
                           "refresh_candidate_batches": 2},
-            "eval": {"interval": 32, "batch_size": 16, "max_batches": 1}, "checkpoint": {"interval": 4, "keep": -1},
+            "eval": {"interval": min(32, steps), "batch_size": 16, "max_batches": 1},
+            "checkpoint": {"interval": 4, "keep": -1},
             "parallel": {"workers": 2, "resources": resources, "max_failures": 0}}
+
+
+def _train_command(env: dict, out: str, resources: dict) -> list[str]:
+    """``jobs/train.py`` with :func:`_train_settings`."""
+    sets = _train_settings(env, out, resources)
     return [TRAIN, *[a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]]
 
 
@@ -396,9 +402,57 @@ def test_a_trainer_group_rerun_after_the_second_nodes_raylet_was_killed_mid_run_
         f"{n.name}: {[f for f in _cache_files(n) if '/kill/group/' in f]}" for n in cluster.nodes.values())])
     _same_outputs(_url(env, "two/group"), out)
     attempts = [json.loads(x) for x in objects.read_object(f"{out}/parallel/attempts.jsonl").body.decode().splitlines()]
-    assert [a["resumed_from"] for a in attempts[:2]] == [None, None]
-    assert len(attempts) == 4 and all(str(a["resumed_from"]).startswith(f"{out}/checkpoints/ep0-ba")
-                                      for a in attempts[2:])  # both ranks of the rerun resumed from the bucket
+    first, rerun = attempts[:2], attempts[2:]
+    assert [a["resumed_from"] for a in first] == [None, None] and len(rerun) == 2, attempts
+    # both ranks of the rerun resumed from the bucket's checkpoint (Composer's link to the newest one), one of them on
+    # the new node B (a node id the first run did not have) with an empty cache
+    assert [a["resumed_from"] for a in rerun] == [f"{out}/checkpoints/latest-rank0.pt"] * 2, rerun
+    assert len({a["node"] for a in rerun}) == 2 and {a["node"] for a in rerun} - {a["node"] for a in first}, attempts
+
+
+# ------------------------------------------------------------------------------------------------
+# the main job: the engine's scoring workers and the trainer group spanning the nodes
+# ------------------------------------------------------------------------------------------------
+CURATE_AND_TRAIN = os.path.join(REPO, "jobs", "curate_and_train.py")
+ENGINE_STEPS = 8  # W = 2, τ = 4: two refreshes; checkpoints at 4 and 8
+
+
+def _curate_and_train(cluster, env: dict, name: str, ranks: dict, scorers: dict) -> str:  # noqa: ANN001 - TwoNodes
+    """``jobs/curate_and_train.py`` driven from node A into ``s3://…/<name>/engine`` (everything in the bucket): a
+    trainer group of 2 placed by ``ranks``, 2 scoring workers by ``scorers`` (the coordinator and the refresh actor
+    wherever Ray puts them: they take no CPU); its URL, once it succeeded."""
+    node_a, out = cluster.nodes["node_a"], _url(env, f"{name}/engine")
+    cfg = _write_yaml(os.path.join(node_a.work, f"engine-{name}.yaml"), {
+        "train": _train_settings(env, out, ranks, steps=ENGINE_STEPS), "prepare": None,
+        "engine": {"lookahead": 4, "refresh_device": "cpu"},
+        "workers": {"count": 2, "range_steps": 2, "device": "cpu", "resources": scorers}})
+    done = timing.run([sys.executable, CURATE_AND_TRAIN, "--config", cfg], capture_output=True, text=True,
+                      timeout=600, env={**node_a.env(), "RAY_ADDRESS": cluster.address}, cwd=node_a.work)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "trainer: 2 Ray Train workers" in done.stdout, done.stdout[-3000:]
+    return out
+
+
+def test_curate_and_train_with_a_rank_and_a_scoring_worker_on_each_node_equals_both_ranks_on_one_node(
+        cluster, env, prepared):
+    """The engine-fed trainer group across the nodes: each rank reads the scores of its rows from ``scored/`` parts
+    a scoring worker on either node wrote (through its own node's cache and the bucket), rank 0 publishes the proxy
+    to the engine; it selects the same rows and trains the same weights as the group with both ranks on node A (its
+    scoring workers then both on node B)."""
+    two = _curate_and_train(cluster, env, "two", {"rank": 1}, {"scorer": 1})
+    one = _curate_and_train(cluster, env, "one", {"node_a": 1}, {"node_b": 1})
+    _same_outputs(two, one)
+    assert _rows(f"{two}/selected")["loss_mask"].sum() > 0
+    summary = _json(f"{two}/summary.json")
+    assert summary["world_size"] == 2 and summary["steps"] == ENGINE_STEPS and summary["engine"]["workers"] == 2
+    # the refresh actor's references and logs, on whichever node it ran, reached the report (final/reference above)
+    assert [r["version"] for r in summary["refreshes"]] == [0, 1]
+    for run in (two, one):  # the snapshots the coordinator pruned stay pruned (the driver uploads no stale copy)
+        assert not [k for k in _objects(f"{run}/engine") if k.startswith("proxy-")], run
+    attempts = [json.loads(x) for x in objects.read_object(f"{two}/parallel/attempts.jsonl").body.decode().splitlines()]
+    assert sorted(a["rank"] for a in attempts) == [0, 1] and len({a["node"] for a in attempts}) == 2  # two nodes
+    for node in cluster.nodes.values():  # each node's scoring worker wrote parts, its rank read them: in its cache
+        assert any("/two/engine/scored/" in f for f in _cache_files(node)), node.name
 
 
 # ------------------------------------------------------------------------------------------------
