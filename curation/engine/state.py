@@ -281,8 +281,7 @@ class EngineState(Generic[H]):
                 self.core.retract(PROXY, version)
                 dropped.append(version)
                 for path in (proxy_path(self.engine_dir, version), recent_path(self.engine_dir, version)):
-                    if os.path.exists(path):
-                        storage.remove(path)
+                    storage.remove(path)  # (an object-store run: the bucket's too, written on whichever node)
         return dropped
 
     # --- workers and trainer -------------------------------------------------------------------

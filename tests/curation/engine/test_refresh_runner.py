@@ -31,8 +31,10 @@ def test_an_object_store_engine_directory_is_read_from_the_bucket_whatever_node_
     """A refresh actor on another node writes its references and logs into its own node's cache and the bucket: the
     coordinator's report (:func:`refresh_logs`) and its reload of an older reference (``EngineState.handle``) read
     them from the bucket into this process's cache, which never held them."""
+    from curation.core.policies import RefreshMode
+    from curation.core.schedule import Schedule
     from curation.engine.ledger import PartLedger
-    from curation.engine.plan import REFERENCE
+    from curation.engine.plan import PROXY, REFERENCE, TrainingPlan
     from curation.engine.refresh_runner import reference_log_path, reference_path
     from curation.engine.state import EngineState
     from curation.io import objects, storage
@@ -41,16 +43,25 @@ def test_an_object_store_engine_directory_is_read_from_the_bucket_whatever_node_
     engine = storage.local_path(url)
     ledger = PartLedger(storage.local_path(s3.url("run/scored")), kind="scored", job="test", run_key={"t": 1},
                         vocab_size=100)
-    state = EngineState([], ledger=ledger, engine_dir=engine, load=lambda path: open(path, "rb").read())
+    state = EngineState([], ledger=ledger, engine_dir=engine, plan=TrainingPlan(Schedule(2, 4, 14), "exact", True),
+                        refresh_mode=RefreshMode.SYNC, load=lambda path: open(path, "rb").read(),
+                        launch=lambda task: f"ref{task.version}")
     for version in (0, 1):  # (the other node's uploads, log last)
         objects.write_object(f"{url}/reference-{version:04d}.safetensors", b"weights %d" % version)
         objects.write_object(f"{url}/reference-{version:04d}.json", json.dumps({"version": version}).encode())
-    objects.write_object(f"{url}/proxy-000000002.safetensors", b"not a log")
+    for name in ("proxy-000000002.safetensors", "proxy-000000002.recent.safetensors"):  # (rank 0's, elsewhere)
+        objects.write_object(f"{url}/{name}", b"not a log")
     assert not os.path.exists(reference_log_path(engine, 0))
     assert refresh_logs(engine) == [{"version": 0}, {"version": 1}]
     assert [r["version"] for r in state.report().refreshes] == [0, 1]
     assert state.report().final_reference == reference_path(engine, 1)
     assert not os.path.exists(os.path.join(engine, "proxy-000000002.safetensors"))  # (logs only)
+    # u^(2), refresh 0's source, registered then pruned once that refresh ended: its objects go, though this node's
+    # cache never held them
+    state.publish_proxy(2, "u2")
+    state.refresh_done(0)
+    assert not state.published(PROXY, 2)
+    assert not [k for k in objects.list_objects(url) if k.startswith("proxy-")]
     state.publish_weights(REFERENCE, 0, None)  # registered, its handle dropped: reloaded from the file when asked
     state.handles.clear()
     assert state.handle(REFERENCE, 0) == b"weights 0"
