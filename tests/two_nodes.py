@@ -240,6 +240,10 @@ class TwoNodes:
                               env=self.nodes[node].env(), cwd=self.nodes[node].work)
 
     def stop(self) -> None:
-        for name in ("node_b", "node_a"):
-            self.nodes[name].stop()
+        nodes = [self.nodes[name] for name in ("node_b", "node_a")]
+        for node in nodes:  # both asked at once: each node's processes end in parallel
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.terminate()
+        for node in nodes:
+            node.stop()
         shutil.rmtree(self.root, ignore_errors=True)

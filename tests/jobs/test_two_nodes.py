@@ -2,16 +2,18 @@
 this machine, each node's processes with their own cache and working directory and barred from the other's, SeaweedFS
 as the one thing they share; issue 56).
 
-One cluster for the module, used in order: a job that names a local path some node cannot reach is refused before it
-starts; ``prepare.py`` with its units on both nodes, inputs in the bucket and local ones staged into it, equals an
-in-process run object for object; ``curate.py`` (``ray job submit`` from this process) with a scoring worker on each
-node selects what a run with both workers on one node selects; ``replay.py`` submitted to run on the second node
-trains what an in-process replay trains; ``train.py`` with a worker group (``parallel.workers = 2``), one rank per
-node, and an s3:// output_dir trains byte for byte what the group with both ranks on node A trains, also when node
-B's raylet is killed mid-run and the same command rerun (node B started again with an empty cache); ``prepare.py``
-with node B's raylet killed mid-run, node B started again with an empty cache and the same command rerun, equals an
-uninterrupted in-process run. Afterwards no process of a node touched the other node's directories (the guard's log is empty) and
-each node's cache holds only the bucket's objects it worked on."""
+One cluster and one prepared corpus for the module, used in order: a job that names a local path some node cannot
+reach is refused before it starts; ``prepare.py`` with its units on both nodes, inputs in the bucket and local ones
+staged into it, equals an in-process run object for object; ``curate.py`` (``ray job submit`` from this process) with
+its scoring workers on the other node selects what a run with them on the driver's node selects; ``replay.py``
+submitted to run on the second node trains what an in-process replay trains; ``train.py`` with a worker group
+(``parallel.workers = 2``) and a local output_dir node B cannot read is refused naming it; the group with one rank
+per node and an s3:// output_dir, node B's raylet killed mid-run and the same command rerun (node B started again
+with an empty cache), trains byte for byte what the group with both ranks on node A trains; ``curate_and_train.py``
+with a trainer rank and a scoring worker on each node selects the rows and trains the weights of its group with both
+ranks on node A; ``prepare.py`` with node B's raylet killed mid-run, node B started again with an empty cache and the
+same command rerun, equals an uninterrupted in-process run. Afterwards no process of a node touched the other node's
+directories (the guard's log is empty) and each node's cache holds only the bucket's objects it worked on."""
 
 from __future__ import annotations
 
@@ -347,38 +349,19 @@ def test_a_trainer_group_with_a_local_output_dir_another_node_cannot_reach_is_re
     os.remove(cluster.nodes["node_b"].guard_log)
 
 
-@pytest.fixture(scope="module")
-def group_run(cluster, env, prepared):
-    """``train.py`` with a worker group of 2 driven from node A: one rank per node (``{rank: 1}``, one on each)."""
-    done = _train_on_node_a(cluster, env, _url(env, "two/group"), {"rank": 1})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done
-
-
-def test_a_trainer_group_with_a_rank_on_each_node_equals_the_group_on_one_node(cluster, env, group_run):
-    """The ranks on two nodes (each its own cache; the driver's channel, Ray Train's state, checkpoints and selected
-    shards through Ray and the bucket only) train what both ranks on node A train, byte for byte."""
+def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_the_group_on_one_node(
+        cluster, env, prepared):
+    """``train.py`` with a worker group of 2, one rank per node (each its own cache; the driver's channel, Ray Train's
+    state, checkpoints and selected shards through Ray and the bucket only). Node B is lost (its raylet and processes
+    SIGKILLed) once the group's first checkpoint is in the bucket (``max_failures = 0``: the run fails), started
+    again as a new machine (its cache empty), and the same command rerun: every rank resumes from the bucket, and
+    the outputs equal byte for byte those of the group with both ranks on node A, uninterrupted. (One comparison
+    for both claims, a group start fewer: a difference made by the ranks on two nodes, before the loss or after it,
+    or by the resume, shows there.)"""
     one = _train_on_node_a(cluster, env, _url(env, "one/group"), {"node_a": 1})
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
-    _same_outputs(_url(env, "two/group"), _url(env, "one/group"))
-    summary = _json(_url(env, "two/group/summary.json"))
-    assert summary["world_size"] == 2 and summary["steps"] == GROUP_STEPS
-    attempts = [json.loads(x) for x in objects.read_object(
-        _url(env, "two/group/parallel/attempts.jsonl")).body.decode().splitlines()]
-    assert sorted(a["rank"] for a in attempts) == [0, 1] and len({a["node"] for a in attempts}) == 2  # two nodes
-    storage = _objects(_url(env, "two/group"))
-    assert any(k.startswith("parallel/ray_train/") for k in storage)  # Ray Train's state in the bucket
-    for node in cluster.nodes.values():  # each node worked on the run in its own cache
-        assert any("/two/group/checkpoints/" in f for f in _cache_files(node)), node.name
-
-
-def test_a_trainer_group_rerun_after_the_second_nodes_raylet_was_killed_mid_run_equals_an_uninterrupted_run(
-        cluster, env, group_run):
-    """Node B's raylet SIGKILLed once the group's first checkpoint is in the bucket (its rank ends; with
-    ``max_failures = 0`` the run fails), node B started again as a new machine (its cache empty), the same command
-    rerun: every rank resumes from the bucket's checkpoint and the outputs equal the uninterrupted run's."""
     node_a, node_b = cluster.nodes["node_a"], cluster.nodes["node_b"]
-    out = _url(env, "kill/group")
+    out = _url(env, "two/group")
     cmd = [sys.executable, *_train_command(env, out, {"rank": 1})]
     run_env = {**node_a.env(), "RAY_ADDRESS": cluster.address}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
@@ -399,15 +382,22 @@ def test_a_trainer_group_rerun_after_the_second_nodes_raylet_was_killed_mid_run_
     since = time.time()
     done = timing.run(cmd, capture_output=True, text=True, timeout=600, env=run_env, cwd=node_a.work)
     assert done.returncode == 0, "\n".join([done.stderr[-3000:], cluster.worker_tracebacks(since), *(
-        f"{n.name}: {[f for f in _cache_files(n) if '/kill/group/' in f]}" for n in cluster.nodes.values())])
-    _same_outputs(_url(env, "two/group"), out)
+        f"{n.name}: {[f for f in _cache_files(n) if '/two/group/' in f]}" for n in cluster.nodes.values())])
+    _same_outputs(_url(env, "one/group"), out)
+    summary = _json(f"{out}/summary.json")
+    assert summary["world_size"] == 2 and summary["steps"] == GROUP_STEPS
     attempts = [json.loads(x) for x in objects.read_object(f"{out}/parallel/attempts.jsonl").body.decode().splitlines()]
     first, rerun = attempts[:2], attempts[2:]
     assert [a["resumed_from"] for a in first] == [None, None] and len(rerun) == 2, attempts
+    assert sorted(a["rank"] for a in first) == sorted(a["rank"] for a in rerun) == [0, 1]
+    assert len({a["node"] for a in first}) == 2 and len({a["node"] for a in rerun}) == 2  # a rank on each node
     # both ranks of the rerun resumed from the bucket's checkpoint (Composer's link to the newest one), one of them on
     # the new node B (a node id the first run did not have) with an empty cache
     assert [a["resumed_from"] for a in rerun] == [f"{out}/checkpoints/latest-rank0.pt"] * 2, rerun
-    assert len({a["node"] for a in rerun}) == 2 and {a["node"] for a in rerun} - {a["node"] for a in first}, attempts
+    assert {a["node"] for a in rerun} - {a["node"] for a in first}, attempts
+    assert any(k.startswith("parallel/ray_train/") for k in _objects(out))  # Ray Train's state in the bucket
+    for node in cluster.nodes.values():  # each node worked on the run in its own cache (node B's new one too)
+        assert any("/two/group/checkpoints/" in f for f in _cache_files(node)), node.name
 
 
 # ------------------------------------------------------------------------------------------------
