@@ -398,6 +398,8 @@ def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_
     assert any(k.startswith("parallel/ray_train/") for k in _objects(out))  # Ray Train's state in the bucket
     for node in cluster.nodes.values():  # each node worked on the run in its own cache (node B's new one too)
         assert any("/two/group/checkpoints/" in f for f in _cache_files(node)), node.name
+    # the rank on node B copied only the folders ranks write, not the driver's parallel/ (nor Ray Train's state there)
+    assert not [f for f in _cache_files(node_b) if "/two/group/parallel/" in f]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,10 +35,11 @@ docs/dev/ray-train-composer.md):
 
 * **Nodes**: the driver and the ranks share nothing but Ray and, for an ``s3://`` ``output_dir``, the bucket. The
   job travels :func:`~curation.io.carried.carry` ied (each rank's paths at its own node's cache, its files brought
-  there: :func:`~curation.io.outputs.relocalize`); on a node other than the driver's, each rank pulls the run's
-  directory from the bucket (one at a time) before the group starts (the checkpoints every rank resumes from), rank 0 uploads
+  there: :func:`~curation.io.outputs.relocalize`); on a node other than the driver's, each rank pulls the folders
+  ranks write (:data:`RANK_WRITES`) from the bucket (one at a time) before the group starts (the checkpoints every
+  rank resumes from), rank 0 uploads
   checkpoints as Composer writes them (:class:`~training.blocks.trainer.CheckpointUpload`) and its selected parts
-  as it flushes them, and pushes the rest when it ends; the driver then pulls what it wrote. Ray Train's state is in
+  as it flushes them, and pushes the rest of those folders when it ends; the driver then pulls them. Ray Train's state is in
   the bucket too. A setting given as a local path is probed on every node that could host a rank before the group
   starts (:func:`~curation.engine.ray_backend.train_group.check_group_nodes`) and refused naming it.
 
@@ -83,6 +84,12 @@ FATAL_FILE = os.path.join("parallel", "fatal.json")
 #: One line per worker start: rank, pid, node, attempt time, checkpoint resumed from (relative to output_dir; the
 #: driver writes what the ranks told its channel).
 ATTEMPTS_FILE = os.path.join("parallel", "attempts.jsonl")
+#: The folders of output_dir a rank writes (rank 0: Composer's checkpoints, the selected-token shards, the metrics
+#: log and the experiment loggers' files): what a rank on another node than the driver's pulls before it starts and
+#: rank 0 there pushes when it ends, and the driver then pulls. Nothing else: the engine's folders (``scored/``,
+#: ``engine/``: its actors upload what they write, read by the ranks part by part) and the driver's ``parallel/``
+#: and records are not copied to every node, nor a stale copy of them uploaded from one.
+RANK_WRITES = ("checkpoints", "selected", "logs")
 #: Errors that a restart of the worker group cannot fix.
 FATAL_ERRORS = (ValueError, ShardSchemaError, FileNotFoundError, EngineError)
 
@@ -132,18 +139,19 @@ class GroupJob:
 
 def _sync_node_cache(out: str, ranks: Ranks, *, pull: bool) -> None:
     """An object-store output directory: on a node other than the driver's (``pull``), the rank makes its node's
-    cache of it equal to the bucket (the checkpoints every rank resumes from, rank 0's selected shards and logs to
-    continue), one rank of the node at a time (a lock file in that cache: the second finds nothing left to fetch;
-    not Ray Train's local rank, which counts ranks by IP address and so takes two nodes of one address for one);
-    then every rank of the group waits for the others (one barrier, on every node): a new machine with an empty
-    cache resumes where the run is. The driver's node holds the driver's cache, pulled when it opened the
-    directory."""
+    cache of the folders ranks write (:data:`RANK_WRITES`) equal to the bucket (the checkpoints every rank resumes
+    from, rank 0's selected shards and logs to continue), one rank of the node at a time (a lock file in that cache:
+    the second finds nothing left to fetch; not Ray Train's local rank, which counts ranks by IP address and so takes
+    two nodes of one address for one); then every rank of the group waits for the others (one barrier, on every
+    node): a new machine with an empty cache resumes where the run is. The driver's node holds the driver's cache,
+    pulled when it opened the directory."""
     if pull:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".tmp-pull.lock"), "a+b") as lock:  # (.tmp-*: never synced, never deleted)
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                storage.pull(out)
+                for sub in RANK_WRITES:
+                    storage.pull(os.path.join(out, sub))
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     if ranks.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -186,7 +194,8 @@ def train_worker(config: Mapping[str, Carried[GroupJob]]) -> Carried[tuple[RankR
                               "shards": [storage.url_of(s) or s for s in blamed(e)]})  # (URLs: the driver's cache)
         raise
     if remote and ranks.rank == 0:  # its selected shards, logs and checkpoints: in the bucket for the driver
-        storage.push(out)
+        for sub in RANK_WRITES:
+            storage.push(out, sub)
     return carry((result, remote))
 
 
@@ -262,6 +271,6 @@ def run_group(cfg: TrainConfig, *, feed: EngineFeed | None = None, engine: Engin
     if not isinstance(result, RankResult):
         raise WorkerGroupFailed(f"the trainer worker group ended without rank 0's result (it returned {result!r})")
     if elsewhere:  # what rank 0 wrote on another node (selected shards, logs, checkpoints): into this machine's cache
-        for sub in ("selected", "logs", "checkpoints"):
+        for sub in RANK_WRITES:
             storage.pull(os.path.join(out, sub))
     return result
