@@ -25,6 +25,15 @@ runs it: its own, by ``getrusage``, and the largest of the processes it started,
 L = 512), once in this process (``workers: 1``) and once as the job chooses (Ray workers when the file makes
 several units). Goal: under 1 GB at 20 MB, and flat as the document grows (a line over 4 MB is streamed, never held whole:
 ``curation/ingest/jsonstream.py``).
+
+``--two-nodes N``: instead, prepare's scaling with its tasks on two Ray nodes started on this machine
+(:class:`bench.two_nodes.LocalNodes`, each declaring ``N`` CPUs and ``N/2`` of a role resource ``prep``), the worker
+processes warmed up first: ``N`` tasks pinned to the head (``resources: {node_a: 1}``), then ``N`` tasks asking for
+``{prep: 1}`` (``N/2`` run on each node); each twice, alternately (the better round reported). For each: tokens/s, tokens per CPU-second (both nodes' processes are this
+one's children) and tokens/s per task. Goal: the same tokens/s per task on two nodes as on one (the tasks share
+nothing but the driver, which hands out units and writes the manifests). Both nodes are on this machine and share its
+cores: this measures what spreading the tasks over nodes costs, not more hardware; the output directory is a local
+one both nodes see (the object store's transfers are not in it).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import psutil
 import yaml
 from tokenizers import Tokenizer
 
+from bench.two_nodes import LocalNodes
 from curation.engine.ray_backend.prepare_pool import ray_unit_pool
 from curation.engine.ray_backend.session import ray_session
 from curation.ingest.prepare import PoolFactory, prepare
@@ -165,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report))
         return 0
+    if args.two_nodes:
+        return _two_nodes(args)
     counts = args.workers or sorted({1, os.cpu_count() or 1})
     tmp = tempfile.mkdtemp(prefix="bench_prepare-")
     try:
@@ -178,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
         runs = []
         with ray_session(RayConfig().address, need_cpus=max(counts)):
             for n in counts:
-                def pool(workers, units, n=n):  # noqa: ANN001, ANN202 - the prepare pool factory, n workers
-                    return ray_unit_pool(RayConfig(), n, units)
+                def pool(workers, units, needs, n=n):  # noqa: ANN001, ANN202 - the prepare pool factory, n workers
+                    return ray_unit_pool(RayConfig(), n, units, needs)
 
                 warm = _warm_up(args, path, tmp, pool, n)
                 # workers: null (1 would run in this process); the pool makes it n
@@ -195,6 +207,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _two_nodes(args: argparse.Namespace) -> int:
+    """``--two-nodes N``: :func:`_run_two_nodes` on the input."""
+    tmp = tempfile.mkdtemp(prefix="bench_prepare-")
+    try:
+        path = args.input
+        if path is None:
+            path = os.path.join(tmp, "input.jsonl")
+            build_input(path, args.mb)
+        runs = _run_two_nodes(args, path, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"input_mb": os.path.getsize(path) / 1e6 if args.input else args.mb, "seq_len": args.seq_len,
+                          "cpus": os.cpu_count(), "two_nodes": runs}))
+    return 0
+
+
+def _run_two_nodes(args: argparse.Namespace, path: str, tmp: str) -> dict:
+    """``--two-nodes N`` on the input ``path`` (the module docstring), printed; its numbers."""
+    n = args.two_nodes
+    if n < 2 or n % 2:
+        raise ValueError(f"--two-nodes {n}: give an even number of tasks (half of them on each node)")
+    nodes = LocalNodes({"node_a": {"prep": n // 2}, "node_b": {"prep": n // 2}}, cpus=n)
+    places = {"one node": {"node_a": 1}, "two nodes": {"prep": 1}}
+    runs: dict[str, dict] = {}
+    try:
+        nodes.start()
+        cluster = RayConfig(address=nodes.address)
+        with ray_session(cluster.address, need_cpus=n):
+            pools = {}
+            for name, resources in places.items():
+                def pool(workers, units, needs, resources=resources):  # noqa: ANN001, ANN202 - the pool factory
+                    return ray_unit_pool(cluster, n, units, needs, resources=resources)
+
+                pools[name] = pool
+                warm = _warm_up(args, path, tmp, pool, n)
+                runs[name] = {"warm_up_seconds": warm, "tasks": n, "resources": resources, "rounds": []}
+            for _ in range(2):  # alternately, so that a change of the machine's other load weighs on both alike
+                for name in places:
+                    out = os.path.join(tmp, name.replace(" ", "-"))
+                    runs[name]["rounds"].append(_prepare(_config(args, path, out, None), pools[name]))
+    finally:
+        nodes.stop()
+    for r in runs.values():  # the better round of each (the one less disturbed by other load)
+        r.update(max(r["rounds"], key=lambda x: x["tokens_per_s"]))
+        r["tokens_per_s_per_task"] = r["tokens_per_s"] / n
+    one, two = runs["one node"], runs["two nodes"]
+    two["per_task_vs_one_node"] = two["tokens_per_s_per_task"] / one["tokens_per_s_per_task"]
+    two["per_cpu_s_vs_one_node"] = two["tokens_per_cpu_s"] / one["tokens_per_cpu_s"]
+    print(f"prepare with {n} tasks on two local Ray nodes ({os.cpu_count()} CPUs on this machine):")
+    for name, r in runs.items():
+        rounds = ", ".join(f"{x['seconds']:.1f}" for x in r["rounds"])
+        print(f"  {name + ':':10s} {r['tokens_per_s']:>10,.0f} tokens/s  {r['tokens_per_s_per_task']:>10,.0f} per task"
+              f"  {r['tokens_per_cpu_s']:>10,.0f} tokens/CPU-s  ({r['tokens']:,} tokens, {r['seconds']:.1f} s; the "
+              f"better of {len(r['rounds'])}: {rounds} s)")
+    print(f"  two nodes ÷ one node: {two['per_task_vs_one_node']:.2f} per task, "
+          f"{two['per_cpu_s_vs_one_node']:.2f} per CPU-second")
+    return runs
 
 
 def huge_documents(sizes: list[float]) -> dict:

@@ -4,8 +4,9 @@
     python jobs/bench_prepare.py --workers 1 2 --json
     python jobs/bench_prepare.py --input corpus.jsonl --tokenizer tok.json --workers 1 8 16
     python jobs/bench_prepare.py --huge-doc 20 100 --json   # peak RSS of jobs/prepare.py on one huge document
+    python jobs/bench_prepare.py --two-nodes 2 --mb 10     # tokens/s per task: 2 tasks on one vs two local Ray nodes
 
-What is measured and how: bench/prepare.py.
+What is measured and how: bench/prepare.py (bench/two_nodes.py for --two-nodes).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object (after the text report)")
     p.add_argument("--huge-doc", type=float, nargs="+", default=None, metavar="MB",
                    help="measure the peak RSS of jobs/prepare.py on one document of each size instead")
+    p.add_argument("--two-nodes", type=int, default=None, metavar="N",
+                   help="instead, N tasks on one and on two local Ray nodes: tokens/s per task (bench/two_nodes.py)")
     p.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)  # the one-core raw run (a subprocess)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    if args.two_nodes:  # the nodes it starts are secured by Ray's token; Ray reads this once, as it is imported
+        os.environ["RAY_AUTH_MODE"] = "token"
     # imported after the arguments are parsed (tokenizers and Ray take seconds): --help answers at once
     from bench.prepare import run
 

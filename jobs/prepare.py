@@ -25,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         set_example="seq_len=256 --set sources.0.text_field=body",
     )
 
-    def ray_pool(workers: int | None, units: int):  # noqa: ANN202 - imported only when workers run on Ray
+    def ray_pool(workers: int | None, units: int, needs):  # noqa: ANN001, ANN202 - imported only for Ray workers
         from curation.engine.ray_backend.prepare_pool import ray_unit_pool
 
-        return ray_unit_pool(cfg.ray, workers, units)
+        return ray_unit_pool(cfg.ray, workers, units, needs, resources=cfg.resources)
 
     try:  # SIGTERM / SIGINT: the part in progress is finished, then the job stops (a second signal: at once)
         with GracefulStop(what="the part in progress"):

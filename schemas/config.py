@@ -30,27 +30,9 @@ from schemas.merging import exclusive_with, field_models, merge_config
 from schemas.records import OPERATIONAL
 
 __all__ = [
-    "ConfigError",
-    "StrictModel",
-    "Gamma",
-    "PATH_NAME_RULE",
-    "PathName",
-    "check_path_name",
-    "SourceConfig",
-    "TOKEN_ENCODING_TYPES",
-    "TokenizerConfig",
-    "RayConfig",
-    "PrepareConfig",
-    "apply_override",
-    "load_config",
-    "config_to_yaml",
-    "DEMO_ROOT",
-    "load_yaml",
-    "load_record_yaml",
-    "BoundedSafeLoader",
-    "shown",
-    "cut",
-    "nearest_key",
+    "ConfigError", "StrictModel", "Gamma", "PATH_NAME_RULE", "PathName", "check_path_name", "SourceConfig",
+    "TOKEN_ENCODING_TYPES", "TokenizerConfig", "RayConfig", "PrepareConfig", "apply_override", "load_config",
+    "config_to_yaml", "DEMO_ROOT", "load_yaml", "load_record_yaml", "BoundedSafeLoader", "shown", "cut", "nearest_key",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -291,7 +273,7 @@ class RayConfig(StrictModel):
 
 #: Prepare keys added after preparations were recorded, left out of the dump while at their defaults (as
 #: :data:`_LATER_SOURCE_KEYS`).
-_LATER_PREPARE_KEYS = ("unit_bytes",)
+_LATER_PREPARE_KEYS = ("unit_bytes", "stage_inputs", "resources")
 
 
 class PrepareConfig(StrictModel):
@@ -321,6 +303,20 @@ class PrepareConfig(StrictModel):
         "without Ray. The output is the same for any number", json_schema_extra=OPERATIONAL)
     ray: RayConfig = Field(default_factory=RayConfig, description="the Ray cluster of workers > 1",
                            json_schema_extra=OPERATIONAL)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each work unit's task asks for besides its CPU, to "
+        "keep them on the nodes started with them (e.g. {prep: 1}; ray start --resources '{\"prep\": 8}')",
+        json_schema_extra=OPERATIONAL)
+    stage_inputs: str | None = Field(
+        None, description="s3://bucket/prefix: upload the local inputs there first, and read them from there on "
+        "every node (Ray nodes that do not share this machine's filesystem); unit records then name the copies")
+
+    @field_validator("stage_inputs")
+    @classmethod
+    def _stage(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("s3://"):
+            raise ValueError(f"{v}: not an s3:// URL (the object store every node reads the inputs from)")
+        return v
 
     @field_validator("sources")
     @classmethod

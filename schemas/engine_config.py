@@ -56,6 +56,10 @@ class WorkersConfig(StrictModel):
     range_steps: int = Field(5, ge=1, description="proxy steps per work unit (one MDS part per unit)")
     max_restarts: int = Field(3, ge=0, description="restarts of a crashed worker (its unit is redone once)",
                               json_schema_extra=OPERATIONAL)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each worker asks for besides its CPUs and GPUs, to "
+        "keep the workers on the nodes started with them (e.g. {scorer: 1}; ray start --resources "
+        "'{\"scorer\": 2}')", json_schema_extra=OPERATIONAL)
 
 
 class EngineConfig(StrictModel):

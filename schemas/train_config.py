@@ -245,6 +245,10 @@ class ParallelConfig(StrictModel):
                               "a worker failure (-1 = unlimited)", json_schema_extra=OPERATIONAL)
     timeout_s: int = Field(1800, ge=1, description="timeout of the trainer's collectives (seconds)",
                            json_schema_extra=OPERATIONAL)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each trainer worker asks for besides its CPUs and "
+        "GPUs, to keep the ranks on the nodes started with them (e.g. {rank: 1} with ray start --resources "
+        "'{\"rank\": 1}' on each node: one rank per node)", json_schema_extra=OPERATIONAL)
 
     @model_validator(mode="after")
     def _checks(self) -> ParallelConfig:

@@ -10,13 +10,15 @@ finished parts; bad data stops the job with the shard and record named, keeping 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 from curation.engine.ledger import LedgerSpec
 from curation.engine.plan import PROXY, REFERENCE, plan_batch_units
-from curation.engine.ray_backend import RayEngine, ray_session
+from curation.engine.ray_backend import RayEngine, check_shared, ray_session
 from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import BatchOrder, WorkerSpec
@@ -37,6 +39,13 @@ def _weights(path: str, what: str) -> Weights:
     if not os.path.isfile(path):
         raise ValueError(f"{what} {path} does not exist")
     return Weights.load(path)
+
+
+@contextlib.contextmanager
+def _shared(needs: dict[str, str], cfg: CurateConfig) -> Iterator[None]:
+    """Refuse a local path some node able to run a scoring worker cannot reach (in the Ray session)."""
+    check_shared(needs, resources=cfg.workers.resources)
+    yield
 
 
 def curate(cfg: CurateConfig) -> dict:
@@ -78,9 +87,11 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
     lock.write_records()
     # SIGTERM / SIGINT: the workers finish their units in progress (RayEngine.close), then the job stops;
     # entered after ray.init, which sets its own SIGTERM handler (a second signal stops at once)
+    needs = {k: p for k, p in (("candidates", cfg.candidates), ("output_dir", cfg.output_dir))
+             if storage.url_of(p) is None}  # (local paths: every node of a cluster must reach them)
     try:
         with ray_session(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                         need_cpus=cfg.workers.count * cfg.workers.threads), GracefulStop(
+                         need_cpus=cfg.workers.count * cfg.workers.threads), _shared(needs, cfg), GracefulStop(
                 what="the work units in progress"), RayEngine(
                 EngineWork(units=units, worker_spec=spec, ledger=ledger,
                            engine_dir=os.path.join(cfg.output_dir, "engine")),
@@ -90,20 +101,23 @@ def _curate(cfg: CurateConfig, lock: OutputDirLock, mark: int) -> dict:
             report = engine.report()
             elsewhere = engine.finish({"report": {"stats": report.stats.to_dict(), "progress": report.progress.to_dict()}})
     except StopRequested as e:
+        storage.refresh(Manifest.path_in(out))  # (the coordinator's, written on whatever node it ran)
         kept = Manifest.load_if_exists(out)
         n = len({s.state.get("unit") for s in kept.shards if s.complete}) if kept is not None else 0
         raise StopRequested(e.signum, f"with {n} of {len(units)} work units finished in {out}; rerun the same "
                                       f"command to do the other {len(units) - n} (finished parts are kept)") from None
     elsewhere += sum(r.get("uploaded", 0) for r in engine.worker_results.values())  # (the workers, once closed)
+    storage.refresh(Manifest.path_in(out))  # (the coordinator's, written on whatever node it ran)
     manifest = Manifest.load(out)
     seconds = time.perf_counter() - start
     per_source = {s: {"sequences": c.sequences, "tokens": c.tokens, "kept_tokens": c.kept_tokens,
                       "kept_fraction": c.kept_tokens / max(c.tokens - c.sequences, 1)}
                   for s, c in sorted(manifest.sources.items())}
     summary = {
-        "selected_dir": out, "parts": len(manifest.shards), "sequences": manifest.totals().sequences,
+        "selected_dir": storage.display(out), "parts": len(manifest.shards), "sequences": manifest.totals().sequences,
         "tokens": manifest.totals().tokens, "kept_tokens": manifest.totals().kept_tokens, "per_source": per_source,
-        "proxy": cfg.proxy_weights or "base model (reference-only pass)", "reference": cfg.reference_weights,
+        "proxy": storage.display(cfg.proxy_weights) if cfg.proxy_weights else "base model (reference-only pass)",
+        "reference": storage.display(cfg.reference_weights),
         "gamma": cfg.gamma, "workers": cfg.workers.count, "redone_units": report.progress.redone,
         "seconds_this_run": seconds, "scored_tokens_per_second_this_run": report.stats.tokens / seconds,
     }

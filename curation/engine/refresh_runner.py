@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from curation.core.refresh_data import RecentMasks, RefreshData
 from curation.core.schedule import Schedule
 from curation.core.stream import CandidateStream
 from curation.engine.weights import Weights
-from curation.io import storage
+from curation.io import objects, storage
 from curation.io.atomic import atomic_write_text
 from curation.io.bad_shards import blame
 from curation.io.models import (
@@ -221,8 +222,12 @@ class RefreshRunner:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+_LOG = re.compile(r"reference-\d+\.json")
+
+
 def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:
-    """The logs of every reference version computed so far (this run and the runs it resumed).
+    """The logs of every reference version computed so far (this run and the runs it resumed), wherever they were
+    written (an object-store ``engine_dir``: the bucket's).
 
     Raises:
         UnsafeNameError: a ``reference-*.json`` in ``engine_dir`` is a symbolic link (this module writes none: it
@@ -230,6 +235,11 @@ def refresh_logs(engine_dir: str) -> list[dict[str, Any]]:
     """
     import glob
 
+    url = storage.url_of(engine_dir)
+    if url is not None:  # an object-store run: a refresh actor on another node wrote its logs into its own cache
+        for key in objects.list_objects(url):
+            if _LOG.fullmatch(key):
+                storage.fetch(os.path.join(engine_dir, key))  # (a version's log is published last, never rewritten)
     logs = []
     for path in sorted(glob.glob(os.path.join(engine_dir, "reference-*.json"))):
         if os.path.islink(path):

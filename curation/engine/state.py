@@ -68,6 +68,7 @@ def save_snapshot(engine_dir: str, step: int, weights: Weights, recent: RecentMa
     weights.save(proxy_path(engine_dir, step))
     if recent is not None and recent.steps:
         save_recent(recent, recent_path(engine_dir, step))
+        storage.publish(recent_path(engine_dir, step))  # (a coordinator elsewhere resumes an interrupted refresh)
     storage.publish(proxy_path(engine_dir, step))  # an object-store output directory: before it is published
 
 
@@ -200,7 +201,7 @@ class EngineState(Generic[H]):
         h = self.handles.get(key)
         if h is None:
             path = reference_path(self.engine_dir, version) if kind == REFERENCE else proxy_path(self.engine_dir, version)
-            if not os.path.exists(path):
+            if not storage.fetch(path):  # (an object-store run: written by a process of another node, maybe)
                 raise EngineError(f"weights {kind} {version} are registered but {path} is missing")
             h = self.handles[key] = self._load(path)
         return h
@@ -280,8 +281,7 @@ class EngineState(Generic[H]):
                 self.core.retract(PROXY, version)
                 dropped.append(version)
                 for path in (proxy_path(self.engine_dir, version), recent_path(self.engine_dir, version)):
-                    if os.path.exists(path):
-                        storage.remove(path)
+                    storage.remove(path)  # (an object-store run: the bucket's too, written on whichever node)
         return dropped
 
     # --- workers and trainer -------------------------------------------------------------------

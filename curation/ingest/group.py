@@ -50,7 +50,7 @@ __all__ = ["ShardGroup", "group_key"]
 def group_key(cfg: PrepareConfig, sources: list[SourceConfig], fingerprint: str) -> dict:
     """Everything that determines a group's content: a rerun must match it to resume."""
     return {
-        "sources": [s.model_dump(mode="json") for s in sources],
+        "sources": [urls_in(s.model_dump(mode="json")) for s in sources],  # (an input in a bucket: its URL)
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
         "sequences_per_part": cfg.sequences_per_part,
@@ -204,7 +204,7 @@ class ShardGroup:
                 inputs = inputs or _current_inputs(source)
                 for span in record.spans:
                     _check_span(span, inputs, path, source.name)
-                spans = tuple(FileSpan(p, start, stop) for p, start, stop in record.spans)
+                spans = tuple(FileSpan(storage.local_path(p), start, stop) for p, start, stop in record.spans)
                 units.append(WorkUnit(self.out, si, source, record.unit, spans, 0))
                 self.records[(source.name, record.unit)] = record
         return units
@@ -289,7 +289,8 @@ class ShardGroup:
         for source in self.sources:
             counts = m.counts(source.name)
             for e in self.missing.get(source.name, []):
-                m.add_bad_record(BadRecord(source=source.name, file=e.file, line=e.line, reason=e.reason))
+                m.add_bad_record(BadRecord(source=source.name, file=storage.display(e.file), line=e.line,
+                                           reason=e.reason))
             for unit in self.units:
                 if unit.source.name != source.name:
                     continue
@@ -317,10 +318,10 @@ class ShardGroup:
 
 def _current_inputs(source: SourceConfig) -> tuple[set[str], bool]:
     """The source's inputs now, and whether one of its paths is gone (then those that are left)."""
-    try:
-        return set(resolve_token_inputs(source)), False
+    try:  # (as a record names them: an input in an object store by its URL)
+        return {storage.display(p) for p in resolve_token_inputs(source)}, False
     except BadRecordError:
-        return set(resolve_token_inputs(source, skip_missing=True)), True
+        return {storage.display(p) for p in resolve_token_inputs(source, skip_missing=True)}, True
 
 
 def _check_span(span: list, inputs: tuple[set[str], bool], record: str, source: str) -> None:

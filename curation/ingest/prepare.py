@@ -35,7 +35,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,7 +46,7 @@ from curation.ingest.group import ShardGroup
 from curation.ingest.token_sources import resolve_token_inputs
 from curation.ingest.tokenizer import LoadedTokenizer, load_tokenizer, share_tokenizer, train_bpe_tokenizer
 from curation.ingest.units import PackSettings, UnitResult, WorkUnit, read_documents, run_unit
-from curation.io import objects, storage
+from curation.io import bucket_inputs, objects, storage
 from curation.io.outputs import localize, open_output
 from curation.io.progress import progress
 from schemas.config import PrepareConfig, SourceConfig
@@ -66,9 +66,10 @@ class UnitPool(Protocol):
     def run(self, units: Sequence[WorkUnit], settings: PackSettings) -> Iterator[UnitResult]: ...
 
 
-#: ``factory(workers, units)``: a pool of ``workers`` processes (``None``: as many as the machine or cluster has
-#: CPUs), never more than ``units``, for the ``with`` block.
-PoolFactory = Callable[[int | None, int], AbstractContextManager[UnitPool]]
+#: ``factory(workers, units, needs)``: a pool of ``workers`` processes (``None``: as many as the machine or cluster
+#: has CPUs), never more than ``units``, for the ``with`` block; ``needs``: the local paths its processes read or write
+#: (``{setting: path}``), which every node of a cluster must reach (the Ray pool refuses one that some node cannot).
+PoolFactory = Callable[[int | None, int, Mapping[str, str]], AbstractContextManager[UnitPool]]
 
 
 class LocalPool:
@@ -143,6 +144,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
     start = time.perf_counter()
     for raw in _demo_raw_dirs(cfg) if cfg.demo else []:
         write_demo_corpus(raw)
+    cfg, recorded = _staged(cfg), cfg  # the sources as the units read them (stage_inputs: the uploaded copies)
     tok = tok or _get_tokenizer(cfg)
     share_tokenizer(tok, eos_token=cfg.tokenizer.eos_token)  # the units run in this process need not load it again
     result = PrepareResult(tokenizer=tok)
@@ -157,7 +159,7 @@ def _prepare_locked(cfg: PrepareConfig, pool: PoolFactory | None, tok: LoadedTok
         sources: list[SourceConfig] = getattr(cfg, attr)
         if not sources:
             continue
-        group = ShardGroup.open(cfg, name, sources, tok.fingerprint, tok.vocab_size, tok.path)
+        group = ShardGroup.open(recorded, name, sources, tok.fingerprint, tok.vocab_size, tok.path)
         if not group.manifest.complete:
             group.plan({s.name: _files(s, cfg.skip_bad_records) for s in sources})
         else:
@@ -196,10 +198,10 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
 
     errors: list[tuple[int, BadRecordError]] = []
     order = {(u.out, u.source.name, u.index): i for i, u in enumerate(pending)}
-    factory = (lambda w, n: contextlib.nullcontext(LocalPool(on_part))) if local else pool
+    factory = (lambda w, n, needs: contextlib.nullcontext(LocalPool(on_part))) if local else pool
     bar = progress(len(pending), desc=f"prepare {os.path.basename(os.path.normpath(cfg.output_dir))}", unit="unit",
                    enabled=cfg.progress)
-    with bar, factory(cfg.workers, len(pending)) as workers:
+    with bar, factory(cfg.workers, len(pending), _needs(cfg, pending, settings)) as workers:
         result.workers = workers.workers
         try:
             for res in workers.run(pending, settings):
@@ -223,20 +225,57 @@ def _run_units(cfg: PrepareConfig, groups: list[ShardGroup], settings: PackSetti
         raise min(errors, key=lambda x: x[0])[1]
 
 
+def _needs(cfg: PrepareConfig, pending: list[WorkUnit], settings: PackSettings) -> dict[str, str]:
+    """The local paths the units' processes read or write, by the setting that names them (an object store's are
+    not: every node reaches those through its own cache)."""
+    needs = {"output_dir": cfg.output_dir, "tokenizer.path": settings.tokenizer_path}
+    setting = {(name, s.name): f"{attr}.{i}.paths" for name, attr in GROUPS for i, s in enumerate(getattr(cfg, attr))}
+    for unit in pending:
+        for span in unit.spans:
+            needs.setdefault(f"{setting[(os.path.basename(unit.out), unit.source.name)]} ({span.path})", span.path)
+    return {k: p for k, p in needs.items() if storage.url_of(p) is None}
+
+
+def _staged(cfg: PrepareConfig) -> PrepareConfig:
+    """``cfg`` as the units read it: with ``stage_inputs``, each local input uploaded there
+    (:func:`curation.io.bucket_inputs.stage`) and named by its copy; a pattern that matches nothing stays (the reader
+    reports it)."""
+    if cfg.stage_inputs is None:
+        return cfg
+
+    def staged(source: SourceConfig) -> SourceConfig:
+        paths: list[str] = []
+        for pattern in source.paths:
+            try:
+                local = [] if storage.url_of(pattern) else resolve_token_inputs(
+                    source.model_copy(update={"paths": [pattern]}))
+            except BadRecordError:
+                local = []
+            paths += [bucket_inputs.stage(p, storage.local_path(cfg.stage_inputs)) for p in local] or [pattern]
+        return source.model_copy(update={"paths": paths})
+
+    return cfg.model_copy(update={"sources": [staged(s) for s in cfg.sources],
+                                  "validation": [staged(s) for s in cfg.validation]})
+
+
 # ------------------------------------------------------------------------------------------------
 def _files(source: SourceConfig, skip_bad: bool) -> tuple[list[str], list[BadRecordError]]:
     """The source's files (a pre-tokenized source's inputs: files, or MDS dataset directories), and (with
     ``skip_bad``) one bad record per pattern that matches nothing."""
     if not skip_bad:
-        return resolve_token_inputs(source), []
-    files: list[str] = []
-    missing: list[BadRecordError] = []
-    for pattern in source.paths:  # a missing path is one bad record, the others still count
-        try:
-            files.extend(resolve_token_inputs(source.model_copy(update={"paths": [pattern]})))
-        except BadRecordError as e:
-            missing.append(e)
-    return sorted(set(files)), missing
+        files, missing = resolve_token_inputs(source), []
+    else:
+        found: list[str] = []
+        missing = []
+        for pattern in source.paths:  # a missing path is one bad record, the others still count
+            try:
+                found.extend(resolve_token_inputs(source.model_copy(update={"paths": [pattern]})))
+            except BadRecordError as e:
+                missing.append(e)
+        files = sorted(set(found))
+    for path in files:  # an input in an object store: into this machine's cache (its units are planned from it)
+        bucket_inputs.fetch_input(path)
+    return files, missing
 
 
 def _get_tokenizer(cfg: PrepareConfig) -> LoadedTokenizer:

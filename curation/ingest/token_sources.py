@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from curation.ingest.corpus import BadRecordError, iter_inputs, resolve_paths
+from curation.io import bucket_inputs, storage
 from curation.io.shards import (
     ShardIndexError,
     ShardIntegrityError,
@@ -70,10 +71,15 @@ def resolve_token_inputs(source: SourceConfig, *, skip_missing: bool = False) ->
     (:func:`~curation.ingest.corpus.resolve_paths`). The one resolver of a source's inputs: what ``prepare``
     reads, and what a unit record's spans are checked against.
 
+    A path in an object store (its cache path: an ``s3://`` URL of the config, localized) is resolved against the
+    bucket's listing (:func:`curation.io.bucket_inputs.resolve`; nothing is downloaded).
+
     Raises:
         BadRecordError: a pattern matches nothing, or a path is no MDS dataset (naming it and the source);
             ``skip_missing``: a pattern that matches nothing, or a path that does not exist, is skipped instead.
     """
+    if any(storage.url_of(p) is not None for p in source.paths):
+        return _with_bucket_inputs(source, skip_missing)
     if source.format != "mds":
         return resolve_paths(source, skip_missing=skip_missing)
     dirs: set[str] = set()
@@ -94,6 +100,23 @@ def resolve_token_inputs(source: SourceConfig, *, skip_missing: bool = False) ->
             raise BadRecordError(pattern, 0, _not_a_dataset(pattern, source))
         dirs.add(found)
     return sorted(dirs)
+
+
+def _with_bucket_inputs(source: SourceConfig, skip_missing: bool) -> list[str]:
+    """:func:`resolve_token_inputs` of a source some of whose paths are in an object store."""
+    found: set[str] = set()
+    for pattern in source.paths:
+        matched = bucket_inputs.resolve(pattern, datasets=source.format == "mds")
+        if matched is None:  # a local path beside them
+            found.update(resolve_token_inputs(source.model_copy(update={"paths": [pattern]}),
+                                              skip_missing=skip_missing))
+        elif not matched and not skip_missing:
+            what = "MDS dataset (a prefix holding an index.json)" if source.format == "mds" else "object"
+            raise BadRecordError(storage.display(pattern), 0, f"no {what} matches this path in the bucket (source "
+                                                              f"'{source.name}')")
+        else:
+            found.update(matched)
+    return sorted(found)
 
 
 def _dataset_dir(path: str) -> str | None:

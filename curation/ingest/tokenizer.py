@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from curation.io import storage
 from curation.io.atomic import atomic_write_text
 from curation.io.storage import tokenizer_json_path
 from schemas.manifest import sha256_file
@@ -156,6 +157,7 @@ def shared_tokenizer(path: str, *, eos_token: str, fingerprint: str) -> LoadedTo
     """
     key = (os.path.abspath(path), eos_token, fingerprint)
     if key not in _SHARED:
+        storage.fetch(path)  # one saved into an object-store output_dir: from the bucket on another node
         tok = load_tokenizer(path, eos_token=eos_token)
         if tok.fingerprint != fingerprint:
             raise ValueError(f"{tok.path}: the tokenizer changed while preparing (sha256 {tok.fingerprint[:12]}…, the "

@@ -46,7 +46,7 @@ from curation.ingest.jsonstream import skip_line
 from curation.ingest.packing import Packer
 from curation.ingest.tokenizer import PIECE_CHARS, LoadedTokenizer, TextRefused, shared_tokenizer
 from curation.ingest.unit_input import Doc, batches, documents, read_documents
-from curation.io import objects, storage
+from curation.io import bucket_inputs, objects, storage
 from curation.io.atomic import write_unit_record
 from curation.io.paths import UnsafeNameError, check_relative, safe_join
 from curation.io.shards import write_part
@@ -89,8 +89,8 @@ class WorkUnit:
 
     @property
     def span_list(self) -> list[list]:
-        """The spans as a unit record holds them."""
-        return [[s.path, s.start, s.stop] for s in self.spans]
+        """The spans as a unit record holds them (an input in an object store by its URL: the same on every node)."""
+        return [[storage.display(s.path), s.start, s.stop] for s in self.spans]
 
     def fresh_record(self) -> UnitRecord:
         return UnitRecord(source=self.source.name, unit=self.index, spans=self.span_list)
@@ -98,6 +98,7 @@ class WorkUnit:
     def fingerprints(self) -> list[list]:
         """``[size, mtime_ns, content hash]`` of each span's file, as a unit record keeps them (see
         :func:`span_fingerprint`)."""
+        bucket_inputs.fetch_inputs(s.path for s in self.spans)  # (an input in a bucket: into this node's cache)
         return [span_fingerprint(s, self._format(s)) for s in self.spans]
 
     def changed_input(self, recorded: list[list], *, missing_ok: bool = False) -> str | None:
@@ -107,6 +108,7 @@ class WorkUnit:
         ``missing_ok``: a file that is gone is not either."""
         if not recorded:
             return None
+        bucket_inputs.fetch_inputs(s.path for s in self.spans)
         for span, old in zip(self.spans, recorded, strict=False):
             try:
                 size, mtime = stat_input(span.path)
@@ -344,14 +346,14 @@ def run_unit(unit: WorkUnit, settings: PackSettings, *, rewrite: tuple[UnitRecor
     record, target = _starting_record(unit, rewrite)
     if record.done:
         return UnitResult(unit, record)
+    bucket_inputs.fetch_inputs(s.path for s in unit.spans)  # (an input in a bucket: into this node's cache)
     packer = _UnitPacker(unit, settings, tok, record, target=target, on_part=on_part)
     try:
         _pack_unit(unit, settings, tok, packer)
     except BadRecordError as e:  # the unit stops; its record stays as saved after its last finished part
         saved = load_record(unit) if os.path.exists(unit.record_path) else unit.fresh_record()
-        return UnitResult(unit, saved, packer.tokens, BadRecord(source=unit.source.name, file=e.file, line=e.line,
-                                                                reason=e.reason), time.process_time() - cpu,
-                          objects.uploads(since=mark), os.getpid())
+        bad = BadRecord(source=unit.source.name, file=storage.display(e.file), line=e.line, reason=e.reason)
+        return UnitResult(unit, saved, packer.tokens, bad, time.process_time() - cpu, objects.uploads(since=mark), os.getpid())
     packer.finish()
     return UnitResult(unit, record, packer.tokens, cpu_seconds=time.process_time() - cpu,
                       uploaded=objects.uploads(since=mark), pid=os.getpid())
@@ -386,8 +388,8 @@ def _pack_unit(unit: WorkUnit, settings: PackSettings, tok: LoadedTokenizer, pac
             if bad is not None:
                 if not settings.skip_bad_records:
                     raise bad
-                packer.record.add_bad_record(BadRecord(source=source.name, file=bad.file, line=bad.line,
-                                                       reason=bad.reason))
+                packer.record.add_bad_record(BadRecord(source=source.name, file=storage.display(bad.file),
+                                                       line=bad.line, reason=bad.reason))
             elif source.max_documents is not None and packer.counts.documents >= source.max_documents:
                 return
 

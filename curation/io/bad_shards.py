@@ -26,11 +26,13 @@ ATTRIBUTE = "input_shards"
 
 
 def blame(error: E, *files: str) -> E:
-    """``error``, blaming the shard ``files`` too (absolute paths; the ones it blamed already are kept)."""
+    """``error``, blaming the shard ``files`` too (absolute paths, or object-store URLs of cache paths; the ones it
+    blamed already are kept)."""
     known = list(getattr(error, ATTRIBUTE, None) or ())
-    for f in files:
-        if isinstance(f, str) and f and os.path.abspath(f) not in known:
-            known.append(os.path.abspath(f))
+    for f in files:  # (a URL, from a process on another node, is kept as it is)
+        full = f if isinstance(f, str) and "://" in f else os.path.abspath(f) if isinstance(f, str) and f else None
+        if full is not None and full not in known:
+            known.append(full)
     if known:
         setattr(error, ATTRIBUTE, tuple(known))
     return error

@@ -69,6 +69,7 @@ def save_tokenizer(tokenizer: TokenizerFiles, directory: str) -> list[str]:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     src = tokenizer.path
+    storage.fetch(src)  # a cache path this process has not read (a rank on another node did): from the bucket
     if os.path.isdir(src) and os.path.isfile(os.path.join(src, "tokenizer_config.json")):
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
     else:

@@ -258,12 +258,12 @@ def _fixed(where: str, was: Mapping[str, Any], failure: Mapping[str, Any] | None
 
 def record_failure(lock: OutputDirLock, inputs: Mapping[str, str], files: Iterable[str]) -> None:
     """Record, beside the inputs' fingerprints in ``lock``'s directory, that the run stopped on bad data in the shard
-    ``files`` (absolute paths: :func:`curation.io.bad_shards.blamed`): for each shard directory of ``inputs`` that
+    ``files`` (absolute paths: :func:`curation.io.bad_shards.blamed`, or the URLs of cache paths): for each shard directory of ``inputs`` that
     holds some of them and is still the one recorded (its ``index.json`` hashes to the recorded fingerprint), their
     names in its index (added to those of an earlier failure against the same fingerprint), a digest of the index
     without their sizes and hashes, and a digest of each of their entries (see the module docstring). Nothing is
     written without a record of the inputs, or when no file is a shard its index lists."""
-    files = [os.path.realpath(f) for f in files]
+    files = [os.path.realpath(storage.local_path(f)) for f in files]  # (a worker elsewhere blames by URL)
     path = os.path.join(lock.directory, INPUTS_NAME)
     if not files or not os.path.exists(path):
         return

@@ -25,7 +25,7 @@ __all__ = [
     "SCHEMES", "StorageError", "is_url", "check_scheme", "split_url", "client", "forget_clients", "guard",
     "uploads", "upload_mark",
     "ObjectInfo", "StoredObject", "list_objects", "head_object", "read_object", "write_object", "delete_object", "delete_many",
-    "file_etag", "upload", "download",
+    "file_etag", "upload", "download", "MTIME_KEY", "arrow_filesystem",
 ]
 
 #: URL schemes served through the S3 API.
@@ -123,6 +123,25 @@ def _no_continue_for_an_empty_body(request: Any, **_: Any) -> None:
     (it is not signed)."""
     if request.headers.get("Content-Length") in ("0", b"0"):
         request.headers.pop("Expect", None)
+
+
+def arrow_filesystem(url: str):  # noqa: ANN201 - (pyarrow.fs.S3FileSystem, str); pyarrow imported here
+    """The same store as :func:`client`, for a library that takes a ``pyarrow`` filesystem (Ray Train's
+    ``storage_path``): ``(filesystem, "bucket/key")`` for ``url``. The endpoint is ``S3_ENDPOINT_URL`` (path-style
+    addressing, as :func:`client`); credentials are *not* set on it: each process that uses it (a Ray Train worker
+    on another node, which receives it pickled) takes them from its own environment through the AWS SDK's usual
+    chain, so no credential travels with it."""
+    import pyarrow.fs as pafs
+
+    bucket, key = split_url(url)
+    endpoint = os.environ.get("S3_ENDPOINT_URL") or None
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    options: dict[str, Any] = {"region": region, "connect_timeout": 5, "request_timeout": 120}
+    if endpoint:
+        scheme, _, rest = endpoint.partition("://")
+        options.update(endpoint_override=rest.rstrip("/") if rest else endpoint, scheme=scheme if rest else "https",
+                       force_virtual_addressing=False)
+    return pafs.S3FileSystem(**options), f"{bucket}/{key}".rstrip("/")
 
 
 def forget_clients() -> None:
@@ -248,16 +267,21 @@ def _not_found(e: Exception) -> bool:
 class ObjectInfo:
     size: int
     etag: str  # without quotes
+    mtime_ns: int | None = None  # head_object: the MTIME_KEY metadata, else Last-Modified (see download)
 
 
 def list_objects(url: str) -> dict[str, ObjectInfo]:
-    """Objects under the prefix ``url`` (a "directory"), by key relative to it."""
+    """Objects under the prefix ``url`` (a "directory"), by key relative to it. Folder markers are left out: an
+    empty object whose key ends in ``/`` (what ``pyarrow``'s ``create_dir`` writes, e.g. Ray Train's under a
+    data-parallel run's ``parallel/ray_train/``, and what S3 consoles make for a "folder") holds no file."""
     bucket, key = split_url(url)
     prefix = key + "/" if key else ""
     out: dict[str, ObjectInfo] = {}
     with _errors(url, "list"):
         for page in client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/") and int(obj["Size"]) == 0:
+                    continue
                 out[obj["Key"][len(prefix):]] = ObjectInfo(int(obj["Size"]), obj["ETag"].strip('"'))
     return out
 
@@ -308,7 +332,14 @@ def head_object(url: str) -> ObjectInfo | None:
     r = _unless_missing(url, "read", lambda: client().head_object(Bucket=bucket, Key=key))
     if r is None:
         return None
-    return ObjectInfo(int(r["ContentLength"]), r["ETag"].strip('"'))
+    return ObjectInfo(int(r["ContentLength"]), r["ETag"].strip('"'), _mtime_ns(r))
+
+
+def _mtime_ns(response: dict[str, Any]) -> int:
+    """The modification time a downloaded copy gets: the :data:`MTIME_KEY` metadata, else Last-Modified (whole
+    seconds, as the store keeps it)."""
+    given = (response.get("Metadata") or {}).get(MTIME_KEY, "")
+    return int(given) if given.isdigit() else int(response["LastModified"].timestamp()) * 1_000_000_000
 
 
 def delete_object(url: str) -> None:
@@ -369,25 +400,34 @@ def uploads(under: str | None = None, since: int = 0) -> int:
         return sum(n > since and (prefix is None or u.startswith(prefix)) for u, n in _UPLOADED.items())
 
 
-def upload(path: str, url: str) -> None:
+#: An object's metadata key holding the modification time (ns) of the file it was uploaded from (an input staged
+#: for other nodes: their copies get it back, so a unit's input fingerprint is the same on every node).
+MTIME_KEY = "mtime-ns"
+
+
+def upload(path: str, url: str, *, mtime: bool = False) -> None:
+    """Upload the file ``path`` to ``url``; ``mtime``: with its modification time as :data:`MTIME_KEY` metadata."""
     _check_guards(url)
     bucket, key = split_url(url)
+    extra = {"Metadata": {MTIME_KEY: str(os.stat(path).st_mtime_ns)}} if mtime else {}
     with _errors(url, "upload to"):
         if os.path.getsize(path) <= _SINGLE_PUT:
             with open(path, "rb") as f:
-                client().put_object(Bucket=bucket, Key=key, Body=f)
+                client().put_object(Bucket=bucket, Key=key, Body=f, **extra)
         else:
             from boto3.s3.transfer import TransferConfig
 
-            client().upload_file(path, bucket, key, Config=TransferConfig(multipart_threshold=_SINGLE_PUT,
-                                                                         multipart_chunksize=_PART))
+            client().upload_file(path, bucket, key, ExtraArgs=extra or None,
+                                 Config=TransferConfig(multipart_threshold=_SINGLE_PUT, multipart_chunksize=_PART))
     with _UPLOADED_LOCK:
         _UPLOADED[url] = max(_UPLOADED.values(), default=0) + 1
 
 
-def download(url: str, path: str) -> None:
+def download(url: str, path: str, *, mtime: bool = False) -> None:
     """Download one object to ``path`` atomically (a temporary file in the same folder, then a rename), so
-    processes sharing the cache never read half a file; a single-PUT object's MD5 is checked."""
+    processes sharing the cache never read half a file; a single-PUT object's MD5 is checked. ``mtime``: the file
+    gets the object's :data:`MTIME_KEY` metadata (the time of the file it was uploaded from) as its modification
+    time, else the object's Last-Modified: the same on every machine that downloads it."""
     bucket, key = split_url(url)
     r = _unless_missing(url, "download", lambda: client().get_object(Bucket=bucket, Key=key))
     if r is None:
@@ -403,6 +443,9 @@ def download(url: str, path: str) -> None:
         if "-" not in etag and len(etag) == 32 and h.hexdigest() != etag:
             raise StorageError(f"cannot download {url}: the bytes received do not match the object's MD5 "
                                f"({h.hexdigest()} ≠ ETag {etag}); rerun", url)
+        if mtime:
+            ns = _mtime_ns(r)
+            os.utime(tmp, ns=(ns, ns))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

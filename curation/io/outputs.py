@@ -37,12 +37,16 @@ from curation.io import objects, storage
 from curation.io.inputs import watch_inputs
 from curation.io.outdir import LOCK_NAME, OutputDirBusy, OutputDirError, OutputDirLock, open_output_dir
 
-__all__ = ["URL_FIELDS", "localize", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
+__all__ = ["URL_FIELDS", "localize", "relocalize", "local_paths", "urls_in", "open_output", "RemoteLock", "lease_seconds"]
 
 #: Config keys (at any depth) whose value may be an object-store URL: shard and output directories, and files
-#: other jobs write into theirs (the tokenizer, weights), which :func:`localize` downloads into the cache.
+#: other jobs write into theirs (the tokenizer, weights), which :func:`localize` downloads into the cache; a prepare
+#: source's input paths (``paths``, each item; globs listed from the bucket); and the prefix its local inputs are
+#: uploaded to (``stage_inputs``: always a URL, left as it is).
 _FILE_FIELDS = frozenset({"tokenizer", "reference_weights", "proxy_weights"})
-URL_FIELDS = frozenset({"output_dir", "candidates", "validation", "scored", "selected"}) | _FILE_FIELDS
+_KEPT_FIELDS = frozenset({"stage_inputs"})
+URL_FIELDS = frozenset({"output_dir", "candidates", "validation", "scored", "selected", "paths"}) | _FILE_FIELDS \
+    | _KEPT_FIELDS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -65,27 +69,56 @@ def localize(cfg: M) -> M:
     data = cfg.model_dump(mode="json")
     changed = False
 
-    def walk(node: Any, prefix: str) -> None:
+    def walk(node: Any, prefix: str, listed: str | None = None) -> None:
         nonlocal changed
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for k, v in list(items):
-            key = f"{prefix}{k}"
+            key, field = f"{prefix}{k}", listed if isinstance(node, list) else str(k)  # (a list's items: its key)
             if isinstance(v, dict | list):
-                walk(v, key + ".")
+                walk(v, key + ".", field if isinstance(v, list) else None)
             elif isinstance(v, str) and "://" in v:
-                if str(k) in URL_FIELDS:
+                if field in URL_FIELDS:
                     objects.check_scheme(v)
-                if objects.is_url(v):
-                    if str(k) not in URL_FIELDS:
+                if objects.is_url(v) and field not in _KEPT_FIELDS:
+                    if field not in URL_FIELDS:
                         raise ValueError(f"{key}: object-store URLs are supported for shard and output directories "
-                                         f"only ({', '.join(sorted(URL_FIELDS))}); got {v}")
+                                         f"and inputs only ({', '.join(sorted(URL_FIELDS))}); got {v}")
                     node[k] = storage.local_path(v)
                     changed = True
-                    if str(k) in _FILE_FIELDS:
+                    if field in _FILE_FIELDS:
                         storage.refresh(node[k])  # absent: its reader says so (or a prepare writes it first)
 
     walk(data, "")
     return type(cfg).model_validate_json(json.dumps(data)) if changed else cfg
+
+
+def relocalize(cfg: M) -> M:
+    """A config localized by another process (another node's cache paths, or this node's after
+    :mod:`curation.io.carried`) localized again here: its cache paths as URLs, then :func:`localize`: this
+    process's cache paths, and the files of :data:`URL_FIELDS` (tokenizer, weights) brought into this cache."""
+    recorded = _with_urls(cfg)
+    assert isinstance(recorded, BaseModel)
+    return localize(recorded)
+
+
+def local_paths(cfg: BaseModel) -> dict[str, str]:
+    """The local paths a (localized) config names in its :data:`URL_FIELDS` keys, by dotted setting, made absolute:
+    what every process of a job on another node would have to reach on a shared filesystem (an object-store URL's
+    cache path is not one: each node works on the bucket through its own cache)."""
+    found: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str, listed: str | None = None) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            key, field = f"{prefix}{k}", listed if isinstance(node, list) else str(k)
+            if isinstance(v, dict | list):
+                walk(v, key + ".", field if isinstance(v, list) else None)
+            elif isinstance(v, str) and v and field in URL_FIELDS and field not in _KEPT_FIELDS \
+                    and not objects.is_url(v) and storage.url_of(os.path.abspath(v)) is None:
+                found[key] = os.path.abspath(v)
+
+    walk(cfg.model_dump(mode="json"), "")
+    return found
 
 
 def urls_in(data: Any) -> Any:

@@ -374,6 +374,7 @@ def open_shards(path: str, spec: ShardSpec | str | None = None) -> ShardReader:
     """A :class:`ShardReader` over an MDS directory (a pool or dataset: its shards decompressed once per machine
     and memory-mapped), validated against ``spec`` first."""
     if spec is not None:
+        storage.fetch(os.path.join(path, "index.json"))  # an object-store directory not in this node's cache yet
         validate_shard_dir(path, spec)
     return ShardReader(path, mapped=True)
 

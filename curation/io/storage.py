@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 
 from curation.io.cache import cache_root, display, url_of
 from curation.io.objects import (
@@ -268,16 +269,17 @@ def _link_table(url: str, body: bytes) -> dict[str, str]:
     return table
 
 
-def push_all(root: str, *, since: int = 0, elsewhere: int = 0) -> str | None:
+def push_all(root: str, *, since: int = 0, elsewhere: int = 0, skip: Sequence[str] = ()) -> str | None:
     """:func:`push` a finished output directory and say so: ``uploaded N files to s3://…; it holds M objects (X MiB)``
     read back from the bucket (``None``, and nothing done, for a local directory). ``N`` counts every object this
     process uploaded under it (after the mark ``since``, :func:`~curation.io.objects.upload_mark`: the job's start),
     as it was written and now, plus ``elsewhere`` (those the job's other processes did: Ray tasks and actors). Jobs print it, so an object-store run ends with its URL and the bucket's own count, not a
-    cache path."""
+    cache path. ``skip``: folders under ``root`` (relative) that other processes write and upload themselves
+    (:func:`push`)."""
     url = url_of(root)
     if url is None:
         return None
-    push(root)
+    push(root, skip=skip)
     n = uploads(url, since) + elsewhere
     held = {k: o for k, o in list_objects(url).items() if not _local_only(k)}  # (the run's lock object: not an output)
     size = sum(o.size for o in held.values())
@@ -285,12 +287,17 @@ def push_all(root: str, *, since: int = 0, elsewhere: int = 0) -> str | None:
             f"({size / 2**20:.1f} MiB)")
 
 
-def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
+def push(root: str, subdir: str = "", *, delete: bool = False, skip: Sequence[str] = ()) -> list[str]:
     """Upload what changed under ``root/subdir`` (a cache directory) since the bucket last saw it: files whose
     object is missing or has another ETag, in :func:`publish` order, and the symbolic links (as a
     ``.symlinks.json`` in their folder). ``delete``: also delete objects under ``subdir`` that have no file (or link) any more
     (for a folder only this process writes, e.g. ``checkpoints/`` that Composer prunes). Returns the uploaded
-    files (relative to ``root``)."""
+    files (relative to ``root``).
+
+    ``skip``: folders (relative to ``root/subdir``) left alone: ones that processes of other nodes write and upload
+    themselves (a Ray engine's ``engine/`` and parts), where this cache may hold an older copy than the bucket
+    (read earlier) or a file the bucket no longer has (pruned by a process elsewhere): uploading it would undo
+    their work."""
     url = url_of(root)
     if url is None:
         return []
@@ -298,6 +305,11 @@ def push(root: str, subdir: str = "", *, delete: bool = False) -> list[str]:
     prefix = f"{url}/{subdir.strip('/')}" if subdir else url
     remote = list_objects(prefix)
     files, links = _walk(base) if os.path.isdir(base) else ({}, {})
+    if skip:
+        folders = tuple(f"{s.strip('/')}/" for s in skip)
+        remote = {r: o for r, o in remote.items() if not r.startswith(folders)}
+        files = {r: p for r, p in files.items() if not r.startswith(folders)}
+        links = {r: t for r, t in links.items() if not r.startswith(folders)}
     sent = []
     for rel in sorted(files, key=lambda r: (_order(r), r)):
         info = remote.get(rel)

@@ -81,7 +81,11 @@ def finish(output_dir: str, result: RankResult, engine_report: EngineReport | No
               "data's tokenizer to have it copied)", file=sys.stderr, flush=True)
     reference = _write_reference(final, result, engine_report)
     summary, pngs = write_summary(output_dir, summary_of(result, engine_report), plots=plots)
-    uploaded = storage.push_all(output_dir)  # an object-store output directory: what is not in the bucket yet
+    # an object-store output directory: what is not in the bucket yet, but not the engine's folders: its actors,
+    # on any node, upload what they write there themselves (this cache may hold what they have since replaced or pruned)
+    skip = [os.path.relpath(d, output_dir) for d in (engine_report.engine_dir, engine_report.out_dir)] \
+        if engine_report is not None else []
+    uploaded = storage.push_all(output_dir, skip=[d for d in skip if not d.startswith("..")])
     if uploaded is not None:
         print(uploaded, flush=True)
     return Finished(output_dir, final, weights, reference, summary, tuple(pngs), result.selected_dir, result,
@@ -94,6 +98,8 @@ def _write_reference(final: str, result: RankResult, engine_report: EngineReport
         source = engine_report.final_reference
         if source is None:
             return None
+        if not storage.fetch(source):  # (the refresh actor's node's cache held it: the bucket has it too)
+            raise FileNotFoundError(f"{source}: the engine's last reference is missing")
         shutil.copyfile(source, target + ".tmp")
         os.replace(target + ".tmp", target)
         return target

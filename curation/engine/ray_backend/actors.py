@@ -59,7 +59,9 @@ from curation.engine.weights import Weights
 from curation.engine.work import EngineWork
 from curation.engine.workers import ScoringWorker, WorkerSpec
 from curation.io import objects
-from curation.io.bad_shards import blamed
+from curation.io.bad_shards import blame, blamed
+from curation.io.cache import url_of, urls_in_text
+from curation.io.carried import Carried, carry
 from curation.io.progress import progress as progress_bar
 from curation.io.stop import check_stop
 from schemas.engine_config import WorkersConfig
@@ -70,8 +72,13 @@ T = TypeVar("T")
 
 
 @ray.remote(num_cpus=0)
-def _load_weights(path: str) -> Weights:
-    return Weights.load(path)
+def _load_weights(path: Carried[str]) -> Weights:
+    return Weights.load(path.here())
+
+
+def _load_from(path: str) -> ray.ObjectRef:
+    """Load saved weights into the object store in a task (on any node: the path travels carried)."""
+    return _load_weights.remote(carry(path))
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,16 @@ class _CoordinatorActor:
     (``next_unit``, ``wait_part``) do not block others; handles are ``ObjectRef``; refreshes are tasks of the
     refresh actor, awaited here."""
 
-    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: LedgerSpec, engine_dir: str,
-                 plan: TrainingPlan | None, refresh_mode: RefreshMode, refresh: ActorHandle | None = None) -> None:
+    def __init__(self, *, units: list[WorkUnit], lookahead: int | None, ledger: Carried[LedgerSpec],
+                 engine_dir: Carried[str], plan: TrainingPlan | None, refresh_mode: RefreshMode,
+                 refresh: ActorHandle | None = None) -> None:
         self.refresh_actor = refresh
+        ledger, engine_dir = ledger.here(), engine_dir.here()  # (at this node's cache paths)
         self._event: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.state: EngineState[ObjectRef] = EngineState(
             units, ledger=ledger.open(), engine_dir=engine_dir, lookahead=lookahead, plan=plan,
-            refresh_mode=refresh_mode, load=_load_weights.remote, launch=self._launch,
+            refresh_mode=refresh_mode, load=_load_from, launch=self._launch,
         )
 
     # --- refreshes -----------------------------------------------------------------------------
@@ -218,8 +227,10 @@ class _CoordinatorActor:
     def progress(self) -> EngineProgress:
         return self.state.progress()
 
-    def report(self) -> EngineReport:
-        return self.state.report()
+    def report(self) -> Carried[EngineReport]:
+        """The engine's report, carried: its paths (``engine_dir``, ``out_dir``) are this node's cache paths, the
+        driver's may be elsewhere."""
+        return carry(self.state.report())
 
     def finish(self, extra: Mapping[str, object] | None = None) -> int:
         """Finish the ledger; the objects this process (the coordinator) uploaded in all."""
@@ -234,8 +245,8 @@ class _CoordinatorActor:
 class _WorkerActor:
     """A :class:`~curation.engine.workers.ScoringWorker` serving units from the coordinator."""
 
-    def __init__(self, spec: WorkerSpec, worker_id: int) -> None:
-        self.worker = ScoringWorker(spec, worker_id)
+    def __init__(self, spec: Carried[WorkerSpec], worker_id: int) -> None:
+        self.worker = ScoringWorker(spec.here(), worker_id)
         with warnings.catch_warnings():  # the property reads a deprecated attribute internally
             warnings.simplefilter("ignore")
             self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -269,7 +280,9 @@ class _WorkerActor:
                 result = self.worker.run(unit, lambda kind, version, refs=refs: ray.get(refs[(kind, version)]))
             except Exception as e:
                 message = str(e) if isinstance(e, ScoringDataError) else f"{type(e).__name__}: {error_message(e)}"
-                ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}", blamed(e)))
+                # (this node's cache paths as their URLs: the driver's cache is elsewhere)
+                message, shards = urls_in_text(message), [url_of(f) or f for f in blamed(e)]
+                ray.get(coordinator.fail.remote(wid, unit.name, f"worker {wid}, unit {unit.name}: {message}", shards))
                 raise
             t2 = time.perf_counter()
             times["run_s"] += t2 - t1
@@ -292,12 +305,15 @@ class _WorkerActor:
 class _RefreshActor:
     """A :class:`~curation.engine.refresh_runner.RefreshRunner`; each result is returned into the object store."""
 
-    def __init__(self, spec: RefreshSpec) -> None:
-        self.runner = RefreshRunner(spec)
+    def __init__(self, spec: Carried[RefreshSpec]) -> None:
+        self.runner = RefreshRunner(spec.here())
 
     def refresh(self, version: int, proxy: Weights, recent: RecentMasks, *, source_step: int,
                 previous: Weights | None = None) -> tuple[Weights, dict[str, Any]]:
-        return self.runner.refresh(version, proxy, recent, source_step=source_step, previous=previous)
+        try:
+            return self.runner.refresh(version, proxy, recent, source_step=source_step, previous=previous)
+        except Exception as e:  # its shards blamed by URL too: this node's cache paths mean nothing elsewhere
+            raise blame(e, *[u for f in blamed(e) if (u := url_of(f))])  # noqa: B904 - the same error, re-raised
 
     def static(self) -> tuple[Weights, dict[str, Any]]:
         return self.runner.static()
@@ -337,17 +353,18 @@ class RayEngine(EngineClient):
         if work.refresh_spec is not None:
             refresh = ray.remote(_RefreshActor).options(
                 num_cpus=0, num_gpus=gpu_r, max_restarts=restarts, max_task_retries=restarts,
-            ).remote(work.refresh_spec)
+            ).remote(carry(work.refresh_spec))
         self.refresh = refresh
         super().__init__(ray.remote(_CoordinatorActor).options(num_cpus=0, max_concurrency=1000).remote(
-            units=list(work.units), lookahead=lookahead, ledger=work.ledger, engine_dir=work.engine_dir,
+            units=list(work.units), lookahead=lookahead, ledger=carry(work.ledger), engine_dir=carry(work.engine_dir),
             plan=work.plan, refresh_mode=RefreshMode(work.refresh_mode), refresh=refresh,
         ), work.engine_dir)
         # Every actor is created before waiting on any: they start (import torch, load models) in parallel.
         self.workers = [
             ray.remote(_WorkerActor).options(
                 num_cpus=workers.threads, num_gpus=gpu_w, max_restarts=restarts, max_task_retries=restarts,
-            ).remote(work.worker_spec, i)
+                resources=dict(workers.resources),
+            ).remote(carry(work.worker_spec), i)
             for i in range(workers.count)
         ]
         self._pid_refs = [w.pid.remote() for w in self.workers]  # answered once each actor is up
@@ -432,7 +449,7 @@ class RayEngine(EngineClient):
     def report(self, *, job_seconds: float | None = None) -> EngineReport:
         """The engine's account of the run (the coordinator's, with this driver's settings); ``job_seconds``: the
         whole job's time this run, as the caller measured it."""
-        rep: EngineReport = self._get(self.coordinator.report.remote())
+        rep: EngineReport = self._get(self.coordinator.report.remote()).here()  # (at this process's cache paths)
         return dataclasses.replace(rep, workers=self.count, threads_per_worker=self.threads, job_seconds=job_seconds)
 
     def finish(self, extra: Mapping[str, object] | None = None) -> int:

@@ -3,7 +3,6 @@ errors, pickling (Ray) and the engine's coordinator, so the job's lock can recor
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 
@@ -68,17 +67,23 @@ def test_the_engine_fails_with_the_first_failure_and_the_shards_it_blames():
     assert blamed(error) == ["/c/part-b/s"]
 
 
-def test_the_data_parallel_groups_fatal_record_keeps_the_blame(tmp_path):
-    """A trainer worker of the group records an error no restart can fix in parallel/fatal.json, with the shards it
-    blames (training.runs.group); the driver raises it blaming them again."""
+def test_the_data_parallel_groups_fatal_record_keeps_the_blame():
+    """A trainer worker of the group records an error no restart can fix on the group's channel, with the shards it
+    blames (training.runs.group; by URL for an object-store input); the driver raises it blaming them again."""
     from curation.engine.ray_backend.train_group import recorded_fatal
 
-    fatal = tmp_path / "fatal.json"
-    assert recorded_fatal(str(fatal)) is None
-    fatal.write_text(json.dumps({"rank": 1, "error": "ValueError", "message": "c (step 3): token id 600 ...",
-                                 "shards": ["/c/part-b/shard.00000.mds.zstd", 7]}))
-    error = recorded_fatal(str(fatal))
+    assert recorded_fatal(None) is None
+    url = "s3://bucket/c/part-b/shard.00000.mds.zstd"
+    error = recorded_fatal({"rank": 1, "error": "ValueError", "message": "c (step 3): token id 600 ...",
+                            "shards": ["/c/part-b/shard.00000.mds.zstd", 7, url]})
     assert isinstance(error, ValueError) and str(error) == "c (step 3): token id 600 ..."
-    assert blamed(error) == ["/c/part-b/shard.00000.mds.zstd"]
-    fatal.write_text(json.dumps({"rank": 0, "error": "ValueError", "message": "diverged"}))  # (an older record)
-    assert blamed(recorded_fatal(str(fatal))) == []
+    assert blamed(error) == ["/c/part-b/shard.00000.mds.zstd", url]
+    assert blamed(recorded_fatal({"rank": 0, "error": "ValueError", "message": "diverged"})) == []  # (no shards)
+
+
+def test_a_shard_blamed_by_url_on_another_node_is_kept_as_a_url_and_a_path_made_absolute(tmp_path, monkeypatch):
+    # a scoring worker or the refresh actor on another node blames by URL (its cache paths are its node's)
+    monkeypatch.chdir(tmp_path)
+    url = "s3://bucket/data/candidates/general/part-00000-00000/shard.00000.mds"
+    e = blame(ValueError("bad"), url, "local/shard.00001.mds", url)
+    assert blamed(e) == [url, str(tmp_path / "local" / "shard.00001.mds")]

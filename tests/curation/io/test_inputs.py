@@ -367,3 +367,28 @@ def test_failures_add_up_against_one_fingerprint_and_a_failure_of_a_changed_inpu
                 raise blame(e, reader.shard_path(1)) from None
     assert _failed(cfg) == {}  # the accepted fix spent the failures; the failure under a changed input added none
     assert before  # (they were recorded)
+
+
+def test_a_failure_blamed_by_url_from_another_node_is_recorded_against_this_machines_copy(tmp_path, s3):
+    """A scoring worker or the refresh actor on another Ray node blames the shard by its URL (that node's cache paths
+    mean nothing here): the record names the shard of the input's copy in this machine's cache all the same."""
+    from curation.io import objects, storage
+
+    src = _real_shards(tmp_path / "pool")
+    for d, _, names in os.walk(src):
+        for n in names:
+            objects.upload(os.path.join(d, n), s3.url(os.path.relpath(os.path.join(d, n), src)))
+    path = storage.local_path(s3.url())  # the input as the job names it: its copy in this machine's cache
+    storage.pull(path)
+    cfg = _train(tmp_path, candidates=path)
+    with _open(cfg) as lock:
+        lock.write_records()
+    url = storage.url_of(ShardReader(path).shard_path(5))
+    assert url == s3.url("part-b/shard.00000.mds.zstd")
+    with pytest.raises(ValueError, match="a bad record"):
+        with _open(cfg) as lock:
+            lock.write_records()
+            os.makedirs(os.path.join(cfg.output_dir, "selected"), exist_ok=True)
+            _file(os.path.join(cfg.output_dir, "selected", "part"), "an output")
+            raise blame(ValueError("a bad record"), url)
+    assert _failed(cfg)["data.candidates"]["shards"] == ["part-b/shard.00000.mds.zstd"]

@@ -91,11 +91,17 @@ def test_localize_resolves_directory_urls_only(tmp_path, monkeypatch):
     plain = TrainConfig.demo_default("runs/demo")
     assert localize(plain) is plain
     prep = PrepareConfig.demo_default("runs/demo")
-    bad = prep.model_copy(update={"sources": [prep.sources[0].model_copy(update={"paths": ["s3://bkt/raw.jsonl"]})]})
-    with pytest.raises(ValueError, match=r"^sources.0.paths.0: object-store URLs are supported for shard and output "
-                                         r"directories only \(candidates, output_dir, proxy_weights, "
-                                         r"reference_weights, scored, selected, tokenizer, validation\); "
-                                         "got s3://bkt/raw.jsonl"):
+    inputs = prep.model_copy(update={"sources": [prep.sources[0].model_copy(
+        update={"paths": ["s3://bkt/raw/*.jsonl", "local.jsonl"]})], "stage_inputs": "s3://bkt/staged"})
+    local = localize(inputs)  # a source's paths (each item, globs too) and the staging prefix: their cache paths
+    assert local.sources[0].paths == [str(tmp_path / "c" / "s3" / "bkt" / "raw" / "*.jsonl"), "local.jsonl"]
+    assert local.stage_inputs == "s3://bkt/staged"
+    assert urls_in(local.model_dump(mode="json")) == inputs.model_dump(mode="json")
+    bad = prep.model_copy(update={"tokenizer": prep.tokenizer.model_copy(update={"path": "s3://bkt/tok.json"})})
+    with pytest.raises(ValueError, match=r"^tokenizer.path: object-store URLs are supported for shard and output "
+                                         r"directories and inputs only \(candidates, output_dir, paths, "
+                                         r"proxy_weights, reference_weights, scored, selected, stage_inputs, "
+                                         r"tokenizer, validation\); got s3://bkt/tok.json"):
         localize(bad)
 
 
@@ -179,6 +185,25 @@ def test_push_with_delete_leaves_lock_and_temporary_objects_at_any_depth(s3):
     assert sorted(objects.list_objects(s3.url("run"))) == sorted([*kept, "ck/ep0-ba8-rank0.pt"])
     storage.push(root, "ck", delete=True)  # a sub-directory's keys are relative to it: the same rule
     assert sorted(objects.list_objects(s3.url("run"))) == sorted([*kept, "ck/ep0-ba8-rank0.pt"])
+
+
+def test_push_skips_folders_other_processes_write_and_upload_themselves(s3):
+    """A run's driver pushes what it wrote, never its stale copies of the folders a Ray engine's actors on other nodes
+    write (``skip``): a file replaced in the bucket since this cache read it stays the bucket's, one deleted there
+    (a pruned snapshot) is not uploaded again; a skipped folder is not deleted by ``delete`` either."""
+    root = storage.local_path(s3.url("run"))
+    _write(f"{root}/engine/proxy-000000002.safetensors", b"pruned elsewhere")
+    _write(f"{root}/scored/index.json", b"old")
+    objects.write_object(s3.url("run/scored/index.json"), b"new, written by the coordinator on another node")
+    _write(f"{root}/final/model.safetensors", b"weights")
+    assert storage.push(root, skip=["engine", "scored/"], delete=True) == ["final/model.safetensors"]
+    stored = objects.list_objects(s3.url("run"))
+    assert sorted(stored) == ["final/model.safetensors", "scored/index.json"]
+    assert objects.read_object(s3.url("run/scored/index.json")).body.startswith(b"new")
+    assert "uploaded 1 file" in storage.push_all(root, skip=["engine", "scored"])
+    assert sorted(objects.list_objects(s3.url("run"))) == ["final/model.safetensors", "scored/index.json"]
+    storage.push(root)  # (without skip: every folder, the stale copy included)
+    assert objects.read_object(s3.url("run/scored/index.json")).body == b"old"
 
 
 def _part(path: str, n: int = 40) -> list[np.ndarray]:
@@ -371,3 +396,38 @@ def test_the_request_after_an_empty_object_is_answered_at_once(s3, tmp_path):
     assert "Expect" not in sent[0].headers and sent[0].headers["Content-Length"] in ("0", b"0")
     assert answer["ResponseMetadata"]["RetryAttempts"] == 0  # answered, not timed out and sent again
     assert {k: o.size for k, o in objects.list_objects(s3.url("a")).items()} == {"empty": 0, "next": 100}
+
+
+def test_pyarrows_folder_markers_are_not_objects_of_a_directory_and_its_filesystem_writes_the_same_bucket(s3):
+    """Ray Train writes a data-parallel run's state through ``objects.arrow_filesystem`` (pyarrow's S3 filesystem on
+    the project's endpoint, credentials from the environment, none in its pickle); its ``create_dir`` leaves empty
+    ``…/`` objects, which a listing, and so a pull, leaves out (a pull refused the run's directory over them)."""
+    import pickle
+
+    fs, path = objects.arrow_filesystem(s3.url("run/parallel/ray_train"))
+    assert path == f"{s3.name}/run/parallel/ray_train"
+    assert os.environ["AWS_SECRET_ACCESS_KEY"].encode() not in pickle.dumps(fs)
+    fs.create_dir(f"{path}/train")
+    with fs.open_output_stream(f"{path}/train/state.json") as f:
+        f.write(b"{}")
+    objects.client().put_object(Bucket=s3.name, Key="run/logs/", Body=b"")  # (a console's "folder")
+    raw = {o["Key"] for o in objects.client().list_objects_v2(Bucket=s3.name, Prefix="run/")["Contents"]}
+    assert any(k.endswith("/") for k in raw)  # the markers are there ...
+    assert sorted(objects.list_objects(s3.url("run"))) == ["parallel/ray_train/train/state.json"]  # ... not listed
+    root = storage.local_path(s3.url("run"))
+    assert storage.pull(root) == ["parallel/ray_train/train/state.json"]
+    assert open(f"{root}/parallel/ray_train/train/state.json", "rb").read() == b"{}"
+
+
+def test_local_paths_are_the_settings_a_node_elsewhere_would_need_on_a_shared_filesystem(tmp_path, monkeypatch):
+    from curation.io.outputs import local_paths
+
+    monkeypatch.setenv("BLADE_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig.demo_default("s3://bkt").model_copy(update={"output_dir": "s3://bkt/run"})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer": None})})
+    assert local_paths(localize(cfg)) == {}  # everything in the bucket: nothing to share
+    mixed = cfg.model_copy(update={"output_dir": "runs/here", "data": cfg.data.model_copy(
+        update={"validation": "/mnt/shared/val"})})
+    assert local_paths(localize(mixed)) == {"output_dir": str(tmp_path / "runs" / "here"),
+                                            "data.validation": "/mnt/shared/val"}
