@@ -165,9 +165,9 @@ def pytest_addoption(parser):
 #: (pyproject's --no-loadscope-reorder), so that neither test process ends the run with a long file alone. A file not
 #: listed comes after these, in collection order.
 _LONGEST_FILES = (
-    "tests/jobs/test_bench_quality.py", "tests/training/test_parallel.py", "tests/jobs/test_curate_and_train.py",
+    "tests/jobs/test_two_nodes.py", "tests/training/test_parallel.py", "tests/jobs/test_curate_and_train.py",
     "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_object_store.py", "tests/jobs/test_curate_job.py",
-    "tests/jobs/test_soak.py", "tests/jobs/test_readme.py", "tests/curation/engine/test_prepare_pool.py",
+    "tests/jobs/test_soak.py", "tests/jobs/test_bench_quality.py", "tests/jobs/test_readme.py", "tests/curation/engine/test_prepare_pool.py",
     "tests/training/test_execution.py", "tests/curation/core/test_refresh.py", "tests/curation/ingest/test_prepare.py",
     "tests/jobs/test_bench_scoring.py", "tests/jobs/test_own_model.py", "tests/jobs/test_show_selection.py",
     "tests/jobs/test_jobs_stop_as_run.py", "tests/training/test_parallel_options.py",
