@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from bench.sessions import session_pids
 from curation.io.shards import read_column
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.manifest import Manifest
@@ -90,19 +91,6 @@ def _schedule(s: SoakSettings) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 # processes of a job's session
 # ------------------------------------------------------------------------------------------------
-def _session(sid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                        pids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return pids
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -121,8 +109,8 @@ def _usage(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _kill_session(sid: int) -> None:
-    for pid in _session(sid):
+def _killsession_pids(sid: int) -> None:
+    for pid in session_pids(sid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -200,7 +188,7 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
             now = time.monotonic()
             if now - last_sample >= 1.0 and steps.fresh:  # once training runs (not the start-up's imports)
                 last_sample = now
-                for pid in _session(proc.pid):
+                for pid in session_pids(proc.pid):
                     role = "driver" if pid == proc.pid else next(
                         (r for r, tag in ROLES.items() if tag in _cmdline(pid)), None)
                     use = _usage(pid) if role in ("driver", "worker") else None
@@ -218,7 +206,7 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
                         pass
                     log.append({**ev, "at_step": step, "attempt": attempt, "exit": proc.poll()})
                     return False
-                pids = [p for p in _session(proc.pid) if ROLES[ev["target"]] in _cmdline(p)]
+                pids = [p for p in session_pids(proc.pid) if ROLES[ev["target"]] in _cmdline(p)]
                 if pids:
                     os.kill(random.Random(step).choice(pids), sig)
                 log.append({**ev, "at_step": step, "attempt": attempt, "killed": bool(pids)})
@@ -229,7 +217,7 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
     finally:
         if proc.poll() is None:
             proc.kill()
-        _kill_session(proc.pid)  # its local Ray instance, whatever is left of it
+        _killsession_pids(proc.pid)  # its local Ray instance, whatever is left of it
         proc.wait()
         steps.read()
         rec.attempts.append({"attempt": attempt, "exit": proc.returncode, "steps_trained": steps.trained,

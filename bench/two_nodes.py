@@ -9,31 +9,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from bench.sessions import free_port, session_pids
+
 __all__ = ["LocalNodes"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_pids(sid: int) -> list[int]:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                    out.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
 
 
 class LocalNodes:
@@ -46,7 +29,7 @@ class LocalNodes:
 
     def __init__(self, resources: dict[str, dict[str, float]], cpus: int) -> None:
         self.root = tempfile.mkdtemp(prefix="blade-nodes-", dir="/tmp")  # (short: Ray's socket paths)
-        self.port, self.resources, self.cpus = _free_port(), resources, cpus
+        self.port, self.resources, self.cpus = free_port(), resources, cpus
         self.procs: dict[str, subprocess.Popen] = {}
         # Ray 2.60 secures a cluster `ray start` makes with a token (~/.ray/auth_token): its drivers send it only with
         # RAY_AUTH_MODE=token (a process that joins it needs that before it imports ray: jobs/bench_prepare.py)
@@ -63,7 +46,7 @@ class LocalNodes:
         for i, (name, res) in enumerate(self.resources.items()):
             cmd = ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
                    "--num-cpus", str(self.cpus), "--resources", json.dumps({name: 100, **res}),
-                   "--temp-dir", os.path.join(self.root, name), *[a for p in ports for a in (p, str(_free_port()))]]
+                   "--temp-dir", os.path.join(self.root, name), *[a for p in ports for a in (p, str(free_port()))]]
             cmd += (["--head", "--port", str(self.port), "--include-dashboard", "false"] if i == 0
                     else ["--address", self.address])
             with open(os.path.join(self.root, f"{name}.log"), "ab") as log:
@@ -99,7 +82,7 @@ class LocalNodes:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     pass
-            for pid in _session_pids(proc.pid):  # whatever of that session is left
+            for pid in session_pids(proc.pid):  # whatever of that session is left
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

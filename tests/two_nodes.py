@@ -20,35 +20,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
 
+from bench.sessions import free_port, session_pids
 from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUARD = os.path.join(REPO, "tests", "node_guard")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_pids(sid: int) -> list[int]:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                    out.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
 
 
 def _command(pid: int) -> list[str]:
@@ -100,7 +82,7 @@ class Node:
         log.close()
 
     def raylet_pid(self) -> int | None:
-        for pid in _session_pids(self.proc.pid) if self.proc else []:
+        for pid in session_pids(self.proc.pid) if self.proc else []:
             cmd = _command(pid)
             if cmd and os.path.basename(cmd[0]) == "raylet":
                 return pid
@@ -112,7 +94,7 @@ class Node:
         pid = self.raylet_pid()
         assert pid is not None, f"{self.name} has no raylet"
         os.kill(pid, signal.SIGKILL)
-        for other in _session_pids(self.proc.pid):
+        for other in session_pids(self.proc.pid):
             try:
                 os.kill(other, signal.SIGKILL)
             except ProcessLookupError:
@@ -128,7 +110,7 @@ class Node:
                 timing.wait(self.proc, timeout=10)  # (then at once: whatever it did not end by then)
             except subprocess.TimeoutExpired:
                 pass
-        for pid in _session_pids(self.proc.pid):  # whatever of that session is left
+        for pid in session_pids(self.proc.pid):  # whatever of that session is left
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

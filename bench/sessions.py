@@ -1,0 +1,29 @@
+"""Processes and ports of the experiments that start Ray nodes and jobs in sessions of their own (the soak, the
+simulated two-node cluster; tests/two_nodes.py too): Linux's /proc, standard library only."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["free_port", "session_pids"]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` still alive (its leader included)."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
