@@ -180,10 +180,7 @@ def run(args: argparse.Namespace) -> int:
     counts = args.workers or sorted({1, os.cpu_count() or 1})
     tmp = tempfile.mkdtemp(prefix="bench_prepare-")
     try:
-        path = args.input
-        if path is None:
-            path = os.path.join(tmp, "input.jsonl")
-            build_input(path, args.mb)
+        path = _input(args, tmp)
         mb = os.path.getsize(path) / 1e6
         raw, raw1 = _raw(path, args.tokenizer), _raw_one_core(args, path)
         local = _prepare(_config(args, path, os.path.join(tmp, "local"), 1), None)
@@ -207,16 +204,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input(args: argparse.Namespace, tmp: str) -> str:
+    """``--input``, or a synthetic JSONL corpus of ``--mb`` MB built under ``tmp``."""
+    if args.input is not None:
+        return args.input
+    path = os.path.join(tmp, "input.jsonl")
+    build_input(path, args.mb)
+    return path
 
 
 def _two_nodes(args: argparse.Namespace) -> int:
     """``--two-nodes N``: :func:`_run_two_nodes` on the input."""
     tmp = tempfile.mkdtemp(prefix="bench_prepare-")
     try:
-        path = args.input
-        if path is None:
-            path = os.path.join(tmp, "input.jsonl")
-            build_input(path, args.mb)
+        path = _input(args, tmp)
         runs = _run_two_nodes(args, path, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
