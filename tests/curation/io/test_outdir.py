@@ -140,9 +140,10 @@ def test_a_record_naming_the_same_file_another_way_is_equal_and_another_file_is_
 
 
 def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
-    # prepare's output is the same for any number of workers, on any Ray cluster (tests/curation/engine/
-    # test_prepare_pool.py); unit_bytes is not operational (it places the units' cuts)
-    assert operational_keys(PrepareConfig) == {"progress", "workers", "ray"}
+    # prepare's output is the same for any number of workers, on any Ray cluster and any node its tasks are
+    # pinned to (tests/curation/engine/test_prepare_pool.py, tests/jobs/test_two_nodes.py); unit_bytes is not
+    # operational (it places the units' cuts)
+    assert operational_keys(PrepareConfig) == {"progress", "workers", "ray", "resources"}
     # the worker group's resources, collective backend, restarts and timeout change where and how robustly it
     # runs, not what it computes (parallel.workers and selection.scope do: they are not operational)
     assert operational_keys(TrainConfig) == {
