@@ -148,8 +148,8 @@ def test_operational_keys_cover_only_settings_that_cannot_change_outputs():
     # runs, not what it computes (parallel.workers and selection.scope do: they are not operational)
     assert operational_keys(TrainConfig) == {
         "progress_bar", "plots", "checkpoint.resume", "checkpoint.keep", "parallel.cpus_per_worker",
-        "parallel.gpus_per_worker", "parallel.backend", "parallel.max_failures", "parallel.timeout_s", "loggers",
-        "throughput"}
+        "parallel.gpus_per_worker", "parallel.resources", "parallel.backend", "parallel.max_failures",
+        "parallel.timeout_s", "loggers", "throughput"}
     keys = operational_keys(CurateAndTrainConfig)
     assert {"train.progress_bar", "ray", "workers.count", "engine.wait_timeout_s"} <= keys
     assert not keys & {"train.selection.gamma", "train.optim.lr", "engine.mode", "workers.range_steps"}
