@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["free_port", "session_pids"]
+__all__ = ["command", "free_port", "session_pids"]
 
 
 def free_port() -> int:
@@ -27,3 +27,12 @@ def session_pids(sid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def command(pid: int) -> list[str]:
+    """The command line of process ``pid``, one string per argument ([] once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.sessions import session_pids
+from bench.sessions import command, session_pids
 from curation.io.shards import read_column
 from schemas.engine_config import CurateAndTrainConfig
 from schemas.manifest import Manifest
@@ -91,14 +91,6 @@ def _schedule(s: SoakSettings) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 # processes of a job's session
 # ------------------------------------------------------------------------------------------------
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _usage(pid: int) -> tuple[int, int] | None:
     """(resident bytes, open file descriptors) of ``pid``; None once it is gone."""
     try:
@@ -190,7 +182,7 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
                 last_sample = now
                 for pid in session_pids(proc.pid):
                     role = "driver" if pid == proc.pid else next(
-                        (r for r, tag in ROLES.items() if tag in _cmdline(pid)), None)
+                        (r for r, tag in ROLES.items() if tag in " ".join(command(pid))), None)
                     use = _usage(pid) if role in ("driver", "worker") else None
                     if use is not None:
                         samples.append({"attempt": attempt, "t": now, "step": step, "role": role, "pid": pid,
@@ -206,7 +198,7 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
                         pass
                     log.append({**ev, "at_step": step, "attempt": attempt, "exit": proc.poll()})
                     return False
-                pids = [p for p in session_pids(proc.pid) if ROLES[ev["target"]] in _cmdline(p)]
+                pids = [p for p in session_pids(proc.pid) if ROLES[ev["target"]] in " ".join(command(p))]
                 if pids:
                     os.kill(random.Random(step).choice(pids), sig)
                 log.append({**ev, "at_step": step, "attempt": attempt, "killed": bool(pids)})

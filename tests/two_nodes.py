@@ -26,19 +26,11 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from bench.sessions import free_port, session_pids
+from bench.sessions import command, free_port, session_pids
 from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUARD = os.path.join(REPO, "tests", "node_guard")
-
-
-def _command(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
 
 
 class Node:
@@ -83,7 +75,7 @@ class Node:
 
     def raylet_pid(self) -> int | None:
         for pid in session_pids(self.proc.pid) if self.proc else []:
-            cmd = _command(pid)
+            cmd = command(pid)
             if cmd and os.path.basename(cmd[0]) == "raylet":
                 return pid
         return None
