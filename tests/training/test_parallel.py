@@ -130,14 +130,18 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert json.load(open(killed.summary, encoding="utf-8"))["validation"] == sb["validation"]
 
 
-def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, ray_local,
-                                                                                   tmp_path, single_blade_12):
+def test_fsdp_workers_with_activation_checkpointing_equal_the_single_process_run_and_resume_after_a_killed_worker(
+        make_config, ray_local, tmp_path, single_blade_12):
     """``parallel.strategy: fsdp``: the proxy sharded by Composer's FSDP2 and the reference sharded like it
-    (every refresh, score and ‖u − w̃‖ from the shards); a killed worker restarts the group from the full
-    checkpoint, whose reference is loaded back into the shards."""
+    (every refresh, score and ‖u − w̃‖ from the shards), with activation checkpointing (issue 22: Composer's FSDP
+    config checkpoints the blocks), equals the single-process run (which has none); a killed worker restarts the
+    group from the full checkpoint, whose reference is loaded back into the shards. (One run of the FSDP group with
+    activation checkpointing for both: test_parallel_options had a third.)"""
     single = single_blade_12  # make_config("blade", max_steps=STEPS)
     one_dir = os.path.dirname(single.summary)
-    cfg = make_config("blade", "fsdp", max_steps=STEPS)
+    checkpointed = {"activation_checkpointing": True}
+    cfg = make_config("blade", "fsdp", max_steps=STEPS, model=checkpointed)
+    assert cfg.model.activation_checkpointing
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
     assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2",
@@ -155,13 +159,15 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     for k, want in (("model", load_file(single.final_weights)), ("reference", load_file(single.final_reference))):
         assert final[k].keys() == want.keys()  # gathered to full tensors, not shards
         assert max(float((final[k][n] - want[n]).abs().max()) for n in want) < 1e-4, k
+    # ‖u − w̃‖ pairs the shards by name: the reference is wrapped like the proxy
     with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
     with open(os.path.join(one_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         want_dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
     assert len(dist) == len(want_dist) > 0 and np.allclose(dist, want_dist, rtol=1e-4)  # summed over the shards
 
-    kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"})
+    kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"},
+                           model=checkpointed)
     killed = _train_killing_rank1(kill_cfg)
     assert any(x["resumed_from"] for x in _attempts(kill_cfg.output_dir)[2:])
     c = _columns(killed.selected)
