@@ -129,6 +129,14 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
     assert all(torch.equal(wb[k], wk[k]) for k in wb)  # bitwise equal to the uninterrupted 2-worker run
     assert json.load(open(killed.summary, encoding="utf-8"))["validation"] == sb["validation"]
 
+    # the groups (three worker-group starts) started Ray Train's controller and workers, but no Ray Data
+    # DatasetManager (no datasets: curation.engine.ray_backend.train_group) and no preemption watcher (off in the
+    # tests' environment: tests/conftest.py)
+    import ray._private.state
+
+    classes = {a["ActorClassName"] for a in ray._private.state.actors().values()}
+    assert {"TrainController", "RayTrainWorker"} <= classes and not classes & {"DatasetManager", "PreemptionWatcher"}
+
 
 def test_fsdp_workers_with_activation_checkpointing_equal_the_single_process_run_and_resume_after_a_killed_worker(
         make_config, ray_local, tmp_path, single_blade_12):
