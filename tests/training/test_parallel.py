@@ -267,7 +267,7 @@ def test_a_group_larger_than_the_cluster_is_refused(make_config, ray_local):
 def _signal_once_the_group_starts(out: str, done: threading.Event) -> None:
     """SIGTERM to this process (the driver, as a scheduler preempting the job) once the run in ``out`` has started its
     Ray Train group (its storage directory exists; the ranks are still importing): the driver sets the stop on the
-    group's channel long before the ranks end their first step, so they all stop after step 1."""
+    group's channel long before the ranks end their first step, so they stop after one of the first steps."""
     group = os.path.join(out, "parallel", "ray_train")
     while not done.is_set():
         if os.path.isdir(group):
@@ -300,7 +300,9 @@ def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_that_loses_a
         sender.join()
     step = int(re.search(r"after step (\d+) of", str(e.value)).group(1))  # rank 0's result said where
     ckpt = os.path.join(cfg.output_dir, "checkpoints", f"ep0-ba{step}-rank0.pt")
-    assert step == 1 and e.value.signum == signal.SIGTERM
+    # the ranks stop at the first step end after they read the signal on the channel (asked in the background, so a
+    # step or so after it was set), all at the same one, before the rerun's last interval checkpoint (step 8)
+    assert 1 <= step < 8 and e.value.signum == signal.SIGTERM
     assert str(e.value) == (f"stopped on SIGTERM after step {step} of {STEPS} (checkpoint {ckpt}); rerun the same "
                             f"command to resume from it at step {step + 1}")
     assert os.path.isfile(ckpt) and not os.path.exists(os.path.join(cfg.output_dir, "final"))
