@@ -129,9 +129,14 @@ def full_disk(monkeypatch):
 
 def pytest_configure(config):
     """Every pytest process (xdist's controller and workers): SIGTERM and SIGINT stop the run with its teardown
-    (tests/processes.py), and the load meter of the tests' time limits runs (tests/timing.py)."""
+    (tests/processes.py), the load meter of the tests' time limits runs (tests/timing.py), and Ray Train groups
+    start without the preemption watcher."""
     processes.install()
     timing.METER.start()
+    # Ray Train's preemption watcher (an actor per worker-group start, polling the cluster for draining nodes) is
+    # for autoscaled clusters whose nodes get drained; the tests' Ray instances never drain a node, so the tests
+    # (and the jobs they start, which inherit this environment) run their groups without it. Users keep Ray's default.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 def pytest_unconfigure(config):

@@ -1,8 +1,8 @@
 """The data-parallel trainer: 2 Ray Train workers with gloo on the (small) demo against the single-process run.
 
-Few runs, many assertions (each 2-worker group costs tens of seconds of start-up on 2 cores): one
-single-process run, one uninterrupted 2-worker run, one 2-worker run whose rank-1 process is killed
-(SIGKILL) mid-run and restarted by Ray Train from the last checkpoint.
+Few runs, many assertions (each 2-worker group costs tens of CPU-seconds of start-up): one single-process run, one
+uninterrupted 2-worker run (shared by the tests of this process), one 2-worker run stopped by SIGTERM and rerun,
+the rerun's rank-1 process killed (SIGKILL) mid-run and restarted by Ray Train from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,24 +44,36 @@ def _attempts(out: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _kill_rank1_after_first_checkpoint(out: str, done: threading.Event) -> dict:
-    """Wait for the first complete checkpoint of the run in ``out``, then SIGKILL the rank-1 trainer process."""
+def _kill_rank1_after_a_new_checkpoint(out: str, done: threading.Event, old: str | None, attempts_before: int) -> dict:
+    """Wait for a complete checkpoint of the run in ``out`` other than ``old`` (the file ``latest-rank0.pt`` links to
+    when the run starts: a rerun's own checkpoint), then SIGKILL the rank-1 trainer process of the group whose
+    attempts follow the first ``attempts_before`` lines of the run's attempt log."""
     seen: dict = {}
     latest = os.path.join(out, "checkpoints", "latest-rank0.pt")  # a link, made once the checkpoint is written
     while not done.is_set():
-        if os.path.exists(latest) and os.path.exists(os.path.join(out, ATTEMPTS_FILE)):
-            pid = next(a["pid"] for a in _attempts(out) if a["rank"] == 1)
-            os.kill(pid, signal.SIGKILL)
-            seen["killed"] = pid
+        try:
+            target = os.path.basename(os.readlink(latest)) if os.path.exists(latest) else old
+            ones = [a for a in _attempts(out)[attempts_before:] if a["rank"] == 1] if target != old else []
+        except OSError:  # the link re-made, or the attempt log not written yet
+            ones = []
+        if ones:
+            os.kill(ones[0]["pid"], signal.SIGKILL)
+            seen.update(killed=ones[0]["pid"], checkpoint=target)
             return seen
         time.sleep(0.02)
     return seen
 
 
-def _train_killing_rank1(cfg) -> dict:
-    """``train(cfg)`` with its rank-1 process killed after the first complete checkpoint."""
-    done, seen = threading.Event(), {}
-    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_first_checkpoint(cfg.output_dir, done)))
+def _train_killing_rank1(cfg, seen: dict | None = None):
+    """``train(cfg)`` with its rank-1 process killed after the first complete checkpoint this run writes (a rerun:
+    after its checkpoint, not the one it resumes from); ``seen`` receives the killed pid and that checkpoint's
+    name."""
+    latest = os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt")
+    old = os.path.basename(os.readlink(latest)) if os.path.islink(latest) else None
+    before = len(_attempts(cfg.output_dir)) if os.path.exists(os.path.join(cfg.output_dir, ATTEMPTS_FILE)) else 0
+    done, seen = threading.Event(), {} if seen is None else seen
+    killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_a_new_checkpoint(cfg.output_dir, done,
+                                                                                           old, before)))
     killer.start()
     try:
         out = train(cfg)
@@ -72,19 +84,35 @@ def _train_killing_rank1(cfg) -> dict:
     return out
 
 
-def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_worker(make_config, ray_local, tmp_path,
-                                                                                  single_blade_12):
-    single = single_blade_12  # make_config("blade", max_steps=STEPS)
-    # the uninterrupted 2-worker run through the job's command line: jobs/train.py --set parallel.workers=2
-    par_cfg = make_config("blade", "two", max_steps=STEPS)
-    path = tmp_path / "two.yaml"
-    path.write_text(yaml.safe_dump(par_cfg.model_dump(mode="json")), encoding="utf-8")
-    assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
-    assert yaml.safe_load((tmp_path / "two" / "config.yaml").read_text(encoding="utf-8"))["parallel"]["workers"] == 2
-    par_cfg = par_cfg.model_copy(update={"parallel": par_cfg.parallel.model_copy(update={"workers": 2})})
-    out = par_cfg.output_dir
-    two = SimpleNamespace(selected=os.path.join(out, "selected"), summary=os.path.join(out, "summary.json"),
-                          final_weights=os.path.join(out, "final", "model.safetensors"))
+_TWO_BLADE: dict = {}
+
+
+@pytest.fixture
+def two_blade(demo_root, tmp_path_factory, ray_local):
+    """The uninterrupted 2-worker blade run of :func:`tiny_config` (12 steps) through the job's command line,
+    ``jobs/train.py --config two.yaml --set parallel.workers=2``, made once per test process (one group start for
+    the equality with the single-process run and for the stopped, killed and rerun one): its config (as the job
+    resolved it) and outputs."""
+    if demo_root not in _TWO_BLADE:
+        root = tmp_path_factory.mktemp("two-blade")
+        cfg = tiny_config(demo_root, str(root / "two"), "blade", max_steps=STEPS)
+        path = root / "two.yaml"
+        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
+        assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2"]) == 0
+        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"workers": 2})})
+        out = cfg.output_dir
+        _TWO_BLADE[demo_root] = SimpleNamespace(
+            cfg=cfg, selected=os.path.join(out, "selected"), summary=os.path.join(out, "summary.json"),
+            final_weights=os.path.join(out, "final", "model.safetensors"))
+    return _TWO_BLADE[demo_root]
+
+
+def test_two_workers_equal_the_single_process_run(two_blade, single_blade_12):
+    single, two = single_blade_12, two_blade  # make_config("blade", max_steps=STEPS), in 1 and 2 processes
+    par_cfg, out = two.cfg, two.cfg.output_dir
+    # the job's command line set the workers: jobs/train.py --set parallel.workers=2
+    with open(os.path.join(out, "config.yaml"), encoding="utf-8") as f:
+        assert yaml.safe_load(f)["parallel"]["workers"] == 2
 
     # --- masks, k, shards against the single-process run ---------------------------------------------
     a, b = _columns(single.selected), _columns(two.selected)
@@ -115,29 +143,27 @@ def test_two_workers_equal_the_single_process_run_and_recover_from_a_killed_work
         logged = [json.loads(line) for line in f]
     assert sum("blade/kept_tokens" in x for x in logged) == STEPS  # one metrics log (rank 0's), not two
 
-    # --- a killed worker: Ray Train restarts the group from the last checkpoint -------------------------
-    kill_cfg = make_config("blade", "killed", max_steps=STEPS, parallel={"workers": 2})
-    killed = _train_killing_rank1(kill_cfg)
-    attempts = _attempts(kill_cfg.output_dir)
-    assert len(attempts) == 4 and any(x["resumed_from"] for x in attempts[2:]), attempts
-    c = _columns(killed.selected)
-    assert c["step"] == rows_of_steps
-    for col in ("tokens", "loss_mask", "source"):
-        assert all(np.array_equal(x, y) for x, y in zip(b[col], c[col], strict=True)), col
-    assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(b["score"], c["score"], strict=True))
-    wk = load_file(killed.final_weights)
-    assert all(torch.equal(wb[k], wk[k]) for k in wb)  # bitwise equal to the uninterrupted 2-worker run
-    assert json.load(open(killed.summary, encoding="utf-8"))["validation"] == sb["validation"]
+    # the group started Ray Train's controller and workers, but no Ray Data DatasetManager (no datasets:
+    # curation.engine.ray_backend.train_group) and no preemption watcher (off in the tests' environment:
+    # tests/conftest.py)
+    import ray._private.state
+
+    classes = {a["ActorClassName"] for a in ray._private.state.actors().values()}
+    assert {"TrainController", "RayTrainWorker"} <= classes and not classes & {"DatasetManager", "PreemptionWatcher"}
 
 
-def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_worker(make_config, ray_local,
-                                                                                   tmp_path, single_blade_12):
+def test_fsdp_workers_with_activation_checkpointing_equal_the_single_process_run_and_resume_after_a_killed_worker(
+        make_config, ray_local, tmp_path, single_blade_12):
     """``parallel.strategy: fsdp``: the proxy sharded by Composer's FSDP2 and the reference sharded like it
-    (every refresh, score and ‖u − w̃‖ from the shards); a killed worker restarts the group from the full
-    checkpoint, whose reference is loaded back into the shards."""
+    (every refresh, score and ‖u − w̃‖ from the shards), with activation checkpointing (issue 22: Composer's FSDP
+    config checkpoints the blocks), equals the single-process run (which has none); a killed worker restarts the
+    group from the full checkpoint, whose reference is loaded back into the shards. (One run of the FSDP group with
+    activation checkpointing for both: test_parallel_options had a third.)"""
     single = single_blade_12  # make_config("blade", max_steps=STEPS)
     one_dir = os.path.dirname(single.summary)
-    cfg = make_config("blade", "fsdp", max_steps=STEPS)
+    checkpointed = {"activation_checkpointing": True}
+    cfg = make_config("blade", "fsdp", max_steps=STEPS, model=checkpointed)
+    assert cfg.model.activation_checkpointing
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
     assert load_job("train").main(["--config", str(path), "--set", "parallel.workers=2",
@@ -155,13 +181,15 @@ def test_fsdp_workers_equal_the_single_process_run_and_resume_after_a_killed_wor
     for k, want in (("model", load_file(single.final_weights)), ("reference", load_file(single.final_reference))):
         assert final[k].keys() == want.keys()  # gathered to full tensors, not shards
         assert max(float((final[k][n] - want[n]).abs().max()) for n in want) < 1e-4, k
+    # ‖u − w̃‖ pairs the shards by name: the reference is wrapped like the proxy
     with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
     with open(os.path.join(one_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
         want_dist = [x["blade/param_distance"] for x in map(json.loads, f) if "blade/param_distance" in x]
     assert len(dist) == len(want_dist) > 0 and np.allclose(dist, want_dist, rtol=1e-4)  # summed over the shards
 
-    kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"})
+    kill_cfg = make_config("blade", "fsdp-killed", max_steps=STEPS, parallel={"workers": 2, "strategy": "fsdp"},
+                           model=checkpointed)
     killed = _train_killing_rank1(kill_cfg)
     assert any(x["resumed_from"] for x in _attempts(kill_cfg.output_dir)[2:])
     c = _columns(killed.selected)
@@ -189,9 +217,9 @@ def test_fsdp_blade_nosync_resumes_its_sharded_adamw_state_after_a_killed_worker
     assert abs(sa["validation"][-1]["loss"] - sb["validation"][-1]["loss"]) < 1e-3
 
 
-#: The steps of the 2-worker ``random`` runs (scope: rank) that the rank-scope and SIGTERM tests share: the driver
-#: hands a signal on within 0.5 s, so the run must outlast that after its first checkpoint (step 4).
-RANDOM_STEPS = 80
+#: The steps of the 2-worker ``random`` run with ``selection.scope: rank`` (past warm-up, every step checks each
+#: rank's block).
+RANDOM_STEPS = 24
 
 
 _TWO_RANDOM: dict = {}
@@ -199,8 +227,8 @@ _TWO_RANDOM: dict = {}
 
 @pytest.fixture
 def two_random(demo_root, tmp_path_factory, ray_local):
-    """The uninterrupted 2-worker ``random`` run with ``selection.scope: rank``, made once per test process (one
-    group start for two tests): ``train``'s :class:`~training.runs.finish.Finished`."""
+    """The uninterrupted 2-worker ``random`` run with ``selection.scope: rank``, made once per test process:
+    ``train``'s :class:`~training.runs.finish.Finished`."""
     if demo_root not in _TWO_RANDOM:
         out = str(tmp_path_factory.mktemp("two-random") / "two-rank")
         _TWO_RANDOM[demo_root] = train(tiny_config(demo_root, out, "random", max_steps=RANDOM_STEPS,
@@ -236,27 +264,33 @@ def test_a_group_larger_than_the_cluster_is_refused(make_config, ray_local):
         train(cfg)
 
 
-def _signal_after_first_checkpoint(out: str, done: threading.Event) -> None:
-    latest = os.path.join(out, "checkpoints", "latest-rank0.pt")
+def _signal_once_the_group_starts(out: str, done: threading.Event) -> None:
+    """SIGTERM to this process (the driver, as a scheduler preempting the job) once the run in ``out`` has started its
+    Ray Train group (its storage directory exists; the ranks are still importing): the driver sets the stop on the
+    group's channel long before the ranks end their first step, so they stop after one of the first steps."""
+    group = os.path.join(out, "parallel", "ray_train")
     while not done.is_set():
-        if os.path.exists(latest):
-            os.kill(os.getpid(), signal.SIGTERM)  # to the driver (this process), as a scheduler preempting the job
+        if os.path.isdir(group):
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         time.sleep(0.02)
 
 
-@pytest.mark.timeout(1200)  # two group start-ups (three with the shared run's); 370 s on a loaded 2-core machine
-def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_uninterrupted_run(make_config,
-                                                                                                 two_random):
-    """Issue 24: the driver hands the signal to the ranks (parallel/stop.json), they agree on the step with one
+@pytest.mark.timeout(1200)  # three group start-ups (four with the shared run's)
+def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_that_loses_a_worker_equals_an_uninterrupted_run(
+        two_blade, demo_root, tmp_path):
+    """Issue 24: the driver hands the signal to the ranks (the group's channel), they agree on the step with one
     all_reduce, rank 0's checkpoint is written there, the driver raises StopRequested naming it; the rerun resumes
-    from it and ends with the uninterrupted 2-worker run's weights, bit for bit."""
+    from it (no completed step redone). In the rerun, rank 1 is killed (SIGKILL) after the first checkpoint it
+    writes: Ray Train restarts the group, which resumes from that checkpoint. The rerun ends with the uninterrupted
+    2-worker run's shards (every step once), validation and weights, bit for bit."""
     from curation.io.stop import GracefulStop, StopRequested
 
-    steps, full = RANDOM_STEPS, two_random  # the uninterrupted run of this config
-    cfg = make_config("random", "two-stopped", max_steps=steps, parallel={"workers": 2}, selection={"scope": "rank"})
+    full = two_blade  # the uninterrupted run of this config
+    cfg = tiny_config(demo_root, str(tmp_path / "stopped"), "blade", max_steps=STEPS, parallel={"workers": 2})
+    assert cfg.model_dump(exclude={"output_dir"}) == full.cfg.model_dump(exclude={"output_dir"})
     done = threading.Event()
-    sender = threading.Thread(target=_signal_after_first_checkpoint, args=(cfg.output_dir, done))
+    sender = threading.Thread(target=_signal_once_the_group_starts, args=(cfg.output_dir, done))
     sender.start()
     try:
         with GracefulStop(), pytest.raises(StopRequested) as e:
@@ -266,15 +300,37 @@ def test_sigterm_stops_both_workers_after_the_same_step_and_a_rerun_equals_an_un
         sender.join()
     step = int(re.search(r"after step (\d+) of", str(e.value)).group(1))  # rank 0's result said where
     ckpt = os.path.join(cfg.output_dir, "checkpoints", f"ep0-ba{step}-rank0.pt")
-    assert 4 <= step < steps and e.value.signum == signal.SIGTERM
-    assert str(e.value) == (f"stopped on SIGTERM after step {step} of {steps} (checkpoint {ckpt}); rerun the same "
+    # the ranks stop at the first step end after they read the signal on the channel (asked in the background, so a
+    # step or so after it was set), all at the same one, before the rerun's last interval checkpoint (step 8)
+    assert 1 <= step < 8 and e.value.signum == signal.SIGTERM
+    assert str(e.value) == (f"stopped on SIGTERM after step {step} of {STEPS} (checkpoint {ckpt}); rerun the same "
                             f"command to resume from it at step {step + 1}")
     assert os.path.isfile(ckpt) and not os.path.exists(os.path.join(cfg.output_dir, "final"))
+    log = os.path.join(cfg.output_dir, "logs", "metrics.jsonl")
 
-    resumed = train(cfg)
-    assert all(a["resumed_from"] for a in _attempts(cfg.output_dir)[2:])  # both ranks resumed from the checkpoint
-    with open(os.path.join(cfg.output_dir, "logs", "metrics.jsonl"), encoding="utf-8") as f:
-        trained = [r["step"] for r in map(json.loads, f) if "loss/train/total" in r]
-    assert trained == list(range(steps))  # no completed step redone
+    def trained() -> list[int]:
+        with open(log, encoding="utf-8") as f:
+            return [r["step"] for r in map(json.loads, f) if "loss/train/total" in r]
+
+    assert trained() == list(range(step))
+    assert len(_attempts(cfg.output_dir)) == 2
+
+    seen: dict = {}
+    resumed = _train_killing_rank1(cfg, seen)
+    attempts = _attempts(cfg.output_dir)
+    assert len(attempts) == 6, attempts  # 2 ranks: stopped run, rerun, rerun's group restarted after the kill
+    assert all(a["resumed_from"] for a in attempts[2:])  # both ranks from the stop's checkpoint, then the rerun's
+    again = int(re.fullmatch(r"ep0-ba(\d+)-rank0\.pt", seen["checkpoint"]).group(1))  # the rerun's first: 4
+    assert step < again < STEPS
+    t = trained()
+    assert t[:again] == list(range(again))  # no completed step redone before the kill: not the stop's, not the rerun's
+    assert t[-(STEPS - again):] == list(range(again, STEPS)) and sorted(set(t)) == list(range(STEPS))
+    a, c = _columns(full.selected), _columns(resumed.selected)
+    assert c["step"] == [t for t in range(STEPS) for _ in range(B)]  # every step written once (no duplicate rows)
+    for col in ("tokens", "loss_mask", "source"):
+        assert all(np.array_equal(x, y) for x, y in zip(a[col], c[col], strict=True)), col
+    assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a["score"], c["score"], strict=True))
+    with open(full.summary, encoding="utf-8") as f, open(resumed.summary, encoding="utf-8") as g:
+        assert json.load(g)["validation"] == json.load(f)["validation"]
     wa, wb = load_file(full.final_weights), load_file(resumed.final_weights)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

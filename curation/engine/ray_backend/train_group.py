@@ -230,13 +230,13 @@ def run_trainer_group(
         WorkerGroupFailed: the group failed more than ``max_failures`` times (the workers' errors by rank).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     gpus = parallel.gpus_per_worker
     _group_fits(parallel)
     if local_paths:
         check_group_nodes(parallel, local_paths)
-    trainer = TorchTrainer(
+    trainer = _trainer_class()(
         train_fn, train_loop_config=dict(config),
         torch_config=TorchConfig(backend=parallel.resolved_backend, timeout_s=parallel.timeout_s),
         scaling_config=ScalingConfig(num_workers=parallel.workers, use_gpu=gpus > 0, resources_per_worker={
@@ -257,6 +257,29 @@ def run_trainer_group(
         raise WorkerGroupFailed(f"the trainer worker group failed (parallel.max_failures={parallel.max_failures}): "
                                 f"{detail}") from failure
     return getattr(outcome.result, "return_value", None)
+
+
+def _trainer_class() -> type:
+    """Ray Train's ``TorchTrainer`` without its Ray Data plumbing, which a group handed no ``datasets`` (ours: the
+    ranks read their shards themselves) never uses: Ray Train 2.60 starts a ``DatasetManager`` actor (a process of
+    its own, importing Ray Data) at every start and restart of the worker group whatever the datasets, through its
+    ``DatasetsCallback``; it is left out of the default callbacks when there are no datasets. On a Ray whose
+    internals differ (no such callback where it was), ``TorchTrainer`` itself."""
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:
+        return TorchTrainer
+    if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
+        return TorchTrainer
+
+    class _NoDatasetsTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return _NoDatasetsTrainer
 
 
 @dataclass
