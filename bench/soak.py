@@ -7,9 +7,11 @@ its scoring workers, its refresh actor and its trainer, against an uninterrupted
    ``actor_kills`` kills of a scoring worker or of the refresh actor (SIGKILL or SIGTERM), each at a step drawn
    from the run's steps. A step is the trainer's, read from its metrics log. After a trainer death the whole
    session (the driver and its local Ray instance) is ended and the job is rerun; an actor is restarted by Ray.
-3. Checks: the chaos run's final proxy and reference, its selected-token masks and its workers' reference scores
-   equal the uninterrupted run's byte for byte; every work unit of the plan is recorded exactly once in the ledger
-   (``scored/manifest.json``); the resident memory and open file descriptors of the driver and of the scoring
+3. Checks: the chaos run's final proxy and reference, its selected-token rows (sequences, masks, scores, steps,
+   episodes, sources) and its workers' reference scores equal the uninterrupted run's byte for byte; every work unit of the plan is recorded exactly once in the ledger
+   (``scored/manifest.json``); a SIGTERM'd trainer stops cleanly: exit 143, no process of its session left
+   running, no ``final/`` or ``summary.json`` (each trainer death's event records those, the job's last stderr
+   line and the checkpoints); the resident memory and open file descriptors of the driver and of the scoring
    workers, sampled every second once training runs (``<out>/samples.jsonl``), grow by at most ``max_growth``
    between the first and the last quarter of the last attempt (the longest stretch without a trainer death; each
    process against itself, since a rerun starts new processes; a worker restarted within it is left out).
@@ -151,11 +153,37 @@ def _unfinished_parts(output_dir: str) -> int:
 # ------------------------------------------------------------------------------------------------
 # the runs
 # ------------------------------------------------------------------------------------------------
-def _start(config: str) -> subprocess.Popen:
+def _start(config: str, stderr) -> subprocess.Popen:  # noqa: ANN001 - an open file
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, JOB, "--config", config], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=stderr, env=env, start_new_session=True)
+
+
+def _running(sid: int) -> list[int]:
+    """The processes of session ``sid`` but its leader still running (zombies, ended but not yet reaped, aside)."""
+    out = []
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                if pid != sid and f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def _after_death(sid: int, output_dir: str, stderr: str) -> dict[str, Any]:
+    """What a trainer death left, read as soon as the driver ended (before the soak ends its session): the
+    session's processes still running (none after a SIGTERM: the job shuts its Ray instance down), the job's last
+    line on stderr (a SIGTERM's names the step and the checkpoint to resume from), the checkpoints there are, and
+    whether the run wrote ``final/`` or ``summary.json`` (it must not: it did not finish)."""
+    with open(stderr, encoding="utf-8", errors="replace") as f:
+        lines = f.read().strip().splitlines()
+    ckpts = os.path.join(output_dir, "checkpoints")
+    return {"left": len(_running(sid)), "last_line": lines[-1] if lines else "", "stderr": stderr,
+            "checkpoints": sorted(os.listdir(ckpts)) if os.path.isdir(ckpts) else [],
+            "finished": any(os.path.exists(os.path.join(output_dir, x)) for x in ("final", "summary.json"))}
 
 
 @dataclass
@@ -169,8 +197,12 @@ class _Record:
 
 def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadline: float, rec: _Record,
              attempt: int) -> bool:
-    """One run of the job until it ends or a trainer event ends it; returns whether it finished (exit 0)."""
-    proc, steps, last_sample = _start(config), _StepLog(output_dir), 0.0
+    """One run of the job until it ends or a trainer event ends it; returns whether it finished (exit 0). The job's
+    stderr goes to ``<output_dir>.attempt-<attempt>.stderr`` (a file: a pipe nobody reads would fill and block it)."""
+    stderr = f"{output_dir}.attempt-{attempt}.stderr"
+    with open(stderr, "w", encoding="utf-8") as err:
+        proc = _start(config, err)
+    steps, last_sample = _StepLog(output_dir), 0.0
     samples, log = rec.samples, rec.events
     try:
         while proc.poll() is None:
@@ -196,7 +228,8 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
                         proc.wait(timeout=120 if sig == signal.SIGTERM else 10)
                     except subprocess.TimeoutExpired:
                         pass
-                    log.append({**ev, "at_step": step, "attempt": attempt, "exit": proc.poll()})
+                    log.append({**ev, "at_step": step, "attempt": attempt, "exit": proc.poll(),
+                                **_after_death(proc.pid, output_dir, stderr)})
                     return False
                 pids = [p for p in session_pids(proc.pid) if ROLES[ev["target"]] in " ".join(command(p))]
                 if pids:
@@ -204,7 +237,8 @@ def _attempt(config: str, output_dir: str, events: list[dict[str, Any]], deadlin
                 log.append({**ev, "at_step": step, "attempt": attempt, "killed": bool(pids)})
             time.sleep(0.2)
         if proc.returncode != 0:
-            raise RuntimeError(f"the job failed (exit {proc.returncode}): {proc.stderr.read()[-3000:]}")
+            with open(stderr, encoding="utf-8", errors="replace") as f:
+                raise RuntimeError(f"the job failed (exit {proc.returncode}; {stderr}): {f.read()[-3000:]}")
         return True
     finally:
         if proc.poll() is None:
@@ -251,7 +285,8 @@ def _read(path: str) -> bytes:
 def _same_columns(a: str, b: str, columns: tuple[str, ...]) -> bool:
     for col in columns:
         x, y = read_column(a, col), read_column(b, col)
-        if len(x) != len(y) or not all(np.array_equal(u, v, equal_nan=True) for u, v in zip(x, y, strict=True)):
+        if len(x) != len(y) or not all(u == v if isinstance(u, str) else np.array_equal(u, v, equal_nan=True)
+                                       for u, v in zip(x, y, strict=True)):
             return False
     return True
 
@@ -285,7 +320,7 @@ def soak(s: SoakSettings) -> dict[str, Any]:
         "final_reference_equal": _read(os.path.join(full_dir, "final", "reference.safetensors"))
         == _read(os.path.join(chaos_dir, "final", "reference.safetensors")),
         "masks_equal": _same_columns(os.path.join(full_dir, "selected"), os.path.join(chaos_dir, "selected"),
-                                     ("step", "tokens", "loss_mask", "score")),
+                                     ("step", "tokens", "loss_mask", "score", "episode", "source")),
         "scores_equal": _same_columns(os.path.join(full_dir, "scored"), os.path.join(chaos_dir, "scored"),
                                       ("tokens", "ref_loss", "episode")),
         "units_exactly_once": len(units) == len(set(units)) and sorted(units) == sorted(
@@ -293,6 +328,8 @@ def soak(s: SoakSettings) -> dict[str, Any]:
     }
     with open(os.path.join(s.out, "samples.jsonl"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps(x) + "\n" for x in samples)
+    checks["sigterm_stops_clean"] = all(e["exit"] == 143 and not e["left"] and not e["finished"]
+                                        for e in log if e["target"] == "trainer" and e["signal"] == "SIGTERM")
     growth = {role: _growth(samples, role) for role in ("driver", "worker")}
     checks["growth_within_limit"] = all(
         g[k] is not None and g[k] <= s.max_growth for g in growth.values() for k in ("rss", "fds"))

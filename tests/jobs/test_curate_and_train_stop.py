@@ -1,10 +1,13 @@
 """`jobs/curate_and_train.py` sent SIGTERM mid-run (issue 24): the trainer stops at the end of its step with a
 checkpoint there, the engine's workers finish their units, the local Ray instance is shut down, the job exits 143
-with one line naming the step and the checkpoint, and a rerun ends with an uninterrupted run's outputs (exact
-and pipelined mode). A second SIGTERM ends the job at once, its local Ray instance with it."""
+with one line naming the step and the checkpoint, and a rerun ends with an uninterrupted run's outputs. A second
+SIGTERM ends the job at once, its local Ray instance with it. Both here in pipelined mode (P = 2, 2 scoring
+workers), on one run: stopped, its rerun stopped twice, rerun to the end. Exact mode's stop: the soak's smoke
+(tests/jobs/test_soak.py, whose trainer SIGTERM is that stop, checked the same way, under actor kills)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -39,15 +42,25 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def _start_until(cfg: str, ckpt: str, err, *, save_delay: float = 0.0) -> subprocess.Popen:
-    """Start the slowed job in a session of its own; return it once checkpoint ``ckpt`` exists."""
+def _start_until(cfg: str, ready, err, *, save_delay: float = 0.0) -> subprocess.Popen:  # noqa: ANN001
+    """Start the slowed job in a session of its own; return it once ``ready()`` (or once it ended)."""
     code = _SLOW_JOB.format(repo=REPO, script=JOB, delay=0.5, save_delay=save_delay)
     proc = subprocess.Popen([sys.executable, "-c", code, "--config", cfg], stdout=subprocess.DEVNULL,
                             stderr=err, env=_env(), start_new_session=True)
     deadline = timing.Deadline(240)
-    while not os.path.exists(ckpt) and proc.poll() is None and not deadline.expired():
+    while not ready() and proc.poll() is None and not deadline.expired():
         time.sleep(0.02)
     return proc
+
+
+def _trained(out: str, step: int) -> bool:
+    """Whether the run in ``out`` has logged training step ``step`` (0-based) or a later one."""
+    path = os.path.join(out, "logs", "metrics.jsonl")
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f if line.endswith("\n")]
+    return any("loss/train/total" in r and int(r["step"]) >= step for r in recs)
 
 
 def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-rank0.pt") -> int:
@@ -56,7 +69,7 @@ def _stop_mid_run(cfg: str, out: str, session_killer, *, after: str = "ep0-ba5-r
     with open(os.path.join(os.path.dirname(cfg), "stderr.txt"), "w+") as err:
         proc = None
         try:
-            proc = _start_until(cfg, os.path.join(out, "checkpoints", after), err)
+            proc = _start_until(cfg, lambda: os.path.exists(os.path.join(out, "checkpoints", after)), err)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
             timing.wait(proc, timeout=120)
@@ -101,44 +114,14 @@ def _resume(cfg: str, capfd) -> None:  # noqa: ANN001 - pytest's capfd
     assert "resuming from" in rerun and "latest-rank0.pt" in rerun
 
 
-def test_sigterm_stops_the_exact_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
-    out = str(tmp_path / "stopped")
-    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
-    _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg, capfd)
-    # the uninterrupted reference: the single-process trainer (which the uninterrupted Ray exact run equals bit for
-    # bit: tests/jobs/test_curate_and_train.py::test_ray_exact_mode_equals_the_single_process_trainer)
-    assert_same_run(single_run["out"], out)
-
-
-def test_sigterm_stops_the_pipelined_job_at_a_step_end_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer, ray_local, capfd):
-    from schemas.config import load_config
-    from schemas.engine_config import CurateAndTrainConfig
-    from training.runs.engine_job import curate_and_train
-
-    engine = {"mode": "pipelined", "snapshot_period": 2}
-    out = str(tmp_path / "stopped")
-    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine=engine)
-    _stop_mid_run(cfg, out, session_killer)
-    _resume(cfg, capfd)
-    full = str(tmp_path / "uninterrupted")
-    curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
-                                                                     engine=engine)))
-    assert_same_run(full, out)
-
-
-def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun_equals_an_uninterrupted_run(
-        tmp_path, tiny_train, session_killer, single_run, ray_local, capfd):
-    out = str(tmp_path / "stopped")
-    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out))
-    with open(tmp_path / "stderr.txt", "w+") as err:
+def _stop_twice(cfg: str, out: str, session_killer, *, after_step: int) -> None:
+    """Start the job (every checkpoint write taking ≥ 2 s) and SIGTERM its driver once it has trained step
+    ``after_step``, then again while the stop's checkpoint is written: the driver ends at once, its local Ray
+    instance with it; no final outputs."""
+    with open(os.path.join(os.path.dirname(cfg), "stderr-twice.txt"), "w+") as err:
         proc = None
-        try:  # every checkpoint write takes ≥ 2 s: the second signal comes while the stop's checkpoint is written.
-            # The first signal waits for the link to step 5's checkpoint (its file whole): a job killed while it
-            # wrote its first checkpoint has nothing to resume from and starts over (tests/training/test_resume.py)
-            proc = _start_until(cfg, os.path.join(out, "checkpoints", "latest-rank0.pt"), err, save_delay=2.0)
+        try:
+            proc = _start_until(cfg, lambda: _trained(out, after_step), err, save_delay=2.0)
             assert proc.poll() is None, "the job ended before the signal"
             proc.send_signal(signal.SIGTERM)
             deadline = timing.Deadline(60)
@@ -166,5 +149,26 @@ def test_a_second_sigterm_ends_the_job_at_once_with_its_ray_instance_and_a_rerun
     assert not left, "the job left its Ray instance running"
     assert not os.path.exists(os.path.join(out, "final"))
 
-    _resume(cfg, capfd)  # from the last checkpoint written (the interval's, or the stop's if it was finished)
-    assert_same_run(single_run["out"], out)
+
+def test_sigterm_stops_the_pipelined_job_at_a_step_end_a_second_sigterm_ends_its_rerun_at_once_and_a_rerun_equals_an_uninterrupted_run(
+        tmp_path, tiny_train, session_killer, ray_local, capfd):
+    """One run stopped twice: a SIGTERM stops it at a step end (exit 143, the line, no Ray process left); its rerun,
+    SIGTERM'd twice, ends at once with its Ray instance; the next rerun (in this process) resumes from the last
+    checkpoint written (the stop's, an interval's, or the second stop's if it was finished) and ends with the
+    uninterrupted run's outputs."""
+    from schemas.config import load_config
+    from schemas.engine_config import CurateAndTrainConfig
+    from training.runs.engine_job import curate_and_train
+
+    engine = {"mode": "pipelined", "snapshot_period": 2}
+    out = str(tmp_path / "stopped")
+    cfg = _config(tmp_path / "cfg.yaml", tiny_train(out), engine=engine)
+    step = _stop_mid_run(cfg, out, session_killer)
+    # (a signal during the last step lets the run finish: the second stop needs two steps left after the first)
+    assert step <= 11, f"the first SIGTERM, sent after step 5, stopped the job after step {step}"
+    _stop_twice(cfg, out, session_killer, after_step=step)  # once it trained a step after the first stop's
+    _resume(cfg, capfd)
+    full = str(tmp_path / "uninterrupted")
+    curate_and_train(load_config(CurateAndTrainConfig, path=_config(tmp_path / "full.yaml", tiny_train(full),
+                                                                     engine=engine)))
+    assert_same_run(full, out)
