@@ -1,5 +1,8 @@
 """Batch curation (jobs/curate.py) on Ray workers: bad data fails naming shard and record and keeps the
-finished parts; a rerun after the fix completes; a killed run resumes; outputs equal one in-process pass."""
+finished parts; a rerun after the fix completes; a killed run resumes; damaged or deleted parts are redone; SIGTERM
+lets the workers finish their units; outputs equal one in-process pass. One output directory goes through all of
+them in turn (each early end followed by the rerun that resumes it): the killed and the preempted runs are fresh
+job processes (``python jobs/curate.py``, as a user runs it), the others run in the test process."""
 
 from __future__ import annotations
 
@@ -84,11 +87,6 @@ def _run_here(config: str, capfd, *args: str) -> tuple[int, str, str]:  # noqa: 
     return rc, out, err
 
 
-def _run(config: str, *args: str) -> subprocess.CompletedProcess:
-    return timing.run([sys.executable, JOB, "--config", config, *args], capture_output=True, text=True, timeout=300,
-                      env=_env())
-
-
 def _assert_expected(out: str, expected: list) -> None:
     sel = os.path.join(out, "selected")
     validate_shard_dir(sel, "selected")
@@ -106,11 +104,37 @@ def _assert_expected(out: str, expected: list) -> None:
     assert s["sequences"] == len(expected) and s["kept_tokens"] == sum(int(e["loss_mask"].sum()) for e in expected)
 
 
-def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_shards(setup, session_killer,
-                                                                                        ray_local, capfd):
-    """Run 1 meets a bad record: fails naming shard and record, keeps its finished parts. Run 2 (input fixed)
-    is killed mid-way. Run 3 resumes and ends with exactly the shards of one uninterrupted pass. (Runs 1 and 3 in this
-    process, run 2 a fresh one.)"""
+def _start(cfg: str, err_path: str, *args: str) -> subprocess.Popen:
+    """The job as a fresh process in a session of its own (it starts its own local Ray instance there); stdout piped
+    to a file beside ``err_path`` (``.out``), stderr to ``err_path``."""
+    with open(err_path, "w") as err, open(err_path[:-len(".stderr")] + ".stdout", "w") as out:
+        return subprocess.Popen([sys.executable, JOB, "--config", cfg, *args], stdout=out, stderr=err, env=_env(),
+                                start_new_session=True)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_failed_killed_damaged_and_sigterm_stopped_runs_each_resume_to_the_one_pass_shards(setup, flip_bit,
+                                                                                            session_killer, ray_local,
+                                                                                            capfd):
+    """One output directory through every way a run ends early, each rerun resuming (the in-process runs with the
+    test process's Ray instance, the others fresh job processes with their own):
+
+    1. A bad record (in process, two workers): the job fails naming shard and record and keeps its finished parts.
+    2. The input fixed, the rerun (a fresh process, one worker) is killed mid-way (SIGKILL to its session: the job,
+       its local Ray instance, the workers); 3. the next rerun (in process) finishes with exactly the
+       shards of one uninterrupted pass and does not redo the parts finished before.
+    4. Issue 14: a damaged part blocked its output directory on every rerun, and a deleted one gave '[Errno 2] …
+       index.json'. One finished part damaged and half of them deleted, the rerun (a fresh process, its output
+       piped, progress on) checks the recorded parts' hashes, warns that it redoes them (the engine's warnings are
+       its stderr, through the job's Ray instance), prints whole progress lines (issue 57: no tqdm frames, no Ray
+       token notice at the start) and is preempted:
+       SIGTERM mid-run stops it after the units in progress, exit 143 and a line saying what is finished and that a
+       rerun does the rest. 5. That rerun (in process) ends with the shards of one pass, its last progress line at
+       100%, the parts finished before not redone."""
     cand = setup["cand"]
     parts = [s.name for s in Manifest.load(cand).shards]
     n = setup["n"]
@@ -127,98 +151,84 @@ def test_bad_record_fails_naming_it_then_a_killed_rerun_resumes_to_the_one_pass_
     write_part(os.path.join(cand, part), CANDIDATE, rows, vocab_size=512)
     merge_part_indexes(cand, parts)
     out = str(setup["dir"] / "run")
-    try:
+    sel = os.path.join(out, "selected")
+    try:  # 1. the bad record
         rc, stdout, stderr = _run_here(_config(setup, out), capfd)
         assert rc == 1, stdout + stderr
         want = (f"{cand}: shard {shard}, record {record} (sample {sample}, step {pos // B}): "
                 f"token id 600 at position 7 is outside the model's vocabulary")
         assert want in stderr, stderr[-3000:]
-        failed = Manifest.load(os.path.join(out, "selected"))
+        failed = Manifest.load(sel)
         assert failed.shards and not failed.complete  # finished parts are kept
     finally:
         shutil.rmtree(os.path.join(cand, part))
         shutil.copytree(backup, os.path.join(cand, part))
         merge_part_indexes(cand, parts)
 
+    # 2. killed mid-way
     cfg = _config(setup, out, count=1)
-    with open(out + ".killed.stderr", "w+") as err:
-        proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL, stderr=err,
-                                env=_env(), start_new_session=True)
-    manifest = os.path.join(out, "selected", "manifest.json")
+    proc = _start(cfg, out + ".killed.stderr")
     deadline = timing.Deadline(240)
     while proc.poll() is None and not deadline.expired():
-        if len(Manifest.load(os.path.dirname(manifest)).shards) >= len(failed.shards) + 2:
+        if len(Manifest.load(sel).shards) >= len(failed.shards) + 2:
             break
         time.sleep(0.01)
     session_killer(proc.pid)  # the job, its local Ray instance and the workers
     timing.wait(proc, timeout=60)
-    assert proc.returncode == -9, "the job ended before it could be killed:\n" + open(out + ".killed.stderr").read()[-3000:]
-    killed = Manifest.load(os.path.join(out, "selected"))
+    assert proc.returncode == -9, "the job ended before it could be killed:\n" + _read(out + ".killed.stderr")[-3000:]
+    killed = Manifest.load(sel)
     assert not killed.complete and {s.name for s in failed.shards} < {s.name for s in killed.shards}
 
+    # 3. the rerun finishes (one worker, as every rerun here: workers.count is operational; the parts of the two
+    # workers of run 1 are among those compared with the one pass)
     rc, stdout, stderr = _run_here(cfg, capfd)
     assert rc == 0, stdout + stderr
-    done = Manifest.load(os.path.join(out, "selected"))
+    done = Manifest.load(sel)
     assert {s.name for s in killed.shards} <= {s.name for s in done.shards}  # finished parts were not redone
     _assert_expected(out, setup["expected"])
 
-
-def test_a_rerun_redoes_damaged_or_deleted_parts(setup, flip_bit, ray_local, capfd):
-    """Issue 14: a damaged part blocked its output directory on every rerun, and a deleted one gave
-    '[Errno 2] … index.json'. Now the rerun (a fresh process: the engine's warnings are its stderr) checks the
-    recorded parts' hashes and redoes those units."""
-    out = str(setup["dir"] / "damaged")
-    cfg = _config(setup, out)
-    assert _run_here(cfg, capfd)[0] == 0
-    sel = os.path.join(out, "selected")
-    parts = [s.name for s in Manifest.load(sel).shards]
-    shard = os.path.join(sel, parts[1], "shard.00000.mds.zstd")
-    flip_bit(shard, offset=40)
-    shutil.rmtree(os.path.join(sel, parts[-1]))
-    proc = _run(cfg, "--set", "progress=true")  # (operational: the rerun resumes) with its progress, piped
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{parts[1]} is damaged" in proc.stderr and f"{parts[-1]} is damaged" in proc.stderr
-    # issue 57: under a pipe, whole progress lines (no tqdm frames) and no Ray token notice at the start
-    assert "\r" not in proc.stdout + proc.stderr and "Token authentication" not in proc.stdout + proc.stderr
-    assert any(line.startswith(f"curate: {len(parts)}/{len(parts)} parts (100%)") for line in proc.stdout.splitlines()), \
-        proc.stdout
-    _assert_expected(out, setup["expected"])
-    assert len(Manifest.load(sel).shards) == len(parts)
-
-
-def test_sigterm_lets_the_workers_finish_their_units_then_a_rerun_completes_the_one_pass_shards(setup, session_killer,
-                                                                                                ray_local, capfd):
-    """Preemption: SIGTERM mid-run stops the job after the units in progress, exit 143 and a line saying what
-    is finished and that a rerun does the rest; the rerun ends with exactly the shards of one pass."""
-    out = str(setup["dir"] / "sigterm")
-    cfg = _config(setup, out, count=1)
-    err_path = out + ".stderr"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, JOB, "--config", cfg], stdout=subprocess.DEVNULL, stderr=err,
-                                env=_env(), start_new_session=True)
+    # 4. damaged and deleted parts; the rerun that redoes them is preempted
+    finished = [s.name for s in done.shards]
+    flip_bit(os.path.join(sel, finished[1], "shard.00000.mds.zstd"), offset=40)
+    deleted = finished[len(finished) // 2:]
+    for name in deleted:
+        shutil.rmtree(os.path.join(sel, name))
+    err_path = out + ".sigterm.stderr"
+    proc = _start(cfg, err_path, "--set", "progress=true")  # (operational: the rerun resumes), piped
+    warned = [f"{finished[1]} is damaged", f"{finished[-1]} is damaged"]
     try:
-        sel = os.path.join(out, "selected")
         deadline = timing.Deadline(240)
-        while proc.poll() is None and not deadline.expired():
-            if os.path.exists(os.path.join(sel, "manifest.json")) and Manifest.load(sel).shards:
+        base = len(finished) - len(deleted) - 1  # recorded once the rerun has dropped the damaged and deleted ones
+        while proc.poll() is None and not deadline.expired():  # a part redone, and the warnings through
+            m = Manifest.load(sel)
+            if not m.complete and len(m.shards) > base and all(w in _read(err_path) for w in warned):
                 break
             time.sleep(0.01)
-        assert proc.poll() is None, "the job ended before it could be stopped"
+        assert proc.poll() is None, "the job ended before it could be stopped:\n" + _read(err_path)[-3000:]
         proc.send_signal(signal.SIGTERM)  # the driver only, as a scheduler preempting the job
         timing.wait(proc, timeout=120)
     finally:
         session_killer(proc.pid)  # whatever is left of its local Ray instance
-    stderr = open(err_path).read()
+    stderr, stdout = _read(err_path), _read(out + ".sigterm.stdout")
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert all(w in stderr for w in warned), stderr[-3000:]
+    assert "\r" not in stdout + stderr and "Token authentication" not in stdout + stderr
+    assert any(line.startswith("curate: ") for line in stdout.splitlines()), stdout
     stopped = Manifest.load(sel)
-    assert not stopped.complete and stopped.shards
+    assert not stopped.complete and len(stopped.shards) > base
     last = stderr.strip().splitlines()[-1]
-    n = len(stopped.shards)
+    k = len(stopped.shards)
     assert "SIGTERM received: finishing the work units in progress, then stopping" in stderr
-    assert last.startswith(f"stopped on SIGTERM with {n} of ") and last.endswith(
+    assert last.startswith(f"stopped on SIGTERM with {k} of ") and last.endswith(
         f"work units finished in {sel}; rerun the same command to do the other "
-        f"{int(last.split(' of ')[1].split()[0]) - n} (finished parts are kept)"), last
-    rc, stdout, stderr = _run_here(cfg, capfd)  # the rerun in this process
+        f"{int(last.split(' of ')[1].split()[0]) - k} (finished parts are kept)"), last
+
+    # 5. the rerun finishes
+    rc, stdout, stderr = _run_here(cfg, capfd, "--set", "progress=true")
     assert rc == 0, stdout + stderr
     assert {s.name for s in stopped.shards} <= {s.name for s in Manifest.load(sel).shards}  # not redone
+    assert "\r" not in stdout + stderr
+    assert any(line.startswith(f"curate: {len(finished)}/{len(finished)} parts (100%)")
+               for line in stdout.splitlines()), stdout
     _assert_expected(out, setup["expected"])
+    assert len(Manifest.load(sel).shards) == len(finished)
