@@ -67,7 +67,7 @@ class Node:
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(c.dashboard_port)]
         else:
             cmd += ["--address", c.address]
-        log = open(os.path.join(c.root, f"{self.name}.log"), "ab")  # noqa: SIM115 - handed to the process
+        log = open(c._log_path(self.name), "ab")  # noqa: SIM115 - handed to the process
         # (no drain on SIGTERM: after a Ray Train job it waited out its 30 s on the head at every stop)
         self.proc = subprocess.Popen(cmd, cwd=self.work, env=self.env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"),
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -154,8 +154,9 @@ class TwoNodes:
         for attempt in range(attempts):
             if head and attempt:
                 self.port, self.dashboard_port = free_port(), free_port()
+            offset = len(self.log(name)) if os.path.exists(self._log_path(name)) else 0
             node.start(head=head)
-            if self._wait(count, timeout, node):
+            if self._wait(count, timeout, node, offset):
                 return
             node.stop()
         raise AssertionError(f"{name} did not start in {attempts} attempts; its log: {self.log(name)[-3000:]}")
@@ -171,19 +172,24 @@ class TwoNodes:
             return 0
         return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
 
-    def _wait(self, count: int, timeout: float, node: Node) -> bool:
+    def _wait(self, count: int, timeout: float, node: Node, offset: int) -> bool:
         """Whether the cluster counts ``count`` alive nodes before ``timeout`` nominal seconds, load-scaled
-        (:mod:`tests.timing`; False: ``node``'s start gave up)."""
+        (:mod:`tests.timing`; False: ``node``'s start gave up). The GCS is asked once ``ray start`` has printed, after
+        ``offset`` characters of its log, that its node is up (it does once the GCS has the node registered), not
+        polled before: an ask is a Ray driver's start, seconds of CPU each."""
         deadline = timing.Deadline(timeout)
         while node.proc is not None and node.proc.poll() is None:
-            if self._alive() == count:
+            if "Ray runtime started." in self.log(node.name)[offset:] and self._alive() == count:
                 return True
             assert not deadline.expired(), f"the cluster did not reach {count} nodes in {deadline}"
             time.sleep(1)
         return False
 
+    def _log_path(self, name: str) -> str:
+        return os.path.join(self.root, f"{name}.log")
+
     def log(self, name: str) -> str:
-        with open(os.path.join(self.root, f"{name}.log"), errors="replace") as f:
+        with open(self._log_path(name), errors="replace") as f:
             return f.read()
 
     def worker_tracebacks(self, since: float = 0.0) -> str:

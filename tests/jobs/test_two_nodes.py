@@ -5,13 +5,14 @@ as the one thing they share; issue 56).
 One cluster and one prepared corpus for the module, used in order: a job that names a local path some node cannot
 reach is refused before it starts; ``prepare.py`` with its units on both nodes, inputs in the bucket and local ones
 staged into it, equals an in-process run object for object; ``curate.py`` (``ray job submit`` from this process) with
-its scoring workers on the other node selects what a run with them on the driver's node selects; ``replay.py``
+a scoring worker on each node selects what one scoring worker in this process selects; ``replay.py``
 submitted to run on the second node trains what an in-process replay trains; ``train.py`` with a worker group
 (``parallel.workers = 2``) and a local output_dir node B cannot read is refused naming it; the group with one rank
 per node and an s3:// output_dir, node B's raylet killed mid-run and the same command rerun (node B started again
-with an empty cache), trains byte for byte what the group with both ranks on node A trains; ``curate_and_train.py``
-with a trainer rank and a scoring worker on each node selects the rows and trains the weights of its group with both
-ranks on node A; ``prepare.py`` with node B's raylet killed mid-run, node B started again with an empty cache and the
+with an empty cache), trains byte for byte what the group with both ranks on node A trains (that group, its ranks
+sharing node A's cache, holds its run in the bucket and its first steps are a single process's); ``curate_and_train.py``
+with a trainer rank and a scoring worker on each node selects the rows and trains the weights of ``train.py``'s group
+with both ranks on node A; ``prepare.py`` with node B's raylet killed mid-run, node B started again with an empty cache and the
 same command rerun, equals an uninterrupted in-process run. Afterwards no process of a node touched the other node's
 directories (the guard's log is empty) and each node's cache holds only the bucket's objects it worked on."""
 
@@ -195,9 +196,8 @@ def _submit(cluster, job: str, *sets: str, resources: dict | None = None) -> str
             break
         time.sleep(5)
     assert ids, f"ray job submit never printed a job id:\n{logs[-3000:]}"
-    status = timing.run(["ray", "job", "status", "--address", cluster.dashboard, ids[0]], capture_output=True,
-                        text=True, timeout=120, env=env)
-    assert f"Job '{ids[0]}' succeeded" in status.stdout + status.stderr, logs[-5000:]
+    # (the submission waits for the job's end and then prints its status, as `ray job status` would)
+    assert f"Job '{ids[0]}' succeeded" in logs, logs[-5000:]
     return logs
 
 
@@ -220,10 +220,10 @@ def reference_weights(env, tmp_path_factory):
     return _url(env, "weights/reference.safetensors")
 
 
-def _curate_sets(env: dict, out: str, workers: dict, reference: str) -> list[str]:
-    return [f"candidates={_url(env, 'two/data/candidates')}", f"tokenizer={_url(env, 'two/data/tokenizer/tokenizer.json')}",
-            f"model={json.dumps(_model())}", f"reference_weights={reference}", "proxy_weights=null", "gamma=0.5",
-            "batch_size=8", f"output_dir={out}", "progress=false", f"workers={json.dumps(workers)}"]
+def _curate_settings(env: dict, out: str, workers: dict, reference: str) -> dict:
+    return {"candidates": _url(env, "two/data/candidates"), "tokenizer": _url(env, "two/data/tokenizer/tokenizer.json"),
+            "model": _model(), "reference_weights": reference, "proxy_weights": None, "gamma": 0.5,
+            "batch_size": 8, "output_dir": out, "progress": False, "workers": workers}
 
 
 def _rows(url: str) -> dict[str, np.ndarray]:
@@ -239,23 +239,53 @@ def _rows(url: str) -> dict[str, np.ndarray]:
         "source": np.array([r["source"] for r in rows])}
 
 
-def test_batch_curation_submitted_with_its_workers_on_the_other_node_selects_what_one_node_selects(
+def _curated_here(env: dict, reference: str) -> dict[str, np.ndarray]:
+    """What batch curation with :func:`_curate_settings` selects, computed in this process: one scoring worker's rows of
+    every step, in step order (the engine's own in-process path, as tests/curation/engine/test_ray_backend.py takes
+    it), in :func:`_rows`'s form."""
+    from curation.engine.plan import PROXY, REFERENCE, WorkUnit
+    from curation.engine.weights import Weights
+    from curation.engine.workers import BatchOrder, ScoringWorker, WorkerSpec
+    from curation.io import storage
+    from curation.io.models import build_causal_lm
+    from curation.io.shards import open_shards
+    from schemas.engine_config import CurateConfig
+
+    cfg = CurateConfig.model_validate(_curate_settings(env, _url(env, "unused"), {}, reference))
+    candidates, weights = storage.local_path(cfg.candidates), storage.local_path(cfg.reference_weights)
+    storage.pull(candidates)
+    storage.pull(weights)
+    order = BatchOrder("blocks", len(open_shards(candidates)), cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle)
+    worker = ScoringWorker(WorkerSpec(candidates=candidates, out_dir="/nonexistent", model=cfg.model, order=order,
+                                      vocab_size=ENGINE_VOCAB, policy="blade", gamma=cfg.gamma, schedule=None,
+                                      device="cpu", threads=1, needs_proxy=True, precision=cfg.precision), 0)
+    fixed = {REFERENCE: Weights.load(weights), PROXY: Weights.from_state_dict(build_causal_lm(cfg.model))}
+    rows = []
+    for step in range(order.num_steps):
+        unit = WorkUnit(step, step + 1, "selected", 0, 0)
+        worker._ensure(unit, lambda kind, version: fixed[kind])
+        rows += [row for block in worker.rows(unit, {}) for row in block]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "source"} | {
+        "source": np.array([r["source"] for r in rows])}
+
+
+def test_batch_curation_submitted_with_a_scoring_worker_on_each_node_selects_what_one_process_selects(
         cluster, env, prepared, reference_weights):
-    # the scoring workers on node B, the driver (the job's entrypoint) on node A, the head
-    logs = _submit(cluster, "curate", *_curate_sets(env, _url(env, "two/curate"), {
-        "count": 2, "range_steps": 5, "resources": {"node_b": 1}}, reference_weights))
+    """``ray job submit`` of ``curate.py`` from this process, its driver (the job's entrypoint) on the head, node A,
+    and one scoring worker on each node (the ``scorer`` resource): each worker writes its parts through its own
+    node's cache into the bucket, a coordinator on either node merges them, and the rows selected equal, column for
+    column, those one scoring worker computes in this process."""
+    settings = _curate_settings(env, _url(env, "two/curate"), {"count": 2, "range_steps": 5, "resources": {"scorer": 1}},
+                                reference_weights)
+    logs = _submit(cluster, "curate", *[f"{k}={json.dumps(v)}" for k, v in settings.items()])
     assert f"selected-token shards: {_url(env, 'two/curate/selected')}" in logs, logs[-3000:]
-    _submit(cluster, "curate", *_curate_sets(env, _url(env, "one/curate"), {
-        "count": 2, "range_steps": 5, "resources": {"node_a": 1}}, reference_weights))
-    two, one = _rows(_url(env, "two/curate/selected")), _rows(_url(env, "one/curate/selected"))
+    two, one = _rows(_url(env, "two/curate/selected")), _curated_here(env, reference_weights)
     assert sorted(two) == sorted(one) and all(
         np.array_equal(two[k], one[k], equal_nan=two[k].dtype.kind == "f") for k in two)
     assert int(two["loss_mask"].sum()) > 0
-    b = _cache_files(cluster.nodes["node_b"])
-    # node B's workers wrote parts of the first run, node A's of the second (a coordinator on either node reads them)
-    a = _cache_files(cluster.nodes["node_a"])
-    assert any("/two/curate/selected/worker-" in f for f in b), b
-    assert any("/one/curate/selected/worker-" in f for f in a), a
+    for node in cluster.nodes.values():  # each node's worker wrote parts (a coordinator on either node reads them)
+        files = _cache_files(node)
+        assert any("/two/curate/selected/worker-" in f for f in files), (node.name, files)
 
 
 def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(cluster, env, prepared):
@@ -284,7 +314,9 @@ def test_replay_submitted_to_the_other_node_trains_what_this_process_trains(clus
 # a data-parallel trainer group spanning the nodes
 # ------------------------------------------------------------------------------------------------
 TRAIN = os.path.join(REPO, "jobs", "train.py")
-GROUP_STEPS = 64  # checkpoints every 4: node B is lost after the first, with 60 steps (seconds) of the run to do
+#: checkpoints every 4: node B is lost after the first, with 28 steps of the run to do; W = 2, τ = 4: refreshes at
+#: steps 2, 6, ..., 30 (the main job's group trains the same steps: one reference for both)
+GROUP_STEPS = 32
 
 
 def _train_settings(env: dict, out: str, resources: dict, steps: int = GROUP_STEPS) -> dict:
@@ -349,8 +381,40 @@ def test_a_trainer_group_with_a_local_output_dir_another_node_cannot_reach_is_re
     os.remove(cluster.nodes["node_b"].guard_log)
 
 
+@pytest.fixture(scope="module")
+def group_on_node_a(cluster, env, prepared) -> str:
+    """``train.py``'s group (:func:`_train_settings`) with both ranks on node A, uninterrupted: its URL."""
+    out = _url(env, "one/group")
+    one = _train_on_node_a(cluster, env, out, {"node_a": 1})
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    return out
+
+
+def test_a_trainer_group_on_one_node_reads_and_writes_the_bucket_and_its_first_steps_are_one_processs(
+        env, group_on_node_a, tmp_path):
+    """The group with both ranks on node A (they share its cache; data and output_dir in the bucket, as on one
+    machine): the bucket holds its run, and its first 6 steps (the constant learning rate makes a 6-step run the
+    first 6 of any) read the candidate stream of a single-process run and select, at the first selecting step
+    (after W = 2 warm-up steps), the single-process masks (tests/training/test_parallel.py compares whole
+    data-parallel runs)."""
+    from schemas.train_config import TrainConfig
+    from training.runs.train_job import train
+
+    stored = objects.list_objects(group_on_node_a)
+    assert {"config.yaml", "selected/manifest.json", "final/model.safetensors", "summary.json",
+            "checkpoints/.symlinks.json", "logs/metrics.jsonl"} <= set(stored) and ".lock" not in stored
+    steps, b = 6, 8
+    single = {**_train_settings(env, str(tmp_path / "single"), {}, steps=steps), "parallel": {"workers": 1}}
+    train(TrainConfig.model_validate(single))
+    a, g = _rows(str(tmp_path / "single" / "selected")), _rows(f"{group_on_node_a}/selected")
+    assert len(g["tokens"]) == GROUP_STEPS * b and len(a["tokens"]) == steps * b
+    assert np.array_equal(a["tokens"], g["tokens"][:steps * b])  # the same candidate stream
+    first = slice(2 * b, 3 * b)  # the first selecting step: the single-process masks
+    assert np.array_equal(a["loss_mask"][first], g["loss_mask"][first])
+
+
 def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_the_group_on_one_node(
-        cluster, env, prepared):
+        cluster, env, prepared, group_on_node_a):
     """``train.py`` with a worker group of 2, one rank per node (each its own cache; the driver's channel, Ray Train's
     state, checkpoints and selected shards through Ray and the bucket only). Node B is lost (its raylet and processes
     SIGKILLed) once the group's first checkpoint is in the bucket (``max_failures = 0``: the run fails), started
@@ -358,8 +422,6 @@ def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_
     the outputs equal byte for byte those of the group with both ranks on node A, uninterrupted. (One comparison
     for both claims, a group start fewer: a difference made by the ranks on two nodes, before the loss or after it,
     or by the resume, shows there.)"""
-    one = _train_on_node_a(cluster, env, _url(env, "one/group"), {"node_a": 1})
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
     node_a, node_b = cluster.nodes["node_a"], cluster.nodes["node_b"]
     out = _url(env, "two/group")
     cmd = [sys.executable, *_train_command(env, out, {"rank": 1})]
@@ -383,7 +445,7 @@ def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_
     done = timing.run(cmd, capture_output=True, text=True, timeout=600, env=run_env, cwd=node_a.work)
     assert done.returncode == 0, "\n".join([done.stderr[-3000:], cluster.worker_tracebacks(since), *(
         f"{n.name}: {[f for f in _cache_files(n) if '/two/group/' in f]}" for n in cluster.nodes.values())])
-    _same_outputs(_url(env, "one/group"), out)
+    _same_outputs(group_on_node_a, out)
     summary = _json(f"{out}/summary.json")
     assert summary["world_size"] == 2 and summary["steps"] == GROUP_STEPS
     attempts = [json.loads(x) for x in objects.read_object(f"{out}/parallel/attempts.jsonl").body.decode().splitlines()]
@@ -406,7 +468,6 @@ def test_a_trainer_group_with_a_rank_on_each_node_lost_mid_run_and_rerun_equals_
 # the main job: the engine's scoring workers and the trainer group spanning the nodes
 # ------------------------------------------------------------------------------------------------
 CURATE_AND_TRAIN = os.path.join(REPO, "jobs", "curate_and_train.py")
-ENGINE_STEPS = 8  # W = 2, τ = 4: two refreshes; checkpoints at 4 and 8
 
 
 def _curate_and_train(cluster, env: dict, name: str, ranks: dict, scorers: dict) -> str:  # noqa: ANN001 - TwoNodes
@@ -415,7 +476,7 @@ def _curate_and_train(cluster, env: dict, name: str, ranks: dict, scorers: dict)
     wherever Ray puts them: they take no CPU); its URL, once it succeeded."""
     node_a, out = cluster.nodes["node_a"], _url(env, f"{name}/engine")
     cfg = _write_yaml(os.path.join(node_a.work, f"engine-{name}.yaml"), {
-        "train": _train_settings(env, out, ranks, steps=ENGINE_STEPS), "prepare": None,
+        "train": _train_settings(env, out, ranks), "prepare": None,
         "engine": {"lookahead": 4, "refresh_device": "cpu"},
         "workers": {"count": 2, "range_steps": 2, "device": "cpu", "resources": scorers}})
     done = timing.run([sys.executable, CURATE_AND_TRAIN, "--config", cfg], capture_output=True, text=True,
@@ -425,22 +486,22 @@ def _curate_and_train(cluster, env: dict, name: str, ranks: dict, scorers: dict)
     return out
 
 
-def test_curate_and_train_with_a_rank_and_a_scoring_worker_on_each_node_equals_both_ranks_on_one_node(
-        cluster, env, prepared):
+def test_curate_and_train_with_a_rank_and_a_scoring_worker_on_each_node_equals_train_pys_group_on_one_node(
+        cluster, env, prepared, group_on_node_a):
     """The engine-fed trainer group across the nodes: each rank reads the scores of its rows from ``scored/`` parts
     a scoring worker on either node wrote (through its own node's cache and the bucket), rank 0 publishes the proxy
-    to the engine; it selects the same rows and trains the same weights as the group with both ranks on node A (its
-    scoring workers then both on node B)."""
+    to the engine; it selects the same rows and trains the same weights (byte for byte) as ``train.py``'s group of
+    the same settings with both ranks on node A, which scores its rows itself (exact mode: the engine's scores and
+    references are the trainer's own)."""
     two = _curate_and_train(cluster, env, "two", {"rank": 1}, {"scorer": 1})
-    one = _curate_and_train(cluster, env, "one", {"node_a": 1}, {"node_b": 1})
-    _same_outputs(two, one)
+    _same_outputs(two, group_on_node_a)
     assert _rows(f"{two}/selected")["loss_mask"].sum() > 0
     summary = _json(f"{two}/summary.json")
-    assert summary["world_size"] == 2 and summary["steps"] == ENGINE_STEPS and summary["engine"]["workers"] == 2
+    assert summary["world_size"] == 2 and summary["steps"] == GROUP_STEPS and summary["engine"]["workers"] == 2
     # the refresh actor's references and logs, on whichever node it ran, reached the report (final/reference above)
-    assert [r["version"] for r in summary["refreshes"]] == [0, 1]
-    for run in (two, one):  # the snapshots the coordinator pruned stay pruned (the driver uploads no stale copy)
-        assert not [k for k in _objects(f"{run}/engine") if k.startswith("proxy-")], run
+    assert [r["version"] for r in summary["refreshes"]] == list(range(len(range(2, GROUP_STEPS, 4))))
+    # the snapshots the coordinator pruned stay pruned (the driver uploads no stale copy)
+    assert not [k for k in _objects(f"{two}/engine") if k.startswith("proxy-")]
     attempts = [json.loads(x) for x in objects.read_object(f"{two}/parallel/attempts.jsonl").body.decode().splitlines()]
     assert sorted(a["rank"] for a in attempts) == [0, 1] and len({a["node"] for a in attempts}) == 2  # two nodes
     for node in cluster.nodes.values():  # each node's scoring worker wrote parts, its rank read them: in its cache
