@@ -171,17 +171,18 @@ def pytest_addoption(parser):
 #: listed comes after these, in collection order.
 _LONGEST_FILES = (
     "tests/jobs/test_two_nodes.py", "tests/training/test_parallel.py", "tests/jobs/test_curate_and_train.py",
-    "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_object_store.py", "tests/jobs/test_curate_job.py",
-    "tests/jobs/test_soak.py", "tests/jobs/test_bench_quality.py", "tests/jobs/test_readme.py", "tests/curation/engine/test_prepare_pool.py",
-    "tests/training/test_execution.py", "tests/curation/core/test_refresh.py", "tests/curation/ingest/test_prepare.py",
+    "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_soak.py", "tests/jobs/test_object_store.py",
+    "tests/jobs/test_curate_job.py", "tests/jobs/test_curate_and_train_parallel.py",
+    "tests/training/test_parallel_options.py", "tests/jobs/test_bench_quality.py",
+    "tests/curation/engine/test_ray_backend.py", "tests/jobs/test_readme.py",
+    "tests/curation/engine/test_prepare_pool.py", "tests/training/test_execution.py",
+    "tests/curation/core/test_refresh.py", "tests/curation/ingest/test_prepare.py",
     "tests/jobs/test_bench_scoring.py", "tests/jobs/test_own_model.py", "tests/jobs/test_show_selection.py",
-    "tests/jobs/test_jobs_stop_as_run.py", "tests/training/test_parallel_options.py",
-    "tests/curation/ingest/test_token_sources.py", "tests/curation/ingest/test_prepare_property.py",
-    "tests/jobs/test_prepare_job.py", "tests/jobs/test_train_stop.py", "tests/jobs/test_train_job.py",
-    "tests/jobs/test_bench_gpu.py", "tests/curation/engine/test_ray_backend.py", "tests/jobs/test_bench_training.py",
-    "tests/jobs/test_oracle.py", "tests/curation/ingest/test_prepare_stop.py",
-    "tests/jobs/test_curate_and_train_parallel.py", "tests/training/test_loggers.py",
-    "tests/bench/quality/test_quality.py",
+    "tests/jobs/test_jobs_stop_as_run.py", "tests/curation/ingest/test_token_sources.py",
+    "tests/curation/ingest/test_prepare_property.py", "tests/jobs/test_prepare_job.py",
+    "tests/jobs/test_train_stop.py", "tests/jobs/test_train_job.py", "tests/jobs/test_bench_gpu.py",
+    "tests/jobs/test_bench_training.py", "tests/jobs/test_oracle.py", "tests/curation/ingest/test_prepare_stop.py",
+    "tests/training/test_loggers.py", "tests/bench/quality/test_quality.py",
 )
 
 
