@@ -165,24 +165,29 @@ def pytest_addoption(parser):
     )
 
 
-#: The test files that take longest, longest first (measured: `pytest --all -n 2 --durations=0` on the 2-core machine,
-#: each file's tests summed; then sized down, see README's Tests and CI): xdist hands out whole files in this order
-#: (pyproject's --no-loadscope-reorder), so that neither test process ends the run with a long file alone. A file not
-#: listed comes after these, in collection order.
+#: The order xdist hands out whole files (pyproject's --no-loadscope-reorder), so that the two test processes stay busy
+#: to the end: the two longest first, then the files that mostly wait (Ray instances starting and ending, signals and
+#: the processes' ends: at most a quarter of a core each, measured by process accounting of `pytest --all`), beside
+#: the CPU-bound ones rather than last, where they left the cores half idle for the last 150 s; then the other long
+#: ones, longest first, so that neither test process ends the run with a long file alone. A file not listed comes
+#: after these, in collection order.
 _LONGEST_FILES = (
-    "tests/jobs/test_two_nodes.py", "tests/training/test_parallel.py", "tests/jobs/test_curate_and_train.py",
-    "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_soak.py", "tests/jobs/test_object_store.py",
-    "tests/jobs/test_curate_job.py", "tests/jobs/test_curate_and_train_parallel.py",
-    "tests/training/test_parallel_options.py", "tests/jobs/test_bench_quality.py",
-    "tests/curation/engine/test_ray_backend.py", "tests/jobs/test_readme.py",
+    "tests/jobs/test_two_nodes.py", "tests/training/test_parallel.py", "tests/test_interrupt.py",
+    "tests/jobs/test_train_stop.py", "tests/jobs/test_jobs_stop_as_run.py", "tests/curation/io/test_storage.py",
+    "tests/training/test_loggers.py", "tests/training/test_sharding.py",
+    "tests/curation/ingest/test_prepare_stop.py", "tests/training/test_throughput.py",
+    "tests/curation/engine/test_refresh_runner.py", "tests/training/test_algorithm.py",
+    "tests/curation/core/test_distributed.py", "tests/curation/engine/test_ray_session.py",
+    "tests/jobs/test_curate_and_train.py", "tests/jobs/test_curate_and_train_stop.py", "tests/jobs/test_soak.py",
+    "tests/jobs/test_object_store.py", "tests/jobs/test_curate_job.py",
+    "tests/jobs/test_curate_and_train_parallel.py", "tests/training/test_parallel_options.py",
+    "tests/jobs/test_bench_quality.py", "tests/curation/engine/test_ray_backend.py", "tests/jobs/test_readme.py",
     "tests/curation/engine/test_prepare_pool.py", "tests/training/test_execution.py",
     "tests/curation/core/test_refresh.py", "tests/curation/ingest/test_prepare.py",
     "tests/jobs/test_bench_scoring.py", "tests/jobs/test_own_model.py", "tests/jobs/test_show_selection.py",
-    "tests/jobs/test_jobs_stop_as_run.py", "tests/curation/ingest/test_token_sources.py",
-    "tests/curation/ingest/test_prepare_property.py", "tests/jobs/test_prepare_job.py",
-    "tests/jobs/test_train_stop.py", "tests/jobs/test_train_job.py", "tests/jobs/test_bench_gpu.py",
-    "tests/jobs/test_bench_training.py", "tests/jobs/test_oracle.py", "tests/curation/ingest/test_prepare_stop.py",
-    "tests/training/test_loggers.py", "tests/bench/quality/test_quality.py",
+    "tests/curation/ingest/test_token_sources.py", "tests/curation/ingest/test_prepare_property.py",
+    "tests/jobs/test_prepare_job.py", "tests/jobs/test_train_job.py", "tests/jobs/test_bench_gpu.py",
+    "tests/jobs/test_bench_training.py", "tests/jobs/test_oracle.py", "tests/bench/quality/test_quality.py",
 )
 
 
