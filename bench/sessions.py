@@ -16,16 +16,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def session_pids(sid: int) -> list[int]:
-    """The processes of session ``sid`` still alive (its leader included)."""
+def session_pids(sid: int, *, running: bool = False) -> list[int]:
+    """The processes of session ``sid`` still alive (its leader included); with ``running``, the zombies (ended, not
+    yet reaped) left out, from the same read of /proc."""
     out = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                    out.append(int(entry))
-        except (OSError, ValueError, IndexError):
+                state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
             continue
+        if int(session) == sid and not (running and state == "Z"):
+            out.append(int(entry))
     return out
 
 

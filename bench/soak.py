@@ -8,13 +8,14 @@ its scoring workers, its refresh actor and its trainer, against an uninterrupted
    from the run's steps. A step is the trainer's, read from its metrics log. After a trainer death the whole
    session (the driver and its local Ray instance) is ended and the job is rerun; an actor is restarted by Ray.
 3. Checks: the chaos run's final proxy and reference, its selected-token rows (sequences, masks, scores, steps,
-   episodes, sources) and its workers' reference scores equal the uninterrupted run's byte for byte; every work unit of the plan is recorded exactly once in the ledger
-   (``scored/manifest.json``); a SIGTERM'd trainer stops cleanly: exit 143, no process of its session left
-   running, no ``final/`` or ``summary.json`` (each trainer death's event records those, the job's last stderr
-   line and the checkpoints); the resident memory and open file descriptors of the driver and of the scoring
-   workers, sampled every second once training runs (``<out>/samples.jsonl``), grow by at most ``max_growth``
-   between the first and the last quarter of the last attempt (the longest stretch without a trainer death; each
-   process against itself, since a rerun starts new processes; a worker restarted within it is left out).
+   episodes, sources) and its workers' reference scores equal the uninterrupted run's byte for byte; every work unit
+   of the plan is recorded exactly once in the ledger (``scored/manifest.json``); a SIGTERM'd trainer stops cleanly:
+   exit 143, no process of its session left running, no ``final/`` or ``summary.json`` (each trainer death's event
+   records those, the job's last stderr line and the checkpoints); the resident memory and open file descriptors of
+   the driver and of the scoring workers, sampled every second once training runs (``<out>/samples.jsonl``), grow by
+   at most ``max_growth`` between the first and the last quarter of the last attempt (the longest stretch without a
+   trainer death; each process against itself, since a rerun starts new processes; a worker restarted within it is
+   left out).
 4. Figures: the kills sent by target and signal (``kills``), and the work they made the run redo (``redone``): trainer
    steps trained twice (the metrics log), work units whose parts an ended session left unfinished, and units redone
    by restarted workers (the engine's count).
@@ -162,15 +163,7 @@ def _start(config: str, stderr) -> subprocess.Popen:  # noqa: ANN001 - an open f
 
 def _running(sid: int) -> list[int]:
     """The processes of session ``sid`` but its leader still running (zombies, ended but not yet reaped, aside)."""
-    out = []
-    for pid in session_pids(sid):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-                if pid != sid and f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(pid)
-        except (OSError, IndexError):
-            continue
-    return out
+    return [pid for pid in session_pids(sid, running=True) if pid != sid]
 
 
 def _after_death(sid: int, output_dir: str, stderr: str) -> dict[str, Any]:

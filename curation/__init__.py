@@ -8,3 +8,7 @@
 * :mod:`curation.evaluation`: held-out losses, compute accounting, lm-evaluation-harness.
 * :mod:`curation.inspector`: the run inspector's page (``jobs/show_selection.py``).
 """
+
+from curation.io.deferred_imports import install as _defer_imports
+
+_defer_imports()  # scikit-learn and SciPy imported by transformers only if called (curation/io/deferred_imports.py)

@@ -3,10 +3,11 @@
     python jobs/soak.py --steps 2000 --json            # the full soak (≤ 30 min on 2 cores)
     python jobs/soak.py --steps 60 --seed 3 --trainer-kills 1 --actor-kills 2   # the short smoke (CI)
 
-Runs jobs/curate_and_train.py once uninterrupted and once under the schedule (rerun after every trainer death),
-then checks that the final weights, selected rows and scores are equal, that every work unit was done exactly once
-(from the ledger), that a SIGTERM'd trainer stopped cleanly (exit 143, nothing of its session left running) and that the driver's and the workers' RSS and open file descriptors grew by at most --max-growth
-between the first and the last quarter of the last attempt (bench/soak.py). Exit 0 when every check passed.
+Runs jobs/curate_and_train.py once uninterrupted and once under the schedule (rerun after every trainer death), then
+checks that the final weights, selected rows and scores are equal, that every work unit was done exactly once (from
+the ledger), that a SIGTERM'd trainer stopped cleanly (exit 143, nothing of its session left running) and that the
+driver's and the workers' RSS and open file descriptors grew by at most --max-growth between the first and the last
+quarter of the last attempt (bench/soak.py). Exit 0 when every check passed.
 """
 
 from __future__ import annotations

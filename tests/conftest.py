@@ -296,17 +296,13 @@ class _ProcessRay:
     def up(self, cpus: int = 4):
         import ray
 
-        from curation.engine.ray_backend.session import LOCAL_SYSTEM_CONFIG, WORKER_NICENESS
+        from curation.engine.ray_backend.session import start_local
 
         if ray.is_initialized():
             if self.cpus == cpus:
                 return ray
             ray.shutdown()  # another size, or an instance a test left running
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(WORKER_NICENESS, "0")  # its workers at the test process's priority, as ray_session starts them
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},  # this checkout
-                     _system_config=LOCAL_SYSTEM_CONFIG)  # (as ray_session starts one: no idle workers)
+        start_local(cpus, log_to_driver=False)  # as ray_session starts one (this checkout, priority, no idle workers)
         self.cpus = cpus
         return ray
 

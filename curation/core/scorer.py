@@ -16,11 +16,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 
 from curation.core.flat_weights import FlatStaging, load_state_flat
 from curation.core.host_sync import HostCopies, pinned
-from curation.core.losses import autocast, model_token_losses
+from curation.core.losses import autocast, is_fsdp, model_token_losses
 
 __all__ = ["TokenLossScorer", "check_finite_losses", "as_tokens"]
 
@@ -99,7 +98,7 @@ class TokenLossScorer:
         bs = self.batch_size
         # A sharded (FSDP) reference is trained again later (blade-nosync): the buffers its forward gathers the
         # parameters into must not become inference tensors.
-        with torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode():
+        with torch.no_grad() if is_fsdp(self.model) else torch.inference_mode():
             whole = tokens.shape[0] <= bs
             for i in range(0, tokens.shape[0], bs):
                 chunk = tokens if whole else tokens[i : i + bs]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import ray
 
-__all__ = ["ray_session"]
+__all__ = ["ray_session", "start_local"]
 
 #: the raylet's setting of its workers' niceness (Ray's default: 15)
 WORKER_NICENESS = "RAY_worker_niceness"
@@ -62,22 +62,29 @@ def _connect(address: str | None, *, num_cpus: int | None, include_dashboard: bo
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"
     if address in (None, "local"):
-        # The actors import this checkout's packages, whatever else is installed (like the jobs do).
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        ours = WORKER_NICENESS not in os.environ
-        os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
-        notice = logging.getLogger(AUTH_NOTICE_LOGGER)
-        level = notice.level
-        notice.setLevel(logging.ERROR)  # its warning "Token authentication is enabled for this Ray cluster ..."
-        try:
-            ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, need_cpus),
-                     include_dashboard=include_dashboard, log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": path}}, _system_config=LOCAL_SYSTEM_CONFIG)
-        finally:
-            notice.setLevel(level)
-            if ours:
-                os.environ.pop(WORKER_NICENESS, None)
+        start_local(num_cpus or max(os.cpu_count() or 1, need_cpus), include_dashboard=include_dashboard)
         return True
     ray.init(address=address, log_to_driver=True, configure_logging=False)
     return False
+
+
+def start_local(num_cpus: int, *, include_dashboard: bool = False, log_to_driver: bool = True) -> None:
+    """``ray.init`` of a new local instance as :func:`ray_session` starts one (tests start theirs with it too): its
+    workers import this checkout (``PYTHONPATH``) at the driver's priority, no idle workers started ahead, Ray's
+    token-authentication notice left out."""
+    # The actors import this checkout's packages, whatever else is installed (like the jobs do).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ours = WORKER_NICENESS not in os.environ
+    os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
+    notice = logging.getLogger(AUTH_NOTICE_LOGGER)
+    level = notice.level
+    notice.setLevel(logging.ERROR)  # its warning "Token authentication is enabled for this Ray cluster ..."
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, log_to_driver=log_to_driver,
+                 configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+                 _system_config=LOCAL_SYSTEM_CONFIG)
+    finally:
+        notice.setLevel(level)
+        if ours:
+            os.environ.pop(WORKER_NICENESS, None)

@@ -7,26 +7,15 @@ import os
 
 import pytest
 
+from bench.sessions import command
 from curation.engine.ray_backend.session import ray_session
+from tests import processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat", encoding="utf-8") as f:
-                stat = f.read()
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # (ended meanwhile)
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append((int(p), cmd))
-    return out
+    return [(child, " ".join(command(child))) for child, (ppid, _, _) in processes.table().items() if ppid == pid]
 
 
 def test_a_local_instance_starts_no_idle_workers_and_runs_its_actors_at_the_drivers_priority(own_ray):

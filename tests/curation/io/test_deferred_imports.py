@@ -1,0 +1,107 @@
+"""transformers' in-case imports of scikit-learn and SciPy wait for their first call (curation/io/deferred_imports.py).
+
+Each check runs in a fresh interpreter (an import hook acts once per process, on modules not imported yet). Stand-in
+``sklearn`` and ``scipy`` packages (with their distributions' metadata, so that transformers counts them installed)
+record when they are imported and what their functions were called with; the last check uses the real ones, where
+installed, along the imports of a scoring worker and a trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _fake_packages(root) -> str:  # noqa: ANN001 - pytest's tmp_path
+    """``sklearn.metrics.roc_curve`` and ``scipy.optimize.linear_sum_assignment`` stand-ins under ``root``."""
+    for pkg, dist, sub, fn in (("sklearn", "scikit_learn", "metrics", "roc_curve"),
+                               ("scipy", "scipy", "optimize", "linear_sum_assignment")):
+        (root / pkg).mkdir()
+        (root / pkg / "__init__.py").write_text("")
+        (root / pkg / f"{sub}.py").write_text(f"def {fn}(*args):\n    return ['{pkg}.{sub}.{fn}', *args]\n")
+        (root / f"{dist}-99.0.dist-info").mkdir()
+        (root / f"{dist}-99.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 99.0\n")
+    return str(root)
+
+
+def _run(code: str, *path: str) -> dict:
+    """``code`` in a fresh interpreter with ``path`` first on its import path; the JSON it printed last."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO)])}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_imports_wait_for_the_first_call_and_the_calls_reach_the_packages(tmp_path):
+    out = _run("""
+        import json, sys
+        import curation  # installs the hook
+        import transformers.generation.candidate_generator as cg
+        import transformers.loss.loss_utils  # the four object-detection losses
+        import transformers.loss.loss_rt_detr as rt
+        from transformers.utils import import_utils
+        before = sorted(m for m in ("sklearn", "sklearn.metrics", "scipy", "scipy.optimize") if m in sys.modules)
+        flags = [import_utils.is_sklearn_available(), import_utils.is_scipy_available()]
+        calls = [cg.roc_curve([0, 1], [0.2, 0.8]), rt.linear_sum_assignment([[1]])]
+        after = sorted(m for m in ("sklearn.metrics", "scipy.optimize") if m in sys.modules)
+        print(json.dumps({"before": before, "flags": flags, "calls": calls, "after": after,
+                          "name": cg.roc_curve.__name__}))
+        """, _fake_packages(tmp_path))
+    assert out["before"] == []  # nothing imported by the modules themselves
+    assert out["flags"] == [True, True]  # transformers still counts both installed
+    assert out["calls"] == [["sklearn.metrics.roc_curve", [0, 1], [0.2, 0.8]],
+                            ["scipy.optimize.linear_sum_assignment", [[1]]]]
+    assert out["after"] == ["scipy.optimize", "sklearn.metrics"] and out["name"] == "roc_curve"
+
+
+def test_without_the_packages_the_modules_are_as_transformers_makes_them(tmp_path):
+    out = _run("""
+        import json
+        from transformers.utils import import_utils
+        import_utils._sklearn_available = import_utils._scipy_available = False  # (as where neither is installed)
+        import curation
+        import transformers.generation.candidate_generator as cg
+        import transformers.loss.loss_for_object_detection as od
+        print(json.dumps([hasattr(cg, "roc_curve"), hasattr(od, "linear_sum_assignment")]))
+        """)
+    assert out == [False, False]
+
+
+def test_a_module_imported_before_the_hook_is_left_as_it_is(tmp_path):
+    out = _run("""
+        import json, sys
+        import transformers.generation.candidate_generator as cg
+        import curation
+        print(json.dumps([cg.roc_curve.__module__, "sklearn.metrics" in sys.modules]))
+        """, _fake_packages(tmp_path))
+    assert out == ["sklearn.metrics", True]  # transformers' own import of the stand-in
+
+
+def test_a_scoring_worker_and_a_trainer_start_without_scikit_learn():
+    """The real packages where installed: a tiny causal LM built (a scoring worker's start) and Composer imported
+    with the trainer's modules import no scikit-learn; the model alone no ``scipy.optimize`` either (Composer's
+    torchmetrics imports ``scipy.signal``, which imports it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("scikit-learn is not installed here (it comes with the eval and mlflow extras): nothing deferred")
+    out = _run("""
+        import json, sys
+        from curation.io.models import build_causal_lm
+        from schemas.train_config import ModelConfig
+        build_causal_lm(ModelConfig.model_validate({"hf_config": {
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}))
+        built = sorted(m for m in ("sklearn", "scipy.optimize") if m in sys.modules)
+        import training.runs.rank, composer
+        print(json.dumps({"built": built, "trainer": "sklearn" in sys.modules}))
+        """)
+    assert out == {"built": [], "trainer": False}
