@@ -2,8 +2,8 @@
 
 Each check runs in a fresh interpreter (an import hook acts once per process, on modules not imported yet). Stand-in
 ``sklearn`` and ``scipy`` packages (with their distributions' metadata, so that transformers counts them installed)
-record when they are imported and what their functions were called with; the last check uses the real ones, where
-installed, along the imports of a scoring worker and a trainer.
+record when they are imported and what their functions were called with; the last check (slow: a model built and
+Composer imported, ≈ 6 s) uses the real ones, where installed, along the imports of a scoring worker and a trainer.
 """
 
 from __future__ import annotations
@@ -62,29 +62,21 @@ def test_the_imports_wait_for_the_first_call_and_the_calls_reach_the_packages(tm
     assert out["after"] == ["scipy.optimize", "sklearn.metrics"] and out["name"] == "roc_curve"
 
 
-def test_without_the_packages_the_modules_are_as_transformers_makes_them(tmp_path):
-    out = _run("""
-        import json
-        from transformers.utils import import_utils
-        import_utils._sklearn_available = import_utils._scipy_available = False  # (as where neither is installed)
-        import curation
-        import transformers.generation.candidate_generator as cg
-        import transformers.loss.loss_for_object_detection as od
-        print(json.dumps([hasattr(cg, "roc_curve"), hasattr(od, "linear_sum_assignment")]))
-        """)
-    assert out == [False, False]
-
-
-def test_a_module_imported_before_the_hook_is_left_as_it_is(tmp_path):
+def test_a_module_imported_before_the_hook_or_without_its_package_is_as_transformers_makes_it(tmp_path):
     out = _run("""
         import json, sys
-        import transformers.generation.candidate_generator as cg
+        from transformers.utils import import_utils
+        import transformers.generation.candidate_generator as cg  # before the hook: transformers' own import
+        import_utils._scipy_available = False  # (as where SciPy is not installed)
         import curation
-        print(json.dumps([cg.roc_curve.__module__, "sklearn.metrics" in sys.modules]))
+        import transformers.loss.loss_for_object_detection as od
+        print(json.dumps([cg.roc_curve.__module__, "sklearn.metrics" in sys.modules,
+                          hasattr(od, "linear_sum_assignment"), "scipy.optimize" in sys.modules]))
         """, _fake_packages(tmp_path))
-    assert out == ["sklearn.metrics", True]  # transformers' own import of the stand-in
+    assert out == ["sklearn.metrics", True, False, False]
 
 
+@pytest.mark.slow
 def test_a_scoring_worker_and_a_trainer_start_without_scikit_learn():
     """The real packages where installed: a tiny causal LM built (a scoring worker's start) and Composer imported
     with the trainer's modules import no scikit-learn; the model alone no ``scipy.optimize`` either (Composer's
