@@ -3,7 +3,7 @@
 transformers (< 5) imports ``sklearn.metrics`` (and with it SciPy and pandas) where scikit-learn is installed, for
 one function of assisted generation (``roc_curve``), and ``scipy.optimize`` where SciPy is, for the object-detection
 losses (``linear_sum_assignment``); both happen whenever a causal LM's class is imported, and Composer's import
-(torchmetrics) imports one too. That is ≈ 0.9 s of CPU and ≈ 100 MB resident in every process that builds a model
+(torchmetrics) imports one too. That is ≈ 1.1 s of CPU and ≈ 135 MB resident in every process that builds a model
 (each scoring worker, refresh actor and trainer rank at each start) for functions this project never calls; an
 environment with the ``eval`` or ``mlflow`` extra (both pull scikit-learn) has them.
 
@@ -53,6 +53,8 @@ class _Loader(importlib.abc.Loader):
         self.loader, self.flag, self.source, self.names = loader, flag, source, tuple(names)
 
     def __getattr__(self, name: str) -> object:  # get_source, get_filename, is_package...: the module's own
+        if name == "loader" or name.startswith("__"):  # (not set yet, as in a copy: no recursion)
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:

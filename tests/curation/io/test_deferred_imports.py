@@ -97,3 +97,18 @@ def test_a_scoring_worker_and_a_trainer_start_without_scikit_learn():
         print(json.dumps({"built": built, "trainer": "sklearn" in sys.modules}))
         """)
     assert out == {"built": [], "trainer": False}
+
+
+def test_the_loader_answers_for_the_modules_own_and_copies():
+    """The wrapped loader passes what it does not define to the module's own (``get_filename``, for tracebacks and
+    ``inspect``) and can be copied; one whose own loader is not set yet raises AttributeError, not RecursionError."""
+    import copy
+    import importlib.machinery
+
+    from curation.io.deferred_imports import _Loader
+
+    own = importlib.machinery.SourceFileLoader("m", "/somewhere/m.py")
+    loader = _Loader(own, "_sklearn_available", "sklearn.metrics", ("roc_curve",))
+    assert loader.get_filename() == "/somewhere/m.py" and copy.copy(loader).loader is own
+    with pytest.raises(AttributeError, match="loader"):
+        object.__new__(_Loader).get_filename  # noqa: B018
