@@ -71,7 +71,8 @@ class Node:
         # (no drain on SIGTERM: after a Ray Train job it waited out its 30 s on the head at every stop; the head's GCS
         # checks each raylet every second, not every 3: a lost node is declared dead after 5 failed checks in a row,
         # ≈ 5 s, not 15, which the tests that kill node B waited through)
-        env = self.env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **({"RAY_health_check_period_ms": "1000"} if head else {}))
+        env = self.env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                       **({"RAY_health_check_period_ms": "1000"} if head else {}))
         self.proc = subprocess.Popen(cmd, cwd=self.work, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         log.close()

@@ -10,11 +10,12 @@ submitted to run on the second node trains what an in-process replay trains; ``t
 (``parallel.workers = 2``) and a local output_dir node B cannot read is refused naming it; the group with one rank
 per node and an s3:// output_dir, node B's raylet killed mid-run and the same command rerun (node B started again
 with an empty cache), trains byte for byte what the group with both ranks on node A trains (that group, its ranks
-sharing node A's cache, holds its run in the bucket and its first steps are a single process's); ``curate_and_train.py``
-with a trainer rank and a scoring worker on each node selects the rows and trains the weights of ``train.py``'s group
-with both ranks on node A; ``prepare.py`` with node B's raylet killed mid-run, node B started again with an empty cache and the
-same command rerun, equals an uninterrupted in-process run. Afterwards no process of a node touched the other node's
-directories (the guard's log is empty) and each node's cache holds only the bucket's objects it worked on."""
+sharing node A's cache, holds its run in the bucket and its first steps are a single process's);
+``curate_and_train.py`` with a trainer rank and a scoring worker on each node selects the rows and trains the weights
+of ``train.py``'s group with both ranks on node A; ``prepare.py`` with node B's raylet killed mid-run, node B started
+again with an empty cache and the same command rerun, equals an uninterrupted in-process run. Afterwards no process
+of a node touched the other node's directories (the guard's log is empty) and each node's cache holds only the
+bucket's objects it worked on."""
 
 from __future__ import annotations
 
@@ -234,7 +235,11 @@ def _rows(url: str) -> dict[str, np.ndarray]:
     local = storage.local_path(url)
     storage.pull(local)
     reader = ShardReader(local)
-    rows = [reader[i] for i in range(len(reader))]
+    return _columns([reader[i] for i in range(len(reader))])
+
+
+def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Rows (a shard reader's dicts) as one array per column."""
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "source"} | {
         "source": np.array([r["source"] for r in rows])}
 
@@ -265,8 +270,7 @@ def _curated_here(env: dict, reference: str) -> dict[str, np.ndarray]:
         unit = WorkUnit(step, step + 1, "selected", 0, 0)
         worker._ensure(unit, lambda kind, version: fixed[kind])
         rows += [row for block in worker.rows(unit, {}) for row in block]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "source"} | {
-        "source": np.array([r["source"] for r in rows])}
+    return _columns(rows)
 
 
 def test_batch_curation_submitted_with_its_scoring_workers_on_the_other_node_selects_what_one_process_selects(

@@ -26,8 +26,9 @@ def _fake_packages(root) -> str:  # noqa: ANN001 - pytest's tmp_path
         (root / pkg).mkdir()
         (root / pkg / "__init__.py").write_text("")
         (root / pkg / f"{sub}.py").write_text(f"def {fn}(*args):\n    return ['{pkg}.{sub}.{fn}', *args]\n")
-        (root / f"{dist}-99.0.dist-info").mkdir()
-        (root / f"{dist}-99.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 99.0\n")
+        info = root / f"{dist}-99.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 99.0\n")
     return str(root)
 
 
