@@ -80,8 +80,8 @@ def test_a_module_imported_before_the_hook_or_without_its_package_is_as_transfor
 @pytest.mark.slow
 def test_a_scoring_worker_and_a_trainer_start_without_scikit_learn():
     """The real packages where installed: a tiny causal LM built (a scoring worker's start) and Composer imported
-    with the trainer's modules import no scikit-learn; the model alone no ``scipy.optimize`` either (Composer's
-    torchmetrics imports ``scipy.signal``, which imports it)."""
+    with the trainer's modules import no scikit-learn and no SciPy (torchmetrics' ``scipy.signal`` waits too); its
+    flags are its own again, and ``scipy.signal`` imported later gets the ``hamming`` torchmetrics adds."""
     import importlib.util
 
     if importlib.util.find_spec("sklearn") is None:
@@ -95,9 +95,17 @@ def test_a_scoring_worker_and_a_trainer_start_without_scikit_learn():
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}))
         built = sorted(m for m in ("sklearn", "scipy.optimize") if m in sys.modules)
         import training.runs.rank, composer
-        print(json.dumps({"built": built, "trainer": "sklearn" in sys.modules}))
+        trainer = sorted(m for m in ("sklearn", "scipy") if m in sys.modules)
+        import lightning_utilities.core.imports as li, torchmetrics, torchmetrics.audio, torchmetrics.utilities.imports
+        import torchmetrics.functional.audio
+        own = [torchmetrics.package_available is li.package_available, li.package_available("scipy")] + [
+            m._SCIPI_AVAILABLE is torchmetrics.utilities.imports._SCIPI_AVAILABLE
+            for m in (torchmetrics.audio, torchmetrics.functional.audio)]
+        import scipy.signal
+        print(json.dumps({"built": built, "trainer": trainer, "own": own,
+                          "hamming": scipy.signal.hamming is scipy.signal.windows.hamming}))
         """)
-    assert out == {"built": [], "trainer": False}
+    assert out == {"built": [], "trainer": [], "own": [True] * 4, "hamming": True}
 
 
 def test_the_loader_answers_for_the_modules_own_and_copies():
@@ -106,10 +114,62 @@ def test_the_loader_answers_for_the_modules_own_and_copies():
     import copy
     import importlib.machinery
 
-    from curation.io.deferred_imports import _Loader
+    from curation.io.deferred_imports import DEFERRED, _Loader
 
     own = importlib.machinery.SourceFileLoader("m", "/somewhere/m.py")
-    loader = _Loader(own, "_sklearn_available", "sklearn.metrics", ("roc_curve",))
+    loader = _Loader(own, DEFERRED["torchmetrics"])
     assert loader.get_filename() == "/somewhere/m.py" and copy.copy(loader).loader is own
     with pytest.raises(AttributeError, match="loader"):
         object.__new__(_Loader).get_filename  # noqa: B018
+
+
+def test_each_kind_of_flag_reads_missing_while_the_module_runs_and_its_own_again_after(tmp_path, monkeypatch):
+    """The three kinds of availability flag (a bool, a requirement object, a function of the package's name) read
+    "missing" while a deferred module runs, and are their own again after, in the flags' module and in the module
+    that took the flag by name; the package is not imported until asked for, then gets the patch the module would
+    have made; a package imported before the module is left as the module makes it."""
+    from curation.io import deferred_imports as di
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "flags.py").write_text(textwrap.dedent("""
+        class Requirement:  # like lightning_utilities' RequirementCache: truthy where installed
+            def __bool__(self):
+                return True
+        BOOL, REQUIREMENT = True, Requirement()
+        def available(name):
+            return name in ("pkg", "other")
+        """))
+    for kind, test in (("bool", "flags.BOOL"), ("requirement", "REQUIREMENT"), ("function", 'available("pkg")')):
+        (tmp_path / "lib" / f"uses_{kind}.py").write_text(textwrap.dedent(f"""
+            from lib import flags
+            from lib.flags import REQUIREMENT, available
+            SEEN = bool({test}), available("other")
+            if SEEN[0]:
+                import pkg.sub
+                pkg.sub.PATCHED = "by lib.uses_{kind}"
+            """))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub.py").write_text("def f():\n    return 'pkg.sub.f'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for kind, flag in (("bool", "BOOL"), ("requirement", "REQUIREMENT"), ("function", "available")):
+        monkeypatch.setitem(di.DEFERRED, f"lib.uses_{kind}", di.Deferral("lib.flags", flag, "pkg.sub", ("f",)))
+    monkeypatch.setitem(di.PATCHES, "pkg.sub", lambda sub: setattr(sub, "PATCHED", "on its first import"))
+    try:
+        import importlib
+
+        flags = importlib.import_module("lib.flags")
+        own = {name: getattr(flags, name) for name in ("BOOL", "REQUIREMENT", "available")}
+        modules = [importlib.import_module(f"lib.uses_{kind}") for kind in ("bool", "requirement", "function")]
+        assert [m.SEEN for m in modules] == [(False, True)] * 3  # "missing" for pkg only, while each ran
+        assert {name: getattr(flags, name) for name in own} == own
+        assert modules[1].REQUIREMENT is own["REQUIREMENT"] and modules[2].available is own["available"]
+        assert "pkg.sub" not in sys.modules and "pkg.sub.f" == modules[0].f() and modules[0].f.__name__ == "f"
+        assert sys.modules["pkg.sub"].PATCHED == "on its first import" and not di._due
+        sys.modules.pop("lib.uses_bool")
+        again = importlib.import_module("lib.uses_bool")  # pkg.sub imported already: the module runs as it is
+        assert again.SEEN == (True, True) and sys.modules["pkg.sub"].PATCHED == "by lib.uses_bool"
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("lib", "pkg")]:
+            del sys.modules[name]
