@@ -24,10 +24,11 @@ import torch
 from composer.core import Callback
 
 from bench.quality.procs import process_pool
-from curation.evaluation.heldout import DocScores, read_set, score_documents
+from bench.quality.scoring import score, score_in_worker
+from curation.evaluation.heldout import DocScores, read_set
 from curation.ingest.tokenizer import load_tokenizer
 from curation.io.atomic import atomic_write_text
-from curation.io.models import build_causal_lm, save_weights
+from curation.io.models import save_weights
 from curation.io.outdir import ConfigMismatch, check_config_record
 from curation.io.paths import inside
 from schemas.config import SourceConfig
@@ -257,18 +258,6 @@ def final_val(res: dict[str, Any], at: int | None = None) -> float:
     return curve[-1]["loss"]
 
 
-def _score(mcfg: ModelConfig, weights: str, tok, texts: list[str], max_len: int, device: str) -> dict[str, list]:
-    model = build_causal_lm(mcfg.model_copy(update={"weights": weights})).to(device).eval()
-    return score_documents(model, tok, texts, max_len=max_len, batch_size=32).to_json()
-
-
-def _score_in_worker(mcfg: ModelConfig, weights: str, tokenizer: str, sources: dict[str, SourceConfig],
-                     max_len: int, threads: int, device: str) -> dict[str, dict[str, list]]:
-    torch.set_num_threads(threads)
-    tok = load_tokenizer(tokenizer)
-    return {skey: _score(mcfg, weights, tok, read_set(src), max_len, device) for skey, src in sources.items()}
-
-
 #: sha256 of the files the evaluator has hashed in this process, by (path, inode, size, mtime): a model or an
 #: evaluation set is asked for hundreds of times per invocation (a rerun of the quick preset with every score
 #: cached hashed weights and 1-4 MB data files 1,747 times, 2.5 s of its 17.5 s of CPU); a file written again (a
@@ -324,7 +313,7 @@ class Evaluator:
                 continue
             if skey not in entry:
                 with _threads(self.threads):
-                    entry[skey] = _score(mcfg, weights, self.tok, self._texts(src), self.max_len, self.device)
+                    entry[skey] = score(mcfg, weights, self.tok, self._texts(src), self.max_len, self.device)
                 atomic_write_text(self.path, json.dumps(self.cache))
             out[src.name] = DocScores.from_json(entry[skey])
             self.documents[src.name] = len(out[src.name].sums)
@@ -348,7 +337,7 @@ class Evaluator:
         if not plan:
             return
         with process_pool(min(self.parallel, len(plan))) as pool:
-            futures = {pool.submit(_score_in_worker, mcfg, weights, self.tokenizer, srcs, self.max_len, self.threads,
+            futures = {pool.submit(score_in_worker, mcfg, weights, self.tokenizer, srcs, self.max_len, self.threads,
                                    self.device): key
                        for key, (mcfg, weights, srcs) in plan.items()}
             for fut in as_completed(futures):
