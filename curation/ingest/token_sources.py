@@ -35,6 +35,7 @@ import numpy as np
 
 from curation.ingest.corpus import BadRecordError, iter_inputs, resolve_paths
 from curation.io import bucket_inputs, storage
+from curation.io.mds import sample_decoder
 from curation.io.shards import (
     ShardIndexError,
     ShardIntegrityError,
@@ -261,10 +262,14 @@ def _mds_rows(path: str, source: SourceConfig, start: int) -> Iterator[tuple[int
                                                           "it again (or skip_bad_records: true skips this shard)")
             first += n
             continue
+        # this project's decoder (the values streaming's reader gives) where it knows the encodings: llm-foundry's
+        # `ndarray:<dtype>` or `bytes` token column, the others `bytes`; streaming's reader (and its ≈ 4 s of
+        # imports: torch, transformers) only for the others, e.g. `ndarray` without a dtype
+        decode = sample_decoder(shard.column_names, shard.column_encodings, shard.column_sizes)
         for local in range(max(start - first, 0), n):
             idx = first + local
             try:
-                value = decode_sample(shard, data, local)[column]
+                value = decode_sample(shard, data, local, decode)[column]
                 if isinstance(value, bytes):
                     if len(value) % dtype.itemsize:
                         raise ValueError(f"{len(value)} bytes are no whole number of {dtype} ids "

@@ -176,10 +176,12 @@ def sample_decoder(names: Sequence[str], encodings: Sequence[str], sizes: Sequen
     write (read those with ``streaming``'s reader).
 
     It gives what ``streaming``'s ``MDSReader.decode_sample`` gives: ``str`` as ``str``, scalars as numpy scalars,
-    ``ndarray:<dtype>`` as read-only arrays over the sample's bytes. Bytes that do not decode raise (``ValueError``,
-    ``struct.error``, ``UnicodeDecodeError``), as they do there.
+    ``ndarray:<dtype>`` as read-only arrays over the sample's bytes, and (an encoding it reads but does not write:
+    llm-foundry's older token datasets, the columns a pre-tokenized source does not decode) ``bytes`` as the
+    column's raw ``bytes``. Bytes that do not decode raise (``ValueError``, ``struct.error``,
+    ``UnicodeDecodeError``), as they do there.
     """
-    if any(e not in MDS_ENCODINGS for e in encodings):
+    if any(e not in MDS_ENCODINGS and e != "bytes" for e in encodings):
         return None
     columns = [(name, e, np.dtype(e.split(":", 1)[1]) if e.startswith("ndarray:") else _SCALARS.get(e), size)
                for name, e, size in zip(names, encodings, sizes, strict=True)]
@@ -195,6 +197,8 @@ def sample_decoder(names: Sequence[str], encodings: Sequence[str], sizes: Sequen
             idx += size
             if encoding == "str":
                 sample[name] = value.decode("utf-8")
+            elif encoding == "bytes":
+                sample[name] = bytes(value)
             elif fixed:
                 sample[name] = np.frombuffer(value, dtype)[0]
             else:

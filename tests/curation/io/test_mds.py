@@ -98,6 +98,31 @@ def test_the_sample_decoder_gives_what_streamings_reader_gives(tmp_path, spec):
     assert sample_decoder(["x", "y"], ["ndarray:uint16", "jpeg"], [None, None]) is None  # not ours: streaming's
 
 
+def test_the_sample_decoder_reads_the_bytes_columns_of_streamings_writer_as_its_reader_does(tmp_path):
+    """`bytes` (written by streaming, not by us: llm-foundry's older token datasets; the columns a pre-tokenized
+    source leaves undecoded) decodes to the column's raw bytes, beside the other encodings, as streaming's reader
+    gives them."""
+    from curation.io.shards import ShardReader
+
+    rng = np.random.default_rng(3)
+    columns = {"tokens": "bytes", "ids": "ndarray:int32", "text": "str", "n": "int64", "empty": "bytes"}
+    rows = [{"tokens": rng.integers(0, 1 << 40, int(rng.integers(1, 50))).tobytes(),
+             "ids": rng.integers(-9, 9, int(rng.integers(1, 20))).astype(np.int32), "text": "é" * (i % 4),
+             "n": i, "empty": b""} for i in range(30)]
+    with MDSWriter(columns=columns, out=str(tmp_path), compression="zstd", size_limit=1 << 10) as w:
+        for r in rows:
+            w.write(r)
+    ours, theirs = ShardReader(str(tmp_path)), ShardReader(str(tmp_path))
+    assert len(ours.shards) > 1 and all(d is not None for d in ours._decoders)  # the fast path is the one tested
+    theirs._decoders = [None] * len(theirs._decoders)
+    for i, row in enumerate(rows):
+        a, b = ours[i], theirs[i]
+        assert a.keys() == b.keys() == row.keys()
+        for k in a:
+            assert type(a[k]) is type(b[k]), k
+            assert np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] == row[k], k
+
+
 def _block_of(rows):
     """The rows (all of one length) as a RowBlock, column by column as a scoring worker hands a step over."""
     from curation.io.mds import RowBlock
