@@ -53,6 +53,15 @@ def test_safe_join_follows_symbolic_links_and_keeps_plain_names(tmp_path):
     with pytest.raises(UnsafeNameError, match=rf"^f: w 'away/precious.txt' leads outside {root} \(through a "
                                               "symbolic link\\)"):
         safe_join(str(root), "away/precious.txt", what="w", source_file="f")
+    # a link further down, a link as the last component (to a file outside), one under a missing folder
+    os.symlink(victim, root / "src" / "away")
+    os.symlink(victim / "precious.txt", root / "src" / "file")
+    for name in ("src/away/precious.txt", "src/file"):
+        with pytest.raises(UnsafeNameError, match="leads outside"):
+            safe_join(str(root), name, what="w", source_file="f")
+    assert safe_join(str(root), "missing/away/x", what="w", source_file="f") == str(root / "missing" / "away" / "x")
+    os.symlink(root / "src" / "part-00000-00001", root / "src" / "ahead")  # dangling, inside
+    assert safe_join(str(root), "src/ahead", what="w", source_file="f") == str(root / "src" / "ahead")
     with pytest.raises(UnsafeNameError, match="is not a string"):
         safe_join(str(root), 3, what="w", source_file="f")
 
