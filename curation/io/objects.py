@@ -98,21 +98,43 @@ _clients_lock = threading.Lock()
 
 def client() -> Any:
     """This process's boto3 S3 client (``S3_ENDPOINT_URL`` for an S3-compatible store; credentials from
-    boto3's chain). Short connect timeout and few retries, so an unreachable endpoint fails in seconds."""
+    boto3's chain). Short connect timeout and few retries, so an unreachable endpoint fails in seconds; the
+    retries are botocore's own settings where the user gave them (``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``, or
+    ``max_attempts`` / ``retry_mode`` of the AWS config file), which a ``retries`` entry of the client's config
+    would override."""
     endpoint = os.environ.get("S3_ENDPOINT_URL") or None
     key = (os.getpid(), endpoint)  # a forked process makes its own (boto3 clients are not fork-safe)
     with _clients_lock:
         if key not in _clients:
             import boto3
+            import botocore.session
             from botocore.config import Config
 
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            cfg = Config(connect_timeout=5, read_timeout=120, retries={"max_attempts": 4, "mode": "standard"},
+            core = botocore.session.get_session()
+            retries = {key: value for key, setting, value in (("max_attempts", "max_attempts", 4),
+                                                              ("mode", "retry_mode", "standard"))
+                       if not _user_setting(core, setting)}
+            cfg = Config(connect_timeout=5, read_timeout=120, retries=retries,
                          s3={"addressing_style": "path"} if endpoint else {})
-            c = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=cfg)
+            c = boto3.session.Session(botocore_session=core).client("s3", endpoint_url=endpoint, region_name=region,
+                                                                     config=cfg)
             c.meta.events.register("before-send.s3.PutObject", _no_continue_for_an_empty_body)
             _clients[key] = c
         return _clients[key]
+
+
+def _user_setting(core: Any, setting: str) -> Any:
+    """A botocore setting as the user gave it: ``AWS_<SETTING>`` or the AWS config file's profile (None: not
+    given; botocore's own default is not counted)."""
+    from botocore.exceptions import BotoCoreError
+
+    if os.environ.get(f"AWS_{setting.upper()}"):
+        return os.environ[f"AWS_{setting.upper()}"]
+    try:
+        return core.get_scoped_config().get(setting)
+    except BotoCoreError:  # a profile that does not exist: the client's credentials lookup names it
+        return None
 
 
 def _no_continue_for_an_empty_body(request: Any, **_: Any) -> None:

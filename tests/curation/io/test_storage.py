@@ -318,6 +318,11 @@ def test_unreachable_endpoint_missing_and_refused_credentials(s3, monkeypatch, t
     s.close()
     monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
     objects.forget_clients()
+    assert objects.client().meta.config.retries == {"mode": "standard", "total_max_attempts": 5}  # the default
+    # the user's botocore retry settings are honoured (here: no retry, no backoff of seconds before the message)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    objects.forget_clients()
+    assert objects.client().meta.config.retries == {"mode": "standard", "total_max_attempts": 1}
     with pytest.raises(objects.StorageError, match=rf"^cannot read {url}: the object store at http://127.0.0.1:"
                                                    rf"{closed} cannot be reached \(.*\); check S3_ENDPOINT_URL and the "
                                                    "network, then rerun"):
