@@ -40,7 +40,8 @@ def _free_ports(n: int) -> list[int]:
 
 
 class S3Server:
-    """``weed server`` with a filer and the S3 gateway, every port on 127.0.0.1, telemetry off."""
+    """``weed server`` with a filer and the S3 gateway, every port on 127.0.0.1, telemetry off, a single master
+    (``-master.peers=none``: no wait of ≈ 1.5 s for peers before it leads)."""
 
     def __init__(self, binary: str, root: str | None = None) -> None:
         """``root``: the folder to make its own under (the test session's temporary folder, which pytest prunes
@@ -60,7 +61,7 @@ class S3Server:
         self.proc = subprocess.Popen(
             [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
              f"-master.port={master}", f"-master.port.grpc={master_g}", "-master.volumeSizeLimitMB=64",
-             "-master.telemetry=false", f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0",
+             "-master.telemetry=false", "-master.peers=none", f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0",
              "-volume.preStopSeconds=0", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
              "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={config}", "-s3.port.iceberg=0",
              "-s3.port.lance=0", "-metricsPort=0"],
@@ -71,19 +72,23 @@ class S3Server:
         return {"S3_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
 
-    def client(self):
+    def client(self, **config):
+        """A boto3 client of this server (``config``: botocore ``Config`` settings)."""
         import boto3
+        from botocore.config import Config
 
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1")
+            region_name="us-east-1", config=Config(**config))
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Until a bucket can be created and written (the volume server registers a few seconds after start);
         ``timeout``: nominal seconds, load-scaled (tests/timing.py)."""
         from tests import timing
 
-        c, name, deadline, last = self.client(), f"ready-{uuid.uuid4().hex[:8]}", timing.Deadline(timeout), None
+        # one try per call (boto's retries would wait out a backoff of seconds while the server is starting)
+        c, name, deadline, last = (self.client(retries={"total_max_attempts": 1}), f"ready-{uuid.uuid4().hex[:8]}",
+                                   timing.Deadline(timeout), None)
         while not deadline.expired():
             if self.proc.poll() is not None:
                 break
@@ -93,7 +98,7 @@ class S3Server:
                 return
             except Exception as e:  # noqa: BLE001 - not up yet
                 last = e
-                time.sleep(0.5)
+                time.sleep(0.1)
         self.stop()
         with open(self.log_path, errors="replace") as f:
             tail = f.read()[-3000:]
