@@ -208,6 +208,24 @@ def test_the_trainer_steps_adamw_without_a_closure_and_counts_one_process_time_o
     assert (int(ts.batch), int(ts.sample)) == (3, 3 * cfg.batch_size)
 
 
+def test_building_a_trainer_starts_no_process(make_config, monkeypatch):
+    """Composer's Trainer asks for the processor's name at each start, which py-cpuinfo found by running a Python
+    process (≈ 1.2 s of CPU in every process that trains): it is read from /proc/cpuinfo instead."""
+    import subprocess
+
+    from composer.utils.collect_env import get_composer_env_dict
+
+    from training.blocks.trainer import _cpu_model
+    from training.runs.wiring import build_training
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    build_training(make_config("full", max_steps=1, eval={"interval": 100}, write_selected=False))
+    assert get_composer_env_dict()["cpu_model"] == _cpu_model() != ""
+
+
 def test_mixed_batches_replace_the_last_rows_with_every_validation_row_once_per_pass(demo_root):
     """data.validation_share (the full+val baseline): floor(t · b · share) mixed rows up to step t, in the last
     rows of each batch, the other rows the same seed's stream rows; each pass over the validation rows shows

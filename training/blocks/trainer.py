@@ -55,6 +55,33 @@ from training.blocks.step_reads import StepReads
 __all__ = ["make_trainer", "build_model", "setup_device", "resume_path", "rank_eval_loader"]
 
 
+def _cpu_model() -> str:
+    """The host processor's name as ``/proc/cpuinfo`` gives it (``CPU`` where it cannot say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def _cpu_model_without_a_process() -> None:
+    """Every Composer ``Trainer`` asks ``get_composer_env_dict()`` for the processor's name (and then logs only the
+    Composer version and commit from it), which py-cpuinfo finds by running a Python process of its own: ≈ 1.2 s of
+    CPU and of wall time at the start of every process that trains (each job, each data-parallel rank). Composer's
+    lookup is replaced by :func:`_cpu_model` (the same name where ``/proc/cpuinfo`` has one)."""
+    from composer.utils import collect_env
+
+    if callable(getattr(collect_env, "get_cpu_model", None)):
+        collect_env.get_cpu_model = _cpu_model
+
+
+_cpu_model_without_a_process()
+
+
 def setup_device(threads: int | None, device: str, precision: str) -> torch.device:
     """Apply the CPU thread count and resolve the device (and its fp32 matmul precision: the same in every process of
     a run, :func:`curation.core.host_sync.set_matmul_precision`); a non-fp32 precision needs CUDA."""
