@@ -44,18 +44,22 @@ def _attempts(out: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _kill_rank1_after_a_new_checkpoint(out: str, done: threading.Event, old: str | None, attempts_before: int) -> dict:
+def _kill_rank1_after_a_new_checkpoint(out: str, done: threading.Event, old: str | None, channels: list) -> dict:
     """Wait for a complete checkpoint of the run in ``out`` other than ``old`` (the file ``latest-rank0.pt`` links to
-    when the run starts: a rerun's own checkpoint), then SIGKILL the rank-1 trainer process of the group whose
-    attempts follow the first ``attempts_before`` lines of the run's attempt log."""
+    when the run starts: a rerun's own checkpoint), then SIGKILL the rank-1 trainer process of the group run whose
+    channel is the first of ``channels`` (its pid as the rank recorded it there before fitting: the driver copies
+    the records to the attempt log only every half second, in which a fast rerun can write its last checkpoint)."""
+    import ray
+
     seen: dict = {}
     latest = os.path.join(out, "checkpoints", "latest-rank0.pt")  # a link, made once the checkpoint is written
     while not done.is_set():
         try:
             target = os.path.basename(os.readlink(latest)) if os.path.exists(latest) else old
-            ones = [a for a in _attempts(out)[attempts_before:] if a["rank"] == 1] if target != old else []
-        except OSError:  # the link re-made, or the attempt log not written yet
-            ones = []
+        except OSError:  # the link re-made
+            target = old
+        ones = [a for a in ray.get(channels[0]._actor.attempts_from.remote(0)) if a["rank"] == 1] if (
+            target != old and channels) else []
         if ones:
             os.kill(ones[0]["pid"], signal.SIGKILL)
             seen.update(killed=ones[0]["pid"], checkpoint=target)
@@ -68,15 +72,26 @@ def _train_killing_rank1(cfg, seen: dict | None = None):
     """``train(cfg)`` with its rank-1 process killed after the first complete checkpoint this run writes (a rerun:
     after its checkpoint, not the one it resumes from); ``seen`` receives the killed pid and that checkpoint's
     name."""
+    from unittest import mock
+
+    from curation.engine.ray_backend.train_group import GroupChannel
+
     latest = os.path.join(cfg.output_dir, "checkpoints", "latest-rank0.pt")
     old = os.path.basename(os.readlink(latest)) if os.path.islink(latest) else None
-    before = len(_attempts(cfg.output_dir)) if os.path.exists(os.path.join(cfg.output_dir, ATTEMPTS_FILE)) else 0
+    channels: list = []
+    opened = GroupChannel.open
+
+    def open_and_keep() -> GroupChannel:
+        channels.append(opened())
+        return channels[-1]
+
     done, seen = threading.Event(), {} if seen is None else seen
     killer = threading.Thread(target=lambda: seen.update(_kill_rank1_after_a_new_checkpoint(cfg.output_dir, done,
-                                                                                           old, before)))
+                                                                                           old, channels)))
     killer.start()
     try:
-        out = train(cfg)
+        with mock.patch.object(GroupChannel, "open", open_and_keep):
+            out = train(cfg)
     finally:
         done.set()
         killer.join()
@@ -143,13 +158,15 @@ def test_two_workers_equal_the_single_process_run(two_blade, single_blade_12):
         logged = [json.loads(line) for line in f]
     assert sum("blade/kept_tokens" in x for x in logged) == STEPS  # one metrics log (rank 0's), not two
 
-    # the group started Ray Train's controller and workers, but no Ray Data DatasetManager (no datasets:
-    # curation.engine.ray_backend.train_group) and no preemption watcher (off in the tests' environment:
+    # the group started Ray Train's controller and workers, but no Ray Data DatasetManager (no datasets), no
+    # placement-group cleaner (this process's own local instance has no dashboard, whose state API the cleaner
+    # polls: curation.engine.ray_backend.train_group) and no preemption watcher (off in the tests' environment:
     # tests/conftest.py)
     import ray._private.state
 
     classes = {a["ActorClassName"] for a in ray._private.state.actors().values()}
-    assert {"TrainController", "RayTrainWorker"} <= classes and not classes & {"DatasetManager", "PreemptionWatcher"}
+    assert {"TrainController", "RayTrainWorker"} <= classes
+    assert not classes & {"DatasetManager", "PlacementGroupCleaner", "PreemptionWatcher"}, classes
 
 
 def test_fsdp_workers_with_activation_checkpointing_equal_the_single_process_run_and_resume_after_a_killed_worker(

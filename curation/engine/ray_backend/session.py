@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import ray
 
-__all__ = ["ray_session", "start_local"]
+__all__ = ["ray_session", "start_local", "started_without_dashboard"]
 
 #: the raylet's setting of its workers' niceness (Ray's default: 15)
 WORKER_NICENESS = "RAY_worker_niceness"
@@ -24,6 +24,8 @@ WORKER_NICENESS = "RAY_worker_niceness"
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 #: the logger of Ray's notice that a new local instance uses token authentication (Ray 2.60)
 AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+#: the GCS addresses of the local instances this process started without a dashboard (so without Ray's state API)
+_WITHOUT_DASHBOARD: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -88,3 +90,11 @@ def start_local(num_cpus: int, *, include_dashboard: bool = False, log_to_driver
         notice.setLevel(level)
         if ours:
             os.environ.pop(WORKER_NICENESS, None)
+    if not include_dashboard:
+        _WITHOUT_DASHBOARD.add(ray.get_runtime_context().gcs_address)
+
+
+def started_without_dashboard() -> bool:
+    """Whether this process runs on a local instance it started (:func:`start_local`) without a dashboard: one
+    without Ray's state API, which ends with this process."""
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _WITHOUT_DASHBOARD

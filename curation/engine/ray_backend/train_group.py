@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from curation.engine.plan import WorkerGroupFailed
 from curation.engine.ray_backend.client import error_message
 from curation.engine.ray_backend.reach import check_shared
+from curation.engine.ray_backend.session import started_without_dashboard
 from curation.io import objects
 from curation.io.bad_shards import blame
 from schemas.train_config import ParallelConfig
@@ -260,26 +261,37 @@ def run_trainer_group(
 
 
 def _trainer_class() -> type:
-    """Ray Train's ``TorchTrainer`` without its Ray Data plumbing, which a group handed no ``datasets`` (ours: the
-    ranks read their shards themselves) never uses: Ray Train 2.60 starts a ``DatasetManager`` actor (a process of
-    its own, importing Ray Data) at every start and restart of the worker group whatever the datasets, through its
-    ``DatasetsCallback``; it is left out of the default callbacks when there are no datasets. On a Ray whose
-    internals differ (no such callback where it was), ``TorchTrainer`` itself."""
+    """Ray Train's ``TorchTrainer`` without two of its default callbacks, where they cannot serve our groups (on a Ray
+    whose internals differ, no such callback where it was, ``TorchTrainer`` itself):
+
+    - its Ray Data plumbing, which a group handed no ``datasets`` (ours: the ranks read their shards themselves)
+      never uses: Ray Train 2.60 starts a ``DatasetManager`` actor (a process of its own, importing Ray Data) at
+      every start and restart of the worker group whatever the datasets, through its ``DatasetsCallback``;
+    - on a local instance this process started without a dashboard (:func:`~.session.started_without_dashboard`:
+      every job's own, the tests'), its placement-group cleaner. ``PlacementGroupCleanerCallback`` starts a
+      detached actor per group run that asks Ray's state API (served by the dashboard) every second whether the
+      controller still lives, to remove the group's placement group if it died. Without a dashboard each question
+      hangs until it times out (40 s measured), and stopping the cleaner at the run's end waits out its 12-s stop
+      timeout: every group run ended ≈ 12 s after its ranks had finished. Such an instance ends with the job,
+      placement groups included, so there is nothing for a cleaner to do. A cluster's runs keep it.
+    """
     from ray.train.torch import TorchTrainer
 
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     except ImportError:
         return TorchTrainer
     if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
         return TorchTrainer
 
-    class _NoDatasetsTrainer(TorchTrainer):
+    class _Trainer(TorchTrainer):
         def _create_default_callbacks(self) -> list:
-            callbacks = super()._create_default_callbacks()
-            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            unused = (() if self.datasets else (DatasetsCallback,)) + (
+                (PlacementGroupCleanerCallback,) if started_without_dashboard() else ())
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
 
-    return _NoDatasetsTrainer
+    return _Trainer
 
 
 @dataclass
