@@ -4,6 +4,7 @@ and keeps the finished units."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -164,17 +165,31 @@ def test_killed_workers_resume_their_units_and_the_output_is_the_same(corpus, se
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
     try:
-        def unit_in_progress() -> bool:
-            return any(r.parts and not r.done for r in _records(out).values()) and bool(_session_tasks(proc.pid))
+        before: dict = {}
+        stamps: dict = {}
+        killed: list[int] = []
 
-        _wait(proc, unit_in_progress, "a unit had a finished part")
-        before = {path: r for path, r in _records(out).items() if r.parts}
-        parts = [os.path.join(os.path.dirname(os.path.dirname(path)), p.name) for path, r in before.items()
-                 for p in r.parts if p.samples]
-        stamps = {part: os.stat(part).st_mtime_ns for part in parts}
-        killed = _session_tasks(proc.pid)
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
+        def kill_a_unit_in_progress() -> bool:
+            """Once a unit has a finished part, SIGKILL the unit tasks running at that moment (the parts finished
+            before, and their times, read first). Their pids are the ones found in the same look: a unit may end
+            between two looks, which left the test nothing to kill."""
+            records = _records(out)
+            if not any(r.parts and not r.done for r in records.values()):
+                return False
+            pids = _session_tasks(proc.pid)
+            if not pids:
+                return False
+            before.update((path, r) for path, r in records.items() if r.parts)
+            stamps.update((part, os.stat(part).st_mtime_ns) for part in (
+                os.path.join(os.path.dirname(os.path.dirname(path)), p.name) for path, r in before.items()
+                for p in r.parts if p.samples))
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.extend(pids)
+            return True
+
+        _wait(proc, kill_a_unit_in_progress, "a unit had a finished part")
         stdout, stderr = timing.communicate(proc, timeout=600)
     finally:
         session_killer(proc.pid)
