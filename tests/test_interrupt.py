@@ -39,9 +39,14 @@ def test_an_interrupted_run_ends_every_server_job_and_ray_instance_it_started(tm
                                 "--all", "--basetemp", str(tmp_path / "inner"), str(REPO / "tests" / "interrupted_run.py")],
                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        up = timing.until(lambda: {p.name for p in ready.iterdir()} == {"s3-and-job", "ray"}, timeout=240,
-                          proc=run)
-        assert up, f"the run ended or did not start everything:\n{log.read_text()[-3000:]}"
+        def seen() -> set[str]:
+            return {p.name for p in ready.iterdir()}
+
+        up = timing.until(lambda: seen() == {"s3-and-job", "ray"} or any(n.startswith("failed-") for n in seen()),
+                          timeout=240, proc=run)
+        failed = {n: (ready / n).read_text() for n in seen() if n.startswith("failed-")}
+        failures = "".join(f"{name}: {trace}" for name, trace in failed.items())
+        assert up and not failed, f"the run ended or did not start everything: {failures}\n{log.read_text()[-3000:]}"
         procs = processes.table()
         tree = processes.descendants(run.pid, procs)
         sessions = {sid for _, sid, _ in tree.values()} - {run.pid}
