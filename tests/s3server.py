@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
 import uuid
+
+from bench.sessions import free_ports
 
 ACCESS_KEY = "blade-test-key"
 SECRET_KEY = "blade-test-secret-do-not-log"
@@ -27,18 +28,6 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 class S3Server:
     """``weed server`` with a filer and the S3 gateway, every port on 127.0.0.1, telemetry off, a single master
     (``-master.peers=none``: no wait of ≈ 1.5 s for peers before it leads)."""
@@ -47,23 +36,30 @@ class S3Server:
         """``root``: the folder to make its own under (the test session's temporary folder, which pytest prunes
         even when an interrupted run could not stop the server; default: the system's)."""
         self.dir = tempfile.mkdtemp(prefix="blade-s3-", dir=root)
-        master, master_g, vol, vol_g, filer, filer_g, s3, s3_g = _free_ports(8)
-        self.endpoint = f"http://127.0.0.1:{s3}"
-        config = os.path.join(self.dir, "s3.json")
-        with open(config, "w") as f:
+        self.binary, self.config = binary, os.path.join(self.dir, "s3.json")
+        with open(self.config, "w") as f:
             json.dump({"identities": [{"name": "tester", "credentials": [
                 {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
-        data = os.path.join(self.dir, "data")
-        os.makedirs(data)
         self.log_path = os.path.join(self.dir, "weed.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        """``weed server`` on new free ports, with an empty data folder."""
+        master, master_g, vol, vol_g, filer, filer_g, s3, s3_g = free_ports(8)
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        data = os.path.join(self.dir, f"data{self.starts}")
+        os.makedirs(data)
+        self.starts += 1
+        self._log_offset = os.path.getsize(self.log_path)  # (the last start's process has ended)
         self.proc = subprocess.Popen(
-            [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+            [self.binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
              f"-master.port={master}", f"-master.port.grpc={master_g}", "-master.volumeSizeLimitMB=64",
              "-master.telemetry=false", "-master.peers=none", f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0",
              "-volume.preStopSeconds=0", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={config}", "-s3.port.iceberg=0",
+             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={self.config}", "-s3.port.iceberg=0",
              "-s3.port.lance=0", "-metricsPort=0"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -81,28 +77,41 @@ class S3Server:
             "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
             region_name="us-east-1", config=Config(**config))
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 120.0, attempts: int = 4) -> None:
         """Until a bucket can be created and written (the volume server registers a few seconds after start);
-        ``timeout``: nominal seconds, load-scaled (tests/timing.py)."""
+        ``timeout``: nominal seconds, load-scaled (tests/timing.py). A server that ended because one of its ports was
+        taken before it bound it (``bench.sessions.free_ports``) is started again on new ports, up to ``attempts``
+        starts in all: ``endpoint`` is the final one's."""
         from tests import timing
 
-        # one try per call (boto's retries would wait out a backoff of seconds while the server is starting)
-        c, name, deadline, last = (self.client(retries={"total_max_attempts": 1}), f"ready-{uuid.uuid4().hex[:8]}",
-                                   timing.Deadline(timeout), None)
+        deadline, last = timing.Deadline(timeout), None
         while not deadline.expired():
-            if self.proc.poll() is not None:
+            # One try per call (boto's retries would wait out a backoff of seconds while the server is starting),
+            # each waiting seconds, not boto's 60, for an answer (a port taken by another server may take the
+            # connection and never answer), each with a new bucket (one whose answer came late may exist).
+            c = self.client(retries={"total_max_attempts": 1}, connect_timeout=2, read_timeout=5)
+            while not deadline.expired() and self.proc.poll() is None:
+                try:
+                    name = f"ready-{uuid.uuid4().hex[:8]}"
+                    c.create_bucket(Bucket=name)
+                    c.put_object(Bucket=name, Key="probe", Body=b"ok")
+                    return
+                except Exception as e:  # noqa: BLE001 - not up yet
+                    last = e
+                    time.sleep(0.1)
+            if self.proc.poll() is None or self.starts >= attempts or "address already in use" not in self._run_log():
                 break
-            try:
-                c.create_bucket(Bucket=name)
-                c.put_object(Bucket=name, Key="probe", Body=b"ok")
-                return
-            except Exception as e:  # noqa: BLE001 - not up yet
-                last = e
-                time.sleep(0.1)
+            self._start()
+        tail = self._run_log()[-3000:]
         self.stop()
-        with open(self.log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"the S3 server did not come up ({last}); its log ends with:\n{tail}")
+        raise RuntimeError(f"the S3 server did not come up in {self.starts} start(s) ({last}); "
+                           f"its last start's log ends with:\n{tail}")
+
+    def _run_log(self) -> str:
+        """The log of the last start."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode(errors="replace")
 
     def new_bucket(self) -> str:
         name = f"t-{uuid.uuid4().hex[:12]}"

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from bench.sessions import free_ports
 from curation.io.shards import ShardReader
 from schemas.manifest import Manifest
 from schemas.shards import validate_shard_dir
@@ -93,12 +95,6 @@ EVERY_2 = {"throughput": {"log_interval": 2}}
 ONE_WORKER = {"count": 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -117,28 +113,56 @@ def _head_node(env: dict):
     processes it started (``ray stop`` would end every Ray instance on the machine, other users' included). Its
     dashboard agent gets a free port too: the default 52365 is taken by any other Ray instance of the machine
     (another test run's), and an agent without its HTTP port answers every submission "No available agent"."""
-    port, dash = _free_port(), _free_port()
-    address = f"http://127.0.0.1:{dash}"
-    head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address",
-                             "127.0.0.1", "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                             str(dash), "--dashboard-agent-listen-port", str(_free_port()), "--include-dashboard",
-                             "true", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    with tempfile.TemporaryDirectory(prefix="blade-head-") as logs:
+        for attempt in range(1, 4):
+            head, address, log = _start_head(env, os.path.join(logs, f"head-{attempt}.log"))
+            try:
+                if _up(head, address, env):
+                    yield address, head
+                    return
+            finally:
+                _stop_head(head)
+            # (it ended before its job server answered: one of the ports it was given was taken meanwhile, or its
+            # raylet missed Ray's 30-s registration limit on a loaded machine; started again on new ports)
+        raise AssertionError(f"ray start --head ended before its job server answered, {attempt} times; "
+                             f"the last start's output ends with:\n{_tail(log)}")
+
+
+def _start_head(env: dict, log: str) -> tuple[subprocess.Popen, str, str]:
+    port, dash, agent = free_ports(3)
+    with open(log, "wb") as out:
+        head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address",
+                                 "127.0.0.1", "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                                 str(dash), "--dashboard-agent-listen-port", str(agent), "--include-dashboard",
+                                 "true", "--disable-usage-stats"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return head, f"http://127.0.0.1:{dash}", log
+
+
+def _up(head: subprocess.Popen, address: str, env: dict) -> bool:
+    """Until the head's job server answers (True) or the head ends (False)."""
+    deadline, dash = timing.Deadline(120), int(address.rsplit(":", 1)[1])
+    # (the dashboard's port first: a `ray job list` is a Python process importing Ray, a socket is not)
+    while not _listening(dash) or _ray_cli(env, "job", "list", "--address", address).returncode != 0:
+        if head.poll() is not None:
+            return False
+        assert not deadline.expired(), "the head node's job server did not come up"
+        time.sleep(1)
+    return True
+
+
+def _stop_head(head: subprocess.Popen) -> None:
+    head.terminate()  # `ray start --block` stops the node's processes when it is terminated
     try:
-        deadline = timing.Deadline(120)
-        # (the dashboard's port first: a `ray job list` is a Python process importing Ray, a socket is not)
-        while not _listening(dash) or _ray_cli(env, "job", "list", "--address", address).returncode != 0:
-            assert head.poll() is None, "ray start --head exited"
-            assert not deadline.expired(), "the head node's job server did not come up"
-            time.sleep(1)
-        yield address, head
-    finally:
-        head.terminate()  # `ray start --block` stops the node's processes when it is terminated
-        try:
-            timing.wait(head, timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_session(head.pid)  # whatever of that session is left
+        timing.wait(head, timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_session(head.pid)  # whatever of that session is left
+
+
+def _tail(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-3000:]
 
 
 def _submit(address: str, head: subprocess.Popen, cfg: str, env: dict) -> tuple[str, subprocess.CompletedProcess]:
