@@ -62,8 +62,10 @@ def test_an_interrupted_run_ends_every_server_job_and_ray_instance_it_started(tm
             run.send_signal(signal.SIGTERM)  # pytest alone, as a scheduler or `kill` sends it
         timing.wait(run, timeout=120)
     finally:
-        if run.poll() is None:
-            processes.kill_session(run.pid)
+        if run.poll() is None:  # (the test failed before the run ended: every session its processes made too)
+            tree = processes.descendants(run.pid)
+            for sid in {run.pid} | {sid for _, sid, _ in tree.values()}:
+                processes.kill_session(sid)
             run.wait()
     output = log.read_text()
     assert run.returncode == pytest.ExitCode.INTERRUPTED, output[-3000:]
