@@ -7,7 +7,7 @@ import os
 import random
 import socket
 
-__all__ = ["command", "free_port", "free_ports", "session_pids"]
+__all__ = ["command", "free_ports", "session_pids"]
 
 #: Ray's worker processes take their ports from 10002–19999 (the defaults of ``--min-worker-port`` and
 #: ``--max-worker-port``); the free ports handed out here lie above them.
@@ -15,14 +15,14 @@ _LOWEST = 20000
 _PICK = random.SystemRandom()  # (not the random module's generator: a test seeding it would repeat the picks)
 
 
-def _kernels_range() -> tuple[int, int]:
-    """The ports Linux hands out by itself (a bind to port 0, every outgoing connection): ip_local_port_range."""
+def _kernels_low() -> int:
+    """The lowest port Linux hands out by itself (a bind to port 0, every outgoing connection): the start of
+    ip_local_port_range."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low, high = map(int, f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # (Linux's default)
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # (Linux's default)
 
 
 def _bindable(port: int) -> bool:
@@ -39,12 +39,12 @@ def free_ports(n: int) -> list[int]:
 
     A port is free only until someone binds it, and the server binds it some seconds later (SeaweedFS binds its S3
     port once its filer is up). The ports are therefore taken below the range the kernel hands out by itself
-    (``_kernels_range``), where no other process's bind to port 0 or outgoing connection lands meanwhile, nor Ray's
+    (``_kernels_low``), where no other process's bind to port 0 or outgoing connection lands meanwhile, nor Ray's
     own choice of a free port (at or above that range's start), and above Ray's worker ports. Another test process
     picking at the same moment may still pick one of them (rare: random picks among ≈ 12,000): a server that then
     cannot bind is started again on new ports (tests/s3server.py, tests/two_nodes.py). Where the kernel's range
     leaves no room below it, the kernel picks."""
-    low = _kernels_range()[0]
+    low = _kernels_low()
     ports: list[int] = []
     while len(ports) < n:
         if low - _LOWEST >= 1000:
@@ -57,11 +57,6 @@ def free_ports(n: int) -> list[int]:
                 if (port := s.getsockname()[1]) not in ports:
                     ports.append(port)
     return ports
-
-
-def free_port() -> int:
-    """One port as :func:`free_ports` picks them."""
-    return free_ports(1)[0]
 
 
 def session_pids(sid: int, *, running: bool = False) -> list[int]:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from bench.sessions import free_port, session_pids
+from bench.sessions import free_ports, session_pids
 
 __all__ = ["LocalNodes"]
 
@@ -29,7 +29,7 @@ class LocalNodes:
 
     def __init__(self, resources: dict[str, dict[str, float]], cpus: int) -> None:
         self.root = tempfile.mkdtemp(prefix="blade-nodes-", dir="/tmp")  # (short: Ray's socket paths)
-        self.port, self.resources, self.cpus = free_port(), resources, cpus
+        self.port, self.resources, self.cpus = 0, resources, cpus  # (the head's port: picked at its start)
         self.procs: dict[str, subprocess.Popen] = {}
         # Ray 2.60 secures a cluster `ray start` makes with a token (~/.ray/auth_token): its drivers send it only with
         # RAY_AUTH_MODE=token (a process that joins it needs that before it imports ray: jobs/bench_prepare.py)
@@ -44,9 +44,13 @@ class LocalNodes:
         ports = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
                  "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port"]
         for i, (name, res) in enumerate(self.resources.items()):
+            picked = free_ports(len(ports) + (1 if i == 0 else 0))  # (one pick: distinct; the head's with the cluster's)
+            if i == 0:
+                self.port = picked[-1]
             cmd = ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
                    "--num-cpus", str(self.cpus), "--resources", json.dumps({name: 100, **res}),
-                   "--temp-dir", os.path.join(self.root, name), *[a for p in ports for a in (p, str(free_port()))]]
+                   "--temp-dir", os.path.join(self.root, name),
+                   *[a for p, port in zip(ports, picked[:len(ports)], strict=True) for a in (p, str(port))]]
             cmd += (["--head", "--port", str(self.port), "--include-dashboard", "false"] if i == 0
                     else ["--address", self.address])
             with open(os.path.join(self.root, f"{name}.log"), "ab") as log:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from bench.sessions import command, free_port, session_pids
+from bench.sessions import command, free_ports, session_pids
 from tests import timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,14 +56,17 @@ class Node:
         c = self.cluster
         ports = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
                  "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port"]
+        # every port of this start in one pick (distinct), new at each start; the head's include the cluster's
+        picked = free_ports(len(ports) + (3 if head else 0))
         cmd = ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
                "--num-cpus", str(self.cpus), "--object-store-memory", str(200 << 20),
                "--resources", json.dumps({self.name: 100, **self.resources}),
                "--temp-dir", os.path.join(c.root, f"ray-{self.name}"),
-               *[a for p in ports for a in (p, str(free_port()))]]
+               *[a for p, port in zip(ports, picked[:len(ports)], strict=True) for a in (p, str(port))]]
         if head:
+            c.port, c.dashboard_port, client = picked[len(ports):]
             cmd += ["--head", "--port", str(c.port),
-                    "--ray-client-server-port", str(free_port()), "--include-dashboard", "true",
+                    "--ray-client-server-port", str(client), "--include-dashboard", "true",
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(c.dashboard_port)]
         else:
             cmd += ["--address", c.address]
@@ -128,7 +131,7 @@ class TwoNodes:
         self.root = tempfile.mkdtemp(prefix="blade-2n-", dir="/tmp")
         self.private = [os.path.join(self.root, "test")]  # the test process's own files: no node reads them
         os.makedirs(self.private[0])
-        self.port, self.dashboard_port = free_port(), free_port()
+        self.port = self.dashboard_port = 0  # (picked at each start of the head: Node.start)
         self.base_env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BLADE_CACHE_DIR")},
                          **env, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.nodes = {name: Node(self, name, resources, cpus) for name in ("node_a", "node_b")}
@@ -155,9 +158,7 @@ class TwoNodes:
         """Start a node until the cluster counts ``count`` nodes. ``ray start`` gives a raylet 30 s to register
         (Ray's own constant): on a loaded machine it may give up; it is then started again (new ports)."""
         node, head = self.nodes[name], name == "node_a"
-        for attempt in range(attempts):
-            if head and attempt:
-                self.port, self.dashboard_port = free_port(), free_port()
+        for _ in range(attempts):
             offset = len(self.log(name)) if os.path.exists(self._log_path(name)) else 0
             node.start(head=head)
             if self._wait(count, timeout, node, offset):
